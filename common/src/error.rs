@@ -1,0 +1,79 @@
+//! The error type shared across crates.
+//!
+//! Every error knows its class where it is raised; the gRPC edge maps the class to a
+//! status code and the CLI prints the message. Messages name the file or field at fault
+//! and what is wrong with it.
+
+use std::path::PathBuf;
+
+/// What kind of failure an error is, independent of where it happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The caller sent something we cannot accept (bad field, bad file).
+    InvalidInput,
+    /// A named thing (model, request, file) does not exist.
+    NotFound,
+    /// Capacity is exhausted right now; retrying later may succeed.
+    Overloaded,
+    /// A dependency (worker, peer) is gone or did not answer.
+    Unavailable,
+    /// A bug or an unexpected state.
+    Internal,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A request or configuration field has an unusable value.
+    #[error("invalid {field}: {reason}")]
+    InvalidArgument { field: String, reason: String },
+
+    /// A model file is missing, unreadable or malformed.
+    #[error("{}: {reason}", path.display())]
+    ModelFile { path: PathBuf, reason: String },
+
+    /// The model asks for something this engine does not implement.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+
+    #[error("not found: {0}")]
+    NotFound(String),
+
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl Error {
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn model_file(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::ModelFile {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            Error::InvalidArgument { .. } | Error::ModelFile { .. } | Error::Unsupported(_) => {
+                ErrorClass::InvalidInput
+            }
+            Error::NotFound(_) => ErrorClass::NotFound,
+            Error::Overloaded(_) => ErrorClass::Overloaded,
+            Error::Unavailable(_) => ErrorClass::Unavailable,
+            Error::Internal(_) => ErrorClass::Internal,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

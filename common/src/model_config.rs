@@ -1,0 +1,447 @@
+//! The model's shape, read from a HuggingFace `config.json` (and `generation_config.json`).
+//!
+//! One struct covers the Llama family (Llama, Mistral, Qwen2): they differ only in which
+//! projections carry a bias, whether embeddings are tied, the RoPE variant and the
+//! attention window. Both the `rope_scaling` key (transformers 4.x) and the
+//! `rope_parameters` key (transformers 5.x) are understood. Anything this engine cannot
+//! run faithfully is rejected here, naming the key, before a single weight is read.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Architecture {
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Architecture::Llama => "LlamaForCausalLM",
+            Architecture::Mistral => "MistralForCausalLM",
+            Architecture::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Llama => "llama",
+            Architecture::Mistral => "mistral",
+            Architecture::Qwen2 => "qwen2",
+        }
+    }
+
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "LlamaForCausalLM" | "llama" => Some(Architecture::Llama),
+            "MistralForCausalLM" | "mistral" => Some(Architecture::Mistral),
+            "Qwen2ForCausalLM" | "qwen2" => Some(Architecture::Qwen2),
+            _ => None,
+        }
+    }
+}
+
+/// How rotary position frequencies are rescaled for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Position interpolation: every inverse frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// q, k and v projections carry a bias (Qwen2, or Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// o_proj carries a bias (Llama with `attention_bias`).
+    pub o_bias: bool,
+    /// gate, up and down projections carry a bias (Llama with `mlp_bias`).
+    pub mlp_bias: bool,
+    /// Attention sees at most this many most recent positions (Mistral, Qwen2 opt-in).
+    pub sliding_window: Option<usize>,
+    /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
+    pub dtype: Option<String>,
+    pub bos_token_id: Option<u32>,
+    /// End-of-sequence ids from config.json and generation_config.json together.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` and, when present, `generation_config.json` from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| Error::model_file(&path, format!("cannot read: {e}")))?;
+        let mut config = Self::from_json_str(&text).map_err(|e| relabel(e, &path))?;
+        let gen_path = dir.join("generation_config.json");
+        if gen_path.exists() {
+            let text = std::fs::read_to_string(&gen_path)
+                .map_err(|e| Error::model_file(&gen_path, format!("cannot read: {e}")))?;
+            let value: Value = serde_json::from_str(&text)
+                .map_err(|e| Error::model_file(&gen_path, format!("invalid JSON: {e}")))?;
+            for id in token_ids(value.get("eos_token_id"), "eos_token_id")
+                .map_err(|e| relabel(e, &gen_path))?
+            {
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    /// Parses the text of a `config.json`. Errors name the offending key.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let value: Value = serde_json::from_str(text)
+            .map_err(|e| Error::invalid("config.json", format!("invalid JSON: {e}")))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| Error::invalid("config.json", "expected a JSON object"))?;
+        Self::from_map(obj)
+    }
+
+    fn from_map(obj: &Map<String, Value>) -> Result<Self> {
+        let arch_name = obj
+            .get("architectures")
+            .and_then(|a| a.as_array())
+            .and_then(|a| a.first())
+            .and_then(|a| a.as_str())
+            .or_else(|| obj.get("model_type").and_then(|m| m.as_str()))
+            .ok_or_else(|| Error::invalid("architectures", "missing (and no model_type)"))?;
+        let architecture = Architecture::from_hf(arch_name).ok_or_else(|| {
+            Error::Unsupported(format!(
+                "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
+                 Qwen2ForCausalLM"
+            ))
+        })?;
+
+        if let Some(act) = obj.get("hidden_act").and_then(|v| v.as_str()) {
+            if act != "silu" {
+                return Err(Error::Unsupported(format!(
+                    "hidden_act {act:?} (only \"silu\")"
+                )));
+            }
+        }
+
+        let hidden_size = req_usize(obj, "hidden_size")?;
+        let num_heads = req_usize(obj, "num_attention_heads")?;
+        let num_kv_heads = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_heads);
+        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(Error::invalid(
+                "num_key_value_heads",
+                format!(
+                    "{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"
+                ),
+            ));
+        }
+        let head_dim = match opt_usize(obj, "head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_heads != 0 {
+                    return Err(Error::invalid(
+                        "hidden_size",
+                        format!(
+                            "{hidden_size} is not divisible by num_attention_heads ({num_heads})"
+                        ),
+                    ));
+                }
+                hidden_size / num_heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("{head_dim} must be even for RoPE"),
+            ));
+        }
+
+        // transformers 5 nests rope_theta inside rope_parameters.
+        let rope_obj = obj
+            .get("rope_parameters")
+            .or_else(|| obj.get("rope_scaling"))
+            .filter(|v| !v.is_null());
+        let rope_theta = match opt_f64(obj, "rope_theta")? {
+            Some(t) => t,
+            None => rope_obj
+                .and_then(|r| r.get("rope_theta"))
+                .and_then(|t| t.as_f64())
+                .unwrap_or(10000.0),
+        };
+        let rope_scaling = parse_rope(rope_obj)?;
+
+        let qkv_bias = match architecture {
+            Architecture::Qwen2 => true,
+            _ => opt_bool(obj, "attention_bias")?.unwrap_or(false),
+        };
+        let o_bias = match architecture {
+            Architecture::Llama => opt_bool(obj, "attention_bias")?.unwrap_or(false),
+            _ => false,
+        };
+        let mlp_bias = match architecture {
+            Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
+            _ => false,
+        };
+        let sliding_window = match architecture {
+            Architecture::Mistral => opt_usize(obj, "sliding_window")?,
+            Architecture::Qwen2 => {
+                if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
+                    return Err(Error::Unsupported(
+                        "Qwen2 use_sliding_window=true (per-layer windows are not implemented)"
+                            .into(),
+                    ));
+                }
+                None
+            }
+            Architecture::Llama => None,
+        };
+
+        let vocab_size = req_usize(obj, "vocab_size")?;
+        let config = ModelConfig {
+            architecture,
+            hidden_size,
+            intermediate_size: req_usize(obj, "intermediate_size")?,
+            num_layers: req_usize(obj, "num_hidden_layers")?,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            vocab_size,
+            max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+            rms_norm_eps: opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias,
+            sliding_window,
+            dtype: obj
+                .get("torch_dtype")
+                .or_else(|| obj.get("dtype"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?
+                .first()
+                .copied(),
+            eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id")?,
+        };
+        for (name, v) in [
+            ("hidden_size", config.hidden_size),
+            ("intermediate_size", config.intermediate_size),
+            ("num_hidden_layers", config.num_layers),
+            ("vocab_size", config.vocab_size),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(name, "must be positive"));
+            }
+        }
+        Ok(config)
+    }
+
+    /// Number of query heads per KV head (1 for MHA, `num_heads` for MQA).
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+
+    /// Total parameter count, used for roofline arithmetic.
+    pub fn num_parameters(&self) -> usize {
+        let h = self.hidden_size;
+        let q = self.num_heads * self.head_dim;
+        let kv = self.num_kv_heads * self.head_dim;
+        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
+        let embed = self.vocab_size * h;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        self.num_layers * per_layer + embed + head + h
+    }
+}
+
+fn relabel(e: Error, path: &Path) -> Error {
+    match e {
+        Error::InvalidArgument { field, reason } => {
+            Error::model_file(path, format!("field {field:?}: {reason}"))
+        }
+        Error::Unsupported(reason) => Error::Unsupported(format!("{}: {reason}", path.display())),
+        other => other,
+    }
+}
+
+fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
+    let Some(rope) = rope else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = rope
+        .get("rope_type")
+        .or_else(|| rope.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let num = |key: &str| -> Result<f64> {
+        rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
+            Error::invalid(
+                format!("rope_scaling.{key}"),
+                format!("required for rope_type {kind:?}"),
+            )
+        })
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        other => Err(Error::Unsupported(format!(
+            "rope_scaling type {other:?} (supported: default, linear, llama3)"
+        ))),
+    }
+}
+
+fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
+    opt_usize(obj, key)?.ok_or_else(|| Error::invalid(key, "missing"))
+}
+
+fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+            Error::invalid(key, format!("expected a non-negative integer, got {v}"))
+        }),
+    }
+}
+
+fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_f64()
+            .map(Some)
+            .ok_or_else(|| Error::invalid(key, format!("expected a number, got {v}"))),
+    }
+}
+
+fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| Error::invalid(key, format!("expected true or false, got {v}"))),
+    }
+}
+
+fn token_ids(value: Option<&Value>, key: &str) -> Result<Vec<u32>> {
+    let bad = |v: &Value| {
+        Error::invalid(
+            key,
+            format!("expected a token id or a list of ids, got {v}"),
+        )
+    };
+    match value {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(v @ Value::Number(_)) => Ok(vec![v.as_u64().ok_or_else(|| bad(v))? as u32]),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad(v)))
+            .collect(),
+        Some(v) => Err(bad(v)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,
+        "intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,
+        "num_key_value_heads":2,"vocab_size":100,"eos_token_id":[2,3]}"#;
+
+    fn with(extra: &str) -> String {
+        format!("{},{}", &BASE[..BASE.len() - 1], &extra[1..])
+    }
+
+    #[test]
+    fn parses_defaults() {
+        let c = ModelConfig::from_json_str(BASE).unwrap();
+        assert_eq!(c.head_dim, 16);
+        assert_eq!(c.group_size(), 2);
+        assert_eq!(c.eos_token_ids, vec![2, 3]);
+        assert_eq!(c.rope_theta, 10000.0);
+        assert_eq!(c.rope_scaling, RopeScaling::None);
+        assert!(!c.qkv_bias);
+    }
+
+    #[test]
+    fn parses_llama3_rope_in_both_spellings() {
+        let old = with(
+            r#"{"rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        );
+        let new = with(
+            r#"{"rope_parameters":{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}"#,
+        );
+        for text in [old, new] {
+            let c = ModelConfig::from_json_str(&text).unwrap();
+            assert_eq!(c.rope_theta, 500000.0);
+            assert!(matches!(c.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        }
+    }
+
+    #[test]
+    fn rejects_unknown_architecture_and_rope() {
+        let e = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
+            .unwrap_err();
+        assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
+        let e =
+            ModelConfig::from_json_str(&with(r#"{"rope_scaling":{"type":"yarn","factor":2.0}}"#))
+                .unwrap_err();
+        assert!(e.to_string().contains("yarn"), "{e}");
+    }
+
+    #[test]
+    fn names_bad_fields() {
+        let e = ModelConfig::from_json_str(&BASE.replace("\"hidden_size\":64,", "")).unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+        let e = ModelConfig::from_json_str(
+            &BASE.replace("\"num_key_value_heads\":2", "\"num_key_value_heads\":3"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("num_key_value_heads"), "{e}");
+        let e = ModelConfig::from_json_str(&with(r#"{"rms_norm_eps":"small"}"#)).unwrap_err();
+        assert!(e.to_string().contains("rms_norm_eps"), "{e}");
+    }
+
+    #[test]
+    fn qwen2_has_qkv_bias() {
+        let c = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "Qwen2ForCausalLM"))
+            .unwrap();
+        assert!(c.qkv_bias && !c.o_bias);
+    }
+}

@@ -1,0 +1,277 @@
+//! The `strata` command line.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use strata_common::{Architecture, SamplingParams};
+use strata_worker::model::random::RandomModelSpec;
+use strata_worker::model::weights::DType;
+use strata_worker::EngineConfig;
+
+use crate::local::{LocalModel, Prompt};
+use crate::model_tools::write_random_model;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "strata",
+    version,
+    about = "Distributed LLM inference: serve, generate, benchmark"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate text from a prompt, in-process (or against a server with --endpoint).
+    Generate(GenerateArgs),
+    /// Model tools.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Write a random-weight model directory (config, safetensors, tokenizer).
+    Random(RandomArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Model directory (in-process) or served model name (with --endpoint).
+    #[arg(long)]
+    pub model: String,
+    /// Prompt text (tokenized with the model's tokenizer.json).
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 or absent is greedy.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop string (repeatable); the text is cut before it.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Token ids that end generation, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Report per-token logprobs with this many alternatives.
+    #[arg(long)]
+    pub logprobs: Option<u32>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+}
+
+impl GenerateArgs {
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(0.0),
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            max_new_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids.clone(),
+            stop: self.stop.clone(),
+            logprobs: self.logprobs,
+        }
+    }
+
+    fn prompt(&self) -> Prompt {
+        match (&self.prompt, &self.prompt_ids) {
+            (Some(t), _) => Prompt::Text(t.clone()),
+            (None, Some(ids)) => Prompt::Ids(ids.clone()),
+            (None, None) => Prompt::Ids(Vec::new()),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ArchArg {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PresetArg {
+    Tiny,
+    #[value(name = "llama-1b")]
+    Llama1b,
+    #[value(name = "llama-8b")]
+    Llama8b,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Args, Debug)]
+pub struct RandomArgs {
+    #[arg(long, value_enum, default_value = "llama")]
+    pub arch: ArchArg,
+    /// A named shape; individual flags override it.
+    #[arg(long, value_enum, default_value = "tiny")]
+    pub preset: PresetArg,
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DTypeArg,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Model {
+            command: ModelCommand::Random(args),
+        } => random_model(args),
+    }
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let dir = PathBuf::from(&args.model);
+    let config = EngineConfig {
+        kv_cache_bytes: args.kv_cache_mib << 20,
+        ..Default::default()
+    };
+    let mut model = LocalModel::load(&dir, &config)?;
+    let params = args.sampling();
+    let json = args.json;
+    let mut stdout = std::io::stdout();
+    let out = model.generate(args.prompt(), params, |delta| {
+        if !json {
+            let _ = stdout.write_all(delta.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!(
+            "[{} tokens, finish_reason={}]",
+            out.token_ids.len(),
+            out.finish_reason.as_str()
+        );
+    }
+    Ok(())
+}
+
+fn random_model(args: RandomArgs) -> anyhow::Result<()> {
+    let arch = match args.arch {
+        ArchArg::Llama => Architecture::Llama,
+        ArchArg::Mistral => Architecture::Mistral,
+        ArchArg::Qwen2 => Architecture::Qwen2,
+    };
+    let mut spec = match args.preset {
+        PresetArg::Tiny => RandomModelSpec::tiny(arch),
+        PresetArg::Llama1b => RandomModelSpec {
+            arch,
+            ..RandomModelSpec::llama_1b()
+        },
+        PresetArg::Llama8b => RandomModelSpec {
+            arch,
+            ..RandomModelSpec::llama_8b()
+        },
+    };
+    spec.hidden = args.hidden.unwrap_or(spec.hidden);
+    spec.layers = args.layers.unwrap_or(spec.layers);
+    spec.heads = args.heads.unwrap_or(spec.heads);
+    spec.kv_heads = args.kv_heads.unwrap_or(spec.kv_heads);
+    spec.intermediate = args.intermediate.unwrap_or(spec.intermediate);
+    spec.vocab = args.vocab.unwrap_or(spec.vocab);
+    spec.seed = args.seed;
+    spec.dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 => DType::F16,
+    };
+    if args.out.exists() && !args.out.is_dir() {
+        bail!(
+            "--out {}: exists and is not a directory",
+            args.out.display()
+        );
+    }
+    let mut last_pct = usize::MAX;
+    write_random_model(&spec, &args.out, |done, total| {
+        let pct = done * 100 / total.max(1);
+        if pct / 10 != last_pct / 10 {
+            tracing::info!("writing weights: {pct}% of {} MiB", total >> 20);
+            last_pct = pct;
+        }
+    })
+    .with_context(|| format!("writing a random model to {}", args.out.display()))?;
+    eprintln!(
+        "wrote {} ({:?}, {} parameters)",
+        args.out.display(),
+        arch,
+        spec_params(&spec)
+    );
+    Ok(())
+}
+
+fn spec_params(spec: &RandomModelSpec) -> String {
+    let h = spec.hidden;
+    let kv = spec.kv_heads * (h / spec.heads);
+    let per_layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate;
+    let embed = spec.vocab * h * if spec.tie_word_embeddings { 1 } else { 2 };
+    let n = spec.layers * per_layer + embed;
+    format!("{:.2}B", n as f64 / 1e9)
+}

@@ -1,0 +1,11 @@
+//! Strata's coordinator: everything between a caller and the engine.
+//!
+//! It turns text into token ids ([`tokenizer`]), turns generated ids back into text
+//! incrementally and applies stop strings ([`text`]), and drives generations
+//! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
+
+pub mod cli;
+pub mod local;
+pub mod model_tools;
+pub mod text;
+pub mod tokenizer;

@@ -1,0 +1,315 @@
+//! `y = x · wᵀ` on the CPU, with weights in f32, bf16 or f16.
+//!
+//! Two regimes, because decode and prefill are bound by different things:
+//! - **Few rows (decode)**: memory-bound. Every weight row is streamed once, widened to f32
+//!   in registers and dotted with each activation row; rayon splits the output rows across
+//!   cores. The kernel is compiled twice — for AVX-512 and for the baseline — and the AVX-512
+//!   copy is picked at run time, so one binary runs everywhere and uses what the CPU has.
+//! - **Many rows (prefill)**: compute-bound. Output columns are cut into tiles; each tile of
+//!   weight rows is widened into a per-thread f32 buffer (cost amortised over all rows of
+//!   `x`) and multiplied by the `gemm` crate's packed AVX-512 kernels.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+use strata_common::{Error, Result};
+
+use super::CpuTensor;
+use crate::model::weights::{DType, HostTensor};
+
+/// Up to this many activation rows take the streaming (decode) path.
+const STREAM_MAX_ROWS: usize = 8;
+/// Output rows per rayon task in the streaming path.
+const STREAM_CHUNK: usize = 32;
+/// Weight rows widened per tile in the tiled (prefill) path.
+const TILE_ROWS: usize = 128;
+
+/// Weight elements, either borrowed from the checkpoint mapping or owned.
+pub enum WeightData {
+    F32(Elems<f32>),
+    Bf16(Elems<bf16>),
+    F16(Elems<f16>),
+}
+
+pub enum Elems<T> {
+    Mapped(HostTensor),
+    Owned(Vec<T>),
+}
+
+impl<T: bytemuck::Pod> Elems<T> {
+    fn from_host(host: &HostTensor) -> Self {
+        // Zero copy when the mapping is aligned for T (safetensors normally is).
+        if bytemuck::try_cast_slice::<u8, T>(host.bytes()).is_ok() {
+            Elems::Mapped(host.clone())
+        } else {
+            Elems::Owned(bytemuck::pod_collect_to_vec(host.bytes()))
+        }
+    }
+
+    fn as_slice(&self) -> &[T] {
+        match self {
+            Elems::Mapped(h) => bytemuck::cast_slice(h.bytes()),
+            Elems::Owned(v) => v,
+        }
+    }
+}
+
+/// A `[rows, cols]` weight matrix (`rows` = output features).
+pub struct CpuWeight {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: WeightData,
+}
+
+impl CpuWeight {
+    pub fn from_host(host: &HostTensor) -> Result<Self> {
+        let [rows, cols] = host.shape[..] else {
+            return Err(Error::model_file(
+                host.file.as_path(),
+                format!(
+                    "tensor {:?} should be 2-D, has shape {:?}",
+                    host.name, host.shape
+                ),
+            ));
+        };
+        let data = match host.dtype {
+            DType::F32 => WeightData::F32(Elems::from_host(host)),
+            DType::BF16 => WeightData::Bf16(Elems::from_host(host)),
+            DType::F16 => WeightData::F16(Elems::from_host(host)),
+        };
+        Ok(CpuWeight { rows, cols, data })
+    }
+
+    /// An owned f32 matrix (tests and sharded copies).
+    pub fn from_f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols);
+        CpuWeight {
+            rows,
+            cols,
+            data: WeightData::F32(Elems::Owned(data)),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        let elem = match self.data {
+            WeightData::F32(_) => 4,
+            WeightData::Bf16(_) | WeightData::F16(_) => 2,
+        };
+        self.rows * self.cols * elem
+    }
+
+    /// Widens row `r` into `out`.
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let span = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            WeightData::F32(e) => out.copy_from_slice(&e.as_slice()[span]),
+            WeightData::Bf16(e) => widen(&e.as_slice()[span], out),
+            WeightData::F16(e) => widen(&e.as_slice()[span], out),
+        }
+    }
+}
+
+/// Element types the kernels widen to f32.
+trait Widen: Copy + Send + Sync {
+    fn f32(self) -> f32;
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Widen for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+fn widen<T: Widen>(src: &[T], dst: &mut [f32]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.f32();
+    }
+}
+
+pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
+    assert_eq!(
+        x.cols, w.cols,
+        "matmul: x has {} columns, weight has {}",
+        x.cols, w.cols
+    );
+    match &w.data {
+        WeightData::F32(e) => matmul_typed(x, e.as_slice(), w.rows),
+        WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
+        WeightData::F16(e) => matmul_typed(x, e.as_slice(), w.rows),
+    }
+}
+
+fn matmul_typed<T: Widen>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTensor {
+    if x.rows <= STREAM_MAX_ROWS {
+        streaming(x, w, out_features)
+    } else {
+        tiled(x, w, out_features)
+    }
+}
+
+/// Decode path: `out_t[j, t] = dot(w[j], x[t])`, output rows split across threads.
+fn streaming<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
+    let (n, k) = (x.rows, x.cols);
+    let mut out_t = vec![0f32; m * n];
+    out_t
+        .par_chunks_mut(STREAM_CHUNK * n)
+        .enumerate()
+        .for_each(|(c, out)| {
+            let j0 = c * STREAM_CHUNK;
+            for (jj, out_row) in out.chunks_mut(n).enumerate() {
+                let w_row = &w[(j0 + jj) * k..(j0 + jj + 1) * k];
+                for (t, o) in out_row.iter_mut().enumerate() {
+                    *o = dot(w_row, x.row(t));
+                }
+            }
+        });
+    if n == 1 {
+        return CpuTensor::new(out_t, 1, m);
+    }
+    let mut y = vec![0f32; n * m];
+    for j in 0..m {
+        for t in 0..n {
+            y[t * m + j] = out_t[j * n + t];
+        }
+    }
+    CpuTensor::new(y, n, m)
+}
+
+#[inline(always)]
+fn dot_generic<T: Widen, const FMA: bool>(w: &[T], x: &[f32]) -> f32 {
+    const LANES: usize = 32;
+    let mut acc = [0f32; LANES];
+    let split = w.len() / LANES * LANES;
+    for (wc, xc) in w[..split]
+        .chunks_exact(LANES)
+        .zip(x[..split].chunks_exact(LANES))
+    {
+        for l in 0..LANES {
+            acc[l] = if FMA {
+                wc[l].f32().mul_add(xc[l], acc[l])
+            } else {
+                acc[l] + wc[l].f32() * xc[l]
+            };
+        }
+    }
+    let mut sum = 0f32;
+    for (a, b) in w[split..].iter().zip(&x[split..]) {
+        sum += a.f32() * b;
+    }
+    // Pairwise reduction of the lanes.
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0] + sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn dot_avx512<T: Widen>(w: &[T], x: &[f32]) -> f32 {
+    dot_generic::<T, true>(w, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    })
+}
+
+#[inline]
+fn dot<T: Widen>(w: &[T], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports every feature the function is compiled for.
+        return unsafe { dot_avx512(w, x) };
+    }
+    dot_generic::<T, false>(w, x)
+}
+
+/// Prefill path: widen a tile of weight rows, then one packed GEMM per tile.
+fn tiled<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
+    let (n, k) = (x.rows, x.cols);
+    let mut y = vec![0f32; n * m];
+    let y_ptr = SendPtr(y.as_mut_ptr());
+    let tiles = m.div_ceil(TILE_ROWS);
+    (0..tiles)
+        .into_par_iter()
+        .for_each_init(Vec::<f32>::new, |buf, tile| {
+            let j0 = tile * TILE_ROWS;
+            let rows = TILE_ROWS.min(m - j0);
+            let src = &w[j0 * k..(j0 + rows) * k];
+            buf.resize(rows * k, 0.0);
+            widen_fast(src, buf);
+            let y_ptr = &y_ptr;
+            // SAFETY: this task writes columns j0..j0+rows of y only; tiles are disjoint, and
+            // all strides describe buffers of the stated sizes.
+            unsafe {
+                gemm::gemm(
+                    n,
+                    rows,
+                    k,
+                    y_ptr.0.add(j0),
+                    1,
+                    m as isize,
+                    false,
+                    x.data.as_ptr(),
+                    1,
+                    k as isize,
+                    buf.as_ptr(),
+                    k as isize,
+                    1,
+                    0.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+        });
+    CpuTensor::new(y, n, m)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn widen_avx512<T: Widen>(src: &[T], dst: &mut [f32]) {
+    widen(src, dst)
+}
+
+fn widen_fast<T: Widen>(src: &[T], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU supports every feature the function is compiled for.
+        return unsafe { widen_avx512(src, dst) };
+    }
+    widen(src, dst)
+}
+
+struct SendPtr(*mut f32);
+// SAFETY: used only to hand disjoint column ranges of one buffer to rayon tasks.
+unsafe impl Sync for SendPtr {}
+unsafe impl Send for SendPtr {}

@@ -1,0 +1,240 @@
+//! The CPU backend: f32 activations, weights kept in their checkpoint dtype.
+//!
+//! Weights that are suitably aligned stay in the memory mapping (zero copy, paged in on
+//! first use); bf16 and f16 weights are widened to f32 inside the matmul's tiles, never by
+//! materialising an f32 copy of the model. Matmuls run on rayon's pool (see
+//! [`matmul`]); attention reads the paged cache through block tables (see [`attention`]).
+
+mod attention;
+mod matmul;
+
+use rayon::prelude::*;
+use strata_common::{Error, Result};
+
+use super::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::model::weights::HostTensor;
+
+pub use matmul::{CpuWeight, WeightData};
+
+/// Row-major 2-D f32 tensor.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CpuTensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl CpuTensor {
+    pub fn new(data: Vec<f32>, rows: usize, cols: usize) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "tensor data does not match its shape"
+        );
+        CpuTensor { data, rows, cols }
+    }
+
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        CpuTensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
+    }
+
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// One layer's paged K and V: `[num_blocks * block_size, kv_dim]` each.
+pub struct CpuKvLayer {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub kv_dim: usize,
+}
+
+/// Below this many rows, elementwise ops run on the calling thread.
+const PAR_ROWS: usize = 16;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type KvLayer = CpuKvLayer;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
+        CpuWeight::from_host(host)
+    }
+
+    fn load_vector(&self, host: &HostTensor) -> Result<CpuTensor> {
+        if host.shape.len() != 1 {
+            return Err(Error::model_file(
+                host.file.as_path(),
+                format!(
+                    "tensor {:?} should be 1-D, has shape {:?}",
+                    host.name, host.shape
+                ),
+            ));
+        }
+        let data = host.to_f32_vec();
+        let n = data.len();
+        Ok(CpuTensor::new(data, 1, n))
+    }
+
+    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
+        let n = num_blocks
+            .checked_mul(block_size)
+            .and_then(|n| n.checked_mul(kv_dim))
+            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
+        Ok(CpuKvLayer {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            kv_dim,
+        })
+    }
+
+    fn weight_bytes(&self, w: &CpuWeight) -> usize {
+        w.bytes()
+    }
+
+    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+        let cols = table.cols;
+        let mut out = CpuTensor::zeros(ids.len(), cols);
+        for (row, &id) in out.data.chunks_mut(cols).zip(ids) {
+            table.row_to_f32(id as usize, row);
+        }
+        out
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
+        matmul::matmul(x, w)
+    }
+
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
+        for row in x.data.chunks_mut(x.cols) {
+            for (a, b) in row.iter_mut().zip(&bias.data) {
+                *a += b;
+            }
+        }
+    }
+
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+        debug_assert_eq!(x.data.len(), y.data.len());
+        for (a, b) in x.data.iter_mut().zip(&y.data) {
+            *a += b;
+        }
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> CpuTensor {
+        let mut out = CpuTensor::zeros(x.rows, x.cols);
+        let norm_row = |(src, dst): (&[f32], &mut [f32])| {
+            let mean_sq = src.iter().map(|v| v * v).sum::<f32>() / src.len() as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for ((d, s), w) in dst.iter_mut().zip(src).zip(&weight.data) {
+                *d = w * (s * inv);
+            }
+        };
+        if x.rows >= PAR_ROWS {
+            x.data
+                .par_chunks(x.cols)
+                .zip(out.data.par_chunks_mut(x.cols))
+                .for_each(norm_row);
+        } else {
+            x.data
+                .chunks(x.cols)
+                .zip(out.data.chunks_mut(x.cols))
+                .for_each(norm_row);
+        }
+        out
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) {
+        let half = head_dim / 2;
+        let cols = x.cols;
+        let rotate_row = |(row, &pos): (&mut [f32], &u32)| {
+            let mut cos = vec![0f32; half];
+            let mut sin = vec![0f32; half];
+            for i in 0..half {
+                let angle = pos as f32 * rope.inv_freq[i];
+                cos[i] = angle.cos();
+                sin[i] = angle.sin();
+            }
+            for head in row.chunks_mut(head_dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * cos[i] - x2 * sin[i];
+                    b[i] = x2 * cos[i] + x1 * sin[i];
+                }
+            }
+        };
+        if x.rows >= PAR_ROWS {
+            x.data
+                .par_chunks_mut(cols)
+                .zip(positions.par_iter())
+                .for_each(rotate_row);
+        } else {
+            x.data
+                .chunks_mut(cols)
+                .zip(positions.iter())
+                .for_each(rotate_row);
+        }
+    }
+
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        CpuTensor::new(data, gate.rows, gate.cols)
+    }
+
+    fn write_kv(&self, cache: &mut CpuKvLayer, k: &CpuTensor, v: &CpuTensor, layout: &BatchLayout) {
+        let d = cache.kv_dim;
+        for (t, &slot) in layout.slots.iter().enumerate() {
+            let at = slot as usize * d;
+            cache.k[at..at + d].copy_from_slice(k.row(t));
+            cache.v[at..at + d].copy_from_slice(v.row(t));
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        cache: &CpuKvLayer,
+        layout: &BatchLayout,
+        shape: AttentionShape,
+    ) -> CpuTensor {
+        attention::paged_attention(q, cache, layout, shape)
+    }
+
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(x.row(r));
+        }
+        CpuTensor::new(data, rows.len(), x.cols)
+    }
+
+    fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
+        x.data.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests;

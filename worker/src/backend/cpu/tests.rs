@@ -1,0 +1,223 @@
+//! Each CPU op against a plain reference computation on random inputs.
+
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::matmul::Elems;
+use super::*;
+use crate::backend::SeqSlice;
+
+fn random(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= tol * (1.0 + y.abs()),
+            "element {i}: {x} vs {y}"
+        );
+    }
+}
+
+fn naive_matmul(x: &[f32], w: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> {
+    let mut y = vec![0f32; n * m];
+    for t in 0..n {
+        for j in 0..m {
+            y[t * m + j] = (0..k)
+                .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
+                .sum::<f64>() as f32;
+        }
+    }
+    y
+}
+
+#[test]
+fn matmul_f32_matches_reference_on_both_paths() {
+    let b = CpuBackend::new();
+    // k not a multiple of the SIMD width, m not a multiple of the tile; n on both paths.
+    let (k, m) = (70, 300);
+    let w = random(m * k, 1);
+    let weight = CpuWeight::from_f32(w.clone(), m, k);
+    for n in [1, 3, 8, 9, 40] {
+        let x = random(n * k, 2 + n as u64);
+        let y = b.matmul(&CpuTensor::new(x.clone(), n, k), &weight);
+        assert_eq!((y.rows, y.cols), (n, m));
+        assert_close(&y.data, &naive_matmul(&x, &w, n, k, m), 1e-5);
+    }
+}
+
+#[test]
+fn matmul_bf16_widens_exactly() {
+    let b = CpuBackend::new();
+    let (k, m) = (96, 130);
+    let w16: Vec<bf16> = random(m * k, 3).into_iter().map(bf16::from_f32).collect();
+    let w32: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+    let weight = CpuWeight {
+        rows: m,
+        cols: k,
+        data: WeightData::Bf16(Elems::Owned(w16)),
+    };
+    for n in [1, 5, 33] {
+        let x = random(n * k, 4);
+        let y = b.matmul(&CpuTensor::new(x.clone(), n, k), &weight);
+        assert_close(&y.data, &naive_matmul(&x, &w32, n, k, m), 1e-5);
+    }
+}
+
+#[test]
+fn rms_norm_matches_reference() {
+    let b = CpuBackend::new();
+    let x = random(3 * 10, 5);
+    let w = random(10, 6);
+    let y = b.rms_norm(
+        &CpuTensor::new(x.clone(), 3, 10),
+        &CpuTensor::new(w.clone(), 1, 10),
+        1e-5,
+    );
+    for r in 0..3 {
+        let row = &x[r * 10..(r + 1) * 10];
+        let rms = (row.iter().map(|v| v * v).sum::<f32>() / 10.0 + 1e-5).sqrt();
+        let want: Vec<f32> = row.iter().zip(&w).map(|(v, g)| v / rms * g).collect();
+        assert_close(&y.data[r * 10..(r + 1) * 10], &want, 1e-6);
+    }
+}
+
+#[test]
+fn rope_rotates_pairs_half_apart() {
+    let b = CpuBackend::new();
+    let head_dim = 8;
+    let table = RopeTable {
+        inv_freq: vec![1.0, 0.1, 0.01, 0.001],
+    };
+    let x = random(2 * 16, 7); // 2 tokens, 2 heads
+    let mut t = CpuTensor::new(x.clone(), 2, 16);
+    b.rope(&mut t, head_dim, &[0, 5], &table);
+    assert_close(&t.data[..16], &x[..16], 0.0); // position 0 is the identity
+    for head in 0..2 {
+        let base = 16 + head * head_dim;
+        for i in 0..4 {
+            let a = 5.0 * table.inv_freq[i];
+            let (x1, x2) = (x[base + i], x[base + i + 4]);
+            assert!((t.data[base + i] - (x1 * a.cos() - x2 * a.sin())).abs() < 1e-6);
+            assert!((t.data[base + i + 4] - (x2 * a.cos() + x1 * a.sin())).abs() < 1e-6);
+        }
+    }
+}
+
+#[test]
+fn silu_mul_matches_reference() {
+    let b = CpuBackend::new();
+    let g = random(12, 8);
+    let u = random(12, 9);
+    let y = b.silu_mul(
+        &CpuTensor::new(g.clone(), 1, 12),
+        &CpuTensor::new(u.clone(), 1, 12),
+    );
+    let want: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(g, u)| g * (1.0 / (1.0 + (-g).exp())) * u)
+        .collect();
+    assert_close(&y.data, &want, 1e-6);
+}
+
+/// Dense causal attention over contiguous K and V, the textbook way.
+fn naive_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    start: usize,
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    window: Option<usize>,
+) -> Vec<f32> {
+    let mut out = vec![0f32; (len - start) * heads * d];
+    for t in start..len {
+        for h in 0..heads {
+            let kvh = h / (heads / kv_heads);
+            let lo = window.map_or(0, |w| (t + 1).saturating_sub(w));
+            let qv = &q[(t - start) * heads * d + h * d..][..d];
+            let scores: Vec<f64> = (lo..=t)
+                .map(|p| {
+                    (0..d)
+                        .map(|i| qv[i] as f64 * k[p * kv_heads * d + kvh * d + i] as f64)
+                        .sum::<f64>()
+                        / (d as f64).sqrt()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for i in 0..d {
+                let val: f64 = (lo..=t)
+                    .zip(&scores)
+                    .map(|(p, s)| (s - max).exp() / z * v[p * kv_heads * d + kvh * d + i] as f64)
+                    .sum();
+                out[(t - start) * heads * d + h * d + i] = val as f32;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn paged_attention_matches_dense_attention() {
+    let b = CpuBackend::new();
+    let (heads, kv_heads, d, bs) = (4, 2, 8, 4);
+    let kv_dim = kv_heads * d;
+    // Two sequences with scattered, out-of-order blocks: one prefilling 7 tokens from
+    // scratch, one decoding its 11th token.
+    let tables = [vec![6u32, 1], vec![3u32, 0, 5]];
+    let lens = [7usize, 11];
+    let starts = [0usize, 10];
+    for window in [None, Some(3)] {
+        let mut cache = b.alloc_kv(8, bs, kv_dim).unwrap();
+        let mut layout = BatchLayout {
+            block_size: bs,
+            ..Default::default()
+        };
+        let mut q_all = Vec::new();
+        let mut want = Vec::new();
+        for s in 0..2 {
+            let k = random(lens[s] * kv_dim, 10 + s as u64);
+            let v = random(lens[s] * kv_dim, 20 + s as u64);
+            for p in 0..lens[s] {
+                let slot = (tables[s][p / bs] as usize * bs + p % bs) * kv_dim;
+                cache.k[slot..slot + kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
+                cache.v[slot..slot + kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
+            }
+            let new = lens[s] - starts[s];
+            let q = random(new * heads * d, 30 + s as u64);
+            want.extend(naive_attention(
+                &q, &k, &v, lens[s], starts[s], heads, kv_heads, d, window,
+            ));
+            layout.seqs.push(SeqSlice {
+                token_start: q_all.len() / (heads * d),
+                num_tokens: new,
+                context_before: starts[s],
+                block_table: tables[s].clone(),
+            });
+            q_all.extend(q);
+        }
+        let rows = q_all.len() / (heads * d);
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+        };
+        let out = b.attention(
+            &CpuTensor::new(q_all, rows, heads * d),
+            &cache,
+            &layout,
+            shape,
+        );
+        assert_close(&out.data, &want, 1e-5);
+    }
+}

@@ -1,0 +1,120 @@
+//! The seam between the model and the hardware.
+//!
+//! [`model`](crate::model) calls these ops and nothing else, so the Llama forward pass is
+//! written once; a backend decides where tensors live and how each op runs. Activations
+//! are 2-D row-major f32 (`[tokens, features]`); weights stay in the checkpoint's dtype
+//! (`[out_features, in_features]`) and are widened inside the matmul. The step's layout
+//! (which token belongs to which sequence, its position, its KV slot) is plain host data
+//! in [`BatchLayout`]; the paged-KV bookkeeping that fills it lives in [`kv`](crate::kv).
+
+pub mod cpu;
+
+use strata_common::Result;
+
+use crate::model::weights::HostTensor;
+
+/// Rotary embedding frequencies, shared by every layer.
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    /// `head_dim / 2` inverse frequencies, already rescaled (linear, llama3).
+    pub inv_freq: Vec<f32>,
+}
+
+/// One sequence's slice of a step.
+#[derive(Debug, Clone)]
+pub struct SeqSlice {
+    /// Rows of this sequence's new tokens in the step's activations.
+    pub token_start: usize,
+    pub num_tokens: usize,
+    /// Tokens of this sequence already in the KV cache before this step.
+    pub context_before: usize,
+    /// KV cache blocks holding this sequence's positions, in order.
+    pub block_table: Vec<u32>,
+}
+
+/// Where every token of a step sits: its position and its KV slot.
+#[derive(Debug, Clone, Default)]
+pub struct BatchLayout {
+    pub positions: Vec<u32>,
+    /// Flat KV slot (block * block_size + offset) each new token's K and V go to.
+    pub slots: Vec<u32>,
+    pub seqs: Vec<SeqSlice>,
+    pub block_size: usize,
+}
+
+impl BatchLayout {
+    pub fn num_tokens(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+/// Shape of the attention a layer computes.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub sliding_window: Option<usize>,
+}
+
+/// Tensor operations the model needs. Implementations: [`cpu::CpuBackend`].
+pub trait Backend: Send + Sync + 'static {
+    /// 2-D f32 activations.
+    type Tensor: Send + Sync;
+    /// A `[out, in]` weight matrix in its stored dtype.
+    type Weight: Send + Sync;
+    /// One layer's paged K and V storage.
+    type KvLayer: Send + Sync;
+
+    fn name(&self) -> &'static str;
+
+    /// Makes a weight matrix from a checkpoint view (2-D).
+    fn load_weight(&self, host: &HostTensor) -> Result<Self::Weight>;
+    /// Makes a `[1, n]` f32 tensor from a 1-D checkpoint view (norm weights, biases).
+    fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor>;
+    /// Allocates `num_blocks` blocks of `block_size` positions for `kv_heads × head_dim`.
+    fn alloc_kv(
+        &self,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<Self::KvLayer>;
+
+    /// Bytes a weight occupies in memory.
+    fn weight_bytes(&self, w: &Self::Weight) -> usize;
+
+    /// Rows of the embedding table for `ids`.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// `x · wᵀ`: `[n, in] × [out, in]ᵀ → [n, out]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    /// Adds a `[1, cols]` bias to every row.
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
+    /// `x += y`.
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;
+    /// Rotates each `head_dim` group of every row by its token's position (rotate-half form).
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable);
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// Stores each new token's K and V rows at its slot.
+    fn write_kv(
+        &self,
+        cache: &mut Self::KvLayer,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        layout: &BatchLayout,
+    );
+    /// Causal attention of each new token over its sequence's cached positions.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::KvLayer,
+        layout: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Self::Tensor;
+    /// The given rows, in order.
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// Copies a tensor to host memory, row-major.
+    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+}

@@ -1,0 +1,284 @@
+//! Writing random-weight model directories with real architectures.
+//!
+//! Tests and benchmarks need models of real shapes (up to Llama-3-8B's) that no one may
+//! download here. This writes `config.json`, `generation_config.json` and a
+//! `model.safetensors` that HF transformers loads as-is. Tensors are streamed to disk one at
+//! a time, so writing an 8B-shape model needs no more memory than its largest tensor.
+//! Values are uniform with the standard deviation of HF's default initialiser scaled by
+//! fan-in, which keeps activations of any depth in a sane range.
+
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde_json::json;
+use strata_common::{Architecture, Error, Result};
+
+use super::weights::DType;
+
+/// The shape of a random model.
+#[derive(Debug, Clone)]
+pub struct RandomModelSpec {
+    pub arch: Architecture,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub max_position_embeddings: usize,
+    pub rope_theta: f64,
+    /// Llama 3.1-style rope scaling (as Llama-3.2 ships with).
+    pub llama3_rope: bool,
+    pub tie_word_embeddings: bool,
+    pub dtype: DType,
+    pub seed: u64,
+}
+
+impl RandomModelSpec {
+    /// A tiny model for tests and the demo.
+    pub fn tiny(arch: Architecture) -> Self {
+        RandomModelSpec {
+            arch,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 128,
+            vocab: 512,
+            max_position_embeddings: 2048,
+            rope_theta: 10000.0,
+            llama3_rope: false,
+            tie_word_embeddings: matches!(arch, Architecture::Qwen2),
+            dtype: DType::F32,
+            seed: 0,
+        }
+    }
+
+    /// Llama-3.2-1B's shape.
+    pub fn llama_1b() -> Self {
+        RandomModelSpec {
+            arch: Architecture::Llama,
+            hidden: 2048,
+            layers: 16,
+            heads: 32,
+            kv_heads: 8,
+            intermediate: 8192,
+            vocab: 128256,
+            max_position_embeddings: 131072,
+            rope_theta: 500000.0,
+            llama3_rope: true,
+            tie_word_embeddings: true,
+            dtype: DType::BF16,
+            seed: 0,
+        }
+    }
+
+    /// Llama-3.1-8B's shape.
+    pub fn llama_8b() -> Self {
+        RandomModelSpec {
+            hidden: 4096,
+            layers: 32,
+            intermediate: 14336,
+            tie_word_embeddings: false,
+            ..Self::llama_1b()
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("hidden", self.hidden),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv-heads", self.kv_heads),
+            ("intermediate", self.intermediate),
+            ("vocab", self.vocab),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(name, "must be positive"));
+            }
+        }
+        if self.hidden % self.heads != 0 || (self.hidden / self.heads) % 2 != 0 {
+            return Err(Error::invalid(
+                "heads",
+                format!(
+                    "hidden ({}) / heads ({}) must be an even integer",
+                    self.hidden, self.heads
+                ),
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(Error::invalid(
+                "kv-heads",
+                format!("{} must divide heads ({})", self.kv_heads, self.heads),
+            ));
+        }
+        Ok(())
+    }
+
+    fn config_json(&self) -> serde_json::Value {
+        let mut c = json!({
+            "architectures": [self.arch.hf_class()],
+            "model_type": self.arch.model_type(),
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.hidden / self.heads,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": match self.dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "initializer_range": 0.02,
+            "attention_dropout": 0.0,
+            "use_cache": true,
+        });
+        if self.llama3_rope {
+            c["rope_scaling"] = json!({
+                "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192
+            });
+        }
+        if matches!(self.arch, Architecture::Mistral) {
+            c["sliding_window"] = serde_json::Value::Null;
+        }
+        c
+    }
+
+    /// Every tensor's name and shape, in the order they are written.
+    fn tensors(&self) -> Vec<(String, Vec<usize>)> {
+        let h = self.hidden;
+        let hd = h / self.heads;
+        let q = self.heads * hd;
+        let kv = self.kv_heads * hd;
+        let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
+        let bias = matches!(self.arch, Architecture::Qwen2);
+        for i in 0..self.layers {
+            let p = format!("model.layers.{i}");
+            t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+            for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+                t.push((format!("{p}.self_attn.{name}.weight"), vec![out, h]));
+                if bias {
+                    t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
+                }
+            }
+            t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            t.push((
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![self.intermediate, h],
+            ));
+            t.push((
+                format!("{p}.mlp.up_proj.weight"),
+                vec![self.intermediate, h],
+            ));
+            t.push((
+                format!("{p}.mlp.down_proj.weight"),
+                vec![h, self.intermediate],
+            ));
+        }
+        t.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            t.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
+        }
+        t
+    }
+
+    /// Writes config.json, generation_config.json and model.safetensors into `dir`.
+    /// `progress` is called after each tensor with (bytes written, bytes total).
+    pub fn write(&self, dir: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
+        self.validate()?;
+        let io =
+            |path: &Path, e: std::io::Error| Error::model_file(path, format!("cannot write: {e}"));
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        let config_path = dir.join("config.json");
+        let text = serde_json::to_string_pretty(&self.config_json()).expect("JSON value");
+        std::fs::write(&config_path, text).map_err(|e| io(&config_path, e))?;
+        let gen_path = dir.join("generation_config.json");
+        let gen = json!({"bos_token_id": 1, "eos_token_id": 2, "do_sample": false});
+        std::fs::write(&gen_path, gen.to_string()).map_err(|e| io(&gen_path, e))?;
+
+        let tensors = self.tensors();
+        let elem = self.dtype.size();
+        let dtype_name = self.dtype.name();
+        let mut header = serde_json::Map::new();
+        let mut offset = 0usize;
+        for (name, shape) in &tensors {
+            let bytes = shape.iter().product::<usize>() * elem;
+            header.insert(
+                name.clone(),
+                json!({"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + bytes]}),
+            );
+            offset += bytes;
+        }
+        header.insert("__metadata__".into(), json!({"format": "pt"}));
+        let mut header = serde_json::to_vec(&header).expect("JSON value");
+        while (header.len() + 8) % 8 != 0 {
+            header.push(b' ');
+        }
+        let path = dir.join("model.safetensors");
+        let file = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
+        let mut out = BufWriter::with_capacity(1 << 22, file);
+        out.write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(|e| io(&path, e))?;
+        out.write_all(&header).map_err(|e| io(&path, e))?;
+        let total = offset;
+        let mut written = 0;
+        for (i, (name, shape)) in tensors.iter().enumerate() {
+            let values = self.values(i as u64, name, shape);
+            let bytes: Vec<u8> = match self.dtype {
+                DType::F32 => bytemuck::cast_slice(&values).to_vec(),
+                DType::BF16 => values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+                DType::F16 => values
+                    .iter()
+                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            };
+            out.write_all(&bytes).map_err(|e| io(&path, e))?;
+            written += bytes.len();
+            progress(written, total);
+        }
+        out.flush().map_err(|e| io(&path, e))?;
+        Ok(())
+    }
+
+    fn values(&self, index: u64, name: &str, shape: &[usize]) -> Vec<f32> {
+        let n: usize = shape.iter().product();
+        if name.ends_with("norm.weight") {
+            return vec![1.0; n];
+        }
+        // Uniform with std 1/sqrt(fan_in) (embeddings: std 1), in parallel chunks with
+        // their own seeds so the output does not depend on the thread count.
+        let fan_in = if name.contains("embed_tokens") {
+            1
+        } else {
+            *shape.last().unwrap_or(&1)
+        };
+        let amp = (3.0 / fan_in as f32).sqrt();
+        let amp = if name.ends_with(".bias") {
+            amp * 0.1
+        } else {
+            amp
+        };
+        const CHUNK: usize = 1 << 16;
+        let mut v = vec![0f32; n];
+        v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+            let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ (index << 32) ^ c as u64);
+            for x in chunk {
+                *x = rng.random_range(-amp..amp);
+            }
+        });
+        v
+    }
+}

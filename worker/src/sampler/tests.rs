@@ -1,0 +1,153 @@
+//! Each sampling parameter's effect, on hand-made logits.
+
+use super::*;
+
+fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+    let mut p = SamplingParams {
+        seed: Some(7),
+        ..Default::default()
+    };
+    f(&mut p);
+    p
+}
+
+fn draws(p: SamplingParams, logits: &[f32], n: usize) -> Vec<u32> {
+    let mut s = Sampler::new(p, &[]);
+    (0..n).map(|_| s.sample(logits).0).collect()
+}
+
+const LOGITS: [f32; 6] = [1.0, 3.0, 2.5, -1.0, 0.5, 2.9];
+
+#[test]
+fn greedy_takes_the_first_maximum() {
+    assert_eq!(argmax(&[0.0, 2.0, 2.0, 1.0]), 1);
+    assert_eq!(draws(params(|_| {}), &LOGITS, 3), vec![1, 1, 1]);
+}
+
+#[test]
+fn top_k_one_equals_greedy() {
+    let got = draws(
+        params(|p| {
+            p.temperature = 5.0;
+            p.top_k = 1
+        }),
+        &LOGITS,
+        50,
+    );
+    assert!(got.iter().all(|&t| t == 1), "{got:?}");
+}
+
+#[test]
+fn top_k_limits_the_candidates() {
+    let got = draws(
+        params(|p| {
+            p.temperature = 10.0;
+            p.top_k = 3
+        }),
+        &LOGITS,
+        400,
+    );
+    assert!(got.iter().all(|t| [1, 2, 5].contains(t)), "{got:?}");
+    for t in [1, 2, 5] {
+        assert!(got.contains(&t), "token {t} never drawn among the top 3");
+    }
+}
+
+#[test]
+fn top_p_keeps_the_smallest_nucleus() {
+    // Probabilities after softmax: token 1 ≈ 0.37, 5 ≈ 0.33, 2 ≈ 0.22 ...
+    let got = draws(
+        params(|p| {
+            p.temperature = 1.0;
+            p.top_p = 0.6
+        }),
+        &LOGITS,
+        400,
+    );
+    assert!(got.iter().all(|t| [1, 5].contains(t)), "{got:?}");
+    assert!(got.contains(&1) && got.contains(&5));
+}
+
+#[test]
+fn min_p_drops_unlikely_tokens() {
+    // min_p 0.7: keeps tokens with p >= 0.7 * p(token 1): tokens 1 and 5 only.
+    let got = draws(
+        params(|p| {
+            p.temperature = 1.0;
+            p.min_p = 0.7
+        }),
+        &LOGITS,
+        400,
+    );
+    assert!(got.iter().all(|t| [1, 5].contains(t)), "{got:?}");
+}
+
+#[test]
+fn a_seed_reproduces_and_different_seeds_differ() {
+    let p = params(|p| p.temperature = 1.5);
+    let a = draws(p.clone(), &LOGITS, 100);
+    assert_eq!(a, draws(p.clone(), &LOGITS, 100));
+    let b = draws(SamplingParams { seed: Some(8), ..p }, &LOGITS, 100);
+    assert_ne!(a, b);
+}
+
+#[test]
+fn temperature_sharpens_and_flattens() {
+    let count_top = |t: f32| {
+        draws(params(|p| p.temperature = t), &LOGITS, 2000)
+            .iter()
+            .filter(|&&x| x == 1)
+            .count()
+    };
+    let (cold, hot) = (count_top(0.2), count_top(5.0));
+    assert!(cold > 1500 && hot < 800, "cold {cold}, hot {hot}");
+}
+
+#[test]
+fn repetition_penalty_follows_hf() {
+    // Prompt holds token 1 (positive logit, divided) and token 3 (negative, multiplied).
+    let mut s = Sampler::new(params(|p| p.repetition_penalty = 2.0), &[1, 3]);
+    let mut l = LOGITS.to_vec();
+    s.apply_penalties(&mut l);
+    assert_eq!(l[1], 1.5);
+    assert_eq!(l[3], -2.0);
+    assert_eq!(l[5], 2.9);
+    assert_eq!(
+        s.sample(&LOGITS).0,
+        5,
+        "the penalised token loses to the runner-up"
+    );
+}
+
+#[test]
+fn presence_and_frequency_penalties_count_output_tokens() {
+    let mut s = Sampler::new(
+        params(|p| {
+            p.presence_penalty = 0.5;
+            p.frequency_penalty = 0.25
+        }),
+        &[5],
+    );
+    assert_eq!(s.sample(&LOGITS).0, 1); // prompt tokens are not penalised
+    let mut l = LOGITS.to_vec();
+    s.apply_penalties(&mut l);
+    assert_eq!(l[1], 3.0 - 0.75);
+    assert_eq!(l[5], 2.9);
+    assert_eq!(s.sample(&LOGITS).0, 5);
+    s.apply_penalties(&mut l);
+}
+
+#[test]
+fn logprobs_are_log_softmax_of_raw_logits() {
+    let lp = logprobs(&LOGITS, 2, 3);
+    let z: f64 = LOGITS.iter().map(|&l| (l as f64).exp()).sum();
+    assert!((lp.logprob as f64 - (2.5 - z.ln())).abs() < 1e-5);
+    assert_eq!(
+        lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+        vec![1, 5, 2]
+    );
+    assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+    let mut s = Sampler::new(params(|p| p.logprobs = Some(2)), &[]);
+    let (_, got) = s.sample(&LOGITS);
+    assert_eq!(got.unwrap().top.len(), 2);
+}
