@@ -1,0 +1,106 @@
+//! Strata's CPU engine against HF transformers, on every fixture model.
+//!
+//! The references were computed by transformers in float32 from the same files
+//! (tests/fixtures/make_fixtures.py): greedy tokens must be identical and logits within
+//! 1e-4 absolute.
+
+use strata_common::SamplingParams;
+use strata_coordinator::tokenizer::Tokenizer;
+use strata_tests::{fixture_models, floats, ids, reference};
+use strata_worker::backend::cpu::CpuBackend;
+use strata_worker::model::Model;
+use strata_worker::{Engine, EngineConfig};
+
+const LOGIT_TOL: f32 = 1e-4;
+
+fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
+    let model = Model::load(dir, CpuBackend::new()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    Engine::new(model, &EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }).unwrap()
+}
+
+fn greedy(n: u32) -> SamplingParams {
+    SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "logit vectors differ in length");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs sequences to completion; returns each one's tokens.
+fn run(engine: &mut Engine<CpuBackend>, n: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); n];
+    while engine.num_running() > 0 {
+        for e in engine.step().unwrap() {
+            out[e.seq as usize].push(e.token);
+        }
+    }
+    out
+}
+
+#[test]
+fn greedy_tokens_and_logits_match_transformers() {
+    for dir in fixture_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let r = reference(&dir);
+        let prompt = ids(&r["prompt_ids"]);
+        let want = ids(&r["greedy_ids"]);
+        let mut e = engine(&dir);
+
+        let logits = e.prompt_logits(&prompt).unwrap();
+        let diff = max_abs_diff(&logits, &floats(&r["prompt_last_logits"]));
+        assert!(diff <= LOGIT_TOL, "{name}: prompt logits differ by {diff}");
+
+        let mut full = prompt.clone();
+        full.extend(&want[..want.len() - 1]);
+        let logits = e.prompt_logits(&full).unwrap();
+        let diff = max_abs_diff(&logits, &floats(&r["final_logits"]));
+        assert!(diff <= LOGIT_TOL, "{name}: logits after {} tokens differ by {diff}", full.len());
+        eprintln!("{name}: max |logit - HF| = {diff:.2e}");
+
+        e.add(0, prompt, greedy(want.len() as u32)).unwrap();
+        let got = run(&mut e, 1).remove(0);
+        assert_eq!(got, want, "{name}: greedy tokens differ from transformers");
+        assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
+    }
+}
+
+#[test]
+fn batched_sequences_match_their_solo_runs() {
+    // The reference prompt runs among other sequences that join at different steps and
+    // sit at different positions; its tokens must not change.
+    for dir in fixture_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let r = reference(&dir);
+        let prompt = ids(&r["prompt_ids"]);
+        let want = ids(&r["greedy_ids"]);
+        let mut e = engine(&dir);
+        e.add(0, prompt.clone(), greedy(want.len() as u32)).unwrap();
+        e.add(1, prompt[..3].to_vec(), greedy(40)).unwrap();
+        let mut out = vec![Vec::new(); 3];
+        let mut steps = 0;
+        while e.num_running() > 0 {
+            if steps == 5 {
+                e.add(2, prompt.iter().rev().copied().collect(), greedy(7)).unwrap();
+            }
+            for ev in e.step().unwrap() {
+                out[ev.seq as usize].push(ev.token);
+            }
+            steps += 1;
+        }
+        assert_eq!(out[0], want, "{name}: batched greedy tokens differ");
+        assert_eq!((out[1].len(), out[2].len()), (40, 7), "{name}");
+        assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
+    }
+}
+
+#[test]
+fn tokenizer_matches_transformers() {
+    for dir in fixture_models() {
+        let r = reference(&dir);
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        let prompt = r["text_prompt"].as_str().unwrap();
+        assert_eq!(tok.encode(prompt).unwrap(), ids(&r["text_prompt_ids"]), "{}", dir.display());
+        assert_eq!(tok.decode(&ids(&r["greedy_ids"])).unwrap(), r["greedy_text"].as_str().unwrap());
+    }
+}
