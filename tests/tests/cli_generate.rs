@@ -1,0 +1,245 @@
+//! `strata generate` and `strata model random` as a user runs them: the real binary,
+//! its JSON contract, sampling flags, and clear errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+use strata_tests::{fixtures_dir, ids, reference, strata_bin};
+
+fn strata(args: &[&str]) -> Output {
+    Command::new(strata_bin()).args(args).env("RUST_LOG", "warn").output().expect("run strata")
+}
+
+fn generate_json(args: &[&str]) -> Value {
+    let mut all = vec!["generate", "--json"];
+    all.extend_from_slice(args);
+    let out = strata(&all);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "strata {all:?} failed: {stderr}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {:?}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Runs a command expected to fail; returns its stderr after checking it did not panic.
+fn failure(args: &[&str]) -> String {
+    let out = strata(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "strata {args:?} should fail");
+    assert!(!stderr.contains("panicked"), "strata {args:?} panicked: {stderr}");
+    stderr
+}
+
+fn model(name: &str) -> String {
+    fixtures_dir().join(name).to_string_lossy().to_string()
+}
+
+fn csv(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn json_contract_and_greedy_tokens() {
+    let dir = fixtures_dir().join("llama_gqa");
+    let r = reference(&dir);
+    let prompt = ids(&r["prompt_ids"]);
+    let want = ids(&r["greedy_ids"]);
+    let m = model("llama_gqa");
+    let v = generate_json(&["--model", &m, "--prompt-ids", &csv(&prompt), "--max-tokens", "32", "--ignore-eos"]);
+    assert_eq!(ids(&v["prompt_ids"]), prompt);
+    assert_eq!(ids(&v["token_ids"]), want);
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["text"], r["greedy_text"]);
+    assert!(v.get("logprobs").is_none(), "logprobs only when asked");
+
+    let v = generate_json(&["--model", &m, "--prompt-ids", &csv(&prompt), "--max-tokens", "5", "--logprobs", "3"]);
+    let lps = v["logprobs"].as_array().unwrap();
+    let tokens = ids(&v["token_ids"]);
+    assert_eq!(lps.len(), tokens.len());
+    for (lp, &t) in lps.iter().zip(&tokens) {
+        assert_eq!(lp["token_id"], t);
+        let top = lp["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0][0], t, "greedy picks the most likely token");
+        assert!((top[0][1].as_f64().unwrap() - lp["logprob"].as_f64().unwrap()).abs() < 1e-6);
+        assert!(lp["logprob"].as_f64().unwrap() <= 0.0);
+    }
+}
+
+#[test]
+fn text_prompts_use_the_models_tokenizer() {
+    for name in ["llama_gqa", "qwen2_bias_tied"] {
+        let r = reference(&fixtures_dir().join(name));
+        let v = generate_json(&["--model", &model(name), "--prompt", r["text_prompt"].as_str().unwrap(), "--max-tokens", "4"]);
+        assert_eq!(ids(&v["prompt_ids"]), ids(&r["text_prompt_ids"]), "{name}");
+    }
+}
+
+#[test]
+fn stop_strings_cut_the_text_exactly() {
+    let m = model("llama_mha_tied");
+    let base = generate_json(&["--model", &m, "--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos"]);
+    let text = base["text"].as_str().unwrap().to_string();
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    assert!(chars.len() > 12, "need some text to cut: {text:?}");
+    let (start, end) = (chars[8].0, chars[11].0);
+    let stop = &text[start..end];
+    let cut = text.find(stop).unwrap();
+    let v = generate_json(&["--model", &m, "--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos", "--stop", stop]);
+    assert_eq!(v["text"].as_str().unwrap(), &text[..cut], "stop {stop:?}");
+    assert_eq!(v["finish_reason"], "stop");
+    assert!(ids(&v["token_ids"]).len() < 24);
+}
+
+#[test]
+fn stop_token_ids_and_eos_end_generation() {
+    let r = reference(&fixtures_dir().join("llama_gqa"));
+    let prompt = csv(&ids(&r["prompt_ids"]));
+    let want = ids(&r["greedy_ids"]);
+    let m = model("llama_gqa");
+    let stop_id = want[4];
+    let first = want.iter().position(|&t| t == stop_id).unwrap();
+    let v = generate_json(&["--model", &m, "--prompt-ids", &prompt, "--max-tokens", "32", "--stop-token-ids", &stop_id.to_string()]);
+    assert_eq!(ids(&v["token_ids"]), want[..=first].to_vec());
+    assert_eq!(v["finish_reason"], "stop");
+    // Without --ignore-eos, the fixture's EOS (id 2) ends generation if it is produced.
+    let v = generate_json(&["--model", &m, "--prompt-ids", &prompt, "--max-tokens", "32"]);
+    let expect_eos = want.iter().position(|&t| t == 2);
+    match expect_eos {
+        Some(i) => {
+            assert_eq!(ids(&v["token_ids"]), want[..=i].to_vec());
+            assert_eq!(v["finish_reason"], "eos");
+        }
+        None => assert_eq!(v["finish_reason"], "length"),
+    }
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let m = model("llama_gqa");
+    let args = |seed: &'static str| -> Vec<&'static str> {
+        vec!["--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos", "--temperature", "1.5", "--seed", seed]
+    };
+    let run = |seed| {
+        let mut a = vec!["--model", m.as_str()];
+        a.extend(args(seed));
+        ids(&generate_json(&a)["token_ids"])
+    };
+    let a = run("11");
+    assert_eq!(a, run("11"), "same seed, same tokens");
+    assert_ne!(a, run("12"), "different seeds should differ over 24 tokens");
+    let greedy = ids(&generate_json(&["--model", &m, "--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos"])["token_ids"]);
+    let top1 = ids(&generate_json(&["--model", &m, "--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos", "--temperature", "2", "--top-k", "1", "--seed", "3"])["token_ids"]);
+    assert_eq!(greedy, top1, "top-k 1 is greedy");
+}
+
+/// Copies a fixture into a temporary directory so a test can damage it.
+fn scratch_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join(name);
+    std::fs::create_dir(&dst).unwrap();
+    for e in std::fs::read_dir(fixtures_dir().join(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+    }
+    (tmp, dst)
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
+    let p = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(p, v.to_string()).unwrap();
+}
+
+fn gen_fail(dir: &Path, extra: &[&str]) -> String {
+    let d = dir.to_string_lossy().to_string();
+    let mut a = vec!["generate", "--json", "--model", d.as_str(), "--prompt-ids", "1,2,3"];
+    a.extend_from_slice(extra);
+    failure(&a)
+}
+
+#[test]
+fn bad_model_files_get_clear_errors() {
+    let e = gen_fail(Path::new("/nonexistent/model"), &[]);
+    assert!(e.contains("/nonexistent/model"), "{e}");
+
+    let (_t, dir) = scratch_copy("llama_gqa");
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("model.safetensors"), "{e}");
+
+    let (_t, dir) = scratch_copy("llama_gqa");
+    edit_config(&dir, |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("GPT2LMHeadModel") && e.contains("config.json"), "{e}");
+
+    let (_t, dir) = scratch_copy("llama_gqa");
+    edit_config(&dir, |v| v["intermediate_size"] = serde_json::json!(96));
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("mlp.gate_proj") && e.contains("shape"), "{e}");
+
+    let (_t, dir) = scratch_copy("llama_gqa");
+    let st = dir.join("model.safetensors");
+    let len = std::fs::metadata(&st).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 1000).unwrap();
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("truncated") && e.contains("model.safetensors"), "{e}");
+
+    // A tensor stored as I32 instead of a float type.
+    let (_t, dir) = scratch_copy("llama_gqa");
+    let st = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
+    let needle = "\"model.norm.weight\":{\"dtype\":\"F32\"";
+    assert!(header.contains(needle), "fixture header layout changed: {header:.200}");
+    let header = header.replace(needle, "\"model.norm.weight\":{\"dtype\":\"I32\"");
+    bytes.splice(8..8 + n, header.into_bytes());
+    std::fs::write(&st, bytes).unwrap();
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("model.norm.weight") && e.contains("I32"), "{e}");
+
+    let (_t, dir) = scratch_copy("llama_gqa");
+    std::fs::write(dir.join("config.json"), "{not json").unwrap();
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn bad_requests_get_clear_errors() {
+    let (_t, dir) = scratch_copy("llama_gqa");
+    edit_config(&dir, |v| v["max_position_embeddings"] = serde_json::json!(8));
+    let e = gen_fail(&dir, &["--prompt-ids", "1,2,3,4,5,6,7,8,9,10"]);
+    assert!(e.contains("prompt") && e.contains("context"), "{e}");
+
+    let m = fixtures_dir().join("llama_gqa");
+    let e = gen_fail(&m, &["--temperature", "-1"]);
+    assert!(e.contains("temperature"), "{e}");
+    let e = gen_fail(&m, &["--top-p", "0"]);
+    assert!(e.contains("top_p"), "{e}");
+    let e = gen_fail(&m, &["--max-tokens", "0"]);
+    assert!(e.contains("max_tokens"), "{e}");
+    let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt-ids", "1,99999"]);
+    assert!(e.contains("99999") && e.contains("vocabulary"), "{e}");
+    let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt", ""]);
+    assert!(e.contains("prompt"), "{e}");
+}
+
+#[test]
+fn random_models_load_and_generate() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (arch, dtype) in [("llama", "f32"), ("mistral", "bf16"), ("qwen2", "f32")] {
+        let out = tmp.path().join(arch);
+        let o = strata(&["model", "random", "--arch", arch, "--dtype", dtype, "--layers", "3", "--out", &out.to_string_lossy()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+            assert!(out.join(f).exists(), "{arch}: {f} missing");
+        }
+        let v = generate_json(&["--model", &out.to_string_lossy(), "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos"]);
+        assert_eq!(ids(&v["token_ids"]).len(), 8, "{arch}");
+        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["num_hidden_layers"], 3);
+    }
+    let e = failure(&["model", "random", "--heads", "5", "--out", &tmp.path().join("bad").to_string_lossy()]);
+    assert!(e.contains("heads"), "{e}");
+}
