@@ -139,3 +139,62 @@ fn floor_char_boundary(s: &str, mut i: usize) -> usize {
     }
     i
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn tokenizer() -> Tokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/llama_gqa");
+        Tokenizer::from_dir(&dir).unwrap()
+    }
+
+    fn stream_all(tok: &Tokenizer, ids: &[u32], stop: &[&str]) -> (Vec<String>, String, bool) {
+        let mut s = TextStream::new(tok, stop.iter().map(|s| s.to_string()).collect());
+        let mut deltas = Vec::new();
+        let mut stopped = false;
+        for &id in ids {
+            let d = s.push(id).unwrap();
+            deltas.push(d.text);
+            if d.stopped {
+                stopped = true;
+                break;
+            }
+        }
+        deltas.push(s.finish().unwrap().text);
+        (deltas, s.text().to_string(), stopped)
+    }
+
+    #[test]
+    fn deltas_never_split_characters_and_add_up_to_the_text() {
+        let tok = tokenizer();
+        let text = "Café naïve 日本語 🙂 fox";
+        let ids = tok.encode(text).unwrap();
+        assert!(ids.len() > text.chars().count() / 2, "multi-byte characters span tokens");
+        let (deltas, full, stopped) = stream_all(&tok, &ids, &[]);
+        assert!(!stopped);
+        for d in &deltas {
+            assert!(!d.contains('\u{FFFD}'), "delta {d:?} holds a broken character");
+        }
+        assert_eq!(deltas.concat(), full);
+        assert_eq!(full, text);
+    }
+
+    #[test]
+    fn stop_strings_cut_and_are_never_streamed() {
+        let tok = tokenizer();
+        let ids = tok.encode("The quick brown fox jumps").unwrap();
+        let (deltas, full, stopped) = stream_all(&tok, &ids, &["brown", "zzz"]);
+        assert!(stopped);
+        assert_eq!(full, "The quick ");
+        assert_eq!(deltas.concat(), full);
+        // A stop string spanning several tokens is matched too, and text that only looked
+        // like a stop string's start is released at the end.
+        let (deltas, full, stopped) = stream_all(&tok, &ids, &["fox jumps over"]);
+        assert!(!stopped);
+        assert_eq!(full, "The quick brown fox jumps");
+        assert_eq!(deltas.concat(), full);
+    }
+}

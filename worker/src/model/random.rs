@@ -100,7 +100,7 @@ impl RandomModelSpec {
                 return Err(Error::invalid(name, "must be positive"));
             }
         }
-        if self.hidden % self.heads != 0 || (self.hidden / self.heads) % 2 != 0 {
+        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2) {
             return Err(Error::invalid(
                 "heads",
                 format!(
@@ -109,7 +109,7 @@ impl RandomModelSpec {
                 ),
             ));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(Error::invalid(
                 "kv-heads",
                 format!("{} must divide heads ({})", self.kv_heads, self.heads),
@@ -221,7 +221,7 @@ impl RandomModelSpec {
         }
         header.insert("__metadata__".into(), json!({"format": "pt"}));
         let mut header = serde_json::to_vec(&header).expect("JSON value");
-        while (header.len() + 8) % 8 != 0 {
+        while !(header.len() + 8).is_multiple_of(8) {
             header.push(b' ');
         }
         let path = dir.join("model.safetensors");

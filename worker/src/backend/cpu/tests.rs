@@ -132,11 +132,10 @@ fn naive_attention(
     v: &[f32],
     len: usize,
     start: usize,
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    window: Option<usize>,
+    shape: AttentionShape,
 ) -> Vec<f32> {
+    let (heads, kv_heads, d, window) =
+        (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.sliding_window);
     let mut out = vec![0f32; (len - start) * heads * d];
     for t in start..len {
         for h in 0..heads {
@@ -176,6 +175,13 @@ fn paged_attention_matches_dense_attention() {
     let lens = [7usize, 11];
     let starts = [0usize, 10];
     for window in [None, Some(3)] {
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: window,
+        };
         let mut cache = b.alloc_kv(8, bs, kv_dim).unwrap();
         let mut layout = BatchLayout {
             block_size: bs,
@@ -193,9 +199,7 @@ fn paged_attention_matches_dense_attention() {
             }
             let new = lens[s] - starts[s];
             let q = random(new * heads * d, 30 + s as u64);
-            want.extend(naive_attention(
-                &q, &k, &v, lens[s], starts[s], heads, kv_heads, d, window,
-            ));
+            want.extend(naive_attention(&q, &k, &v, lens[s], starts[s], shape));
             layout.seqs.push(SeqSlice {
                 token_start: q_all.len() / (heads * d),
                 num_tokens: new,
@@ -205,13 +209,6 @@ fn paged_attention_matches_dense_attention() {
             q_all.extend(q);
         }
         let rows = q_all.len() / (heads * d);
-        let shape = AttentionShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            sliding_window: window,
-        };
         let out = b.attention(
             &CpuTensor::new(q_all, rows, heads * d),
             &cache,

@@ -1,0 +1,37 @@
+# Strata: `make demo` and `make test` work on a fresh machine with only Rust installed.
+SHELL := /bin/bash
+CARGO ?= cargo
+DEMO_MODEL ?= target/demo-model
+STRATA_RELEASE := target/release/strata
+
+.PHONY: test demo build lint fmt bench-engine prerequisites
+
+## Everything CI checks: formatting, lints, the whole test suite.
+test: prerequisites
+	$(CARGO) fmt --all -- --check
+	$(CARGO) build --workspace --bins
+	$(CARGO) test --workspace
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+## Installs what the build and tests need and is missing.
+prerequisites:
+	@scripts/prerequisites.sh
+
+build:
+	$(CARGO) build --workspace --bins
+
+fmt:
+	$(CARGO) fmt --all
+
+## Builds in release, writes a small random model if none is given, streams generations.
+demo: prerequisites
+	$(CARGO) build --release --bin strata
+	@if [ ! -f "$(DEMO_MODEL)/config.json" ]; then \
+		$(STRATA_RELEASE) model random --arch llama --layers 4 --hidden 256 --heads 8 --kv-heads 4 \
+			--intermediate 768 --vocab 2048 --out $(DEMO_MODEL); fi
+	@scripts/demo.sh $(STRATA_RELEASE) $(DEMO_MODEL)
+
+## Engine benchmark on the Llama-3.2-1B shape against HF transformers (see docs/PERFORMANCE.md).
+bench-engine:
+	$(CARGO) build --release --bin strata
+	scripts/bench_engine.sh
