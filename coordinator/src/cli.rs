@@ -39,6 +39,26 @@ pub enum Command {
 pub enum ModelCommand {
     /// Write a random-weight model directory (config, safetensors, tokenizer).
     Random(RandomArgs),
+    /// Measure prefill and decode speed in-process, beside the memory-bandwidth roofline.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Tokens decoded at batch 1.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Prefill repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
 }
 
 #[derive(Args, Debug)]
@@ -182,6 +202,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model {
             command: ModelCommand::Random(args),
         } => random_model(args),
+        Command::Model {
+            command: ModelCommand::Bench(args),
+        } => bench_model(args),
     }
 }
 
@@ -211,6 +234,25 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             out.finish_reason.as_str()
         );
     }
+    Ok(())
+}
+
+fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
+    if args.prompt_len == 0 || args.decode_tokens == 0 || args.repeats == 0 {
+        bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
+    }
+    let config = EngineConfig {
+        kv_cache_bytes: args.kv_cache_mib << 20,
+        ..Default::default()
+    };
+    let mut model = LocalModel::load(&args.model, &config)?;
+    let cfg = crate::engine_bench::EngineBenchConfig {
+        prompt_len: args.prompt_len,
+        decode_tokens: args.decode_tokens,
+        repeats: args.repeats,
+    };
+    let report = crate::engine_bench::run(&mut model.engine, &cfg)?;
+    println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }
 

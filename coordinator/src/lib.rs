@@ -5,6 +5,7 @@
 //! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
 
 pub mod cli;
+pub mod engine_bench;
 pub mod local;
 pub mod model_tools;
 pub mod text;

@@ -172,11 +172,17 @@ mod tests {
         let tok = tokenizer();
         let text = "Café naïve 日本語 🙂 fox";
         let ids = tok.encode(text).unwrap();
-        assert!(ids.len() > text.chars().count() / 2, "multi-byte characters span tokens");
+        assert!(
+            ids.len() > text.chars().count() / 2,
+            "multi-byte characters span tokens"
+        );
         let (deltas, full, stopped) = stream_all(&tok, &ids, &[]);
         assert!(!stopped);
         for d in &deltas {
-            assert!(!d.contains('\u{FFFD}'), "delta {d:?} holds a broken character");
+            assert!(
+                !d.contains('\u{FFFD}'),
+                "delta {d:?} holds a broken character"
+            );
         }
         assert_eq!(deltas.concat(), full);
         assert_eq!(full, text);

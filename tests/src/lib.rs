@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 /// `tests/fixtures/models`, the HF-made models with reference outputs.
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("models")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join("models")
 }
 
 /// Every fixture model directory (those holding a reference.json), sorted by name.
@@ -31,7 +33,11 @@ pub fn strata_bin() -> PathBuf {
         .and_then(Path::parent)
         .map(|d| d.join(format!("strata{}", std::env::consts::EXE_SUFFIX)))
         .expect("target directory");
-    assert!(bin.exists(), "{} not found: run `cargo build --bin strata` before the tests", bin.display());
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build --bin strata` before the tests",
+        bin.display()
+    );
     bin
 }
 
@@ -42,9 +48,17 @@ pub fn reference(dir: &Path) -> serde_json::Value {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().expect("array of ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+    v.as_array()
+        .expect("array of ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
 }
 
 pub fn floats(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array().expect("array of numbers").iter().map(|x| x.as_f64().expect("number") as f32).collect()
+    v.as_array()
+        .expect("array of numbers")
+        .iter()
+        .map(|x| x.as_f64().expect("number") as f32)
+        .collect()
 }

@@ -8,7 +8,11 @@ use serde_json::Value;
 use strata_tests::{fixtures_dir, ids, reference, strata_bin};
 
 fn strata(args: &[&str]) -> Output {
-    Command::new(strata_bin()).args(args).env("RUST_LOG", "warn").output().expect("run strata")
+    Command::new(strata_bin())
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run strata")
 }
 
 fn generate_json(args: &[&str]) -> Value {
@@ -17,7 +21,12 @@ fn generate_json(args: &[&str]) -> Value {
     let out = strata(&all);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "strata {all:?} failed: {stderr}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {:?}", String::from_utf8_lossy(&out.stdout)))
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not one JSON object ({e}): {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
 /// Runs a command expected to fail; returns its stderr after checking it did not panic.
@@ -25,7 +34,10 @@ fn failure(args: &[&str]) -> String {
     let out = strata(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "strata {args:?} should fail");
-    assert!(!stderr.contains("panicked"), "strata {args:?} panicked: {stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "strata {args:?} panicked: {stderr}"
+    );
     stderr
 }
 
@@ -44,14 +56,31 @@ fn json_contract_and_greedy_tokens() {
     let prompt = ids(&r["prompt_ids"]);
     let want = ids(&r["greedy_ids"]);
     let m = model("llama_gqa");
-    let v = generate_json(&["--model", &m, "--prompt-ids", &csv(&prompt), "--max-tokens", "32", "--ignore-eos"]);
+    let v = generate_json(&[
+        "--model",
+        &m,
+        "--prompt-ids",
+        &csv(&prompt),
+        "--max-tokens",
+        "32",
+        "--ignore-eos",
+    ]);
     assert_eq!(ids(&v["prompt_ids"]), prompt);
     assert_eq!(ids(&v["token_ids"]), want);
     assert_eq!(v["finish_reason"], "length");
     assert_eq!(v["text"], r["greedy_text"]);
     assert!(v.get("logprobs").is_none(), "logprobs only when asked");
 
-    let v = generate_json(&["--model", &m, "--prompt-ids", &csv(&prompt), "--max-tokens", "5", "--logprobs", "3"]);
+    let v = generate_json(&[
+        "--model",
+        &m,
+        "--prompt-ids",
+        &csv(&prompt),
+        "--max-tokens",
+        "5",
+        "--logprobs",
+        "3",
+    ]);
     let lps = v["logprobs"].as_array().unwrap();
     let tokens = ids(&v["token_ids"]);
     assert_eq!(lps.len(), tokens.len());
@@ -69,7 +98,14 @@ fn json_contract_and_greedy_tokens() {
 fn text_prompts_use_the_models_tokenizer() {
     for name in ["llama_gqa", "qwen2_bias_tied"] {
         let r = reference(&fixtures_dir().join(name));
-        let v = generate_json(&["--model", &model(name), "--prompt", r["text_prompt"].as_str().unwrap(), "--max-tokens", "4"]);
+        let v = generate_json(&[
+            "--model",
+            &model(name),
+            "--prompt",
+            r["text_prompt"].as_str().unwrap(),
+            "--max-tokens",
+            "4",
+        ]);
         assert_eq!(ids(&v["prompt_ids"]), ids(&r["text_prompt_ids"]), "{name}");
     }
 }
@@ -77,14 +113,32 @@ fn text_prompts_use_the_models_tokenizer() {
 #[test]
 fn stop_strings_cut_the_text_exactly() {
     let m = model("llama_mha_tied");
-    let base = generate_json(&["--model", &m, "--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos"]);
+    let base = generate_json(&[
+        "--model",
+        &m,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+    ]);
     let text = base["text"].as_str().unwrap().to_string();
     let chars: Vec<(usize, char)> = text.char_indices().collect();
     assert!(chars.len() > 12, "need some text to cut: {text:?}");
     let (start, end) = (chars[8].0, chars[11].0);
     let stop = &text[start..end];
     let cut = text.find(stop).unwrap();
-    let v = generate_json(&["--model", &m, "--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos", "--stop", stop]);
+    let v = generate_json(&[
+        "--model",
+        &m,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+        "--stop",
+        stop,
+    ]);
     assert_eq!(v["text"].as_str().unwrap(), &text[..cut], "stop {stop:?}");
     assert_eq!(v["finish_reason"], "stop");
     assert!(ids(&v["token_ids"]).len() < 24);
@@ -98,7 +152,16 @@ fn stop_token_ids_and_eos_end_generation() {
     let m = model("llama_gqa");
     let stop_id = want[4];
     let first = want.iter().position(|&t| t == stop_id).unwrap();
-    let v = generate_json(&["--model", &m, "--prompt-ids", &prompt, "--max-tokens", "32", "--stop-token-ids", &stop_id.to_string()]);
+    let v = generate_json(&[
+        "--model",
+        &m,
+        "--prompt-ids",
+        &prompt,
+        "--max-tokens",
+        "32",
+        "--stop-token-ids",
+        &stop_id.to_string(),
+    ]);
     assert_eq!(ids(&v["token_ids"]), want[..=first].to_vec());
     assert_eq!(v["finish_reason"], "stop");
     // Without --ignore-eos, the fixture's EOS (id 2) ends generation if it is produced.
@@ -117,7 +180,17 @@ fn stop_token_ids_and_eos_end_generation() {
 fn seeded_sampling_is_reproducible() {
     let m = model("llama_gqa");
     let args = |seed: &'static str| -> Vec<&'static str> {
-        vec!["--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos", "--temperature", "1.5", "--seed", seed]
+        vec![
+            "--prompt-ids",
+            "1,5,9,13",
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--temperature",
+            "1.5",
+            "--seed",
+            seed,
+        ]
     };
     let run = |seed| {
         let mut a = vec!["--model", m.as_str()];
@@ -127,8 +200,30 @@ fn seeded_sampling_is_reproducible() {
     let a = run("11");
     assert_eq!(a, run("11"), "same seed, same tokens");
     assert_ne!(a, run("12"), "different seeds should differ over 24 tokens");
-    let greedy = ids(&generate_json(&["--model", &m, "--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos"])["token_ids"]);
-    let top1 = ids(&generate_json(&["--model", &m, "--prompt-ids", "1,5,9,13", "--max-tokens", "24", "--ignore-eos", "--temperature", "2", "--top-k", "1", "--seed", "3"])["token_ids"]);
+    let greedy = ids(&generate_json(&[
+        "--model",
+        &m,
+        "--prompt-ids",
+        "1,5,9,13",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+    ])["token_ids"]);
+    let top1 = ids(&generate_json(&[
+        "--model",
+        &m,
+        "--prompt-ids",
+        "1,5,9,13",
+        "--max-tokens",
+        "24",
+        "--ignore-eos",
+        "--temperature",
+        "2",
+        "--top-k",
+        "1",
+        "--seed",
+        "3",
+    ])["token_ids"]);
     assert_eq!(greedy, top1, "top-k 1 is greedy");
 }
 
@@ -153,7 +248,14 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
 
 fn gen_fail(dir: &Path, extra: &[&str]) -> String {
     let d = dir.to_string_lossy().to_string();
-    let mut a = vec!["generate", "--json", "--model", d.as_str(), "--prompt-ids", "1,2,3"];
+    let mut a = vec![
+        "generate",
+        "--json",
+        "--model",
+        d.as_str(),
+        "--prompt-ids",
+        "1,2,3",
+    ];
     a.extend_from_slice(extra);
     failure(&a)
 }
@@ -169,9 +271,14 @@ fn bad_model_files_get_clear_errors() {
     assert!(e.contains("model.safetensors"), "{e}");
 
     let (_t, dir) = scratch_copy("llama_gqa");
-    edit_config(&dir, |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
+    edit_config(&dir, |v| {
+        v["architectures"] = serde_json::json!(["GPT2LMHeadModel"])
+    });
     let e = gen_fail(&dir, &[]);
-    assert!(e.contains("GPT2LMHeadModel") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("GPT2LMHeadModel") && e.contains("config.json"),
+        "{e}"
+    );
 
     let (_t, dir) = scratch_copy("llama_gqa");
     edit_config(&dir, |v| v["intermediate_size"] = serde_json::json!(96));
@@ -181,9 +288,17 @@ fn bad_model_files_get_clear_errors() {
     let (_t, dir) = scratch_copy("llama_gqa");
     let st = dir.join("model.safetensors");
     let len = std::fs::metadata(&st).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 1000).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&st)
+        .unwrap()
+        .set_len(len - 1000)
+        .unwrap();
     let e = gen_fail(&dir, &[]);
-    assert!(e.contains("truncated") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains("truncated") && e.contains("model.safetensors"),
+        "{e}"
+    );
 
     // A tensor stored as I32 instead of a float type.
     let (_t, dir) = scratch_copy("llama_gqa");
@@ -192,7 +307,10 @@ fn bad_model_files_get_clear_errors() {
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
     let needle = "\"model.norm.weight\":{\"dtype\":\"F32\"";
-    assert!(header.contains(needle), "fixture header layout changed: {header:.200}");
+    assert!(
+        header.contains(needle),
+        "fixture header layout changed: {header:.200}"
+    );
     let header = header.replace(needle, "\"model.norm.weight\":{\"dtype\":\"I32\"");
     bytes.splice(8..8 + n, header.into_bytes());
     std::fs::write(&st, bytes).unwrap();
@@ -208,7 +326,9 @@ fn bad_model_files_get_clear_errors() {
 #[test]
 fn bad_requests_get_clear_errors() {
     let (_t, dir) = scratch_copy("llama_gqa");
-    edit_config(&dir, |v| v["max_position_embeddings"] = serde_json::json!(8));
+    edit_config(&dir, |v| {
+        v["max_position_embeddings"] = serde_json::json!(8)
+    });
     let e = gen_fail(&dir, &["--prompt-ids", "1,2,3,4,5,6,7,8,9,10"]);
     assert!(e.contains("prompt") && e.contains("context"), "{e}");
 
@@ -219,7 +339,13 @@ fn bad_requests_get_clear_errors() {
     assert!(e.contains("top_p"), "{e}");
     let e = gen_fail(&m, &["--max-tokens", "0"]);
     assert!(e.contains("max_tokens"), "{e}");
-    let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt-ids", "1,99999"]);
+    let e = failure(&[
+        "generate",
+        "--model",
+        &m.to_string_lossy(),
+        "--prompt-ids",
+        "1,99999",
+    ]);
     assert!(e.contains("99999") && e.contains("vocabulary"), "{e}");
     let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt", ""]);
     assert!(e.contains("prompt"), "{e}");
@@ -230,16 +356,50 @@ fn random_models_load_and_generate() {
     let tmp = tempfile::tempdir().unwrap();
     for (arch, dtype) in [("llama", "f32"), ("mistral", "bf16"), ("qwen2", "f32")] {
         let out = tmp.path().join(arch);
-        let o = strata(&["model", "random", "--arch", arch, "--dtype", dtype, "--layers", "3", "--out", &out.to_string_lossy()]);
+        let o = strata(&[
+            "model",
+            "random",
+            "--arch",
+            arch,
+            "--dtype",
+            dtype,
+            "--layers",
+            "3",
+            "--out",
+            &out.to_string_lossy(),
+        ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+        for f in [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
             assert!(out.join(f).exists(), "{arch}: {f} missing");
         }
-        let v = generate_json(&["--model", &out.to_string_lossy(), "--prompt", "Hello there", "--max-tokens", "8", "--ignore-eos"]);
+        let v = generate_json(&[
+            "--model",
+            &out.to_string_lossy(),
+            "--prompt",
+            "Hello there",
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+        ]);
         assert_eq!(ids(&v["token_ids"]).len(), 8, "{arch}");
-        let cfg: Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
         assert_eq!(cfg["num_hidden_layers"], 3);
     }
-    let e = failure(&["model", "random", "--heads", "5", "--out", &tmp.path().join("bad").to_string_lossy()]);
+    let e = failure(&[
+        "model",
+        "random",
+        "--heads",
+        "5",
+        "--out",
+        &tmp.path().join("bad").to_string_lossy(),
+    ]);
     assert!(e.contains("heads"), "{e}");
 }

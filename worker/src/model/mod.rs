@@ -142,9 +142,18 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    /// Bytes of weights held by this model (read once per decode step).
+    /// Bytes of weights held by this model.
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// Bytes of weights one decode step reads: everything but the embedding table, of
+    /// which it reads one row per token (unless the LM head is tied to it).
+    pub fn decode_bytes_per_token(&self) -> usize {
+        match self.lm_head {
+            Some(_) => self.weight_bytes - self.backend.weight_bytes(&self.embed),
+            None => self.weight_bytes,
+        }
     }
 
     /// Allocates the paged KV cache: one storage per layer.

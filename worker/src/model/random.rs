@@ -100,7 +100,8 @@ impl RandomModelSpec {
                 return Err(Error::invalid(name, "must be positive"));
             }
         }
-        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2) {
+        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2)
+        {
             return Err(Error::invalid(
                 "heads",
                 format!(

@@ -102,7 +102,10 @@ fn draws_follow_the_tempered_softmax() {
             .filter(|&&x| x == 1)
             .count() as f32
             / n as f32;
-        assert!((got - want).abs() < 0.03, "T={t}: token 1 drawn {got}, expected {want}");
+        assert!(
+            (got - want).abs() < 0.03,
+            "T={t}: token 1 drawn {got}, expected {want}"
+        );
     }
 }
 

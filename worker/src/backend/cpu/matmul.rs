@@ -109,7 +109,7 @@ impl CpuWeight {
 }
 
 /// Element types the kernels widen to f32.
-trait Widen: Copy + Send + Sync {
+pub trait Widen: Copy + Send + Sync {
     fn f32(self) -> f32;
 }
 
@@ -153,7 +153,7 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
     }
 }
 
-fn matmul_typed<T: Widen>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTensor {
+fn matmul_typed<T: Kernel>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTensor {
     if x.rows <= STREAM_MAX_ROWS {
         streaming(x, w, out_features)
     } else {
@@ -162,7 +162,7 @@ fn matmul_typed<T: Widen>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTen
 }
 
 /// Decode path: `out_t[j, t] = dot(w[j], x[t])`, output rows split across threads.
-fn streaming<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
+fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
     let (n, k) = (x.rows, x.cols);
     let mut out_t = vec![0f32; m * n];
     out_t
@@ -172,9 +172,7 @@ fn streaming<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
             let j0 = c * STREAM_CHUNK;
             for (jj, out_row) in out.chunks_mut(n).enumerate() {
                 let w_row = &w[(j0 + jj) * k..(j0 + jj + 1) * k];
-                for (t, o) in out_row.iter_mut().enumerate() {
-                    *o = dot(w_row, x.row(t));
-                }
+                dot_rows(w_row, &x.data, k, out_row);
             }
         });
     if n == 1 {
@@ -189,9 +187,30 @@ fn streaming<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
     CpuTensor::new(y, n, m)
 }
 
-#[inline(always)]
-fn dot_generic<T: Widen, const FMA: bool>(w: &[T], x: &[f32]) -> f32 {
-    const LANES: usize = 32;
+/// Element types with both a portable and (on x86-64) an AVX-512 kernel.
+#[cfg(target_arch = "x86_64")]
+pub trait Kernel: Widen + super::simd::Load16 {}
+#[cfg(target_arch = "x86_64")]
+impl<T: Widen + super::simd::Load16> Kernel for T {}
+#[cfg(not(target_arch = "x86_64"))]
+pub trait Kernel: Widen {}
+#[cfg(not(target_arch = "x86_64"))]
+impl<T: Widen> Kernel for T {}
+
+fn dot_rows<T: Kernel>(w: &[T], x: &[f32], k: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        // SAFETY: the CPU has AVX-512; `w` is one row of k elements and `x` holds
+        // `out.len()` rows of k.
+        return unsafe { super::simd::dot_rows(w, x, k, out) };
+    }
+    for (t, o) in out.iter_mut().enumerate() {
+        *o = dot_portable(w, &x[t * k..(t + 1) * k]);
+    }
+}
+
+fn dot_portable<T: Widen>(w: &[T], x: &[f32]) -> f32 {
+    const LANES: usize = 16;
     let mut acc = [0f32; LANES];
     let split = w.len() / LANES * LANES;
     for (wc, xc) in w[..split]
@@ -199,55 +218,15 @@ fn dot_generic<T: Widen, const FMA: bool>(w: &[T], x: &[f32]) -> f32 {
         .zip(x[..split].chunks_exact(LANES))
     {
         for l in 0..LANES {
-            acc[l] = if FMA {
-                wc[l].f32().mul_add(xc[l], acc[l])
-            } else {
-                acc[l] + wc[l].f32() * xc[l]
-            };
+            acc[l] += wc[l].f32() * xc[l];
         }
     }
-    let mut sum = 0f32;
-    for (a, b) in w[split..].iter().zip(&x[split..]) {
-        sum += a.f32() * b;
-    }
-    // Pairwise reduction of the lanes.
-    let mut width = LANES / 2;
-    while width > 0 {
-        for l in 0..width {
-            acc[l] += acc[l + width];
-        }
-        width /= 2;
-    }
-    acc[0] + sum
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn dot_avx512<T: Widen>(w: &[T], x: &[f32]) -> f32 {
-    dot_generic::<T, true>(w, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-    })
-}
-
-#[inline]
-fn dot<T: Widen>(w: &[T], x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
-        // SAFETY: the CPU supports every feature the function is compiled for.
-        return unsafe { dot_avx512(w, x) };
-    }
-    dot_generic::<T, false>(w, x)
+    let tail: f32 = w[split..]
+        .iter()
+        .zip(&x[split..])
+        .map(|(a, b)| a.f32() * b)
+        .sum();
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Prefill path: widen a tile of weight rows, then one packed GEMM per tile.
@@ -302,7 +281,7 @@ unsafe fn widen_avx512<T: Widen>(src: &[T], dst: &mut [f32]) {
 
 fn widen_fast<T: Widen>(src: &[T], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if has_avx512() {
+    if super::simd::available() {
         // SAFETY: the CPU supports every feature the function is compiled for.
         return unsafe { widen_avx512(src, dst) };
     }

@@ -7,6 +7,7 @@
 
 mod attention;
 mod matmul;
+mod simd;
 
 use rayon::prelude::*;
 use strata_common::{Error, Result};

@@ -134,8 +134,12 @@ fn naive_attention(
     start: usize,
     shape: AttentionShape,
 ) -> Vec<f32> {
-    let (heads, kv_heads, d, window) =
-        (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.sliding_window);
+    let (heads, kv_heads, d, window) = (
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.sliding_window,
+    );
     let mut out = vec![0f32; (len - start) * heads * d];
     for t in start..len {
         for h in 0..heads {

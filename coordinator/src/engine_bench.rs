@@ -1,0 +1,122 @@
+//! `strata model bench`: prefill and decode speed of the in-process engine, beside the
+//! machine's measured memory bandwidth and the decode roofline it implies.
+//!
+//! Decode at batch 1 reads every weight once per token, so `bandwidth / bytes per token`
+//! bounds it; the bandwidth is measured in the same run (a multi-threaded read of a large
+//! array), because on a shared machine it moves between runs. Figures are medians.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use strata_common::{Result, SamplingParams};
+use strata_worker::backend::cpu::CpuBackend;
+use strata_worker::Engine;
+use tracing::info;
+
+#[derive(Debug, Serialize)]
+pub struct EngineBenchReport {
+    pub threads: usize,
+    pub weight_bytes: usize,
+    pub decode_bytes_per_token: usize,
+    pub prompt_len: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub bandwidth_gb_per_s: f64,
+    pub roofline_decode_tokens_per_s: f64,
+    pub decode_share_of_roofline: f64,
+}
+
+pub struct EngineBenchConfig {
+    pub prompt_len: usize,
+    pub decode_tokens: usize,
+    pub repeats: usize,
+}
+
+pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
+    let vocab = engine.model().config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..cfg.prompt_len as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+
+    // Warm-up pages the weights in from the mapping.
+    info!("warm-up");
+    engine.prompt_logits(&prompt[..16.min(prompt.len())])?;
+
+    let mut prefill = Vec::new();
+    for r in 0..cfg.repeats {
+        let t = Instant::now();
+        engine.prompt_logits(&prompt)?;
+        let secs = t.elapsed().as_secs_f64();
+        info!(
+            repeat = r + 1,
+            of = cfg.repeats,
+            tokens_per_s = cfg.prompt_len as f64 / secs,
+            "prefill"
+        );
+        prefill.push(cfg.prompt_len as f64 / secs);
+    }
+
+    let params = SamplingParams {
+        max_new_tokens: cfg.decode_tokens as u32 + 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    engine.add(u64::MAX, prompt[..16.min(prompt.len())].to_vec(), params)?;
+    engine.step()?; // the prefill step
+    let mut steps = Vec::new();
+    while engine.num_running() > 0 {
+        let t = Instant::now();
+        engine.step()?;
+        steps.push(t.elapsed().as_secs_f64());
+        if steps.len() % 8 == 0 {
+            info!(
+                tokens = steps.len(),
+                of = cfg.decode_tokens,
+                tokens_per_s = 1.0 / median(&steps),
+                "decode"
+            );
+        }
+    }
+    let decode = 1.0 / median(&steps);
+
+    info!("measuring memory bandwidth");
+    let bandwidth = measure_bandwidth(cfg.repeats.max(5));
+    let bytes = engine.model().decode_bytes_per_token();
+    let roofline = bandwidth / bytes as f64;
+    Ok(EngineBenchReport {
+        threads: rayon::current_num_threads(),
+        weight_bytes: engine.model().weight_bytes(),
+        decode_bytes_per_token: bytes,
+        prompt_len: cfg.prompt_len,
+        prefill_tokens_per_s: median(&prefill),
+        decode_tokens_per_s: decode,
+        bandwidth_gb_per_s: bandwidth / 1e9,
+        roofline_decode_tokens_per_s: roofline,
+        decode_share_of_roofline: decode / roofline,
+    })
+}
+
+/// Bytes per second of a multi-threaded sequential read of a 1 GiB array (median).
+pub fn measure_bandwidth(repeats: usize) -> f64 {
+    // Integer sums vectorise freely (no float reassociation), so the read is the limit.
+    let data: Vec<u32> = (0..(1u32 << 28)).collect();
+    let mut rates = Vec::new();
+    for _ in 0..repeats {
+        let t = Instant::now();
+        let sum: u32 = data
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
+            .reduce(|| 0, u32::wrapping_add);
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        rates.push((data.len() * 4) as f64 / secs);
+    }
+    median(&rates)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}

@@ -1,0 +1,107 @@
+//! AVX-512 kernels for the memory-bound decode matmul.
+//!
+//! One weight row is loaded 32 elements at a time, widened to f32 in registers (bf16: a
+//! 16-bit shift; f16: `vcvtph2ps`), and multiplied into up to 8 activation rows at once,
+//! each with two independent accumulators so FMA latency never limits the stream. The
+//! number of activation rows is a const parameter so accumulators stay in registers.
+//! Callers check [`available`] first; other CPUs take the portable loop in `matmul`.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use half::{bf16, f16};
+
+/// Element types that widen 16 at a time into an AVX-512 register.
+pub trait Load16: Copy {
+    /// # Safety
+    /// `p` must point at 16 readable elements; the CPU must support AVX-512F and F16C.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+impl Load16 for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
+}
+
+impl Load16 for bf16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Load16 for f16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+    }
+}
+
+pub fn available() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// `out[t] = dot(w, x[t*k..(t+1)*k])` for `t < out.len()` (at most 8).
+///
+/// # Safety
+/// [`available`] must be true; `w.len() == k`, `x.len() >= out.len() * k`.
+pub unsafe fn dot_rows<T: Load16 + super::matmul::Widen>(
+    w: &[T],
+    x: &[f32],
+    k: usize,
+    out: &mut [f32],
+) {
+    match out.len() {
+        1 => dot_rows_n::<T, 1>(w, x, k, out),
+        2 => dot_rows_n::<T, 2>(w, x, k, out),
+        3 => dot_rows_n::<T, 3>(w, x, k, out),
+        4 => dot_rows_n::<T, 4>(w, x, k, out),
+        5 => dot_rows_n::<T, 5>(w, x, k, out),
+        6 => dot_rows_n::<T, 6>(w, x, k, out),
+        7 => dot_rows_n::<T, 7>(w, x, k, out),
+        8 => dot_rows_n::<T, 8>(w, x, k, out),
+        n => panic!("dot_rows takes at most 8 rows, got {n}"),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+unsafe fn dot_rows_n<T: Load16 + super::matmul::Widen, const N: usize>(
+    w: &[T],
+    x: &[f32],
+    k: usize,
+    out: &mut [f32],
+) {
+    let mut acc0 = [_mm512_setzero_ps(); N];
+    let mut acc1 = [_mm512_setzero_ps(); N];
+    let wp = w.as_ptr();
+    let xp = x.as_ptr();
+    let main = k / 32 * 32;
+    let mut i = 0;
+    while i < main {
+        let w0 = T::load16(wp.add(i));
+        let w1 = T::load16(wp.add(i + 16));
+        for t in 0..N {
+            acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp.add(t * k + i)), acc0[t]);
+            acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp.add(t * k + i + 16)), acc1[t]);
+        }
+        i += 32;
+    }
+    for t in 0..N {
+        let mut s = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+        for j in main..k {
+            s += w[j].f32() * x[t * k + j];
+        }
+        out[t] = s;
+    }
+}
