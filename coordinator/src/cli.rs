@@ -28,6 +28,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt, in-process (or against a server with --endpoint).
     Generate(GenerateArgs),
+    /// Serve models over gRPC: coordinator and workers in one process, no etcd.
+    Serve(ServeArgs),
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -112,9 +114,49 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
-    /// Memory for the KV cache, in MiB.
+    /// Memory for the KV cache, in MiB (in-process only).
     #[arg(long, default_value_t = 512)]
     pub kv_cache_mib: usize,
+    /// Call a running server (e.g. http://127.0.0.1:50051); --model is then a served name.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// With --endpoint: stream text as it is generated.
+    #[arg(long, requires = "endpoint")]
+    pub stream: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model directory to serve (repeatable).
+    #[arg(long, required = true)]
+    pub model: Vec<PathBuf>,
+    /// Name clients use for each --model, in the same order (default: the directory name).
+    #[arg(long)]
+    pub name: Vec<String>,
+    /// Address to listen on; port 0 picks a free port (the log says which).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: std::net::SocketAddr,
+    /// Tensor-parallel ranks per replica.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages per replica.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Replicas of each model.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Most sequences running at once per replica.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// Memory for each replica's KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+    /// Seconds in-flight calls get to finish after SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
 }
 
 impl GenerateArgs {
@@ -198,7 +240,11 @@ pub struct RandomArgs {
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => match args.endpoint.clone() {
+            Some(endpoint) => runtime()?.block_on(crate::client::generate_remote(&args, &endpoint)),
+            None => generate(args),
+        },
+        Command::Serve(args) => serve(args),
         Command::Model {
             command: ModelCommand::Random(args),
         } => random_model(args),
@@ -235,6 +281,60 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if args.tp != 1 || args.pp != 1 {
+        bail!("--tp {} --pp {}: tensor and pipeline parallelism are not available yet; use --tp 1 --pp 1", args.tp, args.pp);
+    }
+    if !args.name.is_empty() && args.name.len() != args.model.len() {
+        bail!(
+            "--name is given {} times for {} --model flags; give one name per model or none",
+            args.name.len(),
+            args.model.len()
+        );
+    }
+    if args.replicas == 0 || args.max_num_seqs == 0 {
+        bail!("--replicas and --max-num-seqs must be at least 1");
+    }
+    if !(args.drain_timeout >= 0.0 && args.drain_timeout.is_finite()) {
+        bail!("--drain-timeout must be a non-negative number of seconds");
+    }
+    let engine = EngineConfig {
+        kv_cache_bytes: args.kv_cache_mib << 20,
+        ..Default::default()
+    };
+    let limits = strata_worker::RunnerLimits {
+        max_num_seqs: args.max_num_seqs,
+        max_waiting: args.max_waiting,
+    };
+    let mut models = crate::models::ModelSet::default();
+    for (i, dir) in args.model.iter().enumerate() {
+        let name = match args.name.get(i) {
+            Some(n) => n.clone(),
+            None => dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
+                .with_context(|| format!("--model {}: not a directory", dir.display()))?,
+        };
+        let model =
+            crate::models::ServedModel::load_local(&name, dir, args.replicas, &engine, &limits)
+                .with_context(|| format!("loading model {name:?}"))?;
+        models.insert(model)?;
+    }
+    let opts = crate::serve::ServeOptions {
+        listen: args.listen,
+        drain_timeout: std::time::Duration::from_secs_f64(args.drain_timeout),
+    };
+    runtime()?.block_on(crate::serve::serve(models, opts))
 }
 
 fn bench_model(args: BenchArgs) -> anyhow::Result<()> {

@@ -4,9 +4,17 @@
 //! incrementally and applies stop strings ([`text`]), and drives generations
 //! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
 
+pub mod admin;
 pub mod cli;
+pub mod client;
 pub mod engine_bench;
+pub mod generation;
 pub mod local;
 pub mod model_tools;
+pub mod models;
+pub mod request;
+pub mod serve;
+pub mod server;
+pub mod status;
 pub mod text;
 pub mod tokenizer;

@@ -10,7 +10,9 @@ pub mod backend;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod runner;
 pub mod sampler;
 
 pub use engine::{Engine, EngineConfig, SeqId, StepEvent, TokenLogprobs};
+pub use runner::{EngineHandle, EngineStats, RunnerLimits, SeqEvent, SequenceStream};
 pub use strata_common::{Error, Result};
