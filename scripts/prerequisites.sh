@@ -1,16 +1,28 @@
 #!/usr/bin/env bash
-# Installs what building and testing Strata needs, when it is missing.
-# Today that is only a C compiler (for the tokenizers crate's oniguruma); the serving and
-# cluster work adds protoc and etcd here.
+# Installs what building and testing Strata needs, when it is missing:
+# - a C compiler (the tokenizers crate builds oniguruma);
+# - target/pyenv: a Python virtualenv with grpcio and grpcio-tools, for the test that
+#   calls the server from a client nobody on this team wrote.
+# protoc is not needed: the proto crate compiles .proto files with protox (pure Rust).
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
-need_apt=()
-command -v cc >/dev/null 2>&1 || need_apt+=(build-essential)
-
-if [ ${#need_apt[@]} -gt 0 ]; then
-  echo "installing: ${need_apt[*]}" >&2
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO="sudo"
+apt_install() {
+  echo "installing: $*" >&2
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq "${need_apt[@]}"
-fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$@"
+}
+
 command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install Rust from https://rustup.rs" >&2; exit 1; }
+command -v cc >/dev/null 2>&1 || apt_install build-essential
+command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+
+PYENV=target/pyenv
+if ! "$PYENV/bin/python" -c "import grpc, grpc_tools, grpc_health" 2>/dev/null; then
+  echo "creating $PYENV (grpcio, grpcio-tools, grpcio-health-checking)" >&2
+  mkdir -p target
+  python3 -m venv "$PYENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$PYENV"; }
+  "$PYENV/bin/pip" install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking
+fi

@@ -66,7 +66,7 @@ pub fn admit(req: &pb::GenerateRequest, model: &ServedModel) -> Result<Admitted>
         Some(n) => n,
         None => DEFAULT_MAX_TOKENS.min(room),
     };
-    let s = req.sampling.clone().unwrap_or_default();
+    let s = req.sampling.unwrap_or_default();
     let params = SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k,

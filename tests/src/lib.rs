@@ -62,3 +62,98 @@ pub fn floats(v: &serde_json::Value) -> Vec<f32> {
         .map(|x| x.as_f64().expect("number") as f32)
         .collect()
 }
+
+/// A `strata serve` process on a free loopback port, killed when dropped.
+pub struct Server {
+    pub child: std::process::Child,
+    pub addr: String,
+    /// Everything the server printed on stderr so far.
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `strata serve --listen 127.0.0.1:0 ARGS…` and waits until it is ready.
+    pub fn start(args: &[&str]) -> Server {
+        use std::io::{BufRead, BufReader};
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(strata_bin())
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "info,strata_worker::runner=debug")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start strata serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(i) = line.find("listening on ") {
+                    let addr: String = line[i + 13..]
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or("")
+                        .to_string();
+                    let _ = tx.send(addr);
+                }
+                let mut l = log2.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("strata serve did not become ready: {}", log.lock().unwrap());
+            }
+        };
+        Server { child, addr, log }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Writes a random model bigger than the fixtures (so generations take a while) into `dir`.
+pub fn write_slow_model(dir: &Path) {
+    let out = std::process::Command::new(strata_bin())
+        .args([
+            "model", "random", "--arch", "llama", "--hidden", "512", "--layers", "6", "--heads",
+            "8",
+        ])
+        .args([
+            "--kv-heads",
+            "4",
+            "--intermediate",
+            "1536",
+            "--vocab",
+            "2048",
+            "--out",
+        ])
+        .arg(dir)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run strata model random");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,496 @@
+//! `strata serve` end to end: the real binary on a free loopback port, called through the
+//! generated Rust client — unary and streaming Generate, cancellation, every error
+//! status, health, reflection and graceful shutdown.
+
+use std::time::{Duration, Instant};
+
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_tests::{fixtures_dir, ids, reference, write_slow_model, Server};
+use tonic::transport::Channel;
+use tonic::Code;
+
+async fn client(server: &Server) -> InferenceClient<Channel> {
+    InferenceClient::connect(server.endpoint())
+        .await
+        .expect("connect")
+}
+
+fn fixture(name: &str) -> String {
+    fixtures_dir().join(name).to_string_lossy().to_string()
+}
+
+fn request(model: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        model: model.into(),
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
+            ids: prompt,
+        })),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+fn text_request(model: &str, text: &str, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        model: model.into(),
+        prompt: Some(pb::generate_request::Prompt::Text(text.into())),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+async fn collect_stream(
+    c: &mut InferenceClient<Channel>,
+    req: pb::GenerateRequest,
+) -> Vec<pb::GenerateStreamResponse> {
+    let mut s = c
+        .generate_stream(req)
+        .await
+        .expect("stream starts")
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(m) = s.message().await.expect("stream message") {
+        out.push(m);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unary_and_streaming_generate_match_the_reference() {
+    let server = Server::start(&[
+        "--model",
+        &fixture("llama_gqa"),
+        "--model",
+        &fixture("qwen2_bias_tied"),
+    ]);
+    let mut c = client(&server).await;
+    for name in ["llama_gqa", "qwen2_bias_tied"] {
+        let r = reference(&fixtures_dir().join(name));
+        let prompt = ids(&r["prompt_ids"]);
+        let want = ids(&r["greedy_ids"]);
+        let unary = c
+            .generate(request(name, prompt.clone(), 32))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(unary.token_ids, want, "{name}: unary greedy tokens");
+        assert_eq!(unary.text, r["greedy_text"].as_str().unwrap());
+        assert_eq!(unary.finish_reason, pb::FinishReason::Length as i32);
+        let usage = unary.usage.unwrap();
+        assert_eq!(
+            (usage.prompt_tokens, usage.completion_tokens),
+            (prompt.len() as u32, 32)
+        );
+        assert_eq!(unary.prompt_token_ids, prompt);
+
+        let msgs = collect_stream(&mut c, request(name, prompt.clone(), 32)).await;
+        let tokens: Vec<u32> = msgs.iter().flat_map(|m| m.token_ids.clone()).collect();
+        let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
+        assert_eq!(tokens, want, "{name}: streamed tokens");
+        assert_eq!(
+            text, unary.text,
+            "{name}: concatenated deltas equal the unary text"
+        );
+        let last = msgs.last().unwrap();
+        assert_eq!(last.finish_reason, pb::FinishReason::Length as i32);
+        assert_eq!(last.usage.as_ref().unwrap().completion_tokens, 32);
+        assert!(msgs[..msgs.len() - 1]
+            .iter()
+            .all(|m| m.finish_reason == 0 && m.usage.is_none()));
+    }
+
+    // Text prompts, stop strings and logprobs behave as in-process.
+    let unary = c
+        .generate(text_request("llama_gqa", "The quick brown fox", 24))
+        .await
+        .unwrap()
+        .into_inner();
+    let chars: Vec<(usize, char)> = unary.text.char_indices().collect();
+    let stop = unary.text[chars[6].0..chars[9].0].to_string();
+    let cut = unary.text.find(&stop).unwrap();
+    let mut req = text_request("llama_gqa", "The quick brown fox", 24);
+    req.stop = vec![stop.clone()];
+    req.logprobs = Some(2);
+    let msgs = collect_stream(&mut c, req.clone()).await;
+    let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
+    assert_eq!(text, &unary.text[..cut], "stop {stop:?}");
+    assert_eq!(
+        msgs.last().unwrap().finish_reason,
+        pb::FinishReason::Stop as i32
+    );
+    let lps: Vec<_> = msgs.iter().flat_map(|m| m.logprobs.clone()).collect();
+    let toks: Vec<u32> = msgs.iter().flat_map(|m| m.token_ids.clone()).collect();
+    assert_eq!(lps.len(), toks.len());
+    assert!(lps
+        .iter()
+        .all(|l| l.top.len() == 2 && l.top[0].token_id == l.token_id));
+    let u = c.generate(req).await.unwrap().into_inner();
+    assert_eq!(u.text, text);
+
+    let models = c
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .models;
+    let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(names, ["llama_gqa", "qwen2_bias_tied"]);
+    assert_eq!(models[1].architecture, "Qwen2ForCausalLM");
+    let t = c
+        .tokenize(pb::TokenizeRequest {
+            model: "llama_gqa".into(),
+            text: "The quick brown fox".into(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        t.into_inner().token_ids,
+        ids(&reference(&fixtures_dir().join("llama_gqa"))["text_prompt_ids"])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn errors_map_to_status_codes_naming_the_field() {
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "m"]);
+    let mut c = client(&server).await;
+    let ok = || request("m", vec![1, 2, 3], 4);
+    let cases: Vec<(pb::GenerateRequest, Code, &str)> = vec![
+        (
+            pb::GenerateRequest {
+                model: "nope".into(),
+                ..ok()
+            },
+            Code::NotFound,
+            "nope",
+        ),
+        (
+            pb::GenerateRequest {
+                model: "".into(),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "model",
+        ),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams {
+                    temperature: -0.5,
+                    ..Default::default()
+                }),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "temperature",
+        ),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams {
+                    top_p: Some(0.0),
+                    ..Default::default()
+                }),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "top_p",
+        ),
+        (
+            pb::GenerateRequest {
+                sampling: Some(pb::SamplingParams {
+                    top_p: Some(1.5),
+                    ..Default::default()
+                }),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "top_p",
+        ),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(0),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "max_tokens",
+        ),
+        (
+            pb::GenerateRequest {
+                max_tokens: Some(600),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "max_tokens",
+        ),
+        (
+            pb::GenerateRequest {
+                prompt: None,
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "prompt",
+        ),
+        (text_request("m", "", 4), Code::InvalidArgument, "prompt"),
+        (request("m", vec![], 4), Code::InvalidArgument, "prompt"),
+        (
+            request("m", vec![1; 600], 4),
+            Code::InvalidArgument,
+            "context",
+        ),
+        (
+            request("m", vec![1, 100000], 4),
+            Code::InvalidArgument,
+            "token_ids",
+        ),
+        (
+            pb::GenerateRequest {
+                logprobs: Some(50),
+                ..ok()
+            },
+            Code::InvalidArgument,
+            "logprobs",
+        ),
+    ];
+    for (req, code, word) in cases {
+        for streaming in [false, true] {
+            let status = if streaming {
+                match c.generate_stream(req.clone()).await {
+                    Err(s) => s,
+                    Ok(r) => r
+                        .into_inner()
+                        .message()
+                        .await
+                        .expect_err("stream should fail"),
+                }
+            } else {
+                c.generate(req.clone()).await.expect_err("should fail")
+            };
+            assert_eq!(status.code(), code, "{req:?}: {status:?}");
+            assert!(
+                status.message().contains(word),
+                "{:?} should name {word}",
+                status.message()
+            );
+        }
+    }
+    // The server is still healthy after all that.
+    assert_eq!(
+        c.generate(ok()).await.unwrap().into_inner().token_ids.len(),
+        4
+    );
+}
+
+async fn model_stats(c: &mut InferenceClient<Channel>) -> pb::ModelInfo {
+    c.list_models(pb::ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .models
+        .remove(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cancelled_streams_free_their_sequence() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    let server = Server::start(&["--model", &tmp.path().to_string_lossy(), "--name", "slow"]);
+    let mut c = client(&server).await;
+    let mut s = c
+        .generate_stream(request("slow", vec![1, 5, 9], 1900))
+        .await
+        .unwrap()
+        .into_inner();
+    for _ in 0..3 {
+        assert!(s.message().await.unwrap().is_some());
+    }
+    let busy = model_stats(&mut c).await;
+    assert_eq!(busy.running_sequences, 1);
+    assert!(busy.kv_blocks_free < busy.kv_blocks_total);
+    drop(s); // the client goes away mid-generation
+    let started = Instant::now();
+    loop {
+        let m = model_stats(&mut c).await;
+        if m.running_sequences == 0 && m.kv_blocks_free == m.kv_blocks_total {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "sequence still running after cancel: {m:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        server.log().contains("cancelled") || server.log().contains("caller gone"),
+        "{}",
+        server.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_queue_answers_resource_exhausted() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    let server = Server::start(&[
+        "--model",
+        &tmp.path().to_string_lossy(),
+        "--name",
+        "slow",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "1",
+    ]);
+    let mut c = client(&server).await;
+    let mut running = c
+        .generate_stream(request("slow", vec![1, 2], 1500))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(running.message().await.unwrap().is_some());
+    let _waiting = c
+        .generate_stream(request("slow", vec![1, 3], 4))
+        .await
+        .unwrap()
+        .into_inner();
+    let status = c
+        .generate(request("slow", vec![1, 4], 4))
+        .await
+        .expect_err("queue is full");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_and_reflection_are_served() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+
+    let server = Server::start(&["--model", &fixture("llama_gqa")]);
+    let channel = Channel::from_shared(server.endpoint())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut h = HealthClient::new(channel.clone());
+    for service in ["", "strata.inference.v1.Inference"] {
+        let r = h
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
+    }
+    let mut refl = ServerReflectionClient::new(channel);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut resp = refl
+        .server_reflection_info(tokio_stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let msg = resp.message().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
+        panic!("{msg:?}")
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    for want in [
+        "strata.inference.v1.Inference",
+        "strata.admin.v1.Admin",
+        "grpc.health.v1.Health",
+    ] {
+        assert!(
+            names.iter().any(|n| n == want),
+            "{want} missing from {names:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_in_flight_streams_and_exits_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    let mut server = Server::start(&[
+        "--model",
+        &tmp.path().to_string_lossy(),
+        "--name",
+        "slow",
+        "--drain-timeout",
+        "60",
+    ]);
+    let mut c = client(&server).await;
+    let mut s = c
+        .generate_stream(request("slow", vec![1, 2, 3], 200))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut tokens = s.message().await.unwrap().unwrap().token_ids.len();
+    let pid = server.child.id().to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let mut finish = 0;
+    while let Some(m) = s.message().await.expect("the in-flight stream completes") {
+        tokens += m.token_ids.len();
+        finish = m.finish_reason;
+    }
+    assert_eq!((tokens, finish), (200, pb::FinishReason::Length as i32));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = server.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "server did not exit after draining"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit status {status:?}: {}", server.log());
+    assert!(
+        InferenceClient::connect(server.endpoint()).await.is_err(),
+        "no new connections after shutdown"
+    );
+}
+
+/// A Python grpcio client (stubs generated from proto/ by grpcio-tools) calls the server.
+/// `make test` installs grpcio and grpcio-tools into target/pyenv; STRATA_PYTHON overrides.
+#[test]
+fn python_grpcio_client_calls_the_server() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let python = std::env::var_os("STRATA_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| root.join("target/pyenv/bin/python"));
+    assert!(
+        python.exists(),
+        "{} missing: run `make prerequisites` (creates target/pyenv with grpcio and grpcio-tools)",
+        python.display()
+    );
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "tiny"]);
+    let out = std::process::Command::new(&python)
+        .arg(root.join("tests/python/grpc_client.py"))
+        .args([server.addr.as_str(), "tiny"])
+        .arg(root.join("proto"))
+        .output()
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "python client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("5 passed, 0 failed"), "{stdout}");
+}
