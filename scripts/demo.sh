@@ -1,10 +1,28 @@
 #!/usr/bin/env bash
-# Streams a few generations from a model directory with the given strata binary.
+# Starts `strata serve` on a model directory, streams a few generations through
+# `strata generate --endpoint ... --stream`, and stops the server (SIGTERM, drained).
+#   scripts/demo.sh STRATA_BINARY MODEL_DIR
 set -euo pipefail
 bin=$1
 model=$2
-for prompt in "Once upon a time" "The quick brown fox" "Strata serves"; do
-  echo "── prompt: $prompt"
-  RUST_LOG=warn "$bin" generate --model "$model" --prompt "$prompt" --max-tokens 32 \
-    --temperature 0.8 --top-p 0.95 --seed 7
+log=$(mktemp)
+"$bin" serve --model "$model" --name demo --listen 127.0.0.1:0 2>"$log" &
+pid=$!
+trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
+for _ in $(seq 300); do
+  grep -q "listening on" "$log" && break
+  kill -0 $pid 2>/dev/null || { cat "$log" >&2; exit 1; }
+  sleep 0.1
 done
+addr=$(grep -o "listening on [0-9.:]*" "$log" | awk '{print $3}')
+echo "strata serve is listening on $addr (model \"demo\" from $model)"
+for prompt in "Once upon a time" "The quick brown fox" "Strata serves"; do
+  echo
+  echo "── prompt: $prompt"
+  RUST_LOG=warn "$bin" generate --endpoint "http://$addr" --model demo --prompt "$prompt" \
+    --max-tokens 32 --temperature 0.8 --top-p 0.95 --seed 7 --stream
+done
+kill -TERM $pid
+wait $pid
+echo
+echo "server drained and stopped."

@@ -43,6 +43,20 @@ pub enum ModelCommand {
     Random(RandomArgs),
     /// Measure prefill and decode speed in-process, beside the memory-bandwidth roofline.
     Bench(BenchArgs),
+    /// Latency of 1-token generations, in-process or through a server (--endpoint).
+    Latency(LatencyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LatencyArgs {
+    /// Model directory (in-process) or served model name (with --endpoint).
+    #[arg(long)]
+    pub model: String,
+    /// A running server to call instead of running the model in-process.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    #[arg(long, default_value_t = 500)]
+    pub requests: usize,
 }
 
 #[derive(Args, Debug)]
@@ -245,12 +259,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => generate(args),
         },
         Command::Serve(args) => serve(args),
-        Command::Model {
-            command: ModelCommand::Random(args),
-        } => random_model(args),
-        Command::Model {
-            command: ModelCommand::Bench(args),
-        } => bench_model(args),
+        Command::Model { command } => match command {
+            ModelCommand::Random(args) => random_model(args),
+            ModelCommand::Bench(args) => bench_model(args),
+            ModelCommand::Latency(args) => latency(args),
+        },
     }
 }
 
@@ -337,6 +350,21 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     runtime()?.block_on(crate::serve::serve(models, opts))
 }
 
+fn latency(args: LatencyArgs) -> anyhow::Result<()> {
+    if args.requests == 0 {
+        bail!("--requests must be at least 1");
+    }
+    let report = match &args.endpoint {
+        Some(endpoint) => runtime()?.block_on(crate::latency_bench::over_grpc(endpoint, &args.model, args.requests))?,
+        None => {
+            let mut model = LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
+            crate::latency_bench::in_process(&mut model, args.requests)?
+        }
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
 fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
@@ -415,5 +443,9 @@ fn spec_params(spec: &RandomModelSpec) -> String {
     let per_layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate;
     let embed = spec.vocab * h * if spec.tie_word_embeddings { 1 } else { 2 };
     let n = spec.layers * per_layer + embed;
-    format!("{:.2}B", n as f64 / 1e9)
+    if n >= 1_000_000_000 {
+        format!("{:.2}B", n as f64 / 1e9)
+    } else {
+        format!("{:.1}M", n as f64 / 1e6)
+    }
 }

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod client;
 pub mod engine_bench;
 pub mod generation;
+pub mod latency_bench;
 pub mod local;
 pub mod model_tools;
 pub mod models;
