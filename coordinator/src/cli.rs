@@ -355,9 +355,14 @@ fn latency(args: LatencyArgs) -> anyhow::Result<()> {
         bail!("--requests must be at least 1");
     }
     let report = match &args.endpoint {
-        Some(endpoint) => runtime()?.block_on(crate::latency_bench::over_grpc(endpoint, &args.model, args.requests))?,
+        Some(endpoint) => runtime()?.block_on(crate::latency_bench::over_grpc(
+            endpoint,
+            &args.model,
+            args.requests,
+        ))?,
         None => {
-            let mut model = LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
+            let mut model =
+                LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
             crate::latency_bench::in_process(&mut model, args.requests)?
         }
     };
