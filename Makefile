@@ -9,7 +9,7 @@ STRATA_RELEASE := target/release/strata
 ## Everything CI checks: formatting, lints, the whole test suite.
 test: prerequisites
 	$(CARGO) fmt --all -- --check
-	$(CARGO) build --workspace --bins
+	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 

@@ -50,17 +50,11 @@ pub enum Error {
 
 impl Error {
     pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::InvalidArgument {
-            field: field.into(),
-            reason: reason.into(),
-        }
+        Error::InvalidArgument { field: field.into(), reason: reason.into() }
     }
 
     pub fn model_file(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
-        Error::ModelFile {
-            path: path.into(),
-            reason: reason.into(),
-        }
+        Error::ModelFile { path: path.into(), reason: reason.into() }
     }
 
     pub fn class(&self) -> ErrorClass {

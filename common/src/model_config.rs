@@ -106,8 +106,8 @@ impl ModelConfig {
                 .map_err(|e| Error::model_file(&gen_path, format!("cannot read: {e}")))?;
             let value: Value = serde_json::from_str(&text)
                 .map_err(|e| Error::model_file(&gen_path, format!("invalid JSON: {e}")))?;
-            for id in token_ids(value.get("eos_token_id"), "eos_token_id")
-                .map_err(|e| relabel(e, &gen_path))?
+            for id in
+                token_ids(value.get("eos_token_id"), "eos_token_id").map_err(|e| relabel(e, &gen_path))?
             {
                 if !config.eos_token_ids.contains(&id) {
                     config.eos_token_ids.push(id);
@@ -121,9 +121,7 @@ impl ModelConfig {
     pub fn from_json_str(text: &str) -> Result<Self> {
         let value: Value = serde_json::from_str(text)
             .map_err(|e| Error::invalid("config.json", format!("invalid JSON: {e}")))?;
-        let obj = value
-            .as_object()
-            .ok_or_else(|| Error::invalid("config.json", "expected a JSON object"))?;
+        let obj = value.as_object().ok_or_else(|| Error::invalid("config.json", "expected a JSON object"))?;
         Self::from_map(obj)
     }
 
@@ -144,9 +142,7 @@ impl ModelConfig {
 
         if let Some(act) = obj.get("hidden_act").and_then(|v| v.as_str()) {
             if act != "silu" {
-                return Err(Error::Unsupported(format!(
-                    "hidden_act {act:?} (only \"silu\")"
-                )));
+                return Err(Error::Unsupported(format!("hidden_act {act:?} (only \"silu\")")));
             }
         }
 
@@ -156,9 +152,7 @@ impl ModelConfig {
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(Error::invalid(
                 "num_key_value_heads",
-                format!(
-                    "{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"
-                ),
+                format!("{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"),
             ));
         }
         let head_dim = match opt_usize(obj, "head_dim")? {
@@ -167,32 +161,22 @@ impl ModelConfig {
                 if hidden_size % num_heads != 0 {
                     return Err(Error::invalid(
                         "hidden_size",
-                        format!(
-                            "{hidden_size} is not divisible by num_attention_heads ({num_heads})"
-                        ),
+                        format!("{hidden_size} is not divisible by num_attention_heads ({num_heads})"),
                     ));
                 }
                 hidden_size / num_heads
             }
         };
         if head_dim % 2 != 0 {
-            return Err(Error::invalid(
-                "head_dim",
-                format!("{head_dim} must be even for RoPE"),
-            ));
+            return Err(Error::invalid("head_dim", format!("{head_dim} must be even for RoPE")));
         }
 
         // transformers 5 nests rope_theta inside rope_parameters.
-        let rope_obj = obj
-            .get("rope_parameters")
-            .or_else(|| obj.get("rope_scaling"))
-            .filter(|v| !v.is_null());
+        let rope_obj =
+            obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
         let rope_theta = match opt_f64(obj, "rope_theta")? {
             Some(t) => t,
-            None => rope_obj
-                .and_then(|r| r.get("rope_theta"))
-                .and_then(|t| t.as_f64())
-                .unwrap_or(10000.0),
+            None => rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(10000.0),
         };
         let rope_scaling = parse_rope(rope_obj)?;
 
@@ -213,8 +197,7 @@ impl ModelConfig {
             Architecture::Qwen2 => {
                 if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                     return Err(Error::Unsupported(
-                        "Qwen2 use_sliding_window=true (per-layer windows are not implemented)"
-                            .into(),
+                        "Qwen2 use_sliding_window=true (per-layer windows are not implemented)".into(),
                     ));
                 }
                 None
@@ -246,9 +229,7 @@ impl ModelConfig {
                 .or_else(|| obj.get("dtype"))
                 .and_then(|v| v.as_str())
                 .map(str::to_owned),
-            bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?
-                .first()
-                .copied(),
+            bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id")?,
         };
         for (name, v) in [
@@ -295,24 +276,16 @@ fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
     let Some(rope) = rope else {
         return Ok(RopeScaling::None);
     };
-    let kind = rope
-        .get("rope_type")
-        .or_else(|| rope.get("type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
+    let kind =
+        rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
     let num = |key: &str| -> Result<f64> {
         rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
-            Error::invalid(
-                format!("rope_scaling.{key}"),
-                format!("required for rope_type {kind:?}"),
-            )
+            Error::invalid(format!("rope_scaling.{key}"), format!("required for rope_type {kind:?}"))
         })
     };
     match kind {
         "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear {
-            factor: num("factor")?,
-        }),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
@@ -332,19 +305,19 @@ fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
 fn opt_usize(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
-            Error::invalid(key, format!("expected a non-negative integer, got {v}"))
-        }),
+        Some(v) => v
+            .as_u64()
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| Error::invalid(key, format!("expected a non-negative integer, got {v}"))),
     }
 }
 
 fn opt_f64(obj: &Map<String, Value>, key: &str) -> Result<Option<f64>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_f64()
-            .map(Some)
-            .ok_or_else(|| Error::invalid(key, format!("expected a number, got {v}"))),
+        Some(v) => {
+            v.as_f64().map(Some).ok_or_else(|| Error::invalid(key, format!("expected a number, got {v}")))
+        }
     }
 }
 
@@ -359,19 +332,13 @@ fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>> {
 }
 
 fn token_ids(value: Option<&Value>, key: &str) -> Result<Vec<u32>> {
-    let bad = |v: &Value| {
-        Error::invalid(
-            key,
-            format!("expected a token id or a list of ids, got {v}"),
-        )
-    };
+    let bad = |v: &Value| Error::invalid(key, format!("expected a token id or a list of ids, got {v}"));
     match value {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(v @ Value::Number(_)) => Ok(vec![v.as_u64().ok_or_else(|| bad(v))? as u32]),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad(v)))
-            .collect(),
+        Some(Value::Array(items)) => {
+            items.iter().map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad(v))).collect()
+        }
         Some(v) => Err(bad(v)),
     }
 }
@@ -416,12 +383,10 @@ mod tests {
 
     #[test]
     fn rejects_unknown_architecture_and_rope() {
-        let e = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel"))
-            .unwrap_err();
+        let e = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "GPT2LMHeadModel")).unwrap_err();
         assert!(e.to_string().contains("GPT2LMHeadModel"), "{e}");
-        let e =
-            ModelConfig::from_json_str(&with(r#"{"rope_scaling":{"type":"yarn","factor":2.0}}"#))
-                .unwrap_err();
+        let e = ModelConfig::from_json_str(&with(r#"{"rope_scaling":{"type":"yarn","factor":2.0}}"#))
+            .unwrap_err();
         assert!(e.to_string().contains("yarn"), "{e}");
     }
 
@@ -440,8 +405,7 @@ mod tests {
 
     #[test]
     fn qwen2_has_qkv_bias() {
-        let c = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "Qwen2ForCausalLM"))
-            .unwrap();
+        let c = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "Qwen2ForCausalLM")).unwrap();
         assert!(c.qkv_bias && !c.o_bias);
     }
 }

@@ -70,10 +70,7 @@ impl SamplingParams {
             if v.is_finite() {
                 Ok(())
             } else {
-                Err(Error::invalid(
-                    name,
-                    format!("must be a finite number, got {v}"),
-                ))
+                Err(Error::invalid(name, format!("must be a finite number, got {v}")))
             }
         };
         finite("temperature", self.temperature)?;
@@ -83,22 +80,13 @@ impl SamplingParams {
         finite("presence_penalty", self.presence_penalty)?;
         finite("frequency_penalty", self.frequency_penalty)?;
         if self.temperature < 0.0 {
-            return Err(Error::invalid(
-                "temperature",
-                format!("must be >= 0, got {}", self.temperature),
-            ));
+            return Err(Error::invalid("temperature", format!("must be >= 0, got {}", self.temperature)));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::invalid(
-                "top_p",
-                format!("must be in (0, 1], got {}", self.top_p),
-            ));
+            return Err(Error::invalid("top_p", format!("must be in (0, 1], got {}", self.top_p)));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(Error::invalid(
-                "min_p",
-                format!("must be in [0, 1], got {}", self.min_p),
-            ));
+            return Err(Error::invalid("min_p", format!("must be in [0, 1], got {}", self.min_p)));
         }
         if self.repetition_penalty <= 0.0 {
             return Err(Error::invalid(
@@ -106,10 +94,9 @@ impl SamplingParams {
                 format!("must be > 0, got {}", self.repetition_penalty),
             ));
         }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
+        for (name, v) in
+            [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)]
+        {
             if !(-2.0..=2.0).contains(&v) {
                 return Err(Error::invalid(name, format!("must be in [-2, 2], got {v}")));
             }
@@ -119,10 +106,7 @@ impl SamplingParams {
         }
         if let Some(n) = self.logprobs {
             if n > MAX_LOGPROBS {
-                return Err(Error::invalid(
-                    "logprobs",
-                    format!("at most {MAX_LOGPROBS}, got {n}"),
-                ));
+                return Err(Error::invalid("logprobs", format!("at most {MAX_LOGPROBS}, got {n}")));
             }
         }
         if self.stop.iter().any(String::is_empty) {
@@ -164,62 +148,14 @@ mod tests {
     #[test]
     fn validation_names_fields() {
         let cases: Vec<(SamplingParams, &str)> = vec![
-            (
-                SamplingParams {
-                    temperature: -1.0,
-                    ..Default::default()
-                },
-                "temperature",
-            ),
-            (
-                SamplingParams {
-                    top_p: 0.0,
-                    ..Default::default()
-                },
-                "top_p",
-            ),
-            (
-                SamplingParams {
-                    top_p: 1.5,
-                    ..Default::default()
-                },
-                "top_p",
-            ),
-            (
-                SamplingParams {
-                    min_p: 2.0,
-                    ..Default::default()
-                },
-                "min_p",
-            ),
-            (
-                SamplingParams {
-                    max_new_tokens: 0,
-                    ..Default::default()
-                },
-                "max_tokens",
-            ),
-            (
-                SamplingParams {
-                    repetition_penalty: 0.0,
-                    ..Default::default()
-                },
-                "repetition_penalty",
-            ),
-            (
-                SamplingParams {
-                    logprobs: Some(99),
-                    ..Default::default()
-                },
-                "logprobs",
-            ),
-            (
-                SamplingParams {
-                    temperature: f32::NAN,
-                    ..Default::default()
-                },
-                "temperature",
-            ),
+            (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
+            (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
+            (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
+            (SamplingParams { min_p: 2.0, ..Default::default() }, "min_p"),
+            (SamplingParams { max_new_tokens: 0, ..Default::default() }, "max_tokens"),
+            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
+            (SamplingParams { logprobs: Some(99), ..Default::default() }, "logprobs"),
+            (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
         ];
         for (p, field) in cases {
             let e = p.validate().unwrap_err();

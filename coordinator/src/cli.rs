@@ -14,11 +14,7 @@ use crate::local::{LocalModel, Prompt};
 use crate::model_tools::write_random_model;
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "strata",
-    version,
-    about = "Distributed LLM inference: serve, generate, benchmark"
-)]
+#[command(name = "strata", version, about = "Distributed LLM inference: serve, generate, benchmark")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -30,6 +26,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Serve models over gRPC: coordinator and workers in one process, no etcd.
     Serve(ServeArgs),
+    /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
+    Bench(crate::bench::BenchArgs),
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -83,11 +81,7 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub model: String,
     /// Prompt text (tokenized with the model's tokenizer.json).
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3.
     #[arg(long, value_delimiter = ',')]
@@ -162,12 +156,22 @@ pub struct ServeArgs {
     /// Most sequences running at once per replica.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one engine step.
+    #[arg(long, default_value_t = 512)]
+    pub max_batched_tokens: usize,
     /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED.
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
-    /// Memory for each replica's KV cache, in MiB.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: usize,
+    /// Memory for each replica's KV cache: a size (512MiB, 2GiB) or a fraction of the
+    /// machine's available memory (0.2).
+    #[arg(long, default_value = "512MiB")]
+    pub kv_cache_memory: String,
+    /// Positions per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Do not reuse KV blocks of shared prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
     /// Seconds in-flight calls get to finish after SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
@@ -259,6 +263,16 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => generate(args),
         },
         Command::Serve(args) => serve(args),
+        Command::Bench(args) => {
+            let json = args.json;
+            let report = runtime()?.block_on(crate::bench::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                crate::bench::print_human(&report);
+            }
+            Ok(())
+        }
         Command::Model { command } => match command {
             ModelCommand::Random(args) => random_model(args),
             ModelCommand::Bench(args) => bench_model(args),
@@ -269,10 +283,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = PathBuf::from(&args.model);
-    let config = EngineConfig {
-        kv_cache_bytes: args.kv_cache_mib << 20,
-        ..Default::default()
-    };
+    let config = EngineConfig { kv_cache_bytes: args.kv_cache_mib << 20, ..Default::default() };
     let mut model = LocalModel::load(&dir, &config)?;
     let params = args.sampling();
     let json = args.json;
@@ -287,25 +298,62 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&out)?);
     } else {
         println!();
-        eprintln!(
-            "[{} tokens, finish_reason={}]",
-            out.token_ids.len(),
-            out.finish_reason.as_str()
-        );
+        eprintln!("[{} tokens, finish_reason={}]", out.token_ids.len(), out.finish_reason.as_str());
     }
     Ok(())
 }
 
+/// Parses "512MiB", "2GiB", "1000000" (bytes) or a fraction of available memory ("0.2").
+pub fn parse_memory(text: &str) -> anyhow::Result<usize> {
+    let t = text.trim();
+    let units = [
+        ("KiB", 1usize << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("KB", 1000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+    ];
+    for (suffix, mul) in units {
+        if let Some(n) = t.strip_suffix(suffix) {
+            let v: f64 =
+                n.trim().parse().with_context(|| format!("{text:?}: expected a number before {suffix}"))?;
+            if !(v > 0.0 && v.is_finite()) {
+                bail!("{text:?}: must be positive");
+            }
+            return Ok((v * mul as f64) as usize);
+        }
+    }
+    let v: f64 =
+        t.parse().with_context(|| format!("{text:?}: expected a size like 512MiB or a fraction like 0.2"))?;
+    if v > 0.0 && v < 1.0 {
+        let meminfo =
+            std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo for a fraction")?;
+        let avail_kib: usize = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .context("MemAvailable missing from /proc/meminfo")?;
+        return Ok((avail_kib as f64 * 1024.0 * v) as usize);
+    }
+    if v >= 1.0 && v.fract() == 0.0 {
+        return Ok(v as usize);
+    }
+    bail!("{text:?}: a fraction must be in (0, 1)")
+}
+
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.tp != 1 || args.pp != 1 {
-        bail!("--tp {} --pp {}: tensor and pipeline parallelism are not available yet; use --tp 1 --pp 1", args.tp, args.pp);
+        bail!(
+            "--tp {} --pp {}: tensor and pipeline parallelism are not available yet; use --tp 1 --pp 1",
+            args.tp,
+            args.pp
+        );
     }
     if !args.name.is_empty() && args.name.len() != args.model.len() {
         bail!(
@@ -314,20 +362,22 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             args.model.len()
         );
     }
-    if args.replicas == 0 || args.max_num_seqs == 0 {
-        bail!("--replicas and --max-num-seqs must be at least 1");
+    if args.replicas == 0 || args.max_num_seqs == 0 || args.max_batched_tokens == 0 || args.block_size == 0 {
+        bail!("--replicas, --max-num-seqs, --max-batched-tokens and --block-size must be at least 1");
     }
     if !(args.drain_timeout >= 0.0 && args.drain_timeout.is_finite()) {
         bail!("--drain-timeout must be a non-negative number of seconds");
     }
     let engine = EngineConfig {
-        kv_cache_bytes: args.kv_cache_mib << 20,
-        ..Default::default()
+        kv_cache_bytes: parse_memory(&args.kv_cache_memory).context("--kv-cache-memory")?,
+        block_size: args.block_size,
+        scheduler: strata_worker::scheduler::SchedulerConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_batched_tokens: args.max_batched_tokens,
+        },
+        prefix_caching: !args.no_prefix_caching,
     };
-    let limits = strata_worker::RunnerLimits {
-        max_num_seqs: args.max_num_seqs,
-        max_waiting: args.max_waiting,
-    };
+    let limits = strata_worker::RunnerLimits { max_waiting: args.max_waiting };
     let mut models = crate::models::ModelSet::default();
     for (i, dir) in args.model.iter().enumerate() {
         let name = match args.name.get(i) {
@@ -338,9 +388,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
                 .with_context(|| format!("--model {}: not a directory", dir.display()))?,
         };
-        let model =
-            crate::models::ServedModel::load_local(&name, dir, args.replicas, &engine, &limits)
-                .with_context(|| format!("loading model {name:?}"))?;
+        let model = crate::models::ServedModel::load_local(&name, dir, args.replicas, &engine, &limits)
+            .with_context(|| format!("loading model {name:?}"))?;
         models.insert(model)?;
     }
     let opts = crate::serve::ServeOptions {
@@ -355,14 +404,11 @@ fn latency(args: LatencyArgs) -> anyhow::Result<()> {
         bail!("--requests must be at least 1");
     }
     let report = match &args.endpoint {
-        Some(endpoint) => runtime()?.block_on(crate::latency_bench::over_grpc(
-            endpoint,
-            &args.model,
-            args.requests,
-        ))?,
+        Some(endpoint) => {
+            runtime()?.block_on(crate::latency_bench::over_grpc(endpoint, &args.model, args.requests))?
+        }
         None => {
-            let mut model =
-                LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
+            let mut model = LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
             crate::latency_bench::in_process(&mut model, args.requests)?
         }
     };
@@ -374,10 +420,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
     }
-    let config = EngineConfig {
-        kv_cache_bytes: args.kv_cache_mib << 20,
-        ..Default::default()
-    };
+    let config = EngineConfig { kv_cache_bytes: args.kv_cache_mib << 20, ..Default::default() };
     let mut model = LocalModel::load(&args.model, &config)?;
     let cfg = crate::engine_bench::EngineBenchConfig {
         prompt_len: args.prompt_len,
@@ -397,14 +440,8 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
     };
     let mut spec = match args.preset {
         PresetArg::Tiny => RandomModelSpec::tiny(arch),
-        PresetArg::Llama1b => RandomModelSpec {
-            arch,
-            ..RandomModelSpec::llama_1b()
-        },
-        PresetArg::Llama8b => RandomModelSpec {
-            arch,
-            ..RandomModelSpec::llama_8b()
-        },
+        PresetArg::Llama1b => RandomModelSpec { arch, ..RandomModelSpec::llama_1b() },
+        PresetArg::Llama8b => RandomModelSpec { arch, ..RandomModelSpec::llama_8b() },
     };
     spec.hidden = args.hidden.unwrap_or(spec.hidden);
     spec.layers = args.layers.unwrap_or(spec.layers);
@@ -419,10 +456,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         DTypeArg::F16 => DType::F16,
     };
     if args.out.exists() && !args.out.is_dir() {
-        bail!(
-            "--out {}: exists and is not a directory",
-            args.out.display()
-        );
+        bail!("--out {}: exists and is not a directory", args.out.display());
     }
     let mut last_pct = usize::MAX;
     write_random_model(&spec, &args.out, |done, total| {
@@ -433,12 +467,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         }
     })
     .with_context(|| format!("writing a random model to {}", args.out.display()))?;
-    eprintln!(
-        "wrote {} ({:?}, {} parameters)",
-        args.out.display(),
-        arch,
-        spec_params(&spec)
-    );
+    eprintln!("wrote {} ({:?}, {} parameters)", args.out.display(), arch, spec_params(&spec));
     Ok(())
 }
 

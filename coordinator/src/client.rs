@@ -13,9 +13,9 @@ use crate::local::{GenerateOutput, LogprobEntry};
 pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (Some(t), _) => pb::generate_request::Prompt::Text(t.clone()),
-        (None, ids) => pb::generate_request::Prompt::TokenIds(pb::TokenIds {
-            ids: ids.clone().unwrap_or_default(),
-        }),
+        (None, ids) => {
+            pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.clone().unwrap_or_default() })
+        }
     };
     let p = args.sampling();
     pb::GenerateRequest {
@@ -70,11 +70,7 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
     let want_logprobs = args.logprobs.is_some();
     let mut stdout = std::io::stdout();
     let out = if args.stream {
-        let mut stream = client
-            .generate_stream(req)
-            .await
-            .map_err(status_error)?
-            .into_inner();
+        let mut stream = client.generate_stream(req).await.map_err(status_error)?.into_inner();
         let mut out = GenerateOutput {
             prompt_ids: args.prompt_ids.clone().unwrap_or_default(),
             token_ids: Vec::new(),
@@ -100,21 +96,14 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
             // The stream does not repeat the prompt; ask the server how it tokenized it.
             let text = args.prompt.clone().unwrap_or_default();
             let t = client
-                .tokenize(pb::TokenizeRequest {
-                    model: args.model.clone(),
-                    text,
-                })
+                .tokenize(pb::TokenizeRequest { model: args.model.clone(), text })
                 .await
                 .map_err(status_error)?;
             out.prompt_ids = t.into_inner().token_ids;
         }
         out
     } else {
-        let r = client
-            .generate(req)
-            .await
-            .map_err(status_error)?
-            .into_inner();
+        let r = client.generate(req).await.map_err(status_error)?.into_inner();
         if !args.json {
             stdout.write_all(r.text.as_bytes())?;
         }
@@ -130,11 +119,7 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
         println!("{}", serde_json::to_string(&out)?);
     } else {
         println!();
-        eprintln!(
-            "[{} tokens, finish_reason={}]",
-            out.token_ids.len(),
-            out.finish_reason.as_str()
-        );
+        eprintln!("[{} tokens, finish_reason={}]", out.token_ids.len(), out.finish_reason.as_str());
     }
     Ok(())
 }

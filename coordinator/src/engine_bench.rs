@@ -23,6 +23,8 @@ pub struct EngineBenchReport {
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
     pub bandwidth_gb_per_s: f64,
+    /// f32 GEMM throughput of the CPU backend's matmul (prefill path), 256×2048 · 2048×8192.
+    pub gemm_gflops: f64,
     pub roofline_decode_tokens_per_s: f64,
     pub decode_share_of_roofline: f64,
 }
@@ -35,9 +37,7 @@ pub struct EngineBenchConfig {
 
 pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
     let vocab = engine.model().config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..cfg.prompt_len as u32)
-        .map(|i| (i * 7919 + 13) % vocab)
-        .collect();
+    let prompt: Vec<u32> = (0..cfg.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
 
     // Warm-up pages the weights in from the mapping.
     info!("warm-up");
@@ -48,12 +48,7 @@ pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<E
         let t = Instant::now();
         engine.prompt_logits(&prompt)?;
         let secs = t.elapsed().as_secs_f64();
-        info!(
-            repeat = r + 1,
-            of = cfg.repeats,
-            tokens_per_s = cfg.prompt_len as f64 / secs,
-            "prefill"
-        );
+        info!(repeat = r + 1, of = cfg.repeats, tokens_per_s = cfg.prompt_len as f64 / secs, "prefill");
         prefill.push(cfg.prompt_len as f64 / secs);
     }
 
@@ -82,6 +77,8 @@ pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<E
 
     info!("measuring memory bandwidth");
     let bandwidth = measure_bandwidth(cfg.repeats.max(5));
+    info!("measuring GEMM peak");
+    let gemm = measure_gemm_gflops(cfg.repeats.max(3));
     let bytes = engine.model().decode_bytes_per_token();
     let roofline = bandwidth / bytes as f64;
     Ok(EngineBenchReport {
@@ -92,6 +89,7 @@ pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<E
         prefill_tokens_per_s: median(&prefill),
         decode_tokens_per_s: decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
+        gemm_gflops: gemm,
         roofline_decode_tokens_per_s: roofline,
         decode_share_of_roofline: decode / roofline,
     })
@@ -111,6 +109,23 @@ pub fn measure_bandwidth(repeats: usize) -> f64 {
         let secs = t.elapsed().as_secs_f64();
         std::hint::black_box(sum);
         rates.push((data.len() * 4) as f64 / secs);
+    }
+    median(&rates)
+}
+
+/// GFLOP/s of the CPU backend's matmul on a prefill-shaped problem (median).
+pub fn measure_gemm_gflops(repeats: usize) -> f64 {
+    use strata_worker::backend::cpu::{CpuTensor, CpuWeight};
+    use strata_worker::backend::Backend;
+    let (n, k, m) = (256, 2048, 8192);
+    let x = CpuTensor::new((0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), n, k);
+    let w = CpuWeight::from_f32((0..m * k).map(|i| ((i % 89) as f32 - 44.0) / 890.0).collect(), m, k);
+    let backend = CpuBackend::new();
+    let mut rates = Vec::new();
+    for _ in 0..repeats {
+        let t = Instant::now();
+        std::hint::black_box(backend.matmul(&x, &w));
+        rates.push(2.0 * (n * k * m) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     median(&rates)
 }

@@ -38,15 +38,11 @@ pub fn start(model: Arc<ServedModel>, admitted: Admitted) -> Result<ChunkRx> {
         let mut text = TextStream::new(&model.tokenizer, stop);
         loop {
             let chunk = match seq.next().await {
-                Some(SeqEvent::Token {
-                    token,
-                    logprobs,
-                    finish,
-                }) => token_chunk(&mut text, token, logprobs, finish),
+                Some(SeqEvent::Token { token, logprobs, finish }) => {
+                    token_chunk(&mut text, token, logprobs, finish)
+                }
                 Some(SeqEvent::Failed(e)) => Err(e),
-                None => Err(Error::Unavailable(
-                    "the replica stopped before the sequence finished".into(),
-                )),
+                None => Err(Error::Unavailable("the replica stopped before the sequence finished".into())),
             };
             let last = !matches!(chunk, Ok(Chunk { finish: None, .. }));
             if tx.send(chunk).await.is_err() || last {
@@ -68,11 +64,7 @@ fn token_chunk(
         text: delta.text,
         token_ids: vec![token],
         logprobs: logprobs.map(to_pb).into_iter().collect(),
-        finish: if delta.stopped {
-            Some(FinishReason::Stop)
-        } else {
-            finish
-        },
+        finish: if delta.stopped { Some(FinishReason::Stop) } else { finish },
     };
     if chunk.finish.is_some() {
         chunk.text.push_str(&text.finish()?.text);
@@ -84,11 +76,7 @@ pub fn to_pb(l: TokenLogprobs) -> pb::TokenLogprob {
     pb::TokenLogprob {
         token_id: l.token_id,
         logprob: l.logprob,
-        top: l
-            .top
-            .into_iter()
-            .map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob })
-            .collect(),
+        top: l.top.into_iter().map(|(token_id, logprob)| pb::TopLogprob { token_id, logprob }).collect(),
     }
 }
 

@@ -27,10 +27,7 @@ pub struct LatencyReport {
 const PROMPT: &str = "The quick brown fox";
 
 pub fn in_process(model: &mut LocalModel, requests: usize) -> anyhow::Result<LatencyReport> {
-    let params = SamplingParams {
-        max_new_tokens: 1,
-        ..Default::default()
-    };
+    let params = SamplingParams { max_new_tokens: 1, ..Default::default() };
     let mut samples = Vec::with_capacity(requests);
     for i in 0..requests + requests / 10 {
         let t = Instant::now();
@@ -42,11 +39,7 @@ pub fn in_process(model: &mut LocalModel, requests: usize) -> anyhow::Result<Lat
     Ok(report("in-process", samples))
 }
 
-pub async fn over_grpc(
-    endpoint: &str,
-    model: &str,
-    requests: usize,
-) -> anyhow::Result<LatencyReport> {
+pub async fn over_grpc(endpoint: &str, model: &str, requests: usize) -> anyhow::Result<LatencyReport> {
     let mut client = InferenceClient::connect(endpoint.to_string()).await?;
     let req = pb::GenerateRequest {
         model: model.into(),
@@ -57,10 +50,7 @@ pub async fn over_grpc(
     let mut samples = Vec::with_capacity(requests);
     for i in 0..requests + requests / 10 {
         let t = Instant::now();
-        client
-            .generate(req.clone())
-            .await
-            .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?;
+        client.generate(req.clone()).await.map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?;
         if i >= requests / 10 {
             samples.push(t.elapsed().as_secs_f64() * 1e3);
         }

@@ -5,6 +5,7 @@
 //! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
 
 pub mod admin;
+pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod engine_bench;

@@ -43,11 +43,7 @@ pub struct LogprobEntry {
 
 impl From<TokenLogprobs> for LogprobEntry {
     fn from(l: TokenLogprobs) -> Self {
-        LogprobEntry {
-            token_id: l.token_id,
-            logprob: l.logprob,
-            top: l.top,
-        }
+        LogprobEntry { token_id: l.token_id, logprob: l.logprob, top: l.top }
     }
 }
 
@@ -63,15 +59,9 @@ impl LocalModel {
             return Err(Error::model_file(dir, "not a directory"));
         }
         let model = Model::load(dir, CpuBackend::new())?;
-        let tokenizer = if dir.join("tokenizer.json").exists() {
-            Some(Tokenizer::from_dir(dir)?)
-        } else {
-            None
-        };
-        Ok(LocalModel {
-            engine: Engine::new(model, engine_config)?,
-            tokenizer,
-        })
+        let tokenizer =
+            if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
+        Ok(LocalModel { engine: Engine::new(model, engine_config)?, tokenizer })
     }
 
     fn tokenizer(&self, why: &str) -> Result<&Tokenizer> {

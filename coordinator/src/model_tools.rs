@@ -50,12 +50,7 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
         .vocab_size(vocab.min(1024))
         .min_frequency(2)
         .show_progress(false)
-        .special_tokens(
-            SPECIALS
-                .iter()
-                .map(|s| AddedToken::from(*s, true))
-                .collect(),
-        )
+        .special_tokens(SPECIALS.iter().map(|s| AddedToken::from(*s, true)).collect())
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build();
     let mut trainer: TrainerWrapper = trainer.into();
@@ -64,11 +59,9 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
     tok.with_decoder(Some(ByteLevel::default()));
     tok.train(&mut trainer, CORPUS.split(". ").map(str::to_owned))
         .map_err(|e| Error::Internal(format!("training the tokenizer: {e}")))?;
-    let text = tok
-        .to_string(false)
-        .map_err(|e| Error::Internal(format!("serialising the tokenizer: {e}")))?;
-    let mut value: Value =
-        serde_json::from_str(&text).map_err(|e| Error::Internal(e.to_string()))?;
+    let text =
+        tok.to_string(false).map_err(|e| Error::Internal(format!("serialising the tokenizer: {e}")))?;
+    let mut value: Value = serde_json::from_str(&text).map_err(|e| Error::Internal(e.to_string()))?;
 
     // Pad the vocabulary with pronounceable filler words (no merges produce them; they
     // exist so that random models decode every id to something readable).
@@ -76,9 +69,7 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
         .as_object_mut()
         .ok_or_else(|| Error::Internal("tokenizer has no vocab".into()))?;
     let mut next = model_vocab.len();
-    let syllables = [
-        "ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe",
-    ];
+    let syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe"];
     let mut i = 0usize;
     while next < vocab {
         let mut word = String::from("\u{120}"); // byte-level form of a leading space

@@ -42,18 +42,9 @@ impl ServedModel {
             info!(model = name, replica = r, dir = %dir.display(), "loading replica");
             let model = Model::load(dir, CpuBackend::new())?;
             let engine = Engine::new(model, engine)?;
-            handles.push(EngineHandle::spawn(
-                engine,
-                limits.clone(),
-                &format!("{name}-{r}"),
-            )?);
+            handles.push(EngineHandle::spawn(engine, limits.clone(), &format!("{name}-{r}"))?);
         }
-        Ok(ServedModel {
-            name: name.to_string(),
-            config,
-            tokenizer,
-            replicas: handles,
-        })
+        Ok(ServedModel { name: name.to_string(), config, tokenizer, replicas: handles })
     }
 
     /// The replica that should take the next request.
@@ -64,26 +55,18 @@ impl ServedModel {
 
     /// Load summed over replicas.
     pub fn stats(&self) -> EngineStats {
-        self.replicas
-            .iter()
-            .map(EngineHandle::stats)
-            .fold(EngineStats::default(), |a, s| EngineStats {
-                running: a.running + s.running,
-                waiting: a.waiting + s.waiting,
-                kv_blocks_free: a.kv_blocks_free + s.kv_blocks_free,
-                kv_blocks_total: a.kv_blocks_total + s.kv_blocks_total,
-            })
+        self.replicas.iter().map(EngineHandle::stats).fold(EngineStats::default(), |a, s| EngineStats {
+            running: a.running + s.running,
+            waiting: a.waiting + s.waiting,
+            kv_blocks_free: a.kv_blocks_free + s.kv_blocks_free,
+            kv_blocks_total: a.kv_blocks_total + s.kv_blocks_total,
+        })
     }
 }
 
 /// Index of the smallest load; the first on ties. `loads` must not be empty.
 pub fn least_loaded(loads: &[usize]) -> usize {
-    loads
-        .iter()
-        .enumerate()
-        .min_by_key(|(i, l)| (**l, *i))
-        .map(|(i, _)| i)
-        .unwrap_or(0)
+    loads.iter().enumerate().min_by_key(|(i, l)| (**l, *i)).map(|(i, _)| i).unwrap_or(0)
 }
 
 /// Served models by name.
@@ -95,10 +78,7 @@ pub struct ModelSet {
 impl ModelSet {
     pub fn insert(&mut self, model: ServedModel) -> Result<()> {
         if self.models.contains_key(&model.name) {
-            return Err(Error::invalid(
-                "name",
-                format!("model name {:?} is used twice", model.name),
-            ));
+            return Err(Error::invalid("name", format!("model name {:?} is used twice", model.name)));
         }
         self.models.insert(model.name.clone(), Arc::new(model));
         Ok(())
@@ -108,12 +88,10 @@ impl ModelSet {
         if name.is_empty() {
             return Err(Error::invalid("model", "must name a served model"));
         }
-        self.models.get(name).cloned().ok_or_else(|| {
-            Error::NotFound(format!(
-                "model {name:?}; served: {}",
-                self.names().join(", ")
-            ))
-        })
+        self.models
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("model {name:?}; served: {}", self.names().join(", "))))
     }
 
     pub fn names(&self) -> Vec<String> {

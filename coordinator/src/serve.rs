@@ -25,16 +25,13 @@ pub struct ServeOptions {
 }
 
 pub async fn serve(models: ModelSet, opts: ServeOptions) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(opts.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let listener =
+        TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let addr = listener.local_addr()?;
     let names = models.names();
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<InferenceServer<InferenceService>>()
-        .await;
+    health_reporter.set_serving::<InferenceServer<InferenceService>>().await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(strata_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -57,13 +54,8 @@ pub async fn serve(models: ModelSet, opts: ServeOptions) -> anyhow::Result<()> {
         res = &mut server => return res.context("gRPC server failed"),
         _ = shutdown_signal() => {}
     }
-    info!(
-        drain_timeout_s = opts.drain_timeout.as_secs_f64(),
-        "shutting down: draining in-flight calls"
-    );
-    health_reporter
-        .set_not_serving::<InferenceServer<InferenceService>>()
-        .await;
+    info!(drain_timeout_s = opts.drain_timeout.as_secs_f64(), "shutting down: draining in-flight calls");
+    health_reporter.set_not_serving::<InferenceServer<InferenceService>>().await;
     let _ = stop_tx.send(());
     match tokio::time::timeout(opts.drain_timeout, server).await {
         Ok(res) => res.context("gRPC server failed while draining")?,
@@ -77,15 +69,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    warn!("cannot watch SIGTERM: {e}");
-                    let _ = ctrl_c.await;
-                    return;
-                }
-            };
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("cannot watch SIGTERM: {e}");
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}

@@ -27,10 +27,7 @@ pub struct InferenceService {
 
 impl InferenceService {
     pub fn new(models: ModelSet) -> Self {
-        InferenceService {
-            models,
-            next_request: AtomicU64::new(1),
-        }
+        InferenceService { models, next_request: AtomicU64::new(1) }
     }
 
     fn request_id(&self, given: &str) -> String {
@@ -50,8 +47,7 @@ impl InferenceService {
     }
 }
 
-type GenerateStream =
-    Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl Inference for InferenceService {
@@ -64,10 +60,7 @@ impl Inference for InferenceService {
         let span = info_span!("generate", request_id = %request_id, model = %req.model);
         async move {
             let (prompt_ids, mut rx) = self.start(&req)?;
-            let mut out = pb::GenerateResponse {
-                request_id,
-                ..Default::default()
-            };
+            let mut out = pb::GenerateResponse { request_id, ..Default::default() };
             while let Some(chunk) = rx.recv().await {
                 let chunk = chunk.map_err(to_status)?;
                 out.text.push_str(&chunk.text);
@@ -110,10 +103,7 @@ impl Inference for InferenceService {
                 token_ids: chunk.token_ids,
                 logprobs: chunk.logprobs,
                 finish_reason: finish.unwrap_or(pb::FinishReason::Unspecified) as i32,
-                usage: finish.map(|_| pb::Usage {
-                    prompt_tokens,
-                    completion_tokens,
-                }),
+                usage: finish.map(|_| pb::Usage { prompt_tokens, completion_tokens }),
             })
         });
         Ok(Response::new(Box::pin(stream)))

@@ -56,16 +56,12 @@ impl<'t> TextStream<'t> {
     /// Adds one generated token.
     pub fn push(&mut self, id: u32) -> Result<Delta> {
         if self.stopped {
-            return Ok(Delta {
-                text: String::new(),
-                stopped: true,
-            });
+            return Ok(Delta { text: String::new(), stopped: true });
         }
         self.ids.push(id);
         let before = self.tokenizer.decode(&self.ids[self.prefix..self.read])?;
         let after = self.tokenizer.decode(&self.ids[self.prefix..])?;
-        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before)
-        {
+        if after.len() > before.len() && !after.ends_with('\u{FFFD}') && after.starts_with(&before) {
             self.text.push_str(&after[before.len()..]);
             self.prefix = self.read;
             self.read = self.ids.len();
@@ -94,18 +90,13 @@ impl<'t> TextStream<'t> {
     fn release(&mut self, at_end: bool) -> Delta {
         if !self.stopped {
             // Earliest stop string match anywhere in the unreleased-or-recent text.
-            let search_from = self
-                .emitted
-                .saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
+            let search_from =
+                self.emitted.saturating_sub(self.stop.iter().map(String::len).max().unwrap_or(0));
             let search_from = floor_char_boundary(&self.text, search_from);
             let hit = self
                 .stop
                 .iter()
-                .filter_map(|s| {
-                    self.text[search_from..]
-                        .find(s.as_str())
-                        .map(|i| search_from + i)
-                })
+                .filter_map(|s| self.text[search_from..].find(s.as_str()).map(|i| search_from + i))
                 .min();
             if let Some(at) = hit {
                 self.text.truncate(at.max(self.emitted));
@@ -126,10 +117,7 @@ impl<'t> TextStream<'t> {
         let end = end.max(self.emitted);
         let text = self.text[self.emitted..end].to_string();
         self.emitted = end;
-        Delta {
-            text,
-            stopped: self.stopped,
-        }
+        Delta { text, stopped: self.stopped }
     }
 }
 
@@ -172,17 +160,11 @@ mod tests {
         let tok = tokenizer();
         let text = "Café naïve 日本語 🙂 fox";
         let ids = tok.encode(text).unwrap();
-        assert!(
-            ids.len() > text.chars().count() / 2,
-            "multi-byte characters span tokens"
-        );
+        assert!(ids.len() > text.chars().count() / 2, "multi-byte characters span tokens");
         let (deltas, full, stopped) = stream_all(&tok, &ids, &[]);
         assert!(!stopped);
         for d in &deltas {
-            assert!(
-                !d.contains('\u{FFFD}'),
-                "delta {d:?} holds a broken character"
-            );
+            assert!(!d.contains('\u{FFFD}'), "delta {d:?} holds a broken character");
         }
         assert_eq!(deltas.concat(), full);
         assert_eq!(full, text);

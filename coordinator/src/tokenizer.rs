@@ -14,10 +14,7 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(Error::model_file(
-                &path,
-                "missing (needed to turn text into tokens)",
-            ));
+            return Err(Error::model_file(&path, "missing (needed to turn text into tokens)"));
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
@@ -35,8 +32,6 @@ impl Tokenizer {
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| Error::Internal(format!("cannot detokenize: {e}")))
+        self.inner.decode(ids, true).map_err(|e| Error::Internal(format!("cannot detokenize: {e}")))
     }
 }

@@ -19,5 +19,4 @@ pub mod worker {
 }
 
 /// Encoded `FileDescriptorSet` of every Strata .proto, for server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/strata_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/strata_descriptor.bin"));

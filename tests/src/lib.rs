@@ -4,9 +4,7 @@ use std::path::{Path, PathBuf};
 
 /// `tests/fixtures/models`, the HF-made models with reference outputs.
 pub fn fixtures_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join("models")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join("models")
 }
 
 /// Every fixture model directory (those holding a reference.json), sorted by name.
@@ -33,11 +31,7 @@ pub fn strata_bin() -> PathBuf {
         .and_then(Path::parent)
         .map(|d| d.join(format!("strata{}", std::env::consts::EXE_SUFFIX)))
         .expect("target directory");
-    assert!(
-        bin.exists(),
-        "{} not found: run `cargo build --bin strata` before the tests",
-        bin.display()
-    );
+    assert!(bin.exists(), "{} not found: run `cargo build --bin strata` before the tests", bin.display());
     bin
 }
 
@@ -48,19 +42,11 @@ pub fn reference(dir: &Path) -> serde_json::Value {
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array of ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
+    v.as_array().expect("array of ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
 pub fn floats(v: &serde_json::Value) -> Vec<f32> {
-    v.as_array()
-        .expect("array of numbers")
-        .iter()
-        .map(|x| x.as_f64().expect("number") as f32)
-        .collect()
+    v.as_array().expect("array of numbers").iter().map(|x| x.as_f64().expect("number") as f32).collect()
 }
 
 /// A `strata serve` process on a free loopback port, killed when dropped.
@@ -93,11 +79,7 @@ impl Server {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 if let Some(i) = line.find("listening on ") {
-                    let addr: String = line[i + 13..]
-                        .split_whitespace()
-                        .next()
-                        .unwrap_or("")
-                        .to_string();
+                    let addr: String = line[i + 13..].split_whitespace().next().unwrap_or("").to_string();
                     let _ = tx.send(addr);
                 }
                 let mut l = log2.lock().unwrap();
@@ -126,6 +108,9 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- strata serve log ---\n{}", self.log());
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -134,26 +119,11 @@ impl Drop for Server {
 /// Writes a random model bigger than the fixtures (so generations take a while) into `dir`.
 pub fn write_slow_model(dir: &Path) {
     let out = std::process::Command::new(strata_bin())
-        .args([
-            "model", "random", "--arch", "llama", "--hidden", "512", "--layers", "6", "--heads",
-            "8",
-        ])
-        .args([
-            "--kv-heads",
-            "4",
-            "--intermediate",
-            "1536",
-            "--vocab",
-            "2048",
-            "--out",
-        ])
+        .args(["model", "random", "--arch", "llama", "--hidden", "512", "--layers", "6", "--heads", "8"])
+        .args(["--kv-heads", "4", "--intermediate", "1536", "--vocab", "2048", "--out"])
         .arg(dir)
         .env("RUST_LOG", "warn")
         .output()
         .expect("run strata model random");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -8,11 +8,7 @@ use serde_json::Value;
 use strata_tests::{fixtures_dir, ids, reference, strata_bin};
 
 fn strata(args: &[&str]) -> Output {
-    Command::new(strata_bin())
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("run strata")
+    Command::new(strata_bin()).args(args).env("RUST_LOG", "warn").output().expect("run strata")
 }
 
 fn generate_json(args: &[&str]) -> Value {
@@ -22,10 +18,7 @@ fn generate_json(args: &[&str]) -> Value {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "strata {all:?} failed: {stderr}");
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "stdout is not one JSON object ({e}): {:?}",
-            String::from_utf8_lossy(&out.stdout)
-        )
+        panic!("stdout is not one JSON object ({e}): {:?}", String::from_utf8_lossy(&out.stdout))
     })
 }
 
@@ -34,10 +27,7 @@ fn failure(args: &[&str]) -> String {
     let out = strata(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "strata {args:?} should fail");
-    assert!(
-        !stderr.contains("panicked"),
-        "strata {args:?} panicked: {stderr}"
-    );
+    assert!(!stderr.contains("panicked"), "strata {args:?} panicked: {stderr}");
     stderr
 }
 
@@ -56,15 +46,8 @@ fn json_contract_and_greedy_tokens() {
     let prompt = ids(&r["prompt_ids"]);
     let want = ids(&r["greedy_ids"]);
     let m = model("llama_gqa");
-    let v = generate_json(&[
-        "--model",
-        &m,
-        "--prompt-ids",
-        &csv(&prompt),
-        "--max-tokens",
-        "32",
-        "--ignore-eos",
-    ]);
+    let v =
+        generate_json(&["--model", &m, "--prompt-ids", &csv(&prompt), "--max-tokens", "32", "--ignore-eos"]);
     assert_eq!(ids(&v["prompt_ids"]), prompt);
     assert_eq!(ids(&v["token_ids"]), want);
     assert_eq!(v["finish_reason"], "length");
@@ -113,15 +96,8 @@ fn text_prompts_use_the_models_tokenizer() {
 #[test]
 fn stop_strings_cut_the_text_exactly() {
     let m = model("llama_mha_tied");
-    let base = generate_json(&[
-        "--model",
-        &m,
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "24",
-        "--ignore-eos",
-    ]);
+    let base =
+        generate_json(&["--model", &m, "--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos"]);
     let text = base["text"].as_str().unwrap().to_string();
     let chars: Vec<(usize, char)> = text.char_indices().collect();
     assert!(chars.len() > 12, "need some text to cut: {text:?}");
@@ -248,14 +224,7 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
 
 fn gen_fail(dir: &Path, extra: &[&str]) -> String {
     let d = dir.to_string_lossy().to_string();
-    let mut a = vec![
-        "generate",
-        "--json",
-        "--model",
-        d.as_str(),
-        "--prompt-ids",
-        "1,2,3",
-    ];
+    let mut a = vec!["generate", "--json", "--model", d.as_str(), "--prompt-ids", "1,2,3"];
     a.extend_from_slice(extra);
     failure(&a)
 }
@@ -271,14 +240,9 @@ fn bad_model_files_get_clear_errors() {
     assert!(e.contains("model.safetensors"), "{e}");
 
     let (_t, dir) = scratch_copy("llama_gqa");
-    edit_config(&dir, |v| {
-        v["architectures"] = serde_json::json!(["GPT2LMHeadModel"])
-    });
+    edit_config(&dir, |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
     let e = gen_fail(&dir, &[]);
-    assert!(
-        e.contains("GPT2LMHeadModel") && e.contains("config.json"),
-        "{e}"
-    );
+    assert!(e.contains("GPT2LMHeadModel") && e.contains("config.json"), "{e}");
 
     let (_t, dir) = scratch_copy("llama_gqa");
     edit_config(&dir, |v| v["intermediate_size"] = serde_json::json!(96));
@@ -288,17 +252,9 @@ fn bad_model_files_get_clear_errors() {
     let (_t, dir) = scratch_copy("llama_gqa");
     let st = dir.join("model.safetensors");
     let len = std::fs::metadata(&st).unwrap().len();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&st)
-        .unwrap()
-        .set_len(len - 1000)
-        .unwrap();
+    std::fs::OpenOptions::new().write(true).open(&st).unwrap().set_len(len - 1000).unwrap();
     let e = gen_fail(&dir, &[]);
-    assert!(
-        e.contains("truncated") && e.contains("model.safetensors"),
-        "{e}"
-    );
+    assert!(e.contains("truncated") && e.contains("model.safetensors"), "{e}");
 
     // A tensor stored as I32 instead of a float type.
     let (_t, dir) = scratch_copy("llama_gqa");
@@ -307,10 +263,7 @@ fn bad_model_files_get_clear_errors() {
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header = String::from_utf8(bytes[8..8 + n].to_vec()).unwrap();
     let needle = "\"model.norm.weight\":{\"dtype\":\"F32\"";
-    assert!(
-        header.contains(needle),
-        "fixture header layout changed: {header:.200}"
-    );
+    assert!(header.contains(needle), "fixture header layout changed: {header:.200}");
     let header = header.replace(needle, "\"model.norm.weight\":{\"dtype\":\"I32\"");
     bytes.splice(8..8 + n, header.into_bytes());
     std::fs::write(&st, bytes).unwrap();
@@ -326,9 +279,7 @@ fn bad_model_files_get_clear_errors() {
 #[test]
 fn bad_requests_get_clear_errors() {
     let (_t, dir) = scratch_copy("llama_gqa");
-    edit_config(&dir, |v| {
-        v["max_position_embeddings"] = serde_json::json!(8)
-    });
+    edit_config(&dir, |v| v["max_position_embeddings"] = serde_json::json!(8));
     let e = gen_fail(&dir, &["--prompt-ids", "1,2,3,4,5,6,7,8,9,10"]);
     assert!(e.contains("prompt") && e.contains("context"), "{e}");
 
@@ -339,13 +290,7 @@ fn bad_requests_get_clear_errors() {
     assert!(e.contains("top_p"), "{e}");
     let e = gen_fail(&m, &["--max-tokens", "0"]);
     assert!(e.contains("max_tokens"), "{e}");
-    let e = failure(&[
-        "generate",
-        "--model",
-        &m.to_string_lossy(),
-        "--prompt-ids",
-        "1,99999",
-    ]);
+    let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt-ids", "1,99999"]);
     assert!(e.contains("99999") && e.contains("vocabulary"), "{e}");
     let e = failure(&["generate", "--model", &m.to_string_lossy(), "--prompt", ""]);
     assert!(e.contains("prompt"), "{e}");
@@ -389,17 +334,9 @@ fn random_models_load_and_generate() {
         ]);
         assert_eq!(ids(&v["token_ids"]).len(), 8, "{arch}");
         let cfg: Value =
-            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
-                .unwrap();
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(cfg["num_hidden_layers"], 3);
     }
-    let e = failure(&[
-        "model",
-        "random",
-        "--heads",
-        "5",
-        "--out",
-        &tmp.path().join("bad").to_string_lossy(),
-    ]);
+    let e = failure(&["model", "random", "--heads", "5", "--out", &tmp.path().join("bad").to_string_lossy()]);
     assert!(e.contains("heads"), "{e}");
 }

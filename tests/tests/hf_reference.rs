@@ -14,32 +14,17 @@ use strata_worker::{Engine, EngineConfig};
 const LOGIT_TOL: f32 = 1e-4;
 
 fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
-    let model =
-        Model::load(dir, CpuBackend::new()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-    Engine::new(
-        model,
-        &EngineConfig {
-            kv_cache_bytes: 8 << 20,
-            ..Default::default()
-        },
-    )
-    .unwrap()
+    let model = Model::load(dir, CpuBackend::new()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    Engine::new(model, &EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }).unwrap()
 }
 
 fn greedy(n: u32) -> SamplingParams {
-    SamplingParams {
-        max_new_tokens: n,
-        ignore_eos: true,
-        ..Default::default()
-    }
+    SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() }
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "logit vectors differ in length");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// Runs sequences to completion; returns each one's tokens.
@@ -70,11 +55,7 @@ fn greedy_tokens_and_logits_match_transformers() {
         full.extend(&want[..want.len() - 1]);
         let logits = e.prompt_logits(&full).unwrap();
         let diff = max_abs_diff(&logits, &floats(&r["final_logits"]));
-        assert!(
-            diff <= LOGIT_TOL,
-            "{name}: logits after {} tokens differ by {diff}",
-            full.len()
-        );
+        assert!(diff <= LOGIT_TOL, "{name}: logits after {} tokens differ by {diff}", full.len());
         eprintln!("{name}: max |logit - HF| = {diff:.2e}");
 
         e.add(0, prompt, greedy(want.len() as u32)).unwrap();
@@ -100,8 +81,7 @@ fn batched_sequences_match_their_solo_runs() {
         let mut steps = 0;
         while e.num_running() > 0 {
             if steps == 5 {
-                e.add(2, prompt.iter().rev().copied().collect(), greedy(7))
-                    .unwrap();
+                e.add(2, prompt.iter().rev().copied().collect(), greedy(7)).unwrap();
             }
             for ev in e.step().unwrap() {
                 out[ev.seq as usize].push(ev.token);
@@ -120,15 +100,7 @@ fn tokenizer_matches_transformers() {
         let r = reference(&dir);
         let tok = Tokenizer::from_dir(&dir).unwrap();
         let prompt = r["text_prompt"].as_str().unwrap();
-        assert_eq!(
-            tok.encode(prompt).unwrap(),
-            ids(&r["text_prompt_ids"]),
-            "{}",
-            dir.display()
-        );
-        assert_eq!(
-            tok.decode(&ids(&r["greedy_ids"])).unwrap(),
-            r["greedy_text"].as_str().unwrap()
-        );
+        assert_eq!(tok.encode(prompt).unwrap(), ids(&r["text_prompt_ids"]), "{}", dir.display());
+        assert_eq!(tok.decode(&ids(&r["greedy_ids"])).unwrap(), r["greedy_text"].as_str().unwrap());
     }
 }

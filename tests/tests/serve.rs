@@ -11,9 +11,7 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 async fn client(server: &Server) -> InferenceClient<Channel> {
-    InferenceClient::connect(server.endpoint())
-        .await
-        .expect("connect")
+    InferenceClient::connect(server.endpoint()).await.expect("connect")
 }
 
 fn fixture(name: &str) -> String {
@@ -23,9 +21,7 @@ fn fixture(name: &str) -> String {
 fn request(model: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {
         model: model.into(),
-        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds {
-            ids: prompt,
-        })),
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
         max_tokens: Some(max_tokens),
         ignore_eos: true,
         ..Default::default()
@@ -46,11 +42,7 @@ async fn collect_stream(
     c: &mut InferenceClient<Channel>,
     req: pb::GenerateRequest,
 ) -> Vec<pb::GenerateStreamResponse> {
-    let mut s = c
-        .generate_stream(req)
-        .await
-        .expect("stream starts")
-        .into_inner();
+    let mut s = c.generate_stream(req).await.expect("stream starts").into_inner();
     let mut out = Vec::new();
     while let Some(m) = s.message().await.expect("stream message") {
         out.push(m);
@@ -60,54 +52,33 @@ async fn collect_stream(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unary_and_streaming_generate_match_the_reference() {
-    let server = Server::start(&[
-        "--model",
-        &fixture("llama_gqa"),
-        "--model",
-        &fixture("qwen2_bias_tied"),
-    ]);
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--model", &fixture("qwen2_bias_tied")]);
     let mut c = client(&server).await;
     for name in ["llama_gqa", "qwen2_bias_tied"] {
         let r = reference(&fixtures_dir().join(name));
         let prompt = ids(&r["prompt_ids"]);
         let want = ids(&r["greedy_ids"]);
-        let unary = c
-            .generate(request(name, prompt.clone(), 32))
-            .await
-            .unwrap()
-            .into_inner();
+        let unary = c.generate(request(name, prompt.clone(), 32)).await.unwrap().into_inner();
         assert_eq!(unary.token_ids, want, "{name}: unary greedy tokens");
         assert_eq!(unary.text, r["greedy_text"].as_str().unwrap());
         assert_eq!(unary.finish_reason, pb::FinishReason::Length as i32);
         let usage = unary.usage.unwrap();
-        assert_eq!(
-            (usage.prompt_tokens, usage.completion_tokens),
-            (prompt.len() as u32, 32)
-        );
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (prompt.len() as u32, 32));
         assert_eq!(unary.prompt_token_ids, prompt);
 
         let msgs = collect_stream(&mut c, request(name, prompt.clone(), 32)).await;
         let tokens: Vec<u32> = msgs.iter().flat_map(|m| m.token_ids.clone()).collect();
         let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
         assert_eq!(tokens, want, "{name}: streamed tokens");
-        assert_eq!(
-            text, unary.text,
-            "{name}: concatenated deltas equal the unary text"
-        );
+        assert_eq!(text, unary.text, "{name}: concatenated deltas equal the unary text");
         let last = msgs.last().unwrap();
         assert_eq!(last.finish_reason, pb::FinishReason::Length as i32);
         assert_eq!(last.usage.as_ref().unwrap().completion_tokens, 32);
-        assert!(msgs[..msgs.len() - 1]
-            .iter()
-            .all(|m| m.finish_reason == 0 && m.usage.is_none()));
+        assert!(msgs[..msgs.len() - 1].iter().all(|m| m.finish_reason == 0 && m.usage.is_none()));
     }
 
     // Text prompts, stop strings and logprobs behave as in-process.
-    let unary = c
-        .generate(text_request("llama_gqa", "The quick brown fox", 24))
-        .await
-        .unwrap()
-        .into_inner();
+    let unary = c.generate(text_request("llama_gqa", "The quick brown fox", 24)).await.unwrap().into_inner();
     let chars: Vec<(usize, char)> = unary.text.char_indices().collect();
     let stop = unary.text[chars[6].0..chars[9].0].to_string();
     let cut = unary.text.find(&stop).unwrap();
@@ -117,33 +88,20 @@ async fn unary_and_streaming_generate_match_the_reference() {
     let msgs = collect_stream(&mut c, req.clone()).await;
     let text: String = msgs.iter().map(|m| m.text.as_str()).collect();
     assert_eq!(text, &unary.text[..cut], "stop {stop:?}");
-    assert_eq!(
-        msgs.last().unwrap().finish_reason,
-        pb::FinishReason::Stop as i32
-    );
+    assert_eq!(msgs.last().unwrap().finish_reason, pb::FinishReason::Stop as i32);
     let lps: Vec<_> = msgs.iter().flat_map(|m| m.logprobs.clone()).collect();
     let toks: Vec<u32> = msgs.iter().flat_map(|m| m.token_ids.clone()).collect();
     assert_eq!(lps.len(), toks.len());
-    assert!(lps
-        .iter()
-        .all(|l| l.top.len() == 2 && l.top[0].token_id == l.token_id));
+    assert!(lps.iter().all(|l| l.top.len() == 2 && l.top[0].token_id == l.token_id));
     let u = c.generate(req).await.unwrap().into_inner();
     assert_eq!(u.text, text);
 
-    let models = c
-        .list_models(pb::ListModelsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .models;
+    let models = c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner().models;
     let names: Vec<_> = models.iter().map(|m| m.name.as_str()).collect();
     assert_eq!(names, ["llama_gqa", "qwen2_bias_tied"]);
     assert_eq!(models[1].architecture, "Qwen2ForCausalLM");
     let t = c
-        .tokenize(pb::TokenizeRequest {
-            model: "llama_gqa".into(),
-            text: "The quick brown fox".into(),
-        })
+        .tokenize(pb::TokenizeRequest { model: "llama_gqa".into(), text: "The quick brown fox".into() })
         .await
         .unwrap();
     assert_eq!(
@@ -158,28 +116,11 @@ async fn errors_map_to_status_codes_naming_the_field() {
     let mut c = client(&server).await;
     let ok = || request("m", vec![1, 2, 3], 4);
     let cases: Vec<(pb::GenerateRequest, Code, &str)> = vec![
+        (pb::GenerateRequest { model: "nope".into(), ..ok() }, Code::NotFound, "nope"),
+        (pb::GenerateRequest { model: "".into(), ..ok() }, Code::InvalidArgument, "model"),
         (
             pb::GenerateRequest {
-                model: "nope".into(),
-                ..ok()
-            },
-            Code::NotFound,
-            "nope",
-        ),
-        (
-            pb::GenerateRequest {
-                model: "".into(),
-                ..ok()
-            },
-            Code::InvalidArgument,
-            "model",
-        ),
-        (
-            pb::GenerateRequest {
-                sampling: Some(pb::SamplingParams {
-                    temperature: -0.5,
-                    ..Default::default()
-                }),
+                sampling: Some(pb::SamplingParams { temperature: -0.5, ..Default::default() }),
                 ..ok()
             },
             Code::InvalidArgument,
@@ -187,10 +128,7 @@ async fn errors_map_to_status_codes_naming_the_field() {
         ),
         (
             pb::GenerateRequest {
-                sampling: Some(pb::SamplingParams {
-                    top_p: Some(0.0),
-                    ..Default::default()
-                }),
+                sampling: Some(pb::SamplingParams { top_p: Some(0.0), ..Default::default() }),
                 ..ok()
             },
             Code::InvalidArgument,
@@ -198,96 +136,41 @@ async fn errors_map_to_status_codes_naming_the_field() {
         ),
         (
             pb::GenerateRequest {
-                sampling: Some(pb::SamplingParams {
-                    top_p: Some(1.5),
-                    ..Default::default()
-                }),
+                sampling: Some(pb::SamplingParams { top_p: Some(1.5), ..Default::default() }),
                 ..ok()
             },
             Code::InvalidArgument,
             "top_p",
         ),
-        (
-            pb::GenerateRequest {
-                max_tokens: Some(0),
-                ..ok()
-            },
-            Code::InvalidArgument,
-            "max_tokens",
-        ),
-        (
-            pb::GenerateRequest {
-                max_tokens: Some(600),
-                ..ok()
-            },
-            Code::InvalidArgument,
-            "max_tokens",
-        ),
-        (
-            pb::GenerateRequest {
-                prompt: None,
-                ..ok()
-            },
-            Code::InvalidArgument,
-            "prompt",
-        ),
+        (pb::GenerateRequest { max_tokens: Some(0), ..ok() }, Code::InvalidArgument, "max_tokens"),
+        (pb::GenerateRequest { max_tokens: Some(600), ..ok() }, Code::InvalidArgument, "max_tokens"),
+        (pb::GenerateRequest { prompt: None, ..ok() }, Code::InvalidArgument, "prompt"),
         (text_request("m", "", 4), Code::InvalidArgument, "prompt"),
         (request("m", vec![], 4), Code::InvalidArgument, "prompt"),
-        (
-            request("m", vec![1; 600], 4),
-            Code::InvalidArgument,
-            "context",
-        ),
-        (
-            request("m", vec![1, 100000], 4),
-            Code::InvalidArgument,
-            "token_ids",
-        ),
-        (
-            pb::GenerateRequest {
-                logprobs: Some(50),
-                ..ok()
-            },
-            Code::InvalidArgument,
-            "logprobs",
-        ),
+        (request("m", vec![1; 600], 4), Code::InvalidArgument, "context"),
+        (request("m", vec![1, 100000], 4), Code::InvalidArgument, "token_ids"),
+        (pb::GenerateRequest { logprobs: Some(50), ..ok() }, Code::InvalidArgument, "logprobs"),
     ];
     for (req, code, word) in cases {
         for streaming in [false, true] {
             let status = if streaming {
                 match c.generate_stream(req.clone()).await {
                     Err(s) => s,
-                    Ok(r) => r
-                        .into_inner()
-                        .message()
-                        .await
-                        .expect_err("stream should fail"),
+                    Ok(r) => r.into_inner().message().await.expect_err("stream should fail"),
                 }
             } else {
                 c.generate(req.clone()).await.expect_err("should fail")
             };
             assert_eq!(status.code(), code, "{req:?}: {status:?}");
-            assert!(
-                status.message().contains(word),
-                "{:?} should name {word}",
-                status.message()
-            );
+            assert!(status.message().contains(word), "{:?} should name {word}", status.message());
         }
     }
     // The server is still healthy after all that.
-    assert_eq!(
-        c.generate(ok()).await.unwrap().into_inner().token_ids.len(),
-        4
-    );
+    assert_eq!(c.generate(ok()).await.unwrap().into_inner().token_ids.len(), 4);
 }
 
 async fn model_stats(c: &mut InferenceClient<Channel>) -> pb::ModelInfo {
-    c.list_models(pb::ListModelsRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .models
-        .remove(0)
+    c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner().models.remove(0)
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -296,11 +179,7 @@ async fn cancelled_streams_free_their_sequence() {
     write_slow_model(tmp.path());
     let server = Server::start(&["--model", &tmp.path().to_string_lossy(), "--name", "slow"]);
     let mut c = client(&server).await;
-    let mut s = c
-        .generate_stream(request("slow", vec![1, 5, 9], 1900))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = c.generate_stream(request("slow", vec![1, 5, 9], 1900)).await.unwrap().into_inner();
     for _ in 0..3 {
         assert!(s.message().await.unwrap().is_some());
     }
@@ -314,17 +193,10 @@ async fn cancelled_streams_free_their_sequence() {
         if m.running_sequences == 0 && m.kv_blocks_free == m.kv_blocks_total {
             break;
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(2),
-            "sequence still running after cancel: {m:?}"
-        );
+        assert!(started.elapsed() < Duration::from_secs(2), "sequence still running after cancel: {m:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(
-        server.log().contains("cancelled") || server.log().contains("caller gone"),
-        "{}",
-        server.log()
-    );
+    assert!(server.log().contains("cancelled") || server.log().contains("caller gone"), "{}", server.log());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -342,21 +214,10 @@ async fn a_full_queue_answers_resource_exhausted() {
         "1",
     ]);
     let mut c = client(&server).await;
-    let mut running = c
-        .generate_stream(request("slow", vec![1, 2], 1500))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut running = c.generate_stream(request("slow", vec![1, 2], 1500)).await.unwrap().into_inner();
     assert!(running.message().await.unwrap().is_some());
-    let _waiting = c
-        .generate_stream(request("slow", vec![1, 3], 4))
-        .await
-        .unwrap()
-        .into_inner();
-    let status = c
-        .generate(request("slow", vec![1, 4], 4))
-        .await
-        .expect_err("queue is full");
+    let _waiting = c.generate_stream(request("slow", vec![1, 3], 4)).await.unwrap().into_inner();
+    let status = c.generate(request("slow", vec![1, 4], 4)).await.expect_err("queue is full");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
 }
 
@@ -371,20 +232,10 @@ async fn health_and_reflection_are_served() {
     use tonic_reflection::pb::v1::ServerReflectionRequest;
 
     let server = Server::start(&["--model", &fixture("llama_gqa")]);
-    let channel = Channel::from_shared(server.endpoint())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let channel = Channel::from_shared(server.endpoint()).unwrap().connect().await.unwrap();
     let mut h = HealthClient::new(channel.clone());
     for service in ["", "strata.inference.v1.Inference"] {
-        let r = h
-            .check(HealthCheckRequest {
-                service: service.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner();
+        let r = h.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
         assert_eq!(r.status, ServingStatus::Serving as i32, "{service:?}");
     }
     let mut refl = ServerReflectionClient::new(channel);
@@ -392,25 +243,12 @@ async fn health_and_reflection_are_served() {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut resp = refl
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut resp = refl.server_reflection_info(tokio_stream::iter(vec![req])).await.unwrap().into_inner();
     let msg = resp.message().await.unwrap().unwrap();
-    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else {
-        panic!("{msg:?}")
-    };
+    let Some(MessageResponse::ListServicesResponse(list)) = msg.message_response else { panic!("{msg:?}") };
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    for want in [
-        "strata.inference.v1.Inference",
-        "strata.admin.v1.Admin",
-        "grpc.health.v1.Health",
-    ] {
-        assert!(
-            names.iter().any(|n| n == want),
-            "{want} missing from {names:?}"
-        );
+    for want in ["strata.inference.v1.Inference", "strata.admin.v1.Admin", "grpc.health.v1.Health"] {
+        assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
     }
 }
 
@@ -418,26 +256,13 @@ async fn health_and_reflection_are_served() {
 async fn sigterm_drains_in_flight_streams_and_exits_zero() {
     let tmp = tempfile::tempdir().unwrap();
     write_slow_model(tmp.path());
-    let mut server = Server::start(&[
-        "--model",
-        &tmp.path().to_string_lossy(),
-        "--name",
-        "slow",
-        "--drain-timeout",
-        "60",
-    ]);
+    let mut server =
+        Server::start(&["--model", &tmp.path().to_string_lossy(), "--name", "slow", "--drain-timeout", "60"]);
     let mut c = client(&server).await;
-    let mut s = c
-        .generate_stream(request("slow", vec![1, 2, 3], 200))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut s = c.generate_stream(request("slow", vec![1, 2, 3], 200)).await.unwrap().into_inner();
     let mut tokens = s.message().await.unwrap().unwrap().token_ids.len();
     let pid = server.child.id().to_string();
-    let kill = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
+    let kill = std::process::Command::new("kill").args(["-TERM", &pid]).status().unwrap();
     assert!(kill.success());
     let mut finish = 0;
     while let Some(m) = s.message().await.expect("the in-flight stream completes") {
@@ -450,27 +275,18 @@ async fn sigterm_drains_in_flight_streams_and_exits_zero() {
         if let Some(st) = server.child.try_wait().unwrap() {
             break st;
         }
-        assert!(
-            Instant::now() < deadline,
-            "server did not exit after draining"
-        );
+        assert!(Instant::now() < deadline, "server did not exit after draining");
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit status {status:?}: {}", server.log());
-    assert!(
-        InferenceClient::connect(server.endpoint()).await.is_err(),
-        "no new connections after shutdown"
-    );
+    assert!(InferenceClient::connect(server.endpoint()).await.is_err(), "no new connections after shutdown");
 }
 
 /// A Python grpcio client (stubs generated from proto/ by grpcio-tools) calls the server.
 /// `make test` installs grpcio and grpcio-tools into target/pyenv; STRATA_PYTHON overrides.
 #[test]
 fn python_grpcio_client_calls_the_server() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
     let python = std::env::var_os("STRATA_PYTHON")
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| root.join("target/pyenv/bin/python"));
@@ -493,4 +309,39 @@ fn python_grpcio_client_calls_the_server() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("5 passed, 0 failed"), "{stdout}");
+}
+
+#[test]
+fn bench_reports_vllm_style_metrics() {
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "tiny"]);
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["bench", "--endpoint", &server.endpoint(), "--model", "tiny", "--requests", "12"])
+        .args([
+            "--concurrency",
+            "4",
+            "--input-len",
+            "40",
+            "--output-len",
+            "9",
+            "--shared-prefix",
+            "32",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(12), Some(0)));
+    assert_eq!(r["output_tokens"].as_u64(), Some(12 * 9));
+    assert_eq!(r["input_tokens"].as_u64(), Some(12 * 40));
+    for metric in ["ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"] {
+        let m = &r[metric];
+        let (p50, p90, p99) =
+            (m["p50"].as_f64().unwrap(), m["p90"].as_f64().unwrap(), m["p99"].as_f64().unwrap());
+        assert!(p50 > 0.0 && p50 <= p90 && p90 <= p99, "{metric}: {m}");
+    }
+    assert!(r["e2e_ms"]["p50"].as_f64() >= r["ttft_ms"]["p50"].as_f64());
+    let tput = r["output_tokens_per_s"].as_f64().unwrap();
+    let expect = 108.0 / r["duration_s"].as_f64().unwrap();
+    assert!((tput - expect).abs() < 1e-6 * expect, "{tput} vs {expect}");
 }

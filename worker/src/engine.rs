@@ -1,16 +1,16 @@
 //! The engine: sequences in, tokens out, one batched forward pass per step.
 //!
 //! Sequences join ([`Engine::add`]) and leave ([`Engine::cancel`], or by finishing) between
-//! steps. Each [`Engine::step`] gives every running sequence its uncomputed tokens — the
-//! whole prompt on its first step, one token afterwards — in a single ragged batch over
-//! the paged KV cache, then samples one token per sequence. Blocks are returned to the
-//! pool the moment a sequence finishes or is cancelled.
+//! steps. Each [`Engine::step`] asks the [`Scheduler`] for a plan — decodes of running
+//! sequences plus prefill chunks, within the token budget — runs it as one ragged batch
+//! over the paged KV cache, and samples one token for every sequence whose chunk reached
+//! its end. Blocks return to the pool the moment a sequence finishes or is cancelled.
 //!
 //! Stop strings are the caller's business (they need the detokenizer): the caller cancels
 //! a sequence once its text contains one. Everything that ends on token ids — EOS, stop
 //! token ids, max tokens, the context length — ends here.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use strata_common::{Error, FinishReason, Result, SamplingParams};
 use tracing::debug;
@@ -20,6 +20,7 @@ use crate::kv::{BlockPool, DEFAULT_BLOCK_SIZE};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
+use crate::scheduler::{Scheduler, SchedulerConfig, SeqData};
 
 /// Caller-chosen identifier of a sequence.
 pub type SeqId = u64;
@@ -30,6 +31,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Memory for the KV cache; the block count follows from it.
     pub kv_cache_bytes: usize,
+    pub scheduler: SchedulerConfig,
+    /// Reuse cached KV blocks of shared prompt prefixes.
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineConfig {
@@ -37,11 +41,13 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: DEFAULT_BLOCK_SIZE,
             kv_cache_bytes: 512 << 20,
+            scheduler: SchedulerConfig::default(),
+            prefix_caching: true,
         }
     }
 }
 
-/// One token produced by a step.
+/// One token produced by a step, or the end of a sequence that could not continue.
 #[derive(Debug, Clone)]
 pub struct StepEvent {
     pub seq: SeqId,
@@ -51,22 +57,26 @@ pub struct StepEvent {
     pub finish: Option<FinishReason>,
 }
 
-struct Sequence {
-    id: SeqId,
-    tokens: Vec<u32>,
-    /// Tokens whose K and V are in the cache.
-    computed: usize,
-    generated: u32,
-    blocks: Vec<u32>,
+/// Per-sequence state the scheduler does not need.
+struct SeqMeta {
     sampler: Sampler,
+    generated: u32,
+}
+
+/// A sequence removed because it cannot run (the cache can never hold it).
+#[derive(Debug)]
+pub struct Aborted {
+    pub seq: SeqId,
+    pub error: Error,
 }
 
 pub struct Engine<B: Backend> {
     model: Model<B>,
     kv: Vec<B::KvLayer>,
-    pool: BlockPool,
-    seqs: Vec<Sequence>,
+    scheduler: Scheduler,
+    meta: HashMap<SeqId, SeqMeta>,
     eos: HashSet<u32>,
+    aborted: Vec<Aborted>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -75,26 +85,27 @@ impl<B: Backend> Engine<B> {
         let num_blocks = config.kv_cache_bytes / per_block;
         if num_blocks == 0 {
             return Err(Error::invalid(
-                "kv_cache_bytes",
-                format!(
-                    "{} bytes hold no block of {per_block} bytes",
-                    config.kv_cache_bytes
-                ),
+                "kv_cache_memory",
+                format!("{} bytes hold no block of {per_block} bytes", config.kv_cache_bytes),
+            ));
+        }
+        if config.scheduler.max_num_seqs == 0 || config.scheduler.max_batched_tokens == 0 {
+            return Err(Error::invalid(
+                "max_num_seqs",
+                "max_num_seqs and max_batched_tokens must be at least 1",
             ));
         }
         let kv = model.alloc_kv(num_blocks, config.block_size)?;
-        debug!(
-            num_blocks,
-            block_size = config.block_size,
-            "KV cache allocated"
-        );
+        debug!(num_blocks, block_size = config.block_size, "KV cache allocated");
+        let pool = BlockPool::with_prefix_caching(num_blocks, config.block_size, config.prefix_caching);
         let eos = model.config.eos_token_ids.iter().copied().collect();
         Ok(Engine {
             kv,
-            pool: BlockPool::new(num_blocks, config.block_size),
+            scheduler: Scheduler::new(config.scheduler.clone(), pool),
             model,
-            seqs: Vec::new(),
+            meta: HashMap::new(),
             eos,
+            aborted: Vec::new(),
         })
     }
 
@@ -107,19 +118,33 @@ impl<B: Backend> Engine<B> {
         self.model.config.max_position_embeddings
     }
 
+    /// Sequences admitted or queued and not yet finished.
     pub fn num_running(&self) -> usize {
-        self.seqs.len()
+        self.scheduler.num_running() + self.scheduler.num_waiting()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.num_waiting()
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    /// Preemptions and prefix-cache hits so far.
+    pub fn scheduler_stats(&self) -> crate::scheduler::SchedulerStats {
+        self.scheduler.stats
     }
 
     pub fn free_blocks(&self) -> usize {
-        self.pool.num_free()
+        self.scheduler.pool().num_free()
     }
 
     pub fn total_blocks(&self) -> usize {
-        self.pool.num_blocks()
+        self.scheduler.pool().num_blocks()
     }
 
-    /// Admits a sequence; it runs from the next step.
+    /// Queues a sequence; it runs as soon as the scheduler admits it.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         params.validate()?;
         if prompt.is_empty() {
@@ -142,110 +167,92 @@ impl<B: Backend> Engine<B> {
                 ),
             ));
         }
-        let capacity = self.pool.num_blocks() * self.pool.block_size();
+        let pool = self.scheduler.pool();
+        let capacity = pool.num_blocks() * pool.block_size();
         if prompt.len() + 1 > capacity {
             return Err(Error::invalid(
                 "prompt",
-                format!(
-                    "{} tokens exceed the KV cache's capacity of {capacity} positions",
-                    prompt.len()
-                ),
+                format!("{} tokens exceed the KV cache's capacity of {capacity} positions", prompt.len()),
             ));
         }
-        if self.seqs.iter().any(|s| s.id == id) {
-            return Err(Error::invalid(
-                "request_id",
-                format!("sequence {id} is already running"),
-            ));
+        if self.meta.contains_key(&id) {
+            return Err(Error::invalid("request_id", format!("sequence {id} is already running")));
         }
         let sampler = Sampler::new(params, &prompt);
-        self.seqs.push(Sequence {
-            id,
-            tokens: prompt,
-            computed: 0,
-            generated: 0,
-            blocks: Vec::new(),
-            sampler,
-        });
+        self.meta.insert(id, SeqMeta { sampler, generated: 0 });
+        self.scheduler.add(SeqData::new(id, prompt));
         Ok(())
     }
 
-    /// Stops a sequence and frees its blocks; false if it was not running.
+    /// Stops a sequence and frees its blocks; false if it was not known.
     pub fn cancel(&mut self, id: SeqId) -> bool {
-        match self.seqs.iter().position(|s| s.id == id) {
-            Some(i) => {
-                let mut seq = self.seqs.remove(i);
-                self.pool.release(&mut seq.blocks);
-                true
-            }
-            None => false,
-        }
+        self.meta.remove(&id);
+        self.scheduler.remove(id)
     }
 
-    /// Runs one forward pass over every running sequence that fits in the cache.
+    /// Sequences the last steps removed because they can never fit; drained by the caller.
+    pub fn take_aborted(&mut self) -> Vec<Aborted> {
+        std::mem::take(&mut self.aborted)
+    }
+
+    /// Runs one scheduled step and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<StepEvent>> {
-        let mut ids = Vec::new();
-        let mut layout = BatchLayout {
-            block_size: self.pool.block_size(),
-            ..Default::default()
-        };
+        let mut plan = self.scheduler.schedule();
+        for (seq, error) in plan.aborted.drain(..) {
+            self.meta.remove(&seq);
+            self.aborted.push(Aborted { seq, error });
+        }
+        if !plan.preempted.is_empty() {
+            debug!(preempted = ?plan.preempted, "KV cache full: preempted for recompute");
+        }
+        if plan.seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let pool = self.scheduler.pool();
+        let mut ids = Vec::with_capacity(plan.num_tokens());
+        let mut layout = BatchLayout { block_size: pool.block_size(), ..Default::default() };
         let mut logit_rows = Vec::new();
-        let mut scheduled = Vec::new();
-        for (i, seq) in self.seqs.iter_mut().enumerate() {
-            if self.pool.grow(&mut seq.blocks, seq.tokens.len()).is_err() {
-                continue; // waits for blocks; the scheduler issue adds preemption.
-            }
+        for item in &plan.seqs {
+            let seq = self.scheduler.seq(item.id).expect("scheduled sequences exist");
             let start = ids.len();
-            for pos in seq.computed..seq.tokens.len() {
+            for pos in item.start..item.end {
                 ids.push(seq.tokens[pos]);
                 layout.positions.push(pos as u32);
-                layout.slots.push(self.pool.slot(&seq.blocks, pos));
+                layout.slots.push(pool.slot(&seq.blocks, pos));
             }
             layout.seqs.push(SeqSlice {
                 token_start: start,
-                num_tokens: ids.len() - start,
-                context_before: seq.computed,
+                num_tokens: item.end - item.start,
+                context_before: item.start,
                 block_table: seq.blocks.clone(),
             });
-            logit_rows.push(ids.len() - 1);
-            scheduled.push(i);
-        }
-        if scheduled.is_empty() {
-            return if self.seqs.is_empty() {
-                Ok(Vec::new())
-            } else {
-                Err(Error::Overloaded(
-                    "KV cache too small for any running sequence".into(),
-                ))
-            };
+            if item.sample {
+                logit_rows.push(ids.len() - 1);
+            }
         }
         let logits = self.model.forward(&ids, &layout, &mut self.kv, &logit_rows);
         let vocab = self.model.config.vocab_size;
         let max_context = self.max_context();
-        let mut events = Vec::with_capacity(scheduled.len());
-        for (row, &i) in scheduled.iter().enumerate() {
-            let seq = &mut self.seqs[i];
-            seq.computed = seq.tokens.len();
-            let (token, logprobs) = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-            seq.tokens.push(token);
-            seq.generated += 1;
-            let params = seq.sampler.params();
+        let mut events = Vec::with_capacity(logit_rows.len());
+        let mut sampled = Vec::with_capacity(logit_rows.len());
+        for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
+            let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
+            let (token, logprobs) = meta.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            meta.generated += 1;
+            let params = meta.sampler.params();
             let finish = if !params.ignore_eos && self.eos.contains(&token) {
                 Some(FinishReason::Eos)
             } else if params.stop_token_ids.contains(&token) {
                 Some(FinishReason::Stop)
-            } else if seq.generated >= params.max_new_tokens || seq.tokens.len() >= max_context {
+            } else if meta.generated >= params.max_new_tokens || item.end + 1 >= max_context {
                 Some(FinishReason::Length)
             } else {
                 None
             };
-            events.push(StepEvent {
-                seq: seq.id,
-                token,
-                logprobs,
-                finish,
-            });
+            sampled.push((item.id, token));
+            events.push(StepEvent { seq: item.id, token, logprobs, finish });
         }
+        self.scheduler.complete(&plan, &sampled);
         for e in &events {
             if e.finish.is_some() {
                 self.cancel(e.seq);
@@ -255,27 +262,24 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,
-    /// reference comparisons). Leaves no state behind.
+    /// benchmarks). Leaves no state behind.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+        let pool = self.scheduler.pool_mut();
         let mut blocks = Vec::new();
-        self.pool.grow(&mut blocks, prompt.len())?;
+        pool.grow(&mut blocks, prompt.len())?;
         let layout = BatchLayout {
             positions: (0..prompt.len() as u32).collect(),
-            slots: (0..prompt.len())
-                .map(|p| self.pool.slot(&blocks, p))
-                .collect(),
+            slots: (0..prompt.len()).map(|p| pool.slot(&blocks, p)).collect(),
             seqs: vec![SeqSlice {
                 token_start: 0,
                 num_tokens: prompt.len(),
                 context_before: 0,
                 block_table: blocks.clone(),
             }],
-            block_size: self.pool.block_size(),
+            block_size: pool.block_size(),
         };
-        let logits = self
-            .model
-            .forward(prompt, &layout, &mut self.kv, &[prompt.len() - 1]);
-        self.pool.release(&mut blocks);
+        let logits = self.model.forward(prompt, &layout, &mut self.kv, &[prompt.len() - 1]);
+        self.scheduler.pool_mut().release(&mut blocks);
         Ok(logits)
     }
 }

@@ -12,6 +12,7 @@ pub mod kv;
 pub mod model;
 pub mod runner;
 pub mod sampler;
+pub mod scheduler;
 
 pub use engine::{Engine, EngineConfig, SeqId, StepEvent, TokenLogprobs};
 pub use runner::{EngineHandle, EngineStats, RunnerLimits, SeqEvent, SequenceStream};

@@ -1,13 +1,13 @@
 //! The engine's actor: one thread owns the [`Engine`], callers hold an [`EngineHandle`].
 //!
-//! Requests arrive over a channel and wait in a bounded queue; between steps the runner
-//! admits waiting requests up to `max_num_seqs`, steps the engine, and delivers each
-//! token to its sequence's stream. A [`SequenceStream`] cancels its sequence when dropped,
+//! Requests arrive over a channel and go to the engine, whose scheduler decides when they
+//! run; between steps the runner takes new requests and cancellations, steps the engine,
+//! and delivers each token to its sequence's stream. A [`SequenceStream`] cancels its sequence when dropped,
 //! so a caller that goes away frees its KV blocks at the next step boundary. When the
 //! queue is full, [`EngineHandle::submit`] fails at once with `Overloaded`; when the
 //! runner is gone, with `Unavailable`.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
@@ -21,29 +21,20 @@ use crate::engine::{Engine, SeqId, TokenLogprobs};
 /// Limits of one runner.
 #[derive(Debug, Clone)]
 pub struct RunnerLimits {
-    /// Most sequences generating at once.
-    pub max_num_seqs: usize,
     /// Most requests waiting to start; beyond it submissions are refused.
     pub max_waiting: usize,
 }
 
 impl Default for RunnerLimits {
     fn default() -> Self {
-        RunnerLimits {
-            max_num_seqs: 64,
-            max_waiting: 256,
-        }
+        RunnerLimits { max_waiting: 256 }
     }
 }
 
 /// What a sequence's stream receives.
 #[derive(Debug)]
 pub enum SeqEvent {
-    Token {
-        token: u32,
-        logprobs: Option<TokenLogprobs>,
-        finish: Option<FinishReason>,
-    },
+    Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
     Failed(Error),
 }
 
@@ -57,18 +48,16 @@ pub struct EngineStats {
 }
 
 enum Command {
-    Submit {
-        id: SeqId,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        events: tmpsc::UnboundedSender<SeqEvent>,
-    },
+    Submit { id: SeqId, prompt: Vec<u32>, params: SamplingParams, events: tmpsc::UnboundedSender<SeqEvent> },
     Cancel(SeqId),
 }
 
 #[derive(Default)]
 struct Shared {
     running: AtomicUsize,
+    /// Submitted, not yet handed to the engine.
+    queued: AtomicUsize,
+    /// Queued inside the engine's scheduler.
     waiting: AtomicUsize,
     kv_free: AtomicUsize,
     kv_total: AtomicUsize,
@@ -96,14 +85,7 @@ impl SequenceStream {
     /// finishing it, which the caller reports as unavailable).
     pub async fn next(&mut self) -> Option<SeqEvent> {
         let ev = self.rx.recv().await;
-        if matches!(
-            ev,
-            Some(SeqEvent::Token {
-                finish: Some(_),
-                ..
-            }) | Some(SeqEvent::Failed(_))
-                | None
-        ) {
+        if matches!(ev, Some(SeqEvent::Token { finish: Some(_), .. }) | Some(SeqEvent::Failed(_)) | None) {
             self.done = true;
         }
         ev
@@ -123,20 +105,9 @@ impl EngineHandle {
     pub fn spawn<B: Backend>(engine: Engine<B>, limits: RunnerLimits, name: &str) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
-        shared
-            .kv_free
-            .store(engine.free_blocks(), Ordering::Relaxed);
-        shared
-            .kv_total
-            .store(engine.total_blocks(), Ordering::Relaxed);
-        let runner = Runner {
-            engine,
-            rx,
-            shared: shared.clone(),
-            waiting: VecDeque::new(),
-            streams: Vec::new(),
-            limits: limits.clone(),
-        };
+        shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
+        shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
+        let runner = Runner { engine, rx, shared: shared.clone(), streams: HashMap::new() };
         std::thread::Builder::new()
             .name(format!("engine-{name}"))
             .spawn(move || runner.run())
@@ -146,9 +117,10 @@ impl EngineHandle {
 
     /// Queues a sequence; its tokens arrive on the returned stream.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<SequenceStream> {
-        let waiting = self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        let queued = self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        let waiting = queued + self.shared.waiting.load(Ordering::SeqCst);
         if waiting >= self.limits.max_waiting {
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Overloaded(format!(
                 "{waiting} requests already waiting (limit {})",
                 self.limits.max_waiting
@@ -156,31 +128,17 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tmpsc::unbounded_channel();
-        if self
-            .tx
-            .send(Command::Submit {
-                id,
-                prompt,
-                params,
-                events,
-            })
-            .is_err()
-        {
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        if self.tx.send(Command::Submit { id, prompt, params, events }).is_err() {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
-        Ok(SequenceStream {
-            id,
-            rx,
-            tx: self.tx.clone(),
-            done: false,
-        })
+        Ok(SequenceStream { id, rx, tx: self.tx.clone(), done: false })
     }
 
     pub fn stats(&self) -> EngineStats {
         EngineStats {
             running: self.shared.running.load(Ordering::Relaxed),
-            waiting: self.shared.waiting.load(Ordering::Relaxed),
+            waiting: self.shared.waiting.load(Ordering::Relaxed) + self.shared.queued.load(Ordering::Relaxed),
             kv_blocks_free: self.shared.kv_free.load(Ordering::Relaxed),
             kv_blocks_total: self.shared.kv_total.load(Ordering::Relaxed),
         }
@@ -193,28 +151,18 @@ impl EngineHandle {
     }
 }
 
-struct Waiting {
-    id: SeqId,
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    events: tmpsc::UnboundedSender<SeqEvent>,
-}
-
 struct Runner<B: Backend> {
     engine: Engine<B>,
     rx: mpsc::Receiver<Command>,
     shared: Arc<Shared>,
-    waiting: VecDeque<Waiting>,
-    /// Event senders of running sequences.
-    streams: Vec<(SeqId, tmpsc::UnboundedSender<SeqEvent>)>,
-    limits: RunnerLimits,
+    /// Event senders of the engine's sequences.
+    streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
 }
 
 impl<B: Backend> Runner<B> {
     fn run(mut self) {
         loop {
-            let idle = self.engine.num_running() == 0 && self.waiting.is_empty();
-            if idle {
+            if !self.engine.has_work() {
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return, // every handle is gone
@@ -223,8 +171,7 @@ impl<B: Backend> Runner<B> {
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
             }
-            self.admit();
-            if self.engine.num_running() > 0 {
+            if self.engine.has_work() {
                 self.step();
             }
             self.publish();
@@ -233,88 +180,70 @@ impl<B: Backend> Runner<B> {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit {
-                id,
-                prompt,
-                params,
-                events,
-            } => self.waiting.push_back(Waiting {
-                id,
-                prompt,
-                params,
-                events,
-            }),
+            Command::Submit { id, prompt, params, events } => {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                if events.is_closed() {
+                    return;
+                }
+                match self.engine.add(id, prompt, params) {
+                    Ok(()) => {
+                        self.streams.insert(id, events);
+                    }
+                    Err(e) => {
+                        let _ = events.send(SeqEvent::Failed(e));
+                    }
+                }
+            }
             Command::Cancel(id) => {
-                if let Some(i) = self.waiting.iter().position(|w| w.id == id) {
-                    self.waiting.remove(i);
-                    self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-                } else if self.engine.cancel(id) {
-                    self.streams.retain(|(s, _)| *s != id);
+                if self.engine.cancel(id) {
                     debug!(seq = id, "cancelled");
                 }
-            }
-        }
-    }
-
-    fn admit(&mut self) {
-        while self.engine.num_running() < self.limits.max_num_seqs {
-            let Some(w) = self.waiting.pop_front() else {
-                break;
-            };
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            if w.events.is_closed() {
-                continue;
-            }
-            match self.engine.add(w.id, w.prompt, w.params) {
-                Ok(()) => self.streams.push((w.id, w.events)),
-                Err(e) => {
-                    let _ = w.events.send(SeqEvent::Failed(e));
-                }
+                self.streams.remove(&id);
             }
         }
     }
 
     fn step(&mut self) {
-        match self.engine.step() {
+        let result = self.engine.step();
+        for a in self.engine.take_aborted() {
+            if let Some(events) = self.streams.remove(&a.seq) {
+                let _ = events.send(SeqEvent::Failed(a.error));
+            }
+        }
+        match result {
             Ok(events) => {
                 for ev in events {
-                    let Some(i) = self.streams.iter().position(|(s, _)| *s == ev.seq) else {
-                        continue;
-                    };
+                    let Some(stream) = self.streams.get(&ev.seq) else { continue };
                     let finished = ev.finish.is_some();
-                    let sent = self.streams[i].1.send(SeqEvent::Token {
+                    let sent = stream.send(SeqEvent::Token {
                         token: ev.token,
                         logprobs: ev.logprobs,
                         finish: ev.finish,
                     });
                     if finished {
-                        self.streams.swap_remove(i);
+                        self.streams.remove(&ev.seq);
                     } else if sent.is_err() {
                         // The caller went away: free the sequence now.
                         self.engine.cancel(ev.seq);
-                        self.streams.swap_remove(i);
+                        self.streams.remove(&ev.seq);
                         debug!(seq = ev.seq, "caller gone, sequence cancelled");
                     }
                 }
             }
             Err(e) => {
                 error!(error = %e, "engine step failed; failing its sequences");
-                for (id, events) in self.streams.drain(..) {
+                for (id, events) in self.streams.drain() {
                     self.engine.cancel(id);
-                    let _ = events.send(SeqEvent::Failed(Error::Unavailable(format!(
-                        "engine step failed: {e}"
-                    ))));
+                    let _ =
+                        events.send(SeqEvent::Failed(Error::Unavailable(format!("engine step failed: {e}"))));
                 }
             }
         }
     }
 
     fn publish(&self) {
-        self.shared
-            .running
-            .store(self.engine.num_running(), Ordering::Relaxed);
-        self.shared
-            .kv_free
-            .store(self.engine.free_blocks(), Ordering::Relaxed);
+        self.shared.running.store(self.engine.num_running() - self.engine.num_waiting(), Ordering::Relaxed);
+        self.shared.waiting.store(self.engine.num_waiting(), Ordering::Relaxed);
+        self.shared.kv_free.store(self.engine.free_blocks(), Ordering::Relaxed);
     }
 }

@@ -36,17 +36,9 @@ impl Sampler {
             Some(seed) => ChaCha8Rng::seed_from_u64(seed),
             None => ChaCha8Rng::from_os_rng(),
         };
-        let seen = if params.repetition_penalty != 1.0 {
-            prompt.iter().copied().collect()
-        } else {
-            HashSet::new()
-        };
-        Sampler {
-            params,
-            rng,
-            seen,
-            counts: HashMap::new(),
-        }
+        let seen =
+            if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
+        Sampler { params, rng, seen, counts: HashMap::new() }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -57,15 +49,8 @@ impl Sampler {
     pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprobs>) {
         let mut logits = raw.to_vec();
         self.apply_penalties(&mut logits);
-        let token = if self.params.is_greedy() {
-            argmax(&logits)
-        } else {
-            self.draw(&logits)
-        };
-        let logprobs = self
-            .params
-            .logprobs
-            .map(|n| logprobs(raw, token, n as usize));
+        let token = if self.params.is_greedy() { argmax(&logits) } else { self.draw(&logits) };
+        let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token);
         }
@@ -78,11 +63,7 @@ impl Sampler {
         if p.repetition_penalty != 1.0 {
             for &t in &self.seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
-                    } else {
-                        *l * p.repetition_penalty
-                    };
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
                 }
             }
         }
@@ -97,13 +78,9 @@ impl Sampler {
 
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / p.temperature))
-            .collect();
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let k = p.top_k as usize;
         if k > 0 && k < cand.len() {
             cand.select_nth_unstable_by(k - 1, by_logit_desc);
@@ -157,12 +134,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Log-softmax of `raw` at `token`, plus the `n` most likely tokens.
 pub fn logprobs(raw: &[f32], token: u32, n: usize) -> TokenLogprobs {
     let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_z = max
-        + raw
-            .iter()
-            .map(|&l| ((l - max) as f64).exp())
-            .sum::<f64>()
-            .ln() as f32;
+    let log_z = max + raw.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
     if n > 0 {
         for (i, &l) in raw.iter().enumerate() {

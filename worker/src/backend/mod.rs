@@ -74,12 +74,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Makes a `[1, n]` f32 tensor from a 1-D checkpoint view (norm weights, biases).
     fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor>;
     /// Allocates `num_blocks` blocks of `block_size` positions for `kv_heads × head_dim`.
-    fn alloc_kv(
-        &self,
-        num_blocks: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> Result<Self::KvLayer>;
+    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
 
     /// Bytes a weight occupies in memory.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
@@ -98,13 +93,7 @@ pub trait Backend: Send + Sync + 'static {
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
     /// Stores each new token's K and V rows at its slot.
-    fn write_kv(
-        &self,
-        cache: &mut Self::KvLayer,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        layout: &BatchLayout,
-    );
+    fn write_kv(&self, cache: &mut Self::KvLayer, k: &Self::Tensor, v: &Self::Tensor, layout: &BatchLayout);
     /// Causal attention of each new token over its sequence's cached positions.
     fn attention(
         &self,

@@ -83,16 +83,12 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
-            let mut linear =
-                |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
-                    let w = weight(&format!("{p}.{name}.weight"), &[out, inp])?;
-                    let bias = if bias {
-                        Some(vector(&backend, ckpt, &format!("{p}.{name}.bias"), out)?)
-                    } else {
-                        None
-                    };
-                    Ok(Linear { weight: w, bias })
-                };
+            let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
+                let w = weight(&format!("{p}.{name}.weight"), &[out, inp])?;
+                let bias =
+                    if bias { Some(vector(&backend, ckpt, &format!("{p}.{name}.bias"), out)?) } else { None };
+                Ok(Linear { weight: w, bias })
+            };
             let q = linear("self_attn.q_proj", q_dim, h, c.qkv_bias)?;
             let k = linear("self_attn.k_proj", kv_dim, h, c.qkv_bias)?;
             let v = linear("self_attn.v_proj", kv_dim, h, c.qkv_bias)?;
@@ -102,12 +98,7 @@ impl<B: Backend> Model<B> {
             let down = linear("mlp.down_proj", h, c.intermediate_size, c.mlp_bias)?;
             layers.push(Layer {
                 input_norm: vector(&backend, ckpt, &format!("{p}.input_layernorm.weight"), h)?,
-                post_norm: vector(
-                    &backend,
-                    ckpt,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    h,
-                )?,
+                post_norm: vector(&backend, ckpt, &format!("{p}.post_attention_layernorm.weight"), h)?,
                 q,
                 k,
                 v,
@@ -159,9 +150,7 @@ impl<B: Backend> Model<B> {
     /// Allocates the paged KV cache: one storage per layer.
     pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> Result<Vec<B::KvLayer>> {
         let kv_dim = self.config.num_kv_heads * self.config.head_dim;
-        (0..self.config.num_layers)
-            .map(|_| self.backend.alloc_kv(num_blocks, block_size, kv_dim))
-            .collect()
+        (0..self.config.num_layers).map(|_| self.backend.alloc_kv(num_blocks, block_size, kv_dim)).collect()
     }
 
     /// Bytes of KV cache one position takes across all layers (f32 K and V).

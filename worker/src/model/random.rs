@@ -100,14 +100,10 @@ impl RandomModelSpec {
                 return Err(Error::invalid(name, "must be positive"));
             }
         }
-        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2)
-        {
+        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2) {
             return Err(Error::invalid(
                 "heads",
-                format!(
-                    "hidden ({}) / heads ({}) must be an even integer",
-                    self.hidden, self.heads
-                ),
+                format!("hidden ({}) / heads ({}) must be an even integer", self.hidden, self.heads),
             ));
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
@@ -173,18 +169,9 @@ impl RandomModelSpec {
             }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            t.push((
-                format!("{p}.mlp.gate_proj.weight"),
-                vec![self.intermediate, h],
-            ));
-            t.push((
-                format!("{p}.mlp.up_proj.weight"),
-                vec![self.intermediate, h],
-            ));
-            t.push((
-                format!("{p}.mlp.down_proj.weight"),
-                vec![h, self.intermediate],
-            ));
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
+            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
         }
         t.push(("model.norm.weight".to_string(), vec![h]));
         if !self.tie_word_embeddings {
@@ -197,8 +184,7 @@ impl RandomModelSpec {
     /// `progress` is called after each tensor with (bytes written, bytes total).
     pub fn write(&self, dir: &Path, mut progress: impl FnMut(usize, usize)) -> Result<()> {
         self.validate()?;
-        let io =
-            |path: &Path, e: std::io::Error| Error::model_file(path, format!("cannot write: {e}"));
+        let io = |path: &Path, e: std::io::Error| Error::model_file(path, format!("cannot write: {e}"));
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         let config_path = dir.join("config.json");
         let text = serde_json::to_string_pretty(&self.config_json()).expect("JSON value");
@@ -228,8 +214,7 @@ impl RandomModelSpec {
         let path = dir.join("model.safetensors");
         let file = std::fs::File::create(&path).map_err(|e| io(&path, e))?;
         let mut out = BufWriter::with_capacity(1 << 22, file);
-        out.write_all(&(header.len() as u64).to_le_bytes())
-            .map_err(|e| io(&path, e))?;
+        out.write_all(&(header.len() as u64).to_le_bytes()).map_err(|e| io(&path, e))?;
         out.write_all(&header).map_err(|e| io(&path, e))?;
         let total = offset;
         let mut written = 0;
@@ -237,14 +222,8 @@ impl RandomModelSpec {
             let values = self.values(i as u64, name, shape);
             let bytes: Vec<u8> = match self.dtype {
                 DType::F32 => bytemuck::cast_slice(&values).to_vec(),
-                DType::BF16 => values
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect(),
-                DType::F16 => values
-                    .iter()
-                    .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                    .collect(),
+                DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+                DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
             };
             out.write_all(&bytes).map_err(|e| io(&path, e))?;
             written += bytes.len();
@@ -261,17 +240,9 @@ impl RandomModelSpec {
         }
         // Uniform with std 1/sqrt(fan_in) (embeddings: std 1), in parallel chunks with
         // their own seeds so the output does not depend on the thread count.
-        let fan_in = if name.contains("embed_tokens") {
-            1
-        } else {
-            *shape.last().unwrap_or(&1)
-        };
+        let fan_in = if name.contains("embed_tokens") { 1 } else { *shape.last().unwrap_or(&1) };
         let amp = (3.0 / fan_in as f32).sqrt();
-        let amp = if name.ends_with(".bias") {
-            amp * 0.1
-        } else {
-            amp
-        };
+        let amp = if name.ends_with(".bias") { amp * 0.1 } else { amp };
         const CHUNK: usize = 1 << 16;
         let mut v = vec![0f32; n];
         v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {

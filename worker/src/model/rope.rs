@@ -12,9 +12,7 @@ use crate::backend::RopeTable;
 pub fn rope_table(config: &ModelConfig) -> RopeTable {
     let dim = config.head_dim;
     let base = config.rope_theta as f32;
-    let mut inv_freq: Vec<f32> = (0..dim / 2)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32))
-        .collect();
+    let mut inv_freq: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
     match config.rope_scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {
@@ -38,8 +36,7 @@ pub fn rope_table(config: &ModelConfig) -> RopeTable {
                 } else if wavelen > low_freq_wavelen {
                     freq / factor
                 } else {
-                    let smooth = (old_ctx / wavelen - low_freq_factor)
-                        / (high_freq_factor - low_freq_factor);
+                    let smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                     (1.0 - smooth) * freq / factor + smooth * freq
                 } as f32;
             }

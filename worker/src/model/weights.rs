@@ -67,16 +67,10 @@ impl HostTensor {
     /// The rows `rows` of a 2-D tensor, still a view into the mapping.
     pub fn rows(&self, rows: Range<usize>) -> Result<HostTensor> {
         let [n, cols] = self.shape[..] else {
-            return Err(Error::Internal(format!(
-                "{}: rows() of a non-matrix",
-                self.name
-            )));
+            return Err(Error::Internal(format!("{}: rows() of a non-matrix", self.name)));
         };
         if rows.end > n || rows.start > rows.end {
-            return Err(Error::Internal(format!(
-                "{}: rows {rows:?} of {n}",
-                self.name
-            )));
+            return Err(Error::Internal(format!("{}: rows {rows:?} of {n}", self.name)));
         }
         let row_bytes = cols * self.dtype.size();
         let start = self.range.start + rows.start * row_bytes;
@@ -94,10 +88,7 @@ impl HostTensor {
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let b = self.bytes();
         match self.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
+            DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             DType::BF16 => b
                 .chunks_exact(2)
                 .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
@@ -155,10 +146,7 @@ impl Checkpoint {
                 tensors.insert(t.name.clone(), t);
             }
         }
-        Ok(Checkpoint {
-            tensors,
-            dir: dir.to_owned(),
-        })
+        Ok(Checkpoint { tensors, dir: dir.to_owned() })
     }
 
     pub fn dir(&self) -> &Path {
@@ -172,18 +160,12 @@ impl Checkpoint {
     /// The tensor `name`, checked against the shape the model config implies.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let t = self.tensors.get(name).ok_or_else(|| {
-            Error::model_file(
-                &self.dir,
-                format!("tensor {name:?} is missing from the checkpoint"),
-            )
+            Error::model_file(&self.dir, format!("tensor {name:?} is missing from the checkpoint"))
         })?;
         if t.shape != shape {
             return Err(Error::model_file(
                 t.file.as_path(),
-                format!(
-                    "tensor {name:?} has shape {:?}, config.json implies {shape:?}",
-                    t.shape
-                ),
+                format!("tensor {name:?} has shape {:?}, config.json implies {shape:?}", t.shape),
             ));
         }
         Ok(t.clone())
@@ -196,26 +178,18 @@ impl Checkpoint {
 }
 
 fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
+    let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
     // SAFETY: the mapping is read-only; a checkpoint modified while being served is
     // outside what any inference server can defend against.
-    let map = unsafe { Mmap::map(&file) }
-        .map_err(|e| Error::model_file(path, format!("cannot map: {e}")))?;
+    let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::model_file(path, format!("cannot map: {e}")))?;
     if map.len() < 8 {
-        return Err(Error::model_file(
-            path,
-            "truncated: shorter than the 8-byte header length",
-        ));
+        return Err(Error::model_file(path, "truncated: shorter than the 8-byte header length"));
     }
     let header_len = u64::from_le_bytes(map[..8].try_into().unwrap_or_default()) as usize;
     if header_len > map.len() - 8 {
         return Err(Error::model_file(
             path,
-            format!(
-                "truncated: header claims {header_len} bytes, file has {}",
-                map.len()
-            ),
+            format!("truncated: header claims {header_len} bytes, file has {}", map.len()),
         ));
     }
     let header: serde_json::Value = serde_json::from_slice(&map[8..8 + header_len])
@@ -231,10 +205,8 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
         if name == "__metadata__" {
             continue;
         }
-        let info: safetensors::tensor::TensorInfo =
-            serde_json::from_value(info.clone()).map_err(|e| {
-                Error::model_file(path, format!("tensor {name:?}: bad header entry: {e}"))
-            })?;
+        let info: safetensors::tensor::TensorInfo = serde_json::from_value(info.clone())
+            .map_err(|e| Error::model_file(path, format!("tensor {name:?}: bad header entry: {e}")))?;
         let dtype = match info.dtype {
             safetensors::Dtype::F32 => DType::F32,
             safetensors::Dtype::F16 => DType::F16,

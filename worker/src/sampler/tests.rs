@@ -3,10 +3,7 @@
 use super::*;
 
 fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
-    let mut p = SamplingParams {
-        seed: Some(7),
-        ..Default::default()
-    };
+    let mut p = SamplingParams { seed: Some(7), ..Default::default() };
     f(&mut p);
     p
 }
@@ -97,15 +94,9 @@ fn draws_follow_the_tempered_softmax() {
         let z: f32 = LOGITS.iter().map(|l| (l / t).exp()).sum();
         let want = (LOGITS[1] / t).exp() / z;
         let n = 4000;
-        let got = draws(params(|p| p.temperature = t), &LOGITS, n)
-            .iter()
-            .filter(|&&x| x == 1)
-            .count() as f32
+        let got = draws(params(|p| p.temperature = t), &LOGITS, n).iter().filter(|&&x| x == 1).count() as f32
             / n as f32;
-        assert!(
-            (got - want).abs() < 0.03,
-            "T={t}: token 1 drawn {got}, expected {want}"
-        );
+        assert!((got - want).abs() < 0.03, "T={t}: token 1 drawn {got}, expected {want}");
     }
 }
 
@@ -118,11 +109,7 @@ fn repetition_penalty_follows_hf() {
     assert_eq!(l[1], 1.5);
     assert_eq!(l[3], -2.0);
     assert_eq!(l[5], 2.9);
-    assert_eq!(
-        s.sample(&LOGITS).0,
-        5,
-        "the penalised token loses to the runner-up"
-    );
+    assert_eq!(s.sample(&LOGITS).0, 5, "the penalised token loses to the runner-up");
 }
 
 #[test]
@@ -148,10 +135,7 @@ fn logprobs_are_log_softmax_of_raw_logits() {
     let lp = logprobs(&LOGITS, 2, 3);
     let z: f64 = LOGITS.iter().map(|&l| (l as f64).exp()).sum();
     assert!((lp.logprob as f64 - (2.5 - z.ln())).abs() < 1e-5);
-    assert_eq!(
-        lp.top.iter().map(|t| t.0).collect::<Vec<_>>(),
-        vec![1, 5, 2]
-    );
+    assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 5, 2]);
     assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
     let mut s = Sampler::new(params(|p| p.logprobs = Some(2)), &[]);
     let (_, got) = s.sample(&LOGITS);

@@ -65,10 +65,7 @@ impl CpuWeight {
         let [rows, cols] = host.shape[..] else {
             return Err(Error::model_file(
                 host.file.as_path(),
-                format!(
-                    "tensor {:?} should be 2-D, has shape {:?}",
-                    host.name, host.shape
-                ),
+                format!("tensor {:?} should be 2-D, has shape {:?}", host.name, host.shape),
             ));
         };
         let data = match host.dtype {
@@ -82,11 +79,7 @@ impl CpuWeight {
     /// An owned f32 matrix (tests and sharded copies).
     pub fn from_f32(data: Vec<f32>, rows: usize, cols: usize) -> Self {
         assert_eq!(data.len(), rows * cols);
-        CpuWeight {
-            rows,
-            cols,
-            data: WeightData::F32(Elems::Owned(data)),
-        }
+        CpuWeight { rows, cols, data: WeightData::F32(Elems::Owned(data)) }
     }
 
     pub fn bytes(&self) -> usize {
@@ -141,11 +134,7 @@ fn widen<T: Widen>(src: &[T], dst: &mut [f32]) {
 }
 
 pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
-    assert_eq!(
-        x.cols, w.cols,
-        "matmul: x has {} columns, weight has {}",
-        x.cols, w.cols
-    );
+    assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight has {}", x.cols, w.cols);
     match &w.data {
         WeightData::F32(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
@@ -165,16 +154,13 @@ fn matmul_typed<T: Kernel>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTe
 fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
     let (n, k) = (x.rows, x.cols);
     let mut out_t = vec![0f32; m * n];
-    out_t
-        .par_chunks_mut(STREAM_CHUNK * n)
-        .enumerate()
-        .for_each(|(c, out)| {
-            let j0 = c * STREAM_CHUNK;
-            for (jj, out_row) in out.chunks_mut(n).enumerate() {
-                let w_row = &w[(j0 + jj) * k..(j0 + jj + 1) * k];
-                dot_rows(w_row, &x.data, k, out_row);
-            }
-        });
+    out_t.par_chunks_mut(STREAM_CHUNK * n).enumerate().for_each(|(c, out)| {
+        let j0 = c * STREAM_CHUNK;
+        for (jj, out_row) in out.chunks_mut(n).enumerate() {
+            let w_row = &w[(j0 + jj) * k..(j0 + jj + 1) * k];
+            dot_rows(w_row, &x.data, k, out_row);
+        }
+    });
     if n == 1 {
         return CpuTensor::new(out_t, 1, m);
     }
@@ -213,19 +199,12 @@ fn dot_portable<T: Widen>(w: &[T], x: &[f32]) -> f32 {
     const LANES: usize = 16;
     let mut acc = [0f32; LANES];
     let split = w.len() / LANES * LANES;
-    for (wc, xc) in w[..split]
-        .chunks_exact(LANES)
-        .zip(x[..split].chunks_exact(LANES))
-    {
+    for (wc, xc) in w[..split].chunks_exact(LANES).zip(x[..split].chunks_exact(LANES)) {
         for l in 0..LANES {
             acc[l] += wc[l].f32() * xc[l];
         }
     }
-    let tail: f32 = w[split..]
-        .iter()
-        .zip(&x[split..])
-        .map(|(a, b)| a.f32() * b)
-        .sum();
+    let tail: f32 = w[split..].iter().zip(&x[split..]).map(|(a, b)| a.f32() * b).sum();
     acc.iter().sum::<f32>() + tail
 }
 
@@ -235,41 +214,39 @@ fn tiled<T: Widen>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
     let mut y = vec![0f32; n * m];
     let y_ptr = SendPtr(y.as_mut_ptr());
     let tiles = m.div_ceil(TILE_ROWS);
-    (0..tiles)
-        .into_par_iter()
-        .for_each_init(Vec::<f32>::new, |buf, tile| {
-            let j0 = tile * TILE_ROWS;
-            let rows = TILE_ROWS.min(m - j0);
-            let src = &w[j0 * k..(j0 + rows) * k];
-            buf.resize(rows * k, 0.0);
-            widen_fast(src, buf);
-            let y_ptr = &y_ptr;
-            // SAFETY: this task writes columns j0..j0+rows of y only; tiles are disjoint, and
-            // all strides describe buffers of the stated sizes.
-            unsafe {
-                gemm::gemm(
-                    n,
-                    rows,
-                    k,
-                    y_ptr.0.add(j0),
-                    1,
-                    m as isize,
-                    false,
-                    x.data.as_ptr(),
-                    1,
-                    k as isize,
-                    buf.as_ptr(),
-                    k as isize,
-                    1,
-                    0.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-        });
+    (0..tiles).into_par_iter().for_each_init(Vec::<f32>::new, |buf, tile| {
+        let j0 = tile * TILE_ROWS;
+        let rows = TILE_ROWS.min(m - j0);
+        let src = &w[j0 * k..(j0 + rows) * k];
+        buf.resize(rows * k, 0.0);
+        widen_fast(src, buf);
+        let y_ptr = &y_ptr;
+        // SAFETY: this task writes columns j0..j0+rows of y only; tiles are disjoint, and
+        // all strides describe buffers of the stated sizes.
+        unsafe {
+            gemm::gemm(
+                n,
+                rows,
+                k,
+                y_ptr.0.add(j0),
+                1,
+                m as isize,
+                false,
+                x.data.as_ptr(),
+                1,
+                k as isize,
+                buf.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    });
     CpuTensor::new(y, n, m)
 }
 

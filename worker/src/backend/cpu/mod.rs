@@ -27,20 +27,12 @@ pub struct CpuTensor {
 
 impl CpuTensor {
     pub fn new(data: Vec<f32>, rows: usize, cols: usize) -> Self {
-        assert_eq!(
-            data.len(),
-            rows * cols,
-            "tensor data does not match its shape"
-        );
+        assert_eq!(data.len(), rows * cols, "tensor data does not match its shape");
         CpuTensor { data, rows, cols }
     }
 
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        CpuTensor {
-            data: vec![0.0; rows * cols],
-            rows,
-            cols,
-        }
+        CpuTensor { data: vec![0.0; rows * cols], rows, cols }
     }
 
     pub fn row(&self, r: usize) -> &[f32] {
@@ -84,10 +76,7 @@ impl Backend for CpuBackend {
         if host.shape.len() != 1 {
             return Err(Error::model_file(
                 host.file.as_path(),
-                format!(
-                    "tensor {:?} should be 1-D, has shape {:?}",
-                    host.name, host.shape
-                ),
+                format!("tensor {:?} should be 1-D, has shape {:?}", host.name, host.shape),
             ));
         }
         let data = host.to_f32_vec();
@@ -100,11 +89,7 @@ impl Backend for CpuBackend {
             .checked_mul(block_size)
             .and_then(|n| n.checked_mul(kv_dim))
             .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
-        Ok(CpuKvLayer {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            kv_dim,
-        })
+        Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim })
     }
 
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
@@ -149,15 +134,9 @@ impl Backend for CpuBackend {
             }
         };
         if x.rows >= PAR_ROWS {
-            x.data
-                .par_chunks(x.cols)
-                .zip(out.data.par_chunks_mut(x.cols))
-                .for_each(norm_row);
+            x.data.par_chunks(x.cols).zip(out.data.par_chunks_mut(x.cols)).for_each(norm_row);
         } else {
-            x.data
-                .chunks(x.cols)
-                .zip(out.data.chunks_mut(x.cols))
-                .for_each(norm_row);
+            x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols)).for_each(norm_row);
         }
         out
     }
@@ -183,25 +162,14 @@ impl Backend for CpuBackend {
             }
         };
         if x.rows >= PAR_ROWS {
-            x.data
-                .par_chunks_mut(cols)
-                .zip(positions.par_iter())
-                .for_each(rotate_row);
+            x.data.par_chunks_mut(cols).zip(positions.par_iter()).for_each(rotate_row);
         } else {
-            x.data
-                .chunks_mut(cols)
-                .zip(positions.iter())
-                .for_each(rotate_row);
+            x.data.chunks_mut(cols).zip(positions.iter()).for_each(rotate_row);
         }
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
-        let data = gate
-            .data
-            .iter()
-            .zip(&up.data)
-            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-            .collect();
+        let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
         CpuTensor::new(data, gate.rows, gate.cols)
     }
 

@@ -56,12 +56,7 @@ pub fn available() -> bool {
 ///
 /// # Safety
 /// [`available`] must be true; `w.len() == k`, `x.len() >= out.len() * k`.
-pub unsafe fn dot_rows<T: Load16 + super::matmul::Widen>(
-    w: &[T],
-    x: &[f32],
-    k: usize,
-    out: &mut [f32],
-) {
+pub unsafe fn dot_rows<T: Load16 + super::matmul::Widen>(w: &[T], x: &[f32], k: usize, out: &mut [f32]) {
     match out.len() {
         1 => dot_rows_n::<T, 1>(w, x, k, out),
         2 => dot_rows_n::<T, 2>(w, x, k, out),

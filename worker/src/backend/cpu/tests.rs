@@ -16,10 +16,7 @@ fn random(n: usize, seed: u64) -> Vec<f32> {
 fn assert_close(a: &[f32], b: &[f32], tol: f32) {
     assert_eq!(a.len(), b.len());
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tol * (1.0 + y.abs()),
-            "element {i}: {x} vs {y}"
-        );
+        assert!((x - y).abs() <= tol * (1.0 + y.abs()), "element {i}: {x} vs {y}");
     }
 }
 
@@ -27,9 +24,7 @@ fn naive_matmul(x: &[f32], w: &[f32], n: usize, k: usize, m: usize) -> Vec<f32> 
     let mut y = vec![0f32; n * m];
     for t in 0..n {
         for j in 0..m {
-            y[t * m + j] = (0..k)
-                .map(|i| x[t * k + i] as f64 * w[j * k + i] as f64)
-                .sum::<f64>() as f32;
+            y[t * m + j] = (0..k).map(|i| x[t * k + i] as f64 * w[j * k + i] as f64).sum::<f64>() as f32;
         }
     }
     y
@@ -56,11 +51,7 @@ fn matmul_bf16_widens_exactly() {
     let (k, m) = (96, 130);
     let w16: Vec<bf16> = random(m * k, 3).into_iter().map(bf16::from_f32).collect();
     let w32: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
-    let weight = CpuWeight {
-        rows: m,
-        cols: k,
-        data: WeightData::Bf16(Elems::Owned(w16)),
-    };
+    let weight = CpuWeight { rows: m, cols: k, data: WeightData::Bf16(Elems::Owned(w16)) };
     for n in [1, 5, 33] {
         let x = random(n * k, 4);
         let y = b.matmul(&CpuTensor::new(x.clone(), n, k), &weight);
@@ -73,11 +64,7 @@ fn rms_norm_matches_reference() {
     let b = CpuBackend::new();
     let x = random(3 * 10, 5);
     let w = random(10, 6);
-    let y = b.rms_norm(
-        &CpuTensor::new(x.clone(), 3, 10),
-        &CpuTensor::new(w.clone(), 1, 10),
-        1e-5,
-    );
+    let y = b.rms_norm(&CpuTensor::new(x.clone(), 3, 10), &CpuTensor::new(w.clone(), 1, 10), 1e-5);
     for r in 0..3 {
         let row = &x[r * 10..(r + 1) * 10];
         let rms = (row.iter().map(|v| v * v).sum::<f32>() / 10.0 + 1e-5).sqrt();
@@ -90,9 +77,7 @@ fn rms_norm_matches_reference() {
 fn rope_rotates_pairs_half_apart() {
     let b = CpuBackend::new();
     let head_dim = 8;
-    let table = RopeTable {
-        inv_freq: vec![1.0, 0.1, 0.01, 0.001],
-    };
+    let table = RopeTable { inv_freq: vec![1.0, 0.1, 0.01, 0.001] };
     let x = random(2 * 16, 7); // 2 tokens, 2 heads
     let mut t = CpuTensor::new(x.clone(), 2, 16);
     b.rope(&mut t, head_dim, &[0, 5], &table);
@@ -113,15 +98,8 @@ fn silu_mul_matches_reference() {
     let b = CpuBackend::new();
     let g = random(12, 8);
     let u = random(12, 9);
-    let y = b.silu_mul(
-        &CpuTensor::new(g.clone(), 1, 12),
-        &CpuTensor::new(u.clone(), 1, 12),
-    );
-    let want: Vec<f32> = g
-        .iter()
-        .zip(&u)
-        .map(|(g, u)| g * (1.0 / (1.0 + (-g).exp())) * u)
-        .collect();
+    let y = b.silu_mul(&CpuTensor::new(g.clone(), 1, 12), &CpuTensor::new(u.clone(), 1, 12));
+    let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g * (1.0 / (1.0 + (-g).exp())) * u).collect();
     assert_close(&y.data, &want, 1e-6);
 }
 
@@ -134,12 +112,8 @@ fn naive_attention(
     start: usize,
     shape: AttentionShape,
 ) -> Vec<f32> {
-    let (heads, kv_heads, d, window) = (
-        shape.num_heads,
-        shape.num_kv_heads,
-        shape.head_dim,
-        shape.sliding_window,
-    );
+    let (heads, kv_heads, d, window) =
+        (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.sliding_window);
     let mut out = vec![0f32; (len - start) * heads * d];
     for t in start..len {
         for h in 0..heads {
@@ -148,9 +122,7 @@ fn naive_attention(
             let qv = &q[(t - start) * heads * d + h * d..][..d];
             let scores: Vec<f64> = (lo..=t)
                 .map(|p| {
-                    (0..d)
-                        .map(|i| qv[i] as f64 * k[p * kv_heads * d + kvh * d + i] as f64)
-                        .sum::<f64>()
+                    (0..d).map(|i| qv[i] as f64 * k[p * kv_heads * d + kvh * d + i] as f64).sum::<f64>()
                         / (d as f64).sqrt()
                 })
                 .collect();
@@ -187,10 +159,7 @@ fn paged_attention_matches_dense_attention() {
             sliding_window: window,
         };
         let mut cache = b.alloc_kv(8, bs, kv_dim).unwrap();
-        let mut layout = BatchLayout {
-            block_size: bs,
-            ..Default::default()
-        };
+        let mut layout = BatchLayout { block_size: bs, ..Default::default() };
         let mut q_all = Vec::new();
         let mut want = Vec::new();
         for s in 0..2 {
@@ -213,12 +182,7 @@ fn paged_attention_matches_dense_attention() {
             q_all.extend(q);
         }
         let rows = q_all.len() / (heads * d);
-        let out = b.attention(
-            &CpuTensor::new(q_all, rows, heads * d),
-            &cache,
-            &layout,
-            shape,
-        );
+        let out = b.attention(&CpuTensor::new(q_all, rows, heads * d), &cache, &layout, shape);
         assert_close(&out.data, &want, 1e-5);
     }
 }

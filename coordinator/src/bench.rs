@@ -1,0 +1,255 @@
+//! `strata bench`: a load generator for a running server, reporting what vLLM's serving
+//! benchmark reports, with the same definitions:
+//! - **TTFT**: request sent → first token received;
+//! - **ITL**: gaps between consecutive tokens of a request (all gaps of all requests);
+//! - **TPOT**: per request, (end-to-end − TTFT) / (output tokens − 1);
+//! - **E2E latency**: request sent → last token received;
+//! - throughputs over the whole run's wall time.
+//!
+//! Prompts are token ids (so their length is exact): an optional prefix shared by every
+//! request, then random ids. Requests are greedy with EOS ignored, so every request
+//! produces exactly `--output-len` tokens. Arrivals are either closed-loop
+//! (`--concurrency C` requests in flight) or open-loop Poisson (`--request-rate R`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use tokio::sync::Semaphore;
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Server to load, e.g. http://127.0.0.1:50051.
+    #[arg(long)]
+    pub endpoint: String,
+    /// Served model name.
+    #[arg(long)]
+    pub model: String,
+    /// Number of requests to send.
+    #[arg(long, default_value_t = 100)]
+    pub requests: usize,
+    /// Requests in flight at once (closed loop).
+    #[arg(long, conflicts_with = "request_rate")]
+    pub concurrency: Option<usize>,
+    /// Poisson arrival rate in requests per second (open loop).
+    #[arg(long)]
+    pub request_rate: Option<f64>,
+    /// Prompt length in tokens (including the shared prefix).
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 64)]
+    pub output_len: u32,
+    /// Leading prompt tokens shared by every request (e.g. a system prompt).
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize, Default)]
+pub struct Stats {
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+fn stats(v: &mut [f64]) -> Stats {
+    if v.is_empty() {
+        return Stats::default();
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let pct = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    Stats { mean: v.iter().sum::<f64>() / v.len() as f64, p50: pct(0.5), p90: pct(0.9), p99: pct(0.99) }
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub requests: usize,
+    pub completed: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub input_tokens: usize,
+    pub output_tokens: usize,
+    pub request_throughput: f64,
+    pub output_tokens_per_s: f64,
+    pub total_tokens_per_s: f64,
+    pub ttft_ms: Stats,
+    pub itl_ms: Stats,
+    pub tpot_ms: Stats,
+    pub e2e_ms: Stats,
+}
+
+struct Outcome {
+    ttft: f64,
+    itls: Vec<f64>,
+    e2e: f64,
+    tokens: usize,
+}
+
+async fn one(
+    mut client: InferenceClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+) -> anyhow::Result<Outcome> {
+    let start = Instant::now();
+    let mut stream = client
+        .generate_stream(req)
+        .await
+        .map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+        .into_inner();
+    let mut last = start;
+    let mut ttft = None;
+    let mut itls = Vec::new();
+    let mut tokens = 0;
+    while let Some(msg) =
+        stream.message().await.map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?
+    {
+        if msg.token_ids.is_empty() {
+            continue;
+        }
+        let now = Instant::now();
+        match ttft {
+            None => ttft = Some((now - start).as_secs_f64() * 1e3),
+            Some(_) => itls.push((now - last).as_secs_f64() * 1e3),
+        }
+        last = now;
+        tokens += msg.token_ids.len();
+    }
+    let ttft = ttft.context("the stream ended without a token")?;
+    Ok(Outcome { ttft, itls, e2e: (last - start).as_secs_f64() * 1e3, tokens })
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
+    if args.requests == 0 || args.input_len == 0 || args.output_len == 0 {
+        bail!("--requests, --input-len and --output-len must be at least 1");
+    }
+    if args.shared_prefix >= args.input_len {
+        bail!(
+            "--shared-prefix ({}) must be shorter than --input-len ({})",
+            args.shared_prefix,
+            args.input_len
+        );
+    }
+    if matches!(args.concurrency, Some(0)) || args.request_rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+        bail!("--concurrency must be at least 1 and --request-rate positive");
+    }
+    let channel = tonic::transport::Endpoint::from_shared(args.endpoint.clone())
+        .with_context(|| format!("--endpoint {:?}", args.endpoint))?
+        .connect()
+        .await
+        .with_context(|| format!("cannot connect to {}", args.endpoint))?;
+    let mut client = InferenceClient::new(channel.clone());
+    let models = client.list_models(pb::ListModelsRequest {}).await?.into_inner().models;
+    let info = models.iter().find(|m| m.name == args.model).with_context(|| {
+        format!(
+            "model {:?} is not served; served: {:?}",
+            args.model,
+            models.iter().map(|m| &m.name).collect::<Vec<_>>()
+        )
+    })?;
+    let vocab = info.vocab_size.max(4);
+
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let prefix: Vec<u32> = (0..args.shared_prefix).map(|_| rng.random_range(3..vocab)).collect();
+    let prompts: Vec<Vec<u32>> = (0..args.requests)
+        .map(|_| {
+            let mut p = prefix.clone();
+            p.extend((args.shared_prefix..args.input_len).map(|_| rng.random_range(3..vocab)));
+            p
+        })
+        .collect();
+    let gaps: Vec<f64> = match args.request_rate {
+        Some(rate) => (0..args.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / rate).collect(),
+        None => vec![0.0; args.requests],
+    };
+    let limit = args.concurrency.unwrap_or(if args.request_rate.is_some() { usize::MAX >> 4 } else { 1 });
+    let permits = Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS)));
+
+    let bar = ProgressBar::new(args.requests as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(args.requests);
+    for (prompt, gap) in prompts.into_iter().zip(gaps) {
+        if gap > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(gap)).await;
+        }
+        let permit = permits.clone().acquire_owned().await?;
+        let req = pb::GenerateRequest {
+            model: args.model.clone(),
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+            max_tokens: Some(args.output_len),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let client = InferenceClient::new(channel.clone());
+        let bar = bar.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = one(client, req).await;
+            drop(permit);
+            bar.inc(1);
+            r
+        }));
+    }
+    let mut outcomes = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        match t.await? {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                failed += 1;
+                bar.println(format!("request failed: {e:#}"));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let duration = started.elapsed().as_secs_f64();
+    let output_tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
+    let input_tokens = outcomes.len() * args.input_len;
+    let mut ttft: Vec<f64> = outcomes.iter().map(|o| o.ttft).collect();
+    let mut itl: Vec<f64> = outcomes.iter().flat_map(|o| o.itls.iter().copied()).collect();
+    let mut tpot: Vec<f64> =
+        outcomes.iter().filter(|o| o.tokens > 1).map(|o| (o.e2e - o.ttft) / (o.tokens - 1) as f64).collect();
+    let mut e2e: Vec<f64> = outcomes.iter().map(|o| o.e2e).collect();
+    Ok(BenchReport {
+        requests: args.requests,
+        completed: outcomes.len(),
+        failed,
+        duration_s: duration,
+        input_tokens,
+        output_tokens,
+        request_throughput: outcomes.len() as f64 / duration,
+        output_tokens_per_s: output_tokens as f64 / duration,
+        total_tokens_per_s: (input_tokens + output_tokens) as f64 / duration,
+        ttft_ms: stats(&mut ttft),
+        itl_ms: stats(&mut itl),
+        tpot_ms: stats(&mut tpot),
+        e2e_ms: stats(&mut e2e),
+    })
+}
+
+pub fn print_human(r: &BenchReport) {
+    println!("requests            {} completed, {} failed, in {:.2} s", r.completed, r.failed, r.duration_s);
+    println!("request throughput  {:.2} req/s", r.request_throughput);
+    println!("output tokens/s     {:.1}", r.output_tokens_per_s);
+    println!("total tokens/s      {:.1}", r.total_tokens_per_s);
+    for (name, s) in [("TTFT", &r.ttft_ms), ("ITL", &r.itl_ms), ("TPOT", &r.tpot_ms), ("E2E", &r.e2e_ms)] {
+        println!(
+            "{name:<5} ms  mean {:>9.2}  p50 {:>9.2}  p90 {:>9.2}  p99 {:>9.2}",
+            s.mean, s.p50, s.p90, s.p99
+        );
+    }
+}

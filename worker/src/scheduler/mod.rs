@@ -1,0 +1,282 @@
+//! Iteration-level scheduling (continuous batching) for one replica.
+//!
+//! The scheduler does no I/O and no tensor math: [`Scheduler::schedule`] returns the plan
+//! for one engine step and [`Scheduler::complete`] is told its outcome (vLLM's shape). Each
+//! step it
+//! 1. continues running sequences, oldest first: a decode token each, or the next chunk of
+//!    a prompt still being prefilled, within the step's token budget;
+//! 2. when blocks run out, **preempts** the newest running sequences: their blocks go back
+//!    to the pool and they return to the front of the queue, to be recomputed from their
+//!    prompt plus the tokens they already produced (nothing is lost or produced twice);
+//! 3. admits waiting sequences in FIFO order while the budget, `max_num_seqs` and the
+//!    cache allow, reusing cached prefix blocks; a prompt longer than the budget is
+//!    prefilled in chunks across steps, so decodes keep flowing and no prompt starves.
+//!
+//! Blocks are owned by the [`BlockPool`]; every path that ends a sequence (finish,
+//! cancel, preemption) gives its blocks back.
+
+use std::collections::VecDeque;
+
+use strata_common::Error;
+
+use crate::engine::SeqId;
+use crate::kv::{chain_hash, BlockHash, BlockPool};
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one step.
+    pub max_batched_tokens: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig { max_num_seqs: 64, max_batched_tokens: 512 }
+    }
+}
+
+/// A sequence as the scheduler sees it.
+#[derive(Debug)]
+pub struct SeqData {
+    pub id: SeqId,
+    /// Prompt and generated tokens.
+    pub tokens: Vec<u32>,
+    /// Tokens whose K and V are in the cache.
+    pub computed: usize,
+    pub blocks: Vec<u32>,
+    /// Hashes of this sequence's full blocks registered so far.
+    hashes: Vec<BlockHash>,
+}
+
+impl SeqData {
+    pub fn new(id: SeqId, prompt: Vec<u32>) -> Self {
+        SeqData { id, tokens: prompt, computed: 0, blocks: Vec::new(), hashes: Vec::new() }
+    }
+}
+
+/// One sequence's share of a step: compute tokens `start..end`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scheduled {
+    pub id: SeqId,
+    pub start: usize,
+    pub end: usize,
+    /// The chunk reaches the sequence's last token, so a new token is sampled.
+    pub sample: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct StepPlan {
+    pub seqs: Vec<Scheduled>,
+    /// Sequences moved back to the queue this step.
+    pub preempted: Vec<SeqId>,
+    /// Sequences that can never fit in the cache; they are removed.
+    pub aborted: Vec<(SeqId, Error)>,
+}
+
+impl StepPlan {
+    pub fn num_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.end - s.start).sum()
+    }
+}
+
+/// Counters since the scheduler started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub preemptions: u64,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub prefix_hit_tokens: u64,
+}
+
+pub struct Scheduler {
+    pub stats: SchedulerStats,
+    config: SchedulerConfig,
+    pool: BlockPool,
+    waiting: VecDeque<SeqData>,
+    /// Oldest first.
+    running: Vec<SeqData>,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, pool: BlockPool) -> Self {
+        Scheduler {
+            stats: SchedulerStats::default(),
+            config,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        }
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty()
+    }
+
+    /// Queues a new sequence behind every other.
+    pub fn add(&mut self, seq: SeqData) {
+        self.waiting.push_back(seq);
+    }
+
+    pub fn contains(&self, id: SeqId) -> bool {
+        self.seq(id).is_some()
+    }
+
+    pub fn seq(&self, id: SeqId) -> Option<&SeqData> {
+        self.running.iter().find(|s| s.id == id).or_else(|| self.waiting.iter().find(|s| s.id == id))
+    }
+
+    /// Removes a sequence wherever it is and frees its blocks; false if unknown.
+    pub fn remove(&mut self, id: SeqId) -> bool {
+        let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.remove(i)
+        } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i).expect("index from position")
+        } else {
+            return false;
+        };
+        let mut blocks = seq.blocks;
+        self.pool.release(&mut blocks);
+        true
+    }
+
+    /// Plans one step. Running sequences are continued first, then waiting ones admitted.
+    pub fn schedule(&mut self) -> StepPlan {
+        let mut plan = StepPlan::default();
+        let mut budget = self.config.max_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let (computed, len) = (self.running[i].computed, self.running[i].tokens.len());
+            let want = (len - computed).min(budget);
+            if !self.grow_running(i, computed + want, &mut plan) {
+                break; // `i` itself was preempted or aborted: it was the newest
+            }
+            let seq = &self.running[i];
+            plan.seqs.push(Scheduled {
+                id: seq.id,
+                start: computed,
+                end: computed + want,
+                sample: computed + want == len,
+            });
+            budget -= want;
+            i += 1;
+        }
+        if plan.preempted.is_empty() {
+            self.admit(&mut plan, budget);
+        }
+        plan
+    }
+
+    /// Makes room for running sequence `i` to hold `positions` positions, preempting newer
+    /// sequences as needed. False when `i` had to go itself.
+    fn grow_running(&mut self, i: usize, positions: usize, plan: &mut StepPlan) -> bool {
+        loop {
+            let seq = &mut self.running[i];
+            if self.pool.grow(&mut seq.blocks, positions).is_ok() {
+                return true;
+            }
+            let newest = self.running.len() - 1;
+            if newest == i && plan.seqs.is_empty() && i == 0 {
+                // Alone and still too big: the cache can never hold it.
+                let mut seq = self.running.remove(i);
+                self.pool.release(&mut seq.blocks);
+                let capacity = self.pool.num_blocks() * self.pool.block_size();
+                plan.aborted.push((
+                    seq.id,
+                    Error::Overloaded(format!(
+                        "sequence needs {positions} positions; the KV cache holds {capacity}"
+                    )),
+                ));
+                return false;
+            }
+            let victim = self.running.remove(newest);
+            plan.preempted.push(victim.id);
+            self.preempt(victim);
+            if newest == i {
+                return false;
+            }
+        }
+    }
+
+    fn preempt(&mut self, mut seq: SeqData) {
+        self.stats.preemptions += 1;
+        self.pool.release(&mut seq.blocks);
+        seq.computed = 0;
+        seq.hashes.clear();
+        self.waiting.push_front(seq);
+    }
+
+    fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
+        while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(seq) = self.waiting.front_mut() else { break };
+            if seq.blocks.is_empty() && self.pool.prefix_caching() {
+                // Reuse cached full blocks, but always leave the last token to compute:
+                // its logits choose the next token.
+                let bs = self.pool.block_size();
+                let usable = (seq.tokens.len() - 1) / bs;
+                let hashes = self.pool.block_hashes(&seq.tokens[..usable * bs]);
+                seq.blocks = self.pool.acquire_prefix(&hashes);
+                seq.computed = seq.blocks.len() * bs;
+                seq.hashes = hashes[..seq.blocks.len()].to_vec();
+            }
+            let want = (seq.tokens.len() - seq.computed).min(budget);
+            if self.pool.grow(&mut seq.blocks, seq.computed + want).is_err() {
+                // FIFO: nobody overtakes the head. Its cached prefix stays findable.
+                self.pool.release(&mut seq.blocks);
+                seq.computed = 0;
+                seq.hashes.clear();
+                break;
+            }
+            plan.seqs.push(Scheduled {
+                id: seq.id,
+                start: seq.computed,
+                end: seq.computed + want,
+                sample: seq.computed + want == seq.tokens.len(),
+            });
+            budget -= want;
+            self.stats.prefix_hit_tokens += seq.computed as u64;
+            let seq = self.waiting.pop_front().expect("front exists");
+            self.running.push(seq);
+        }
+    }
+
+    /// Records a step's outcome: chunks computed, and the token sampled for each
+    /// sequence whose chunk reached its end.
+    pub fn complete(&mut self, plan: &StepPlan, sampled: &[(SeqId, u32)]) {
+        let bs = self.pool.block_size();
+        for item in &plan.seqs {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == item.id) else { continue };
+            seq.computed = item.end;
+            while seq.hashes.len() < seq.computed / bs {
+                let b = seq.hashes.len();
+                let parent = seq.hashes.last().copied().unwrap_or(0);
+                let h = chain_hash(parent, &seq.tokens[b * bs..(b + 1) * bs]);
+                seq.hashes.push(h);
+                self.pool.register(seq.blocks[b], h);
+            }
+        }
+        for &(id, token) in sampled {
+            if let Some(seq) = self.running.iter_mut().find(|s| s.id == id) {
+                seq.tokens.push(token);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
