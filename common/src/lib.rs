@@ -8,7 +8,9 @@
 pub mod error;
 pub mod model_config;
 pub mod sampling;
+pub mod shard;
 
 pub use error::{Error, ErrorClass, Result};
 pub use model_config::{Architecture, ModelConfig, RopeScaling};
 pub use sampling::{FinishReason, SamplingParams};
+pub use shard::{Parallelism, RankShard, ShardPlan};

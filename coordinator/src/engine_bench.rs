@@ -35,8 +35,8 @@ pub struct EngineBenchConfig {
     pub repeats: usize,
 }
 
-pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
-    let vocab = engine.model().config.vocab_size as u32;
+pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
+    let vocab = engine.executor().config().vocab_size as u32;
     let prompt: Vec<u32> = (0..cfg.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
 
     // Warm-up pages the weights in from the mapping.
@@ -79,11 +79,11 @@ pub fn run(engine: &mut Engine<CpuBackend>, cfg: &EngineBenchConfig) -> Result<E
     let bandwidth = measure_bandwidth(cfg.repeats.max(5));
     info!("measuring GEMM peak");
     let gemm = measure_gemm_gflops(cfg.repeats.max(3));
-    let bytes = engine.model().decode_bytes_per_token();
+    let bytes = engine.executor().decode_bytes_per_token();
     let roofline = bandwidth / bytes as f64;
     Ok(EngineBenchReport {
         threads: rayon::current_num_threads(),
-        weight_bytes: engine.model().weight_bytes(),
+        weight_bytes: engine.executor().weight_bytes(),
         decode_bytes_per_token: bytes,
         prompt_len: cfg.prompt_len,
         prefill_tokens_per_s: median(&prefill),

@@ -49,7 +49,7 @@ impl From<TokenLogprobs> for LogprobEntry {
 
 /// A model loaded in this process, ready to generate.
 pub struct LocalModel {
-    pub engine: Engine<CpuBackend>,
+    pub engine: Engine,
     pub tokenizer: Option<Tokenizer>,
 }
 

@@ -9,7 +9,7 @@ use strata_worker::model::Model;
 use strata_worker::scheduler::SchedulerConfig;
 use strata_worker::{Engine, EngineConfig};
 
-fn engine(name: &str, config: EngineConfig) -> Engine<CpuBackend> {
+fn engine(name: &str, config: EngineConfig) -> Engine {
     let model = Model::load(&fixtures_dir().join(name), CpuBackend::new()).unwrap();
     Engine::new(model, &config).unwrap()
 }
@@ -52,7 +52,7 @@ fn greedy(max_tokens: u32) -> SamplingParams {
 }
 
 /// Runs requests through one engine, each joining at its arrival step.
-fn run_all(e: &mut Engine<CpuBackend>, reqs: &[Req]) -> Vec<Vec<u32>> {
+fn run_all(e: &mut Engine, reqs: &[Req]) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); reqs.len()];
     let mut step = 0;
     loop {

@@ -13,7 +13,7 @@ use strata_worker::{Engine, EngineConfig};
 
 const LOGIT_TOL: f32 = 1e-4;
 
-fn engine(dir: &std::path::Path) -> Engine<CpuBackend> {
+fn engine(dir: &std::path::Path) -> Engine {
     let model = Model::load(dir, CpuBackend::new()).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     Engine::new(model, &EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }).unwrap()
 }
@@ -28,7 +28,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Runs sequences to completion; returns each one's tokens.
-fn run(engine: &mut Engine<CpuBackend>, n: usize) -> Vec<Vec<u32>> {
+fn run(engine: &mut Engine, n: usize) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); n];
     while engine.num_running() > 0 {
         for e in engine.step().unwrap() {

@@ -16,6 +16,7 @@ use strata_common::{Error, FinishReason, Result, SamplingParams};
 use tracing::debug;
 
 use crate::backend::{Backend, BatchLayout, SeqSlice};
+use crate::dist::{kv_blocks, LocalExecutor, StepExecutor};
 use crate::kv::{BlockPool, DEFAULT_BLOCK_SIZE};
 use crate::model::Model;
 use crate::sampler::Sampler;
@@ -70,52 +71,55 @@ pub struct Aborted {
     pub error: Error,
 }
 
-pub struct Engine<B: Backend> {
-    model: Model<B>,
-    kv: Vec<B::KvLayer>,
+pub struct Engine {
+    exec: Box<dyn StepExecutor>,
     scheduler: Scheduler,
     meta: HashMap<SeqId, SeqMeta>,
     eos: HashSet<u32>,
     aborted: Vec<Aborted>,
 }
 
-impl<B: Backend> Engine<B> {
-    pub fn new(model: Model<B>, config: &EngineConfig) -> Result<Self> {
-        let per_block = model.kv_bytes_per_position() * config.block_size;
-        let num_blocks = config.kv_cache_bytes / per_block;
-        if num_blocks == 0 {
-            return Err(Error::invalid(
-                "kv_cache_memory",
-                format!("{} bytes hold no block of {per_block} bytes", config.kv_cache_bytes),
-            ));
-        }
+impl Engine {
+    /// An engine running `model` on this rank alone.
+    pub fn new<B: Backend>(model: Model<B>, config: &EngineConfig) -> Result<Self> {
+        let par = model.shard.par;
+        Self::with_executor(Box::new(LocalExecutor::new(model)), par, config)
+    }
+
+    /// An engine whose steps run on `exec` (a single rank or a replica's leader).
+    pub fn with_executor(
+        mut exec: Box<dyn StepExecutor>,
+        par: strata_common::Parallelism,
+        config: &EngineConfig,
+    ) -> Result<Self> {
         if config.scheduler.max_num_seqs == 0 || config.scheduler.max_batched_tokens == 0 {
             return Err(Error::invalid(
                 "max_num_seqs",
                 "max_num_seqs and max_batched_tokens must be at least 1",
             ));
         }
-        let kv = model.alloc_kv(num_blocks, config.block_size)?;
+        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, config.block_size)?;
+        exec.alloc_kv(num_blocks, config.block_size)?;
         debug!(num_blocks, block_size = config.block_size, "KV cache allocated");
         let pool = BlockPool::with_prefix_caching(num_blocks, config.block_size, config.prefix_caching);
-        let eos = model.config.eos_token_ids.iter().copied().collect();
+        let eos = exec.config().eos_token_ids.iter().copied().collect();
         Ok(Engine {
-            kv,
+            exec,
             scheduler: Scheduler::new(config.scheduler.clone(), pool),
-            model,
             meta: HashMap::new(),
             eos,
             aborted: Vec::new(),
         })
     }
 
-    pub fn model(&self) -> &Model<B> {
-        &self.model
+    /// Whatever runs this engine's steps.
+    pub fn executor(&self) -> &dyn StepExecutor {
+        self.exec.as_ref()
     }
 
     /// Longest sequence (prompt + output) the model accepts.
     pub fn max_context(&self) -> usize {
-        self.model.config.max_position_embeddings
+        self.exec.config().max_position_embeddings
     }
 
     /// Sequences admitted or queued and not yet finished.
@@ -150,7 +154,7 @@ impl<B: Backend> Engine<B> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "must not be empty"));
         }
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.exec.config().vocab_size;
         if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::invalid(
                 "prompt",
@@ -230,8 +234,8 @@ impl<B: Backend> Engine<B> {
                 logit_rows.push(ids.len() - 1);
             }
         }
-        let logits = self.model.forward(&ids, &layout, &mut self.kv, &logit_rows);
-        let vocab = self.model.config.vocab_size;
+        let logits = self.exec.execute(&ids, &layout, &logit_rows)?;
+        let vocab = self.exec.config().vocab_size;
         let max_context = self.max_context();
         let mut events = Vec::with_capacity(logit_rows.len());
         let mut sampled = Vec::with_capacity(logit_rows.len());
@@ -278,8 +282,8 @@ impl<B: Backend> Engine<B> {
             }],
             block_size: pool.block_size(),
         };
-        let logits = self.model.forward(prompt, &layout, &mut self.kv, &[prompt.len() - 1]);
+        let logits = self.exec.execute(prompt, &layout, &[prompt.len() - 1]);
         self.scheduler.pool_mut().release(&mut blocks);
-        Ok(logits)
+        logits
     }
 }

@@ -7,6 +7,8 @@
 //! batched forward pass over all of them. The engine knows nothing of gRPC or etcd.
 
 pub mod backend;
+pub mod comm;
+pub mod dist;
 pub mod engine;
 pub mod kv;
 pub mod model;

@@ -15,7 +15,6 @@ use strata_common::{Error, FinishReason, Result, SamplingParams};
 use tokio::sync::mpsc as tmpsc;
 use tracing::{debug, error};
 
-use crate::backend::Backend;
 use crate::engine::{Engine, SeqId, TokenLogprobs};
 
 /// Limits of one runner.
@@ -102,7 +101,7 @@ impl Drop for SequenceStream {
 
 impl EngineHandle {
     /// Starts a runner thread that owns `engine`.
-    pub fn spawn<B: Backend>(engine: Engine<B>, limits: RunnerLimits, name: &str) -> Result<Self> {
+    pub fn spawn(engine: Engine, limits: RunnerLimits, name: &str) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
@@ -151,15 +150,15 @@ impl EngineHandle {
     }
 }
 
-struct Runner<B: Backend> {
-    engine: Engine<B>,
+struct Runner {
+    engine: Engine,
     rx: mpsc::Receiver<Command>,
     shared: Arc<Shared>,
     /// Event senders of the engine's sequences.
     streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
 }
 
-impl<B: Backend> Runner<B> {
+impl Runner {
     fn run(mut self) {
         loop {
             if !self.engine.has_work() {

@@ -79,8 +79,9 @@ pub trait Backend: Send + Sync + 'static {
     /// Bytes a weight occupies in memory.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 
-    /// Rows of the embedding table for `ids`.
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// Rows of the embedding table for `ids`; the table holds ids `first_id..` (a
+    /// vocabulary shard) and ids outside it get zero rows.
+    fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Self::Tensor;
     /// `x · wᵀ`: `[n, in] × [out, in]ᵀ → [n, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
     /// Adds a `[1, cols]` bias to every row.
@@ -106,4 +107,9 @@ pub trait Backend: Send + Sync + 'static {
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    /// A tensor from host data, row-major.
+    fn from_host(&self, data: Vec<f32>, rows: usize, cols: usize) -> Self::Tensor;
+    /// Runs `f` on the tensor's elements in host memory (a communicator's collective);
+    /// device backends copy out and back.
+    fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
 }

@@ -10,12 +10,14 @@ pub mod random;
 mod rope;
 pub mod weights;
 
+use std::ops::Range;
 use std::path::Path;
 
-use strata_common::{Error, ModelConfig, Result};
+use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPlan};
 use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::comm::Communicator;
 use weights::{Checkpoint, HostTensor};
 
 struct Linear<B: Backend> {
@@ -35,67 +37,141 @@ struct Layer<B: Backend> {
     down: Linear<B>,
 }
 
+/// What part of the model this instance holds (everything, for a single rank).
+#[derive(Debug, Clone)]
+pub struct ModelShard {
+    pub shard: RankShard,
+    pub par: Parallelism,
+    /// Ranks of this shard's pipeline stage (its TP group), ascending.
+    pub tp_group: Vec<usize>,
+}
+
+impl ModelShard {
+    pub fn whole(config: &ModelConfig) -> Self {
+        let plan = ShardPlan::new(config, Parallelism::NONE).expect("one rank always fits");
+        ModelShard { shard: plan.rank(0).clone(), par: Parallelism::NONE, tp_group: vec![0] }
+    }
+
+    pub fn tp(&self) -> usize {
+        self.par.tp
+    }
+
+    pub fn is_last_stage(&self) -> bool {
+        self.shard.stage + 1 == self.par.pp
+    }
+}
+
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
+    pub shard: ModelShard,
     backend: B,
-    embed: B::Weight,
+    /// This rank's vocabulary rows of the embedding (first stage; last stage when tied).
+    embed: Option<B::Weight>,
     layers: Vec<Layer<B>>,
     norm: B::Tensor,
-    /// None when the LM head is tied to the embedding.
+    /// This rank's vocabulary rows of the LM head (last stage); None when tied.
     lm_head: Option<B::Weight>,
     rope: RopeTable,
     weight_bytes: usize,
 }
 
 impl<B: Backend> Model<B> {
-    /// Loads a HF model directory: config.json, generation_config.json, safetensors.
+    /// Loads a whole HF model directory: config.json, generation_config.json, safetensors.
     pub fn load(dir: &Path, backend: B) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let ckpt = Checkpoint::open(dir)?;
-        Self::from_checkpoint(config, &ckpt, backend)
+        let shard = ModelShard::whole(&config);
+        Self::from_checkpoint(config, &ckpt, backend, shard)
     }
 
-    pub fn from_checkpoint(config: ModelConfig, ckpt: &Checkpoint, backend: B) -> Result<Self> {
+    /// Loads only rank `rank`'s shard of a `par` replica.
+    pub fn load_shard(dir: &Path, backend: B, par: Parallelism, rank: usize) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir)?;
+        let plan = ShardPlan::new(&config, par)?;
+        let ckpt = Checkpoint::open(dir)?;
+        let shard = plan.rank(rank).clone();
+        let tp_group = plan.stage_ranks(shard.stage).collect();
+        Self::from_checkpoint(config, &ckpt, backend, ModelShard { shard, par, tp_group })
+    }
+
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        backend: B,
+        ms: ModelShard,
+    ) -> Result<Self> {
         let started = std::time::Instant::now();
         let c = &config;
+        let s = &ms.shard;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let q_dim = c.num_heads * hd;
         let kv_dim = c.num_kv_heads * hd;
+        let q_rows = s.q_heads.start * hd..s.q_heads.end * hd;
+        let kv_rows = s.kv_heads.start * hd..s.kv_heads.end * hd;
+        let first = s.is_first_stage();
+        let last = ms.is_last_stage();
+        let lead = s.tp_rank == 0;
         let mut bytes = 0usize;
 
-        let mut weight = |name: &str, shape: &[usize]| -> Result<B::Weight> {
-            let host = ckpt.get(name, shape)?;
+        let mut weight = |host: HostTensor| -> Result<B::Weight> {
             let w = backend.load_weight(&host)?;
             bytes += backend.weight_bytes(&w);
             Ok(w)
         };
-        let embed = weight("model.embed_tokens.weight", &[c.vocab_size, h])?;
-        let lm_head = if c.tie_word_embeddings {
+        let vocab_rows =
+            |name: &str| -> Result<HostTensor> { ckpt.get(name, &[c.vocab_size, h])?.rows(s.vocab.clone()) };
+        let embed = if first || (last && c.tie_word_embeddings) {
+            Some(weight(vocab_rows("model.embed_tokens.weight")?)?)
+        } else {
+            None
+        };
+        let lm_head = if !last || c.tie_word_embeddings {
             None
         } else if ckpt.contains("lm_head.weight") {
-            Some(weight("lm_head.weight", &[c.vocab_size, h])?)
+            Some(weight(vocab_rows("lm_head.weight")?)?)
         } else {
             return Err(Error::model_file(
                 ckpt.dir(),
                 "tensor \"lm_head.weight\" is missing and tie_word_embeddings is false",
             ));
         };
-        let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
+        let mut layers = Vec::with_capacity(s.layers.len());
+        for i in s.layers.clone() {
             let p = format!("model.layers.{i}");
-            let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
-                let w = weight(&format!("{p}.{name}.weight"), &[out, inp])?;
-                let bias =
-                    if bias { Some(vector(&backend, ckpt, &format!("{p}.{name}.bias"), out)?) } else { None };
+            // Column-parallel: this rank's output rows (and bias elements).
+            let mut column = |name: &str,
+                              out: usize,
+                              inp: usize,
+                              rows: Range<usize>,
+                              bias: bool|
+             -> Result<Linear<B>> {
+                let w = weight(ckpt.get(&format!("{p}.{name}.weight"), &[out, inp])?.rows(rows.clone())?)?;
+                let bias = if bias {
+                    Some(backend.load_vector(&ckpt.get(&format!("{p}.{name}.bias"), &[out])?.rows(rows)?)?)
+                } else {
+                    None
+                };
                 Ok(Linear { weight: w, bias })
             };
-            let q = linear("self_attn.q_proj", q_dim, h, c.qkv_bias)?;
-            let k = linear("self_attn.k_proj", kv_dim, h, c.qkv_bias)?;
-            let v = linear("self_attn.v_proj", kv_dim, h, c.qkv_bias)?;
-            let o = linear("self_attn.o_proj", h, q_dim, c.o_bias)?;
-            let gate = linear("mlp.gate_proj", c.intermediate_size, h, c.mlp_bias)?;
-            let up = linear("mlp.up_proj", c.intermediate_size, h, c.mlp_bias)?;
-            let down = linear("mlp.down_proj", h, c.intermediate_size, c.mlp_bias)?;
+            let q = column("self_attn.q_proj", q_dim, h, q_rows.clone(), c.qkv_bias)?;
+            let k = column("self_attn.k_proj", kv_dim, h, kv_rows.clone(), c.qkv_bias)?;
+            let v = column("self_attn.v_proj", kv_dim, h, kv_rows.clone(), c.qkv_bias)?;
+            let gate = column("mlp.gate_proj", c.intermediate_size, h, s.intermediate.clone(), c.mlp_bias)?;
+            let up = column("mlp.up_proj", c.intermediate_size, h, s.intermediate.clone(), c.mlp_bias)?;
+            // Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
+            let mut row = |name: &str, inp: usize, cols: Range<usize>, bias: bool| -> Result<Linear<B>> {
+                let full = ckpt.get(&format!("{p}.{name}.weight"), &[h, inp])?;
+                let host = if cols.len() == inp { full } else { full.columns(cols)? };
+                let w = weight(host)?;
+                let bias = if bias && lead {
+                    Some(vector(&backend, ckpt, &format!("{p}.{name}.bias"), h)?)
+                } else {
+                    None
+                };
+                Ok(Linear { weight: w, bias })
+            };
+            let o = row("self_attn.o_proj", q_dim, q_rows.clone(), c.o_bias)?;
+            let down = row("mlp.down_proj", c.intermediate_size, s.intermediate.clone(), c.mlp_bias)?;
             layers.push(Layer {
                 input_norm: vector(&backend, ckpt, &format!("{p}.input_layernorm.weight"), h)?,
                 post_norm: vector(&backend, ckpt, &format!("{p}.post_attention_layernorm.weight"), h)?,
@@ -112,7 +188,8 @@ impl<B: Backend> Model<B> {
         let norm = vector(&backend, ckpt, "model.norm.weight", h)?;
         info!(
             backend = backend.name(),
-            layers = c.num_layers,
+            rank = s.rank,
+            layers = ?s.layers,
             weight_mib = bytes / (1 << 20),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "model loaded"
@@ -120,6 +197,7 @@ impl<B: Backend> Model<B> {
         Ok(Model {
             rope: rope::rope_table(c),
             config,
+            shard: ms,
             backend,
             embed,
             layers,
@@ -133,7 +211,7 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    /// Bytes of weights held by this model.
+    /// Bytes of weights held by this model (shard).
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
     }
@@ -141,24 +219,30 @@ impl<B: Backend> Model<B> {
     /// Bytes of weights one decode step reads: everything but the embedding table, of
     /// which it reads one row per token (unless the LM head is tied to it).
     pub fn decode_bytes_per_token(&self) -> usize {
-        match self.lm_head {
-            Some(_) => self.weight_bytes - self.backend.weight_bytes(&self.embed),
-            None => self.weight_bytes,
+        match (&self.embed, &self.lm_head) {
+            (Some(e), Some(_)) => self.weight_bytes - self.backend.weight_bytes(e),
+            (Some(e), None) if !self.shard.is_last_stage() => {
+                self.weight_bytes - self.backend.weight_bytes(e)
+            }
+            _ => self.weight_bytes,
         }
     }
 
-    /// Allocates the paged KV cache: one storage per layer.
+    /// Allocates this shard's paged KV cache: one storage per local layer.
     pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> Result<Vec<B::KvLayer>> {
-        let kv_dim = self.config.num_kv_heads * self.config.head_dim;
-        (0..self.config.num_layers).map(|_| self.backend.alloc_kv(num_blocks, block_size, kv_dim)).collect()
+        (0..self.layers.len()).map(|_| self.backend.alloc_kv(num_blocks, block_size, self.kv_dim())).collect()
     }
 
-    /// Bytes of KV cache one position takes across all layers (f32 K and V).
+    fn kv_dim(&self) -> usize {
+        self.shard.shard.kv_heads.len() * self.config.head_dim
+    }
+
+    /// Bytes of KV cache one position takes across this shard's layers (f32 K and V).
     pub fn kv_bytes_per_position(&self) -> usize {
-        2 * self.config.num_layers * self.config.num_kv_heads * self.config.head_dim * 4
+        2 * self.layers.len() * self.kv_dim() * 4
     }
 
-    /// Runs one step and returns the logits of `logit_rows` (`[len, vocab]`, row-major).
+    /// Runs one whole step on a single rank and returns the logits of `logit_rows`.
     pub fn forward(
         &self,
         ids: &[u32],
@@ -166,17 +250,45 @@ impl<B: Backend> Model<B> {
         kv: &mut [B::KvLayer],
         logit_rows: &[usize],
     ) -> Vec<f32> {
+        let mut none = NoComm;
+        let mut run = || -> Result<Vec<f32>> {
+            let x = self.embed_tokens(ids, &mut none)?;
+            let x = self.run_layers(x, layout, kv, &mut none)?;
+            self.logits(&x, logit_rows, &mut none)
+        };
+        run().expect("a single rank does not communicate")
+    }
+
+    /// Embeds the step's tokens (first stage); vocabulary shards are summed across TP.
+    pub fn embed_tokens(&self, ids: &[u32], comm: &mut dyn Communicator) -> Result<B::Tensor> {
+        let table = self
+            .embed
+            .as_ref()
+            .ok_or_else(|| Error::Internal("embed_tokens on a stage without the embedding".into()))?;
+        let mut x = self.backend.embed(table, ids, self.shard.shard.vocab.start as u32);
+        self.all_reduce(&mut x, comm)?;
+        Ok(x)
+    }
+
+    /// Runs this shard's decoder layers over hidden states `x`.
+    pub fn run_layers(
+        &self,
+        mut x: B::Tensor,
+        layout: &BatchLayout,
+        kv: &mut [B::KvLayer],
+        comm: &mut dyn Communicator,
+    ) -> Result<B::Tensor> {
         let b = &self.backend;
         let c = &self.config;
+        let s = &self.shard.shard;
         let shape = AttentionShape {
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
+            num_heads: s.q_heads.len(),
+            num_kv_heads: s.kv_heads.len(),
             head_dim: c.head_dim,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             sliding_window: c.sliding_window,
         };
         let eps = c.rms_norm_eps as f32;
-        let mut x = b.embed(&self.embed, ids);
         for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
             let normed = b.rms_norm(&x, &layer.input_norm, eps);
             let mut q = self.linear(&normed, &layer.q);
@@ -186,19 +298,60 @@ impl<B: Backend> Model<B> {
             b.rope(&mut k, c.head_dim, &layout.positions, &self.rope);
             b.write_kv(cache, &k, &v, layout);
             let attn = b.attention(&q, cache, layout, shape);
-            let o = self.linear(&attn, &layer.o);
+            let mut o = self.linear(&attn, &layer.o);
+            self.all_reduce(&mut o, comm)?;
             b.add_assign(&mut x, &o);
 
             let normed = b.rms_norm(&x, &layer.post_norm, eps);
             let gate = self.linear(&normed, &layer.gate);
             let up = self.linear(&normed, &layer.up);
-            let down = self.linear(&b.silu_mul(&gate, &up), &layer.down);
+            let mut down = self.linear(&b.silu_mul(&gate, &up), &layer.down);
+            self.all_reduce(&mut down, comm)?;
             b.add_assign(&mut x, &down);
         }
-        let last = b.gather_rows(&x, logit_rows);
-        let normed = b.rms_norm(&last, &self.norm, eps);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.to_host(&b.matmul(&normed, head))
+        Ok(x)
+    }
+
+    /// Final norm and LM head for `rows` of `x` (last stage); vocabulary shards are
+    /// gathered across TP. Returns `[rows, vocab]` row-major.
+    pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Communicator) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let last = b.gather_rows(x, rows);
+        let normed = b.rms_norm(&last, &self.norm, self.config.rms_norm_eps as f32);
+        let head = self
+            .lm_head
+            .as_ref()
+            .or(self.embed.as_ref())
+            .ok_or_else(|| Error::Internal("logits on a stage without the LM head".into()))?;
+        let local = b.to_host(&b.matmul(&normed, head));
+        if self.shard.tp() == 1 {
+            return Ok(local);
+        }
+        let gathered = comm.all_gather(&self.shard.tp_group, &local)?;
+        // Gathered: rank blocks of [rows, vocab_r]; interleave into [rows, vocab].
+        let n = rows.len();
+        let vocab = self.config.vocab_size;
+        let per = vocab.div_ceil(self.shard.tp());
+        let mut out = vec![0f32; n * vocab];
+        let mut offset = 0;
+        for r in 0..self.shard.tp() {
+            let v0 = (r * per).min(vocab);
+            let width = (v0 + per).min(vocab) - v0;
+            for t in 0..n {
+                out[t * vocab + v0..t * vocab + v0 + width]
+                    .copy_from_slice(&gathered[offset + t * width..offset + (t + 1) * width]);
+            }
+            offset += n * width;
+        }
+        Ok(out)
+    }
+
+    fn all_reduce(&self, x: &mut B::Tensor, comm: &mut dyn Communicator) -> Result<()> {
+        if self.shard.tp() == 1 {
+            return Ok(());
+        }
+        let group = &self.shard.tp_group;
+        self.backend.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
     }
 
     fn linear(&self, x: &B::Tensor, l: &Linear<B>) -> B::Tensor {
@@ -207,6 +360,39 @@ impl<B: Backend> Model<B> {
             self.backend.add_bias(&mut y, bias);
         }
         y
+    }
+}
+
+/// The communicator of a single rank: every collective is the identity.
+pub struct NoComm;
+
+impl Communicator for NoComm {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn all_reduce_sum(&mut self, _: &[usize], _: &mut [f32]) -> Result<()> {
+        Ok(())
+    }
+    fn all_gather(&mut self, _: &[usize], local: &[f32]) -> Result<Vec<f32>> {
+        Ok(local.to_vec())
+    }
+    fn broadcast(&mut self, _: &[usize], _: usize, _: &mut Vec<u8>) -> Result<()> {
+        Ok(())
+    }
+    fn send(&mut self, to: usize, _: &[u8]) -> Result<()> {
+        Err(Error::Internal(format!("a single rank cannot send to rank {to}")))
+    }
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
+        Err(Error::Internal(format!("a single rank cannot receive from rank {from}")))
+    }
+    fn barrier(&mut self, _: &[usize]) -> Result<()> {
+        Ok(())
+    }
+    fn stats(&self) -> crate::comm::CommStats {
+        crate::comm::CommStats::default()
     }
 }
 

@@ -38,14 +38,21 @@ impl DType {
     }
 }
 
-/// A read-only view of one tensor (or a row range of it) inside a mapped file.
+/// Where a tensor's bytes live: in a file mapping, or copied (a column slice).
+#[derive(Clone)]
+enum Source {
+    Mapped(Arc<Mmap>),
+    Owned(Arc<Vec<u8>>),
+}
+
+/// A read-only view of one tensor (or a slice of it), normally inside a mapped file.
 #[derive(Clone)]
 pub struct HostTensor {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
     pub file: Arc<PathBuf>,
-    map: Arc<Mmap>,
+    source: Source,
     range: Range<usize>,
 }
 
@@ -57,30 +64,68 @@ impl std::fmt::Debug for HostTensor {
 
 impl HostTensor {
     pub fn bytes(&self) -> &[u8] {
-        &self.map[self.range.clone()]
+        match &self.source {
+            Source::Mapped(m) => &m[self.range.clone()],
+            Source::Owned(v) => &v[self.range.clone()],
+        }
     }
 
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
-    /// The rows `rows` of a 2-D tensor, still a view into the mapping.
+    /// Rows `rows` of a 2-D tensor (elements, for 1-D), still a view into the mapping.
     pub fn rows(&self, rows: Range<usize>) -> Result<HostTensor> {
-        let [n, cols] = self.shape[..] else {
-            return Err(Error::Internal(format!("{}: rows() of a non-matrix", self.name)));
+        let (n, cols) = match self.shape[..] {
+            [n, cols] => (n, cols),
+            [n] => (n, 1),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "{}: rows() of a {}-D tensor",
+                    self.name,
+                    self.shape.len()
+                )))
+            }
         };
         if rows.end > n || rows.start > rows.end {
             return Err(Error::Internal(format!("{}: rows {rows:?} of {n}", self.name)));
         }
         let row_bytes = cols * self.dtype.size();
         let start = self.range.start + rows.start * row_bytes;
+        let shape = if self.shape.len() == 2 { vec![rows.len(), cols] } else { vec![rows.len()] };
         Ok(HostTensor {
             name: self.name.clone(),
             dtype: self.dtype,
-            shape: vec![rows.len(), cols],
+            shape,
             file: self.file.clone(),
-            map: self.map.clone(),
+            source: self.source.clone(),
             range: start..start + rows.len() * row_bytes,
+        })
+    }
+
+    /// Columns `cols` of a 2-D tensor. Columns are not contiguous, so this copies them
+    /// (the copy is the rank's share, `1/tp` of the tensor).
+    pub fn columns(&self, cols: Range<usize>) -> Result<HostTensor> {
+        let [n, width] = self.shape[..] else {
+            return Err(Error::Internal(format!("{}: columns() of a non-matrix", self.name)));
+        };
+        if cols.end > width || cols.start > cols.end {
+            return Err(Error::Internal(format!("{}: columns {cols:?} of {width}", self.name)));
+        }
+        let e = self.dtype.size();
+        let src = self.bytes();
+        let mut out = Vec::with_capacity(n * cols.len() * e);
+        for r in 0..n {
+            out.extend_from_slice(&src[(r * width + cols.start) * e..(r * width + cols.end) * e]);
+        }
+        let len = out.len();
+        Ok(HostTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: vec![n, cols.len()],
+            file: self.file.clone(),
+            source: Source::Owned(Arc::new(out)),
+            range: 0..len,
         })
     }
 
@@ -245,7 +290,7 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
             dtype,
             shape: info.shape,
             file: file.clone(),
-            map: map.clone(),
+            source: Source::Mapped(map.clone()),
             range: data_start + begin..data_start + end,
         });
     }

@@ -143,6 +143,9 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
 }
 
 fn matmul_typed<T: Kernel>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTensor {
+    if x.rows == 0 {
+        return CpuTensor::zeros(0, out_features);
+    }
     if x.rows <= STREAM_MAX_ROWS {
         streaming(x, w, out_features)
     } else {

@@ -96,13 +96,23 @@ impl Backend for CpuBackend {
         w.bytes()
     }
 
-    fn embed(&self, table: &CpuWeight, ids: &[u32]) -> CpuTensor {
+    fn embed(&self, table: &CpuWeight, ids: &[u32], first_id: u32) -> CpuTensor {
         let cols = table.cols;
         let mut out = CpuTensor::zeros(ids.len(), cols);
         for (row, &id) in out.data.chunks_mut(cols).zip(ids) {
-            table.row_to_f32(id as usize, row);
+            if let Some(local) = id.checked_sub(first_id).filter(|&l| (l as usize) < table.rows) {
+                table.row_to_f32(local as usize, row);
+            }
         }
         out
+    }
+
+    fn with_host_mut(&self, x: &mut CpuTensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        f(&mut x.data)
+    }
+
+    fn from_host(&self, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor::new(data, rows, cols)
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> CpuTensor {

@@ -1,0 +1,192 @@
+//! The shard plan: which slice of the model each rank of a `tp × pp` replica holds.
+//!
+//! Computed once from the model config, identically on every rank, before any weight is
+//! read. Layers are split into contiguous pipeline stages (earlier stages take the extra
+//! layer when the split is uneven); inside a stage, tensor parallelism splits attention by
+//! heads and the MLP by intermediate columns (q/k/v/gate/up by output rows, o/down by input
+//! columns), and the embedding and LM head by vocabulary. KV heads are split across the TP
+//! group, or replicated when there are fewer KV heads than TP ranks. Shapes that cannot be
+//! split evenly are rejected with the field that prevents it.
+//!
+//! Rank numbering: `rank = stage * tp + tp_rank`; rank 0 is the replica's leader.
+
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::model_config::ModelConfig;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parallelism {
+    pub tp: usize,
+    pub pp: usize,
+}
+
+impl Parallelism {
+    pub const NONE: Parallelism = Parallelism { tp: 1, pp: 1 };
+
+    pub fn world(&self) -> usize {
+        self.tp * self.pp
+    }
+}
+
+/// What one rank holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankShard {
+    pub rank: usize,
+    pub stage: usize,
+    pub tp_rank: usize,
+    /// Decoder layers of this rank's stage.
+    pub layers: Range<usize>,
+    /// Query heads of this rank.
+    pub q_heads: Range<usize>,
+    /// KV heads of this rank (shared by neighbours when replicated).
+    pub kv_heads: Range<usize>,
+    /// Intermediate (MLP) columns of this rank.
+    pub intermediate: Range<usize>,
+    /// Vocabulary rows of the embedding and LM head this rank holds.
+    pub vocab: Range<usize>,
+}
+
+impl RankShard {
+    pub fn is_first_stage(&self) -> bool {
+        self.stage == 0
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ShardPlan {
+    pub par: Parallelism,
+    pub ranks: Vec<RankShard>,
+}
+
+impl ShardPlan {
+    pub fn new(config: &ModelConfig, par: Parallelism) -> Result<Self> {
+        let Parallelism { tp, pp } = par;
+        if tp == 0 || pp == 0 {
+            return Err(Error::invalid("tp", "tp and pp must be at least 1"));
+        }
+        if pp > config.num_layers {
+            return Err(Error::invalid(
+                "pp",
+                format!(
+                    "{pp} pipeline stages for {} layers: each stage needs at least one layer",
+                    config.num_layers
+                ),
+            ));
+        }
+        if config.num_heads % tp != 0 {
+            return Err(Error::invalid(
+                "tp",
+                format!("{tp} does not divide num_attention_heads ({})", config.num_heads),
+            ));
+        }
+        let kv = config.num_kv_heads;
+        if kv % tp != 0 && tp % kv != 0 {
+            return Err(Error::invalid(
+                "tp",
+                format!("{tp} neither divides num_key_value_heads ({kv}) nor is a multiple of it"),
+            ));
+        }
+        if config.intermediate_size % tp != 0 {
+            return Err(Error::invalid(
+                "tp",
+                format!("{tp} does not divide intermediate_size ({})", config.intermediate_size),
+            ));
+        }
+        let q_per = config.num_heads / tp;
+        let group = config.num_heads / kv;
+        let inter_per = config.intermediate_size / tp;
+        let vocab_per = config.vocab_size.div_ceil(tp);
+        let mut ranks = Vec::with_capacity(tp * pp);
+        for stage in 0..pp {
+            let layers = split(config.num_layers, pp, stage);
+            for tp_rank in 0..tp {
+                let q_heads = tp_rank * q_per..(tp_rank + 1) * q_per;
+                let kv_heads = q_heads.start / group..q_heads.end.div_ceil(group);
+                let vocab_start = (tp_rank * vocab_per).min(config.vocab_size);
+                ranks.push(RankShard {
+                    rank: stage * tp + tp_rank,
+                    stage,
+                    tp_rank,
+                    layers: layers.clone(),
+                    q_heads,
+                    kv_heads,
+                    intermediate: tp_rank * inter_per..(tp_rank + 1) * inter_per,
+                    vocab: vocab_start..(vocab_start + vocab_per).min(config.vocab_size),
+                });
+            }
+        }
+        Ok(ShardPlan { par, ranks })
+    }
+
+    pub fn rank(&self, rank: usize) -> &RankShard {
+        &self.ranks[rank]
+    }
+
+    /// Ranks of a pipeline stage (its TP group), in TP order.
+    pub fn stage_ranks(&self, stage: usize) -> Range<usize> {
+        stage * self.par.tp..(stage + 1) * self.par.tp
+    }
+
+    pub fn last_stage(&self) -> usize {
+        self.par.pp - 1
+    }
+}
+
+/// Part `i` of `n` contiguous parts of `len`; earlier parts take the remainder.
+fn split(len: usize, n: usize, i: usize) -> Range<usize> {
+    let base = len / n;
+    let extra = len % n;
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(heads: usize, kv: usize, layers: usize) -> ModelConfig {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":{},"intermediate_size":96,
+               "num_hidden_layers":{layers},"num_attention_heads":{heads},"num_key_value_heads":{kv},
+               "vocab_size":101}}"#,
+            heads * 8
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn splits_heads_columns_layers_and_vocab() {
+        let plan = ShardPlan::new(&config(8, 4, 5), Parallelism { tp: 2, pp: 2 }).unwrap();
+        assert_eq!(plan.ranks.len(), 4);
+        let r = plan.rank(3);
+        assert_eq!((r.stage, r.tp_rank), (1, 1));
+        assert_eq!(plan.rank(0).layers, 0..3, "the first stage takes the extra layer");
+        assert_eq!(r.layers, 3..5);
+        assert_eq!(r.q_heads, 4..8);
+        assert_eq!(r.kv_heads, 2..4);
+        assert_eq!(r.intermediate, 48..96);
+        assert_eq!(plan.rank(0).vocab, 0..51);
+        assert_eq!(r.vocab, 51..101);
+        assert_eq!(plan.stage_ranks(1), 2..4);
+    }
+
+    #[test]
+    fn replicates_kv_heads_when_fewer_than_ranks() {
+        let plan = ShardPlan::new(&config(8, 2, 2), Parallelism { tp: 4, pp: 1 }).unwrap();
+        let kv: Vec<_> = plan.ranks.iter().map(|r| r.kv_heads.clone()).collect();
+        assert_eq!(kv, vec![0..1, 0..1, 1..2, 1..2]);
+        let mqa = ShardPlan::new(&config(4, 1, 2), Parallelism { tp: 4, pp: 1 }).unwrap();
+        assert!(mqa.ranks.iter().all(|r| r.kv_heads == (0..1)));
+    }
+
+    #[test]
+    fn rejects_uneven_splits_naming_the_field() {
+        let e = ShardPlan::new(&config(6, 6, 2), Parallelism { tp: 4, pp: 1 }).unwrap_err();
+        assert!(e.to_string().contains("num_attention_heads"), "{e}");
+        let e = ShardPlan::new(&config(8, 8, 2), Parallelism { tp: 1, pp: 3 }).unwrap_err();
+        assert!(e.to_string().contains("layers"), "{e}");
+        let e = ShardPlan::new(&config(12, 6, 2), Parallelism { tp: 4, pp: 1 }).unwrap_err();
+        assert!(e.to_string().contains("num_key_value_heads"), "{e}");
+    }
+}

@@ -1,0 +1,46 @@
+//! Communication between the ranks of one replica.
+//!
+//! [`Communicator`] is the seam: the model calls `all_reduce_sum` after its row-parallel
+//! matmuls and `all_gather` after the vocabulary-split LM head, and pipeline stages
+//! `send`/`recv` hidden states. Collectives take the group of ranks they run over (a
+//! pipeline stage's TP group), so one communicator serves the whole replica.
+//! [`tcp::TcpComm`] implements it over persistent loopback or LAN TCP connections (CPU
+//! workers); an NCCL implementation belongs behind the `cuda` feature.
+
+pub mod tcp;
+
+use strata_common::Result;
+
+/// Bytes and time spent in communication, for benchmarks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommStats {
+    pub bytes_sent: u64,
+    pub busy_ns: u64,
+}
+
+pub trait Communicator: Send {
+    fn rank(&self) -> usize;
+    fn world(&self) -> usize;
+    /// Elementwise sum of `data` across `group` (ascending ranks, including this one);
+    /// every member ends with the sum.
+    fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()>;
+    /// Every member's `local` concatenated in group order (sizes may differ).
+    fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>>;
+    /// `root`'s bytes on every member of `group`.
+    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()>;
+    fn send(&mut self, to: usize, data: &[u8]) -> Result<()>;
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>>;
+    /// Returns once every member of `group` has called it.
+    fn barrier(&mut self, group: &[usize]) -> Result<()>;
+    fn stats(&self) -> CommStats;
+}
+
+/// f32 slices as bytes (little-endian hosts).
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+/// Bytes back into f32s.
+pub fn bytes_f32(b: &[u8]) -> Vec<f32> {
+    bytemuck::pod_collect_to_vec(b)
+}
