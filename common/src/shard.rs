@@ -74,20 +74,20 @@ impl ShardPlan {
                 ),
             ));
         }
-        if config.num_heads % tp != 0 {
+        if !config.num_heads.is_multiple_of(tp) {
             return Err(Error::invalid(
                 "tp",
                 format!("{tp} does not divide num_attention_heads ({})", config.num_heads),
             ));
         }
         let kv = config.num_kv_heads;
-        if kv % tp != 0 && tp % kv != 0 {
+        if !kv.is_multiple_of(tp) && tp % kv != 0 {
             return Err(Error::invalid(
                 "tp",
                 format!("{tp} neither divides num_key_value_heads ({kv}) nor is a multiple of it"),
             ));
         }
-        if config.intermediate_size % tp != 0 {
+        if !config.intermediate_size.is_multiple_of(tp) {
             return Err(Error::invalid(
                 "tp",
                 format!("{tp} does not divide intermediate_size ({})", config.intermediate_size),

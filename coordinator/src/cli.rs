@@ -28,6 +28,8 @@ pub enum Command {
     Serve(ServeArgs),
     /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
     Bench(crate::bench::BenchArgs),
+    /// Run one rank of a tensor/pipeline-parallel replica led by `strata serve`.
+    Worker(WorkerArgs),
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -131,6 +133,29 @@ pub struct GenerateArgs {
     /// With --endpoint: stream text as it is generated.
     #[arg(long, requires = "endpoint")]
     pub stream: bool,
+    /// In-process: tensor-parallel ranks (threads).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// In-process: pipeline stages (threads).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    /// Model directory (the same files the leader loads).
+    #[arg(long)]
+    pub model: PathBuf,
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// This process's rank in the replica (1 ..= tp·pp − 1; rank 0 is the leader).
+    #[arg(long)]
+    pub rank: usize,
+    /// The leader's rendezvous address (`strata serve --worker-rendezvous`).
+    #[arg(long)]
+    pub rendezvous: std::net::SocketAddr,
 }
 
 #[derive(Args, Debug)]
@@ -172,6 +197,10 @@ pub struct ServeArgs {
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long)]
     pub no_prefix_caching: bool,
+    /// Wait at this address for the replica's other ranks to join as `strata worker`
+    /// processes, instead of running them as threads (one model, one replica).
+    #[arg(long)]
+    pub worker_rendezvous: Option<std::net::SocketAddr>,
     /// Seconds in-flight calls get to finish after SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
@@ -263,6 +292,13 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => generate(args),
         },
         Command::Serve(args) => serve(args),
+        Command::Worker(args) => {
+            let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+            strata_worker::replica::run_worker_rank(&args.model, par, args.rank, args.rendezvous)
+                .with_context(|| format!("worker rank {}", args.rank))?;
+            tracing::info!("leader shut the replica down; exiting");
+            Ok(())
+        }
         Command::Bench(args) => {
             let json = args.json;
             let report = runtime()?.block_on(crate::bench::run(args))?;
@@ -284,7 +320,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = PathBuf::from(&args.model);
     let config = EngineConfig { kv_cache_bytes: args.kv_cache_mib << 20, ..Default::default() };
-    let mut model = LocalModel::load(&dir, &config)?;
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let mut model = LocalModel::load_parallel(&dir, par, &config)?;
     let params = args.sampling();
     let json = args.json;
     let mut stdout = std::io::stdout();
@@ -348,12 +385,20 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    if args.tp != 1 || args.pp != 1 {
-        bail!(
-            "--tp {} --pp {}: tensor and pipeline parallelism are not available yet; use --tp 1 --pp 1",
-            args.tp,
-            args.pp
-        );
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    if par.tp == 0 || par.pp == 0 {
+        bail!("--tp and --pp must be at least 1");
+    }
+    let mut rendezvous = None;
+    if let Some(addr) = args.worker_rendezvous {
+        if args.model.len() != 1 || args.replicas != 1 || par.world() == 1 {
+            bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
+        }
+        let listener =
+            std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
+        let bound = listener.local_addr()?;
+        tracing::info!("worker rendezvous listening on {bound}");
+        rendezvous = Some(listener);
     }
     if !args.name.is_empty() && args.name.len() != args.model.len() {
         bail!(
@@ -388,8 +433,16 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
                 .with_context(|| format!("--model {}: not a directory", dir.display()))?,
         };
-        let model = crate::models::ServedModel::load_local(&name, dir, args.replicas, &engine, &limits)
-            .with_context(|| format!("loading model {name:?}"))?;
+        let model = crate::models::ServedModel::load_local(
+            &name,
+            dir,
+            args.replicas,
+            par,
+            rendezvous.take(),
+            &engine,
+            &limits,
+        )
+        .with_context(|| format!("loading model {name:?}"))?;
         models.insert(model)?;
     }
     let opts = crate::serve::ServeOptions {

@@ -7,9 +7,9 @@
 use std::path::Path;
 
 use serde::Serialize;
+use strata_common::Parallelism;
 use strata_common::{Error, FinishReason, Result, SamplingParams};
-use strata_worker::backend::cpu::CpuBackend;
-use strata_worker::model::Model;
+use strata_worker::replica::local_replica;
 use strata_worker::{Engine, EngineConfig, TokenLogprobs};
 
 use crate::text::TextStream;
@@ -55,13 +55,18 @@ pub struct LocalModel {
 
 impl LocalModel {
     pub fn load(dir: &Path, engine_config: &EngineConfig) -> Result<Self> {
+        Self::load_parallel(dir, Parallelism::NONE, engine_config)
+    }
+
+    /// Loads the model as a `tp × pp` replica whose ranks are threads of this process.
+    pub fn load_parallel(dir: &Path, par: Parallelism, engine_config: &EngineConfig) -> Result<Self> {
         if !dir.is_dir() {
             return Err(Error::model_file(dir, "not a directory"));
         }
-        let model = Model::load(dir, CpuBackend::new())?;
+        let engine = local_replica(dir, par, engine_config)?;
         let tokenizer =
             if dir.join("tokenizer.json").exists() { Some(Tokenizer::from_dir(dir)?) } else { None };
-        Ok(LocalModel { engine: Engine::new(model, engine_config)?, tokenizer })
+        Ok(LocalModel { engine, tokenizer })
     }
 
     fn tokenizer(&self, why: &str) -> Result<&Tokenizer> {

@@ -7,10 +7,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use strata_common::{Error, ModelConfig, Result};
-use strata_worker::backend::cpu::CpuBackend;
-use strata_worker::model::Model;
-use strata_worker::{Engine, EngineConfig, EngineHandle, EngineStats, RunnerLimits};
+use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
+use strata_worker::replica::{leader_with_external_ranks, local_replica};
+use strata_worker::{EngineConfig, EngineHandle, EngineStats, RunnerLimits};
 use tracing::info;
 
 use crate::tokenizer::Tokenizer;
@@ -24,11 +23,15 @@ pub struct ServedModel {
 }
 
 impl ServedModel {
-    /// Loads `replicas` in-process engines of the model in `dir`.
+    /// Loads `replicas` engines of the model in `dir`, each a `par` replica whose ranks
+    /// are threads of this process; or, with `rendezvous`, one replica whose other ranks are
+    /// `strata worker` processes joining there.
     pub fn load_local(
         name: &str,
         dir: &Path,
         replicas: usize,
+        par: Parallelism,
+        rendezvous: Option<std::net::TcpListener>,
         engine: &EngineConfig,
         limits: &RunnerLimits,
     ) -> Result<Self> {
@@ -37,11 +40,15 @@ impl ServedModel {
         }
         let tokenizer = Tokenizer::from_dir(dir)?;
         let config = ModelConfig::from_dir(dir)?;
+        ShardPlan::new(&config, par)?; // rejects impossible splits before loading anything
         let mut handles = Vec::with_capacity(replicas);
+        let mut rendezvous = rendezvous;
         for r in 0..replicas {
-            info!(model = name, replica = r, dir = %dir.display(), "loading replica");
-            let model = Model::load(dir, CpuBackend::new())?;
-            let engine = Engine::new(model, engine)?;
+            info!(model = name, replica = r, tp = par.tp, pp = par.pp, dir = %dir.display(), "loading replica");
+            let engine = match rendezvous.take() {
+                Some(listener) => leader_with_external_ranks(dir, par, engine, listener)?,
+                None => local_replica(dir, par, engine)?,
+            };
             handles.push(EngineHandle::spawn(engine, limits.clone(), &format!("{name}-{r}"))?);
         }
         Ok(ServedModel { name: name.to_string(), config, tokenizer, replicas: handles })

@@ -60,6 +60,13 @@ pub struct Server {
 impl Server {
     /// Starts `strata serve --listen 127.0.0.1:0 ARGS…` and waits until it is ready.
     pub fn start(args: &[&str]) -> Server {
+        let (mut server, lines) = Server::spawn(args);
+        server.addr = wait_for_line(&lines, "strata ready, listening on ", &server);
+        server
+    }
+
+    /// Starts `strata serve` without waiting; returns its stderr lines as they come.
+    pub fn spawn(args: &[&str]) -> (Server, std::sync::mpsc::Receiver<String>) {
         use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         let mut child = Command::new(strata_bin())
@@ -78,23 +85,13 @@ impl Server {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
-                if let Some(i) = line.find("listening on ") {
-                    let addr: String = line[i + 13..].split_whitespace().next().unwrap_or("").to_string();
-                    let _ = tx.send(addr);
-                }
+                let _ = tx.send(line.clone());
                 let mut l = log2.lock().unwrap();
                 l.push_str(&line);
                 l.push('\n');
             }
         });
-        let addr = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("strata serve did not become ready: {}", log.lock().unwrap());
-            }
-        };
-        Server { child, addr, log }
+        (Server { child, addr: String::new(), log }, rx)
     }
 
     pub fn endpoint(&self) -> String {
@@ -113,6 +110,22 @@ impl Drop for Server {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Waits (up to 60 s) for a stderr line containing `marker`; returns the word after it.
+pub fn wait_for_line(lines: &std::sync::mpsc::Receiver<String>, marker: &str, server: &Server) -> String {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(line) => {
+                if let Some(i) = line.find(marker) {
+                    return line[i + marker.len()..].split_whitespace().next().unwrap_or("").to_string();
+                }
+            }
+            Err(_) => panic!("no line with {marker:?} from strata serve: {}", server.log()),
+        }
     }
 }
 

@@ -116,6 +116,13 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         &self.model.config
     }
     fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
+        // Every rank allocates exactly the leader's block count: slots index all of them.
+        let mut init = vec![MSG_INIT];
+        put(&mut init, num_blocks);
+        put(&mut init, block_size);
+        for r in 1..self.comm.world() {
+            self.comm.send(r, &init)?;
+        }
         self.kv = self.model.alloc_kv(num_blocks, block_size)?;
         Ok(())
     }
@@ -173,7 +180,7 @@ pub fn run_rank_step<B: Backend>(
                 ids.len()
             )));
         }
-        b.from_host(data, ids.len(), model.config.hidden_size)
+        b.upload(data, ids.len(), model.config.hidden_size)
     };
     let x = model.run_layers(x, layout, kv, comm)?;
     if !model.shard.is_last_stage() {
@@ -184,13 +191,15 @@ pub fn run_rank_step<B: Backend>(
     Ok((s.tp_rank == 0).then_some(logits))
 }
 
-/// The loop of every rank but the leader: run steps until told to stop.
-pub fn follower_loop<B: Backend>(
-    model: Model<B>,
-    num_blocks: usize,
-    block_size: usize,
-    mut comm: Box<dyn Communicator>,
-) -> Result<()> {
+/// The loop of every rank but the leader: allocate the KV cache the leader asks for, then
+/// run steps until told to stop.
+pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator>) -> Result<()> {
+    let init = comm.recv(0)?;
+    if init.first() != Some(&MSG_INIT) {
+        return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
+    }
+    let mut r = Reader { b: &init, at: 1 };
+    let (num_blocks, block_size) = (r.u32()? as usize, r.u32()? as usize);
     let mut kv = model.alloc_kv(num_blocks, block_size)?;
     let rank = comm.rank();
     let last_lead = model.shard.is_last_stage() && model.shard.shard.tp_rank == 0;
@@ -211,6 +220,7 @@ pub fn follower_loop<B: Backend>(
 
 const MSG_STEP: u8 = 1;
 const MSG_SHUTDOWN: u8 = 2;
+const MSG_INIT: u8 = 3;
 
 fn put(out: &mut Vec<u8>, v: usize) {
     out.extend_from_slice(&(v as u32).to_le_bytes());

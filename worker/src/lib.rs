@@ -12,6 +12,7 @@ pub mod dist;
 pub mod engine;
 pub mod kv;
 pub mod model;
+pub mod replica;
 pub mod runner;
 pub mod sampler;
 pub mod scheduler;

@@ -108,7 +108,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
     /// A tensor from host data, row-major.
-    fn from_host(&self, data: Vec<f32>, rows: usize, cols: usize) -> Self::Tensor;
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Self::Tensor;
     /// Runs `f` on the tensor's elements in host memory (a communicator's collective);
     /// device backends copy out and back.
     fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;

@@ -111,7 +111,7 @@ impl Backend for CpuBackend {
         f(&mut x.data)
     }
 
-    fn from_host(&self, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor::new(data, rows, cols)
     }
 

@@ -1,0 +1,165 @@
+//! Tensor and pipeline parallelism give the same tokens and logits as one rank.
+//!
+//! Every fixture model runs at TP=2, TP=4 (where its heads allow), PP=2 and TP=2×PP=2,
+//! ranks as threads joined by the TCP communicator on loopback; greedy tokens must be
+//! identical to TP=1 and logits within 1e-4.
+
+use strata_common::{Parallelism, SamplingParams, ShardPlan};
+use strata_tests::{fixture_models, ids, reference};
+use strata_worker::replica::local_replica;
+use strata_worker::{Engine, EngineConfig};
+
+fn config() -> EngineConfig {
+    EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }
+}
+
+fn greedy_run(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
+    e.add(0, prompt.to_vec(), SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })
+        .unwrap();
+    let mut out = Vec::new();
+    while e.has_work() {
+        out.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
+    }
+    out
+}
+
+#[test]
+fn every_split_matches_one_rank() {
+    let splits = [(2, 1), (4, 1), (1, 2), (2, 2)];
+    let mut ran = 0;
+    for dir in fixture_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let r = reference(&dir);
+        let prompt = ids(&r["prompt_ids"]);
+        let mut single = local_replica(&dir, Parallelism::NONE, &config()).unwrap();
+        let want_logits = single.prompt_logits(&prompt).unwrap();
+        let want = greedy_run(&mut single, &prompt, 24);
+        let model_config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+        for (tp, pp) in splits {
+            let par = Parallelism { tp, pp };
+            if ShardPlan::new(&model_config, par).is_err() {
+                continue; // e.g. TP=4 with 2 KV heads and 6 heads
+            }
+            let mut e = local_replica(&dir, par, &config())
+                .unwrap_or_else(|err| panic!("{name} tp={tp} pp={pp}: {err}"));
+            let logits = e.prompt_logits(&prompt).unwrap();
+            let diff = logits.iter().zip(&want_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "{name} tp={tp} pp={pp}: logits differ by {diff}");
+            assert_eq!(greedy_run(&mut e, &prompt, 24), want, "{name} tp={tp} pp={pp}: greedy tokens differ");
+            ran += 1;
+        }
+    }
+    assert!(ran >= 30, "only {ran} model × split combinations ran");
+}
+
+mod processes {
+    //! A replica whose ranks are separate `strata worker` processes on loopback.
+
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use strata_proto::inference::v1 as pb;
+    use strata_proto::inference::v1::inference_client::InferenceClient;
+    use strata_tests::{fixtures_dir, ids, reference, strata_bin, wait_for_line, write_slow_model, Server};
+
+    struct Workers(Vec<Child>);
+
+    impl Drop for Workers {
+        fn drop(&mut self) {
+            for c in &mut self.0 {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// `strata serve` as rank 0 plus `tp·pp − 1` worker processes.
+    fn replica(model: &str, tp: usize, pp: usize) -> (Server, Workers) {
+        let (tp_s, pp_s) = (tp.to_string(), pp.to_string());
+        let (mut server, lines) = Server::spawn(&[
+            "--model",
+            model,
+            "--name",
+            "m",
+            "--tp",
+            &tp_s,
+            "--pp",
+            &pp_s,
+            "--worker-rendezvous",
+            "127.0.0.1:0",
+        ]);
+        let rendezvous = wait_for_line(&lines, "worker rendezvous listening on ", &server);
+        let workers = (1..tp * pp)
+            .map(|rank| {
+                Command::new(strata_bin())
+                    .args([
+                        "worker",
+                        "--model",
+                        model,
+                        "--tp",
+                        &tp_s,
+                        "--pp",
+                        &pp_s,
+                        "--rank",
+                        &rank.to_string(),
+                    ])
+                    .args(["--rendezvous", &rendezvous])
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .expect("start strata worker")
+            })
+            .collect();
+        server.addr = wait_for_line(&lines, "strata ready, listening on ", &server);
+        (server, Workers(workers))
+    }
+
+    fn request(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            model: "m".into(),
+            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+            max_tokens: Some(max_tokens),
+            ignore_eos: true,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn worker_processes_give_the_reference_tokens() {
+        for name in ["llama_gqa", "qwen2_bias_tied"] {
+            let dir = fixtures_dir().join(name);
+            let r = reference(&dir);
+            let (server, _workers) = replica(&dir.to_string_lossy(), 2, 2);
+            let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+            let got = c.generate(request(ids(&r["prompt_ids"]), 32)).await.unwrap().into_inner();
+            assert_eq!(got.token_ids, ids(&r["greedy_ids"]), "{name}: tp=2 × pp=2 across processes");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn killing_a_rank_fails_the_stream_promptly() {
+        let tmp = tempfile::tempdir().unwrap();
+        write_slow_model(tmp.path());
+        let (server, mut workers) = replica(&tmp.path().to_string_lossy(), 2, 2);
+        let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+        let mut stream = c.generate_stream(request(vec![1, 2, 3], 1500)).await.unwrap().into_inner();
+        for _ in 0..3 {
+            assert!(stream.message().await.unwrap().is_some());
+        }
+        workers.0[2].kill().unwrap(); // rank 3: last stage, TP rank 1
+        let killed = Instant::now();
+        let status = loop {
+            match tokio::time::timeout(Duration::from_secs(20), stream.message()).await {
+                Ok(Ok(Some(_))) => continue,
+                Ok(Ok(None)) => panic!("the stream finished normally after a rank died"),
+                Ok(Err(status)) => break status,
+                Err(_) => panic!("the stream hung after a rank died"),
+            }
+        };
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(killed.elapsed() < Duration::from_secs(10), "took {:?}", killed.elapsed());
+        // The server itself stays up and says so.
+        let again = c.generate(request(vec![1, 2], 2)).await.expect_err("the replica is broken");
+        assert_eq!(again.code(), tonic::Code::Unavailable, "{again:?}");
+    }
+}
