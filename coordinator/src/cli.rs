@@ -69,6 +69,9 @@ pub struct BenchArgs {
     /// Tokens decoded at batch 1.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// Also measure decode steps with this many sequences running (e.g. 8,32).
+    #[arg(long, value_delimiter = ',')]
+    pub batch_sizes: Vec<usize>,
     /// Prefill repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
@@ -476,6 +479,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     let config = EngineConfig { kv_cache_bytes: args.kv_cache_mib << 20, ..Default::default() };
     let mut model = LocalModel::load(&args.model, &config)?;
     let cfg = crate::engine_bench::EngineBenchConfig {
+        batch_sizes: args.batch_sizes.clone(),
         prompt_len: args.prompt_len,
         decode_tokens: args.decode_tokens,
         repeats: args.repeats,

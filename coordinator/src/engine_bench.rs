@@ -22,6 +22,8 @@ pub struct EngineBenchReport {
     pub prompt_len: usize,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
+    pub batched_decode: Vec<(usize, f64)>,
     pub bandwidth_gb_per_s: f64,
     /// f32 GEMM throughput of the CPU backend's matmul (prefill path), 256×2048 · 2048×8192.
     pub gemm_gflops: f64,
@@ -30,6 +32,7 @@ pub struct EngineBenchReport {
 }
 
 pub struct EngineBenchConfig {
+    pub batch_sizes: Vec<usize>,
     pub prompt_len: usize,
     pub decode_tokens: usize,
     pub repeats: usize,
@@ -75,6 +78,12 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
     }
     let decode = 1.0 / median(&steps);
 
+    let mut batched_decode = Vec::new();
+    for &batch in &cfg.batch_sizes {
+        batched_decode.push((batch, batched_decode_rate(engine, batch, cfg.decode_tokens, vocab)?));
+        info!(batch, tokens_per_s = batched_decode.last().map(|b| b.1), "batched decode");
+    }
+
     info!("measuring memory bandwidth");
     let bandwidth = measure_bandwidth(cfg.repeats.max(5));
     info!("measuring GEMM peak");
@@ -88,11 +97,33 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         prompt_len: cfg.prompt_len,
         prefill_tokens_per_s: median(&prefill),
         decode_tokens_per_s: decode,
+        batched_decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
         gemm_gflops: gemm,
         roofline_decode_tokens_per_s: roofline,
         decode_share_of_roofline: decode / roofline,
     })
+}
+
+/// Output tokens/s of decode steps with `batch` sequences running (prefill excluded).
+fn batched_decode_rate(engine: &mut Engine, batch: usize, steps: usize, vocab: u32) -> Result<f64> {
+    for b in 0..batch {
+        let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + b as u32 * 7 + 5) % vocab).collect();
+        let params =
+            SamplingParams { max_new_tokens: steps as u32 + 1, ignore_eos: true, ..Default::default() };
+        engine.add(1_000_000 + b as u64, prompt, params)?;
+    }
+    let mut times = Vec::new();
+    while engine.has_work() {
+        let t = Instant::now();
+        let events = engine.step()?;
+        if events.len() == batch && times.len() < steps {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    // The first full step still includes the prefill of every prompt.
+    let decode = if times.len() > 1 { &times[1..] } else { &times[..] };
+    Ok(batch as f64 / median(decode))
 }
 
 /// Bytes per second of a multi-threaded sequential read of a 1 GiB array (median).

@@ -17,7 +17,7 @@ use super::CpuTensor;
 use crate::model::weights::{DType, HostTensor};
 
 /// Up to this many activation rows take the streaming (decode) path.
-const STREAM_MAX_ROWS: usize = 8;
+const STREAM_MAX_ROWS: usize = 32;
 /// Output rows per rayon task in the streaming path.
 const STREAM_CHUNK: usize = 32;
 /// Weight rows widened per tile in the tiled (prefill) path.
@@ -189,9 +189,15 @@ impl<T: Widen> Kernel for T {}
 fn dot_rows<T: Kernel>(w: &[T], x: &[f32], k: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if super::simd::available() {
-        // SAFETY: the CPU has AVX-512; `w` is one row of k elements and `x` holds
-        // `out.len()` rows of k.
-        return unsafe { super::simd::dot_rows(w, x, k, out) };
+        // Up to 8 activation rows per pass over the weight row (it stays in L1 between
+        // passes).
+        for (g, out) in out.chunks_mut(8).enumerate() {
+            let x = &x[g * 8 * k..];
+            // SAFETY: the CPU has AVX-512; `w` is one row of k elements and `x` holds
+            // `out.len()` rows of k.
+            unsafe { super::simd::dot_rows(w, x, k, out) };
+        }
+        return;
     }
     for (t, o) in out.iter_mut().enumerate() {
         *o = dot_portable(w, &x[t * k..(t + 1) * k]);
