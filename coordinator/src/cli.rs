@@ -30,6 +30,13 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
     /// Run one rank of a tensor/pipeline-parallel replica led by `strata serve`.
     Worker(WorkerArgs),
+    /// Benchmark the TCP communicator's all-reduce against a raw loopback TCP stream.
+    CommBench {
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        #[arg(long, default_value_t = 7)]
+        repeats: usize,
+    },
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -69,6 +76,12 @@ pub struct BenchArgs {
     /// Tokens decoded at batch 1.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
+    /// Tensor-parallel ranks (threads of this process).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages (threads of this process).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
     /// Also measure decode steps with this many sequences running (e.g. 8,32).
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
@@ -295,6 +308,15 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => generate(args),
         },
         Command::Serve(args) => serve(args),
+        Command::CommBench { ranks, repeats } => {
+            if ranks < 2 || repeats == 0 {
+                bail!("--ranks must be at least 2 and --repeats at least 1");
+            }
+            let sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20];
+            let report = crate::comm_bench::run(ranks, &sizes, repeats)?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
         Command::Worker(args) => {
             let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
             strata_worker::replica::run_worker_rank(&args.model, par, args.rank, args.rendezvous)
@@ -477,7 +499,8 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
         bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
     }
     let config = EngineConfig { kv_cache_bytes: args.kv_cache_mib << 20, ..Default::default() };
-    let mut model = LocalModel::load(&args.model, &config)?;
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
     let cfg = crate::engine_bench::EngineBenchConfig {
         batch_sizes: args.batch_sizes.clone(),
         prompt_len: args.prompt_len,

@@ -22,6 +22,9 @@ pub struct EngineBenchReport {
     pub prompt_len: usize,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
+    /// Median decode step time, and the share of it the leader spent communicating.
+    pub decode_step_ms: f64,
+    pub decode_comm_share: f64,
     /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
     pub batched_decode: Vec<(usize, f64)>,
     pub bandwidth_gb_per_s: f64,
@@ -63,6 +66,8 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
     engine.add(u64::MAX, prompt[..16.min(prompt.len())].to_vec(), params)?;
     engine.step()?; // the prefill step
     let mut steps = Vec::new();
+    let comm_start = engine.executor().comm_stats().map(|c| c.busy_ns).unwrap_or(0);
+    let decode_start = Instant::now();
     while engine.num_running() > 0 {
         let t = Instant::now();
         engine.step()?;
@@ -77,6 +82,8 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         }
     }
     let decode = 1.0 / median(&steps);
+    let comm_ns = engine.executor().comm_stats().map(|c| c.busy_ns).unwrap_or(0) - comm_start;
+    let decode_comm_share = comm_ns as f64 / 1e9 / decode_start.elapsed().as_secs_f64();
 
     let mut batched_decode = Vec::new();
     for &batch in &cfg.batch_sizes {
@@ -97,6 +104,8 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         prompt_len: cfg.prompt_len,
         prefill_tokens_per_s: median(&prefill),
         decode_tokens_per_s: decode,
+        decode_step_ms: 1e3 / decode,
+        decode_comm_share,
         batched_decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
         gemm_gflops: gemm,

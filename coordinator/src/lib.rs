@@ -8,6 +8,7 @@ pub mod admin;
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod comm_bench;
 pub mod engine_bench;
 pub mod generation;
 pub mod latency_bench;

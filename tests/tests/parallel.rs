@@ -163,3 +163,22 @@ mod processes {
         assert_eq!(again.code(), tonic::Code::Unavailable, "{again:?}");
     }
 }
+
+#[test]
+fn each_rank_holds_its_share_of_the_weights() {
+    use strata_worker::backend::cpu::CpuBackend;
+    use strata_worker::model::Model;
+    // 4 layers, untied: a tp=2 × pp=2 rank holds half the matrices of two layers and half
+    // the embedding (first stage) or half the LM head (last stage): a quarter of the model.
+    let dir = strata_tests::fixtures_dir().join("llama_sharded");
+    let whole = Model::load(&dir, CpuBackend::new()).unwrap().weight_bytes();
+    let par = Parallelism { tp: 2, pp: 2 };
+    let mut total = 0;
+    for rank in 0..4 {
+        let bytes = Model::load_shard(&dir, CpuBackend::new(), par, rank).unwrap().weight_bytes();
+        let share = bytes as f64 / whole as f64;
+        assert!((0.24..=0.26).contains(&share), "rank {rank} holds {share:.3} of the weights");
+        total += bytes;
+    }
+    assert_eq!(total, whole, "the shards add up to the model, nothing replicated");
+}

@@ -28,6 +28,10 @@ pub trait StepExecutor: Send {
     fn weight_bytes(&self) -> usize;
     /// Weight bytes the leader rank reads per decode step.
     fn decode_bytes_per_token(&self) -> usize;
+    /// The leader's communication counters (None on a single rank).
+    fn comm_stats(&self) -> Option<crate::comm::CommStats> {
+        None
+    }
 }
 
 /// KV bytes per position on the rank that needs the most (all ranks allocate the same
@@ -105,10 +109,6 @@ impl<B: Backend> LeaderExecutor<B> {
     pub fn new(model: Model<B>, comm: Box<dyn Communicator>) -> Self {
         LeaderExecutor { model, kv: Vec::new(), comm }
     }
-
-    pub fn comm_stats(&self) -> crate::comm::CommStats {
-        self.comm.stats()
-    }
 }
 
 impl<B: Backend> StepExecutor for LeaderExecutor<B> {
@@ -145,6 +145,9 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
     }
     fn decode_bytes_per_token(&self) -> usize {
         self.model.decode_bytes_per_token()
+    }
+    fn comm_stats(&self) -> Option<crate::comm::CommStats> {
+        Some(self.comm.stats())
     }
 }
 

@@ -9,9 +9,9 @@
 //!
 //! **Collectives.** All-reduce is the ring algorithm (reduce-scatter, then all-gather):
 //! each rank sends and receives `2·(g−1)/g` of the buffer whatever the group size, which
-//! is optimal for bandwidth. Small messages are sent then received on the calling thread
-//! (socket buffers absorb them); large ones send on a scoped thread while receiving, so
-//! two ranks sending to each other cannot deadlock. Frames are a u64 length and bytes;
+//! is optimal for bandwidth. A two-way exchange drives both directions at once on
+//! non-blocking sockets from the calling thread, so two ranks sending to each other cannot
+//! deadlock and no helper thread is spawned. Frames are a u64 length and bytes;
 //! sockets have `TCP_NODELAY` and a read timeout so a silent peer fails the call.
 
 use std::io::{Read, Write};
@@ -22,13 +22,13 @@ use strata_common::{Error, Result};
 
 use super::{bytes_f32, f32_bytes, CommStats, Communicator};
 
-/// Messages up to this size are sent without a helper thread.
-const INLINE_BYTES: usize = 64 << 10;
-
 pub struct TcpComm {
     rank: usize,
     world: usize,
+    recv_timeout: Duration,
     peers: Vec<Option<TcpStream>>,
+    /// Receive buffer reused across exchanges (no per-call allocation or page faults).
+    scratch: Vec<u8>,
     stats: CommStats,
 }
 
@@ -103,7 +103,14 @@ impl TcpComm {
         let (rank, world) = (cfg.rank, cfg.world);
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         if world == 1 {
-            return Ok(TcpComm { rank, world, peers, stats: CommStats::default() });
+            return Ok(TcpComm {
+                rank,
+                world,
+                recv_timeout: cfg.recv_timeout,
+                peers,
+                scratch: Vec::new(),
+                stats: CommStats::default(),
+            });
         }
         if rank == 0 {
             let listener = match rendezvous_listener {
@@ -180,7 +187,14 @@ impl TcpComm {
             s.set_nodelay(true).map_err(io_err("nodelay"))?;
             s.set_read_timeout(Some(cfg.recv_timeout)).map_err(io_err("timeout"))?;
         }
-        Ok(TcpComm { rank, world, peers, stats: CommStats::default() })
+        Ok(TcpComm {
+            rank,
+            world,
+            recv_timeout: cfg.recv_timeout,
+            peers,
+            scratch: Vec::new(),
+            stats: CommStats::default(),
+        })
     }
 
     fn peer(&self, r: usize) -> Result<&TcpStream> {
@@ -191,22 +205,69 @@ impl TcpComm {
     }
 
     /// Sends `out` to `to` while receiving one frame from `from`.
-    fn exchange(&mut self, to: usize, out: &[u8], from: usize) -> Result<Vec<u8>> {
+    /// Sends `out` to `to` while receiving one frame from `from` into `self.scratch`.
+    fn exchange(&mut self, to: usize, out: &[u8], from: usize) -> Result<()> {
         let rank = self.rank;
         self.stats.bytes_sent += out.len() as u64;
-        let tx = self.peer(to)?;
-        let rx = self.peer(from)?;
-        if out.len() <= INLINE_BYTES {
-            write_frame(&mut &*tx, out).map_err(io_err(format!("rank {rank} → {to}")))?;
-            return read_frame(&mut &*rx).map_err(io_err(format!("rank {rank} ← {from}")));
+        let mut got = std::mem::take(&mut self.scratch);
+        let mut tx = self.peer(to)?;
+        let mut rx = self.peer(from)?;
+        let send_err = io_err(format!("rank {rank} → {to}"));
+        let recv_err = io_err(format!("rank {rank} ← {from}"));
+        // Lengths first (tiny), then both directions at once on non-blocking sockets:
+        // write what the kernel takes, read what has arrived, until both are done. No
+        // helper thread, and two ranks sending to each other cannot deadlock.
+        if let Err(e) = tx.write_all(&(out.len() as u64).to_le_bytes()) {
+            return Err(send_err(e));
         }
-        std::thread::scope(|scope| {
-            let sender = scope.spawn(|| write_frame(&mut &*tx, out));
-            let got = read_frame(&mut &*rx).map_err(io_err(format!("rank {rank} ← {from}")));
-            let sent = sender.join().map_err(|_| Error::Internal("send thread panicked".into()))?;
-            sent.map_err(io_err(format!("rank {rank} → {to}")))?;
-            got
-        })
+        let mut len = [0u8; 8];
+        if let Err(e) = rx.read_exact(&mut len) {
+            return Err(recv_err(e));
+        }
+        got.resize(u64::from_le_bytes(len) as usize, 0);
+        let set = |nb: bool| -> std::io::Result<()> {
+            tx.set_nonblocking(nb)?;
+            rx.set_nonblocking(nb)
+        };
+        set(true).map_err(io_err("non-blocking mode"))?;
+        let deadline = Instant::now() + self.recv_timeout;
+        let (mut sent, mut recvd) = (0, 0);
+        let result = loop {
+            if sent == out.len() && recvd == got.len() {
+                break Ok(());
+            }
+            let mut progress = false;
+            if sent < out.len() {
+                match tx.write(&out[sent..]) {
+                    Ok(n) => {
+                        sent += n;
+                        progress |= n > 0;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => break Err(send_err(e)),
+                }
+            }
+            if recvd < got.len() {
+                match rx.read(&mut got[recvd..]) {
+                    Ok(0) => break Err(recv_err(std::io::ErrorKind::UnexpectedEof.into())),
+                    Ok(n) => {
+                        recvd += n;
+                        progress = true;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) => break Err(recv_err(e)),
+                }
+            }
+            if !progress {
+                if Instant::now() > deadline {
+                    break Err(recv_err(std::io::ErrorKind::TimedOut.into()));
+                }
+                std::thread::yield_now();
+            }
+        };
+        set(false).map_err(io_err("blocking mode"))?;
+        self.scratch = got;
+        result
     }
 
     fn position(&self, group: &[usize]) -> Result<usize> {
@@ -255,18 +316,19 @@ impl Communicator for TcpComm {
             for step in 0..g - 1 {
                 let send_c = chunk(len, g, (me + g - step) % g);
                 let recv_c = chunk(len, g, (me + g - step - 1) % g);
-                let got = c.exchange(next, f32_bytes(&data[send_c]), prev)?;
-                let got = bytes_f32(&got);
-                for (d, v) in data[recv_c].iter_mut().zip(got) {
-                    *d += v;
+                c.exchange(next, f32_bytes(&data[send_c]), prev)?;
+                for (d, v) in data[recv_c].iter_mut().zip(c.scratch.chunks_exact(4)) {
+                    *d += f32::from_le_bytes([v[0], v[1], v[2], v[3]]);
                 }
             }
             // All-gather the summed chunks around the ring.
             for step in 0..g - 1 {
                 let send_c = chunk(len, g, (me + 1 + g - step) % g);
                 let recv_c = chunk(len, g, (me + g - step) % g);
-                let got = c.exchange(next, f32_bytes(&data[send_c]), prev)?;
-                data[recv_c].copy_from_slice(&bytes_f32(&got));
+                c.exchange(next, f32_bytes(&data[send_c]), prev)?;
+                for (d, v) in data[recv_c].iter_mut().zip(c.scratch.chunks_exact(4)) {
+                    *d = f32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+                }
             }
             Ok(())
         })
@@ -287,7 +349,8 @@ impl Communicator for TcpComm {
                 let send_i = (me + g - step) % g;
                 let recv_i = (me + g - step - 1) % g;
                 let out = f32_bytes(&parts[send_i]).to_vec();
-                parts[recv_i] = bytes_f32(&c.exchange(next, &out, prev)?);
+                c.exchange(next, &out, prev)?;
+                parts[recv_i] = bytes_f32(&c.scratch);
             }
             Ok(parts.concat())
         })
