@@ -1,10 +1,12 @@
 //! `y = x · wᵀ` on the CPU, with weights in f32, bf16 or f16.
 //!
 //! Two regimes, because decode and prefill are bound by different things:
-//! - **Few rows (decode)**: memory-bound. Every weight row is streamed once, widened to f32
-//!   in registers and dotted with each activation row; rayon splits the output rows across
-//!   cores. The kernel is compiled twice — for AVX-512 and for the baseline — and the AVX-512
-//!   copy is picked at run time, so one binary runs everywhere and uses what the CPU has.
+//! - **Few rows (decode, up to 48)**: every weight row is streamed once, widened to f32 in
+//!   registers and dotted with the activation rows — one row with two accumulators
+//!   (memory-bound), several in register tiles of 4 weight rows × 6 activation rows (so
+//!   batched decode runs at FMA speed); rayon splits the output rows across cores. The
+//!   AVX-512 kernels are picked at run time, with a portable loop elsewhere, so one binary
+//!   runs everywhere and uses what the CPU has.
 //! - **Many rows (prefill)**: compute-bound. Output columns are cut into tiles; each tile of
 //!   weight rows is widened into a per-thread f32 buffer (cost amortised over all rows of
 //!   `x`) and multiplied by the `gemm` crate's packed AVX-512 kernels.
@@ -17,7 +19,7 @@ use super::CpuTensor;
 use crate::model::weights::{DType, HostTensor};
 
 /// Up to this many activation rows take the streaming (decode) path.
-const STREAM_MAX_ROWS: usize = 32;
+const STREAM_MAX_ROWS: usize = 48;
 /// Output rows per rayon task in the streaming path.
 const STREAM_CHUNK: usize = 32;
 /// Weight rows widened per tile in the tiled (prefill) path.
@@ -159,9 +161,22 @@ fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
     let mut out_t = vec![0f32; m * n];
     out_t.par_chunks_mut(STREAM_CHUNK * n).enumerate().for_each(|(c, out)| {
         let j0 = c * STREAM_CHUNK;
-        for (jj, out_row) in out.chunks_mut(n).enumerate() {
-            let w_row = &w[(j0 + jj) * k..(j0 + jj + 1) * k];
-            dot_rows(w_row, &x.data, k, out_row);
+        let rows = out.len() / n;
+        let row = |j: usize| &w[(j0 + j) * k..(j0 + j + 1) * k];
+        let mut jj = 0;
+        #[cfg(target_arch = "x86_64")]
+        if n > 1 && super::simd::available() {
+            // Several activation rows: register tiles of 4 weight rows × up to 6 rows.
+            while jj + 4 <= rows {
+                let w4 = [row(jj), row(jj + 1), row(jj + 2), row(jj + 3)];
+                // SAFETY: AVX-512 is available; each weight row has k elements, x has n
+                // rows of k, and indices t + r·n (t < n, r < 4) lie inside out[jj·n..].
+                unsafe { super::simd::rows_by_4(w4, &x.data, n, k, &mut out[jj * n..], (1, n)) };
+                jj += 4;
+            }
+        }
+        for (j, out_row) in out.chunks_mut(n).enumerate().skip(jj) {
+            dot_rows(row(j), &x.data, k, out_row);
         }
     });
     if n == 1 {
