@@ -6,12 +6,15 @@ STRATA_RELEASE := target/release/strata
 
 .PHONY: test demo build lint fmt bench-engine prerequisites
 
-## Everything CI checks: formatting, lints, the whole test suite.
+## Everything CI checks: formatting, lints, the whole test suite, and that the `cuda`
+## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA.
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --features strata-coordinator/cuda -- -D warnings
+	$(CARGO) build --bin strata --features strata-coordinator/cuda
 
 ## Installs what the build and tests need and is missing.
 prerequisites:

@@ -5,8 +5,10 @@
 //! `send`/`recv` hidden states. Collectives take the group of ranks they run over (a
 //! pipeline stage's TP group), so one communicator serves the whole replica.
 //! [`tcp::TcpComm`] implements it over persistent loopback or LAN TCP connections (CPU
-//! workers); an NCCL implementation belongs behind the `cuda` feature.
+//! workers); [`nccl::NcclComm`] (feature `cuda`) runs the collectives through NCCL on GPUs.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod tcp;
 
 use strata_common::Result;

@@ -108,6 +108,8 @@ unsafe fn dot_rows_n<T: Load16 + super::matmul::Widen, const N: usize>(
 /// # Safety
 /// [`available`] must be true; each `w[r]` points at `k` elements; `x` holds N rows of
 /// `k`; `out` holds every index written.
+// Index loops are the point here: `t` and `r` address registers, rows and strides at once.
+#[allow(clippy::needless_range_loop)]
 #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
 unsafe fn tile_n4<T: Load16 + super::matmul::Widen, const N: usize>(
     w: [&[T]; 4],
