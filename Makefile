@@ -14,6 +14,7 @@ test: prerequisites
 	$(CARGO) test --workspace
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features strata-coordinator/cuda -- -D warnings
+	$(CARGO) test -p strata-worker --features cuda comm::nccl
 	$(CARGO) build --bin strata --features strata-coordinator/cuda
 
 ## Installs what the build and tests need and is missing.

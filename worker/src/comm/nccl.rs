@@ -50,10 +50,17 @@ fn cuda_err(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '
     move |e| Error::Unavailable(format!("CUDA {what}: {e:?}"))
 }
 
+/// One NCCL communicator handle.
+struct GroupComm(Comm);
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a time; NcclComm
+// owns its handles and every use goes through `&mut self` or is read-only on one thread.
+unsafe impl Send for GroupComm {}
+
 pub struct NcclComm {
     stream: Arc<CudaStream>,
     /// This rank's NCCL communicator for each group it belongs to, by member list.
-    groups: HashMap<Vec<usize>, Comm>,
+    groups: HashMap<Vec<usize>, GroupComm>,
     bootstrap: Box<dyn Communicator>,
     stats: CommStats,
 }
@@ -85,7 +92,7 @@ impl NcclComm {
             }
             let comm = Comm::from_rank(stream.clone(), pos, group.len(), Id::uninit(internal))
                 .map_err(nccl_err("communicator init"))?;
-            map.insert(group.clone(), comm);
+            map.insert(group.clone(), GroupComm(comm));
         }
         Ok(NcclComm { stream, groups: map, bootstrap, stats: CommStats::default() })
     }
@@ -93,6 +100,7 @@ impl NcclComm {
     fn group(&self, group: &[usize]) -> Result<&Comm> {
         self.groups
             .get(group)
+            .map(|g| &g.0)
             .ok_or_else(|| Error::Internal(format!("no NCCL communicator for group {group:?}")))
     }
 }
@@ -112,7 +120,7 @@ impl Communicator for NcclComm {
         }
         let started = Instant::now();
         let comm = self.group(group)?;
-        let mut buf = self.stream.memcpy_stod(data).map_err(cuda_err("copy to device"))?;
+        let mut buf = self.stream.clone_htod(data).map_err(cuda_err("copy to device"))?;
         comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all-reduce"))?;
         self.stream.memcpy_dtoh(&buf, data).map_err(cuda_err("copy to host"))?;
         self.stream.synchronize().map_err(cuda_err("synchronize"))?;
@@ -128,20 +136,27 @@ impl Communicator for NcclComm {
         let started = Instant::now();
         // NCCL gathers equal counts: agree on the largest, pad, then trim each part.
         let mut sizes = vec![0f32; group.len()];
-        let me = group.iter().position(|&r| r == self.rank()).ok_or_else(|| Error::Internal("not in group".into()))?;
+        let me = group
+            .iter()
+            .position(|&r| r == self.rank())
+            .ok_or_else(|| Error::Internal("not in group".into()))?;
         sizes[me] = local.len() as f32;
         self.all_reduce_sum(group, &mut sizes)?;
         let max = sizes.iter().fold(0f32, |a, &b| a.max(b)) as usize;
         let mut padded = local.to_vec();
         padded.resize(max, 0.0);
         let comm = self.group(group)?;
-        let send = self.stream.memcpy_stod(&padded).map_err(cuda_err("copy to device"))?;
+        let send = self.stream.clone_htod(&padded).map_err(cuda_err("copy to device"))?;
         let mut recv = self.stream.alloc_zeros::<f32>(max * group.len()).map_err(cuda_err("alloc"))?;
         comm.all_gather(&send, &mut recv).map_err(nccl_err("all-gather"))?;
         let mut all = vec![0f32; max * group.len()];
         self.stream.memcpy_dtoh(&recv, &mut all).map_err(cuda_err("copy to host"))?;
         self.stream.synchronize().map_err(cuda_err("synchronize"))?;
-        let out = sizes.iter().enumerate().flat_map(|(i, &n)| all[i * max..i * max + n as usize].to_vec()).collect();
+        let out = sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(i, &n)| all[i * max..i * max + n as usize].to_vec())
+            .collect();
         self.stats.busy_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
@@ -164,7 +179,10 @@ impl Communicator for NcclComm {
 
     fn stats(&self) -> CommStats {
         let b = self.bootstrap.stats();
-        CommStats { bytes_sent: self.stats.bytes_sent + b.bytes_sent, busy_ns: self.stats.busy_ns + b.busy_ns }
+        CommStats {
+            bytes_sent: self.stats.bytes_sent + b.bytes_sent,
+            busy_ns: self.stats.busy_ns + b.busy_ns,
+        }
     }
 }
 
