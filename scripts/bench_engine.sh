@@ -14,6 +14,8 @@ THREADS=${THREADS:-2}
 PROMPT_LEN=${PROMPT_LEN:-512}
 DECODE=${DECODE:-32}
 DTYPES=${DTYPES:-"bf16 f32"}
+# Extra flags for `strata model bench`, e.g. STRATA_EXTRA=--bf16-prefill.
+STRATA_EXTRA=${STRATA_EXTRA:-}
 out=target/bench
 mkdir -p "$out"
 
@@ -29,7 +31,7 @@ for dtype in $DTYPES; do
   fi
   echo "== strata, $dtype" >&2
   RAYON_NUM_THREADS=$THREADS "$STRATA" model bench --model "$model" --prompt-len "$PROMPT_LEN" \
-    --decode-tokens "$DECODE" > "$out/strata-$dtype.json"
+    --decode-tokens "$DECODE" $STRATA_EXTRA > "$out/strata-$dtype.json"
   hf_prefill=n/a; hf_decode=n/a
   if [ $have_hf = 1 ]; then
     echo "== HF transformers, $dtype" >&2

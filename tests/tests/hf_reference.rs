@@ -104,3 +104,29 @@ fn tokenizer_matches_transformers() {
         assert_eq!(tok.decode(&ids(&r["greedy_ids"])).unwrap(), r["greedy_text"].as_str().unwrap());
     }
 }
+
+#[test]
+fn opt_in_bf16_prefill_stays_close_to_exact() {
+    // A prompt longer than the decode path's 48 rows takes the bf16 × bf16 GEMM.
+    let dir = strata_tests::fixtures_dir().join("llama_bf16");
+    let r = reference(&dir);
+    let mut prompt = ids(&r["prompt_ids"]);
+    prompt.extend(ids(&r["greedy_ids"]));
+    prompt.extend((0..30).map(|i| 3 + i * 7));
+    let config = |bf16_prefill| EngineConfig { kv_cache_bytes: 8 << 20, bf16_prefill, ..Default::default() };
+    let load = |bf16| {
+        let backend = CpuBackend::new().with_bf16_prefill(bf16);
+        Engine::new(Model::load(&dir, backend).unwrap(), &config(bf16)).unwrap()
+    };
+    let exact = load(false).prompt_logits(&prompt).unwrap();
+    let fast = load(true).prompt_logits(&prompt).unwrap();
+    let diff = max_abs_diff(&exact, &fast);
+    let scale = exact.iter().fold(0f32, |a, b| a.max(b.abs()));
+    assert!(diff > 0.0, "the bf16 path must actually have run");
+    assert!(diff < 0.05 * scale, "bf16 prefill moved logits by {diff} (scale {scale})");
+    // The greedy choice can only move between tokens that the error band covers.
+    let top = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    let (te, tf) = (top(&exact), top(&fast));
+    assert!(exact[tf] >= exact[te] - 2.0 * diff, "bf16 prefill picked token {tf} far below {te}");
+    eprintln!("bf16 prefill: max |Δlogit| = {diff:.4} (logit scale {scale:.2}); top token {te} → {tf}");
+}

@@ -106,6 +106,7 @@ mod processes {
                     .args(["--rendezvous", &rendezvous])
                     .env("RUST_LOG", "warn")
                     .stdout(Stdio::null())
+                    .stderr(Stdio::null())
                     .spawn()
                     .expect("start strata worker")
             })

@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Reuse cached KV blocks of shared prompt prefixes.
     pub prefix_caching: bool,
+    /// CPU: prefill bf16 weights with bf16-rounded activations (faster, not f32-exact).
+    pub bf16_prefill: bool,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +46,7 @@ impl Default for EngineConfig {
             kv_cache_bytes: 512 << 20,
             scheduler: SchedulerConfig::default(),
             prefix_caching: true,
+            bf16_prefill: false,
         }
     }
 }

@@ -23,7 +23,10 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 /// An engine for the model in `dir`: in-process ranks when `par` has more than one.
 pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Result<Engine> {
     if par.world() == 1 {
-        return Engine::new(Model::load(dir, CpuBackend::new())?, config);
+        return Engine::new(
+            Model::load(dir, CpuBackend::new().with_bf16_prefill(config.bf16_prefill))?,
+            config,
+        );
     }
     let mut comms = local_group(par.world(), SETUP_TIMEOUT)?.into_iter();
     let leader_comm = comms.next().expect("world >= 1");
@@ -31,12 +34,14 @@ pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Res
     for (i, comm) in comms.enumerate() {
         let rank = i + 1;
         let dir = dir.to_owned();
+        let bf16_prefill = config.bf16_prefill;
         let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
         let handle = std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let run = || -> Result<()> {
-                    let model = Model::load_shard(&dir, CpuBackend::new(), par, rank)?;
+                    let backend = CpuBackend::new().with_bf16_prefill(bf16_prefill);
+                    let model = Model::load_shard(&dir, backend, par, rank)?;
                     let _ = tx.send(Ok(()));
                     follower_loop(model, Box::new(comm))
                 };
@@ -55,7 +60,7 @@ pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Res
             Err(_) => return Err(Error::Internal(format!("rank {rank} died while loading"))),
         }
     }
-    let model = Model::load_shard(dir, CpuBackend::new(), par, 0)?;
+    let model = Model::load_shard(dir, CpuBackend::new().with_bf16_prefill(config.bf16_prefill), par, 0)?;
     info!(tp = par.tp, pp = par.pp, "replica ranks ready (threads)");
     Engine::with_executor(Box::new(LeaderExecutor::new(model, Box::new(leader_comm))), par, config)
 }
@@ -78,12 +83,18 @@ pub fn leader_with_external_ranks(
         recv_timeout: STEP_TIMEOUT,
     };
     let comm = TcpComm::connect(&cfg, Some(rendezvous))?;
-    let model = Model::load_shard(dir, CpuBackend::new(), par, 0)?;
+    let model = Model::load_shard(dir, CpuBackend::new().with_bf16_prefill(config.bf16_prefill), par, 0)?;
     Engine::with_executor(Box::new(LeaderExecutor::new(model, Box::new(comm))), par, config)
 }
 
 /// Runs rank `rank` (> 0) of a replica until the leader shuts it down or a peer fails.
-pub fn run_worker_rank(dir: &Path, par: Parallelism, rank: usize, rendezvous: SocketAddr) -> Result<()> {
+pub fn run_worker_rank(
+    dir: &Path,
+    par: Parallelism,
+    rank: usize,
+    rendezvous: SocketAddr,
+    bf16_prefill: bool,
+) -> Result<()> {
     if rank == 0 || rank >= par.world() {
         return Err(Error::invalid("rank", format!("must be in 1..{} (rank 0 is the leader)", par.world())));
     }
@@ -95,7 +106,7 @@ pub fn run_worker_rank(dir: &Path, par: Parallelism, rank: usize, rendezvous: So
         recv_timeout: STEP_TIMEOUT,
     };
     let comm = TcpComm::connect(&cfg, None)?;
-    let model = Model::load_shard(dir, CpuBackend::new(), par, rank)?;
+    let model = Model::load_shard(dir, CpuBackend::new().with_bf16_prefill(bf16_prefill), par, rank)?;
     info!(rank, "worker rank ready");
     follower_loop(model, Box::new(comm))
 }

@@ -6,6 +6,7 @@
 //! [`matmul`]); attention reads the paged cache through block tables (see [`attention`]).
 
 mod attention;
+mod bf16_gemm;
 mod matmul;
 mod simd;
 
@@ -51,11 +52,20 @@ pub struct CpuKvLayer {
 const PAR_ROWS: usize = 16;
 
 #[derive(Debug, Default, Clone, Copy)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    bf16_prefill: bool,
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// Prefill matmuls of bf16 weights round activations to bf16 and use the CPU's
+    /// bf16 dot-product instructions (about twice the f32 speed, not f32-exact).
+    pub fn with_bf16_prefill(mut self, on: bool) -> Self {
+        self.bf16_prefill = on;
+        self
     }
 }
 
@@ -116,7 +126,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
-        matmul::matmul(x, w)
+        matmul::matmul(x, w, self.bf16_prefill)
     }
 
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
