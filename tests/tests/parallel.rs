@@ -60,7 +60,7 @@ mod processes {
 
     use strata_proto::inference::v1 as pb;
     use strata_proto::inference::v1::inference_client::InferenceClient;
-    use strata_tests::{fixtures_dir, ids, reference, strata_bin, wait_for_line, write_slow_model, Server};
+    use strata_tests::{ids, reference, strata_bin, wait_for_line, write_slow_model, Server};
 
     struct Workers(Vec<Child>);
 
@@ -125,16 +125,63 @@ mod processes {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread")]
-    async fn worker_processes_give_the_reference_tokens() {
-        for name in ["llama_gqa", "qwen2_bias_tied"] {
-            let dir = fixtures_dir().join(name);
-            let r = reference(&dir);
-            let (server, _workers) = replica(&dir.to_string_lossy(), 2, 2);
-            let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
-            let got = c.generate(request(ids(&r["prompt_ids"]), 32)).await.unwrap().into_inner();
-            assert_eq!(got.token_ids, ids(&r["greedy_ids"]), "{name}: tp=2 × pp=2 across processes");
+    /// Greedy tokens and their top-5 logprobs from a single in-process rank.
+    fn single_rank(dir: &std::path::Path, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<(u32, f32)>>) {
+        let mut e =
+            strata_worker::replica::local_replica(dir, strata_common::Parallelism::NONE, &super::config())
+                .unwrap();
+        let params = strata_common::SamplingParams {
+            max_new_tokens: n,
+            ignore_eos: true,
+            logprobs: Some(5),
+            ..Default::default()
+        };
+        e.add(0, prompt.to_vec(), params).unwrap();
+        let (mut tokens, mut tops) = (Vec::new(), Vec::new());
+        while e.has_work() {
+            for ev in e.step().unwrap() {
+                tokens.push(ev.token);
+                tops.push(ev.logprobs.unwrap().top);
+            }
         }
+        (tokens, tops)
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn worker_processes_match_one_rank_for_every_model_and_split() {
+        let mut ran = 0;
+        for dir in strata_tests::fixture_models() {
+            let name = dir.file_name().unwrap().to_string_lossy().to_string();
+            let r = reference(&dir);
+            let prompt = ids(&r["prompt_ids"]);
+            let (want, want_top) = single_rank(&dir, &prompt, 16);
+            assert_eq!(want, ids(&r["greedy_ids"])[..16].to_vec(), "{name}: single rank vs HF");
+            let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+            for (tp, pp) in [(2, 1), (4, 1), (1, 2), (2, 2)] {
+                if strata_common::ShardPlan::new(&config, strata_common::Parallelism { tp, pp }).is_err() {
+                    continue;
+                }
+                let (server, _workers) = replica(&dir.to_string_lossy(), tp, pp);
+                let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+                let mut req = request(prompt.clone(), 16);
+                req.logprobs = Some(5);
+                let got = c.generate(req).await.unwrap().into_inner();
+                assert_eq!(got.token_ids, want, "{name} tp={tp} pp={pp} across processes");
+                for (lp, top) in got.logprobs.iter().zip(&want_top) {
+                    for (a, b) in lp.top.iter().zip(top) {
+                        assert_eq!(a.token_id, b.0, "{name} tp={tp} pp={pp}: top-5 order");
+                        assert!(
+                            (a.logprob - b.1).abs() <= 1e-4,
+                            "{name} tp={tp} pp={pp}: logprob {} vs {}",
+                            a.logprob,
+                            b.1
+                        );
+                    }
+                }
+                ran += 1;
+            }
+        }
+        assert!(ran >= 30, "only {ran} model × split combinations ran");
     }
 
     #[tokio::test(flavor = "multi_thread")]
