@@ -103,14 +103,7 @@ impl TcpComm {
         let (rank, world) = (cfg.rank, cfg.world);
         let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         if world == 1 {
-            return Ok(TcpComm {
-                rank,
-                world,
-                recv_timeout: cfg.recv_timeout,
-                peers,
-                scratch: Vec::new(),
-                stats: CommStats::default(),
-            });
+            return Ok(Self::from_peers(cfg, peers));
         }
         if rank == 0 {
             let listener = match rendezvous_listener {
@@ -187,14 +180,18 @@ impl TcpComm {
             s.set_nodelay(true).map_err(io_err("nodelay"))?;
             s.set_read_timeout(Some(cfg.recv_timeout)).map_err(io_err("timeout"))?;
         }
-        Ok(TcpComm {
-            rank,
-            world,
+        Ok(Self::from_peers(cfg, peers))
+    }
+
+    fn from_peers(cfg: &TcpCommConfig, peers: Vec<Option<TcpStream>>) -> Self {
+        TcpComm {
+            rank: cfg.rank,
+            world: cfg.world,
             recv_timeout: cfg.recv_timeout,
             peers,
             scratch: Vec::new(),
             stats: CommStats::default(),
-        })
+        }
     }
 
     fn peer(&self, r: usize) -> Result<&TcpStream> {

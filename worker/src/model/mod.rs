@@ -1,7 +1,7 @@
 //! The Llama-family decoder (Llama, Mistral, Qwen2), written once against [`Backend`].
 //!
-//! One call of [`Model::forward`] runs a whole step: any mix of sequences, each
-//! contributing any number of new tokens at its own position (a prefill chunk or one
+//! A step — [`Model::embed_tokens`], [`Model::run_layers`], [`Model::logits`] — runs any
+//! mix of sequences, each contributing any number of new tokens at its own position (a prefill chunk or one
 //! decode token), laid out by a [`BatchLayout`]. Logits are computed only for the rows the
 //! caller asks for — normally each sequence's last token — since the LM head is the
 //! largest matmul of a decode step.
@@ -235,28 +235,6 @@ impl<B: Backend> Model<B> {
 
     fn kv_dim(&self) -> usize {
         self.shard.shard.kv_heads.len() * self.config.head_dim
-    }
-
-    /// Bytes of KV cache one position takes across this shard's layers (f32 K and V).
-    pub fn kv_bytes_per_position(&self) -> usize {
-        2 * self.layers.len() * self.kv_dim() * 4
-    }
-
-    /// Runs one whole step on a single rank and returns the logits of `logit_rows`.
-    pub fn forward(
-        &self,
-        ids: &[u32],
-        layout: &BatchLayout,
-        kv: &mut [B::KvLayer],
-        logit_rows: &[usize],
-    ) -> Vec<f32> {
-        let mut none = NoComm;
-        let mut run = || -> Result<Vec<f32>> {
-            let x = self.embed_tokens(ids, &mut none)?;
-            let x = self.run_layers(x, layout, kv, &mut none)?;
-            self.logits(&x, logit_rows, &mut none)
-        };
-        run().expect("a single rank does not communicate")
     }
 
     /// Embeds the step's tokens (first stage); vocabulary shards are summed across TP.
