@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod model_config;
+pub mod registry;
 pub mod sampling;
 pub mod shard;
 

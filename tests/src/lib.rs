@@ -1,5 +1,7 @@
 //! Helpers shared by the end-to-end tests in `tests/`.
 
+pub mod etcd;
+
 use std::path::{Path, PathBuf};
 
 /// `tests/fixtures/models`, the HF-made models with reference outputs.

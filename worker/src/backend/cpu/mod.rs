@@ -62,10 +62,24 @@ impl CpuBackend {
     }
 
     /// Prefill matmuls of bf16 weights round activations to bf16 and use the CPU's
-    /// bf16 dot-product instructions (about twice the f32 speed, not f32-exact).
+    /// bf16 dot-product instructions (about twice the f32 speed, not f32-exact). On a CPU
+    /// without AVX512-BF16 the exact f32 path runs instead, and a warning says so once.
     pub fn with_bf16_prefill(mut self, on: bool) -> Self {
+        if on && !Self::bf16_prefill_available() {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "bf16 prefill needs AVX512-BF16, which this CPU lacks; prefill stays f32-exact"
+                )
+            });
+        }
         self.bf16_prefill = on;
         self
+    }
+
+    /// Whether this CPU can run the opt-in bf16 prefill GEMM (AVX512-BF16).
+    pub fn bf16_prefill_available() -> bool {
+        bf16_gemm::available()
     }
 }
 
