@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs what building and testing Strata needs, when it is missing:
 # - a C compiler (the tokenizers crate builds oniguruma);
+# - protoc (etcd-client's build script compiles etcd's .proto files with it; Strata's own
+#   protos are compiled by protox, in Rust);
+# - etcd (Debian's etcd-server): the cluster tests start their own servers on free ports;
 # - target/pyenv: a Python virtualenv with grpcio and grpcio-tools, for the test that
 #   calls the server from a client nobody on this team wrote.
-# protoc is not needed: the proto crate compiles .proto files with protox (pure Rust).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +20,8 @@ apt_install() {
 command -v cargo >/dev/null 2>&1 || { echo "cargo not found: install Rust from https://rustup.rs" >&2; exit 1; }
 command -v cc >/dev/null 2>&1 || apt_install build-essential
 command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+command -v protoc >/dev/null 2>&1 || apt_install protobuf-compiler
+command -v etcd >/dev/null 2>&1 || [ -n "${ETCD_BIN:-}" ] || apt_install etcd-server
 
 PYENV=target/pyenv
 if ! "$PYENV/bin/python" -c "import grpc, grpc_tools, grpc_health" 2>/dev/null; then
