@@ -5,6 +5,7 @@
 //! holds the vocabulary they speak — the model's configuration, sampling parameters, and
 //! the classified error type whose class the gRPC edge maps to a status code.
 
+pub mod cluster;
 pub mod error;
 pub mod model_config;
 pub mod registry;

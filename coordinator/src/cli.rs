@@ -338,7 +338,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
                 par,
                 args.rank,
                 args.rendezvous,
-                args.bf16_prefill,
+                &strata_worker::backend::BackendOptions {
+                    bf16_prefill: args.bf16_prefill,
+                    ..Default::default()
+                },
+                || {},
             )
             .with_context(|| format!("worker rank {}", args.rank))?;
             tracing::info!("leader shut the replica down; exiting");
@@ -366,7 +370,10 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = PathBuf::from(&args.model);
     let config = EngineConfig {
         kv_cache_bytes: args.kv_cache_mib << 20,
-        bf16_prefill: args.bf16_prefill,
+        backend: strata_worker::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
@@ -470,7 +477,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_batched_tokens: args.max_batched_tokens,
         },
         prefix_caching: !args.no_prefix_caching,
-        bf16_prefill: args.bf16_prefill,
+        backend: strata_worker::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            ..Default::default()
+        },
     };
     let limits = strata_worker::RunnerLimits { max_waiting: args.max_waiting };
     let mut models = crate::models::ModelSet::default();
@@ -525,7 +535,10 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     }
     let config = EngineConfig {
         kv_cache_bytes: args.kv_cache_mib << 20,
-        bf16_prefill: args.bf16_prefill,
+        backend: strata_worker::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };

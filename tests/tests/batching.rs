@@ -134,3 +134,80 @@ fn preempted_requests_resume_with_the_same_tokens() {
     assert!(e.scheduler_stats().preemptions > 0, "the test must force preemption");
     assert_eq!(together, alone);
 }
+
+#[test]
+fn a_resumed_sequence_continues_exactly_where_it_stopped() {
+    // What failover relies on: a sequence restarted from prompt + the tokens already
+    // produced yields the rest of the uninterrupted output, greedy and seeded-sampled.
+    let name = "llama_gqa";
+    let r = reference(&fixtures_dir().join(name));
+    let prompt = ids(&r["prompt_ids"]);
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(11),
+        frequency_penalty: 0.3,
+        max_new_tokens: 24,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    for params in [greedy(24), sampled] {
+        let mut e = engine(name, config(8 << 20, true));
+        e.add(0, prompt.clone(), params.clone()).unwrap();
+        let mut whole = Vec::new();
+        while e.has_work() {
+            whole.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
+        }
+        assert_eq!(whole.len(), 24);
+        let mut other = engine(name, config(8 << 20, true));
+        other.add_resumed(1, prompt.clone(), whole[..9].to_vec(), params.clone()).unwrap();
+        let mut rest = Vec::new();
+        let mut last_finish = None;
+        while other.has_work() {
+            for ev in other.step().unwrap() {
+                rest.push(ev.token);
+                last_finish = ev.finish;
+            }
+        }
+        assert_eq!(rest, whole[9..].to_vec(), "temperature {}", params.temperature);
+        assert_eq!(
+            last_finish,
+            Some(strata_common::FinishReason::Length),
+            "max_tokens counts resumed tokens"
+        );
+        // Already at max_tokens: nothing to resume.
+        let e = other.add_resumed(2, prompt.clone(), whole.clone(), params).unwrap_err();
+        assert!(e.to_string().contains("generated"), "{e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_canary_is_answered_by_the_next_step_idle_or_busy() {
+    use std::time::Duration;
+    use strata_worker::{EngineHandle, RunnerLimits, SeqEvent};
+    let handle =
+        EngineHandle::spawn(engine("llama_gqa", config(8 << 20, true)), RunnerLimits::default(), "t")
+            .unwrap();
+    // Idle: the runner makes a one-token canary sequence, and leaves nothing behind.
+    tokio::time::timeout(Duration::from_secs(10), handle.canary()).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(handle.stats().running, 0);
+    assert_eq!(handle.stats().kv_blocks_free, handle.stats().kv_blocks_total);
+    // Busy: answered by a step of the running work, which is not disturbed.
+    let mut seq = handle.submit(vec![1, 2, 3], greedy(40)).unwrap();
+    tokio::time::timeout(Duration::from_secs(10), handle.canary()).await.unwrap().unwrap();
+    let mut n = 0;
+    while let Some(ev) = seq.next().await {
+        match ev {
+            SeqEvent::Token { finish, .. } => {
+                n += 1;
+                if finish.is_some() {
+                    break;
+                }
+            }
+            SeqEvent::Failed(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(n, 40);
+    assert!(handle.broken().is_none());
+}

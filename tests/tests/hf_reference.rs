@@ -113,7 +113,11 @@ fn opt_in_bf16_prefill_stays_close_to_exact() {
     let mut prompt = ids(&r["prompt_ids"]);
     prompt.extend(ids(&r["greedy_ids"]));
     prompt.extend((0..30).map(|i| 3 + i * 7));
-    let config = |bf16_prefill| EngineConfig { kv_cache_bytes: 8 << 20, bf16_prefill, ..Default::default() };
+    let config = |bf16_prefill| EngineConfig {
+        kv_cache_bytes: 8 << 20,
+        backend: strata_worker::backend::BackendOptions { bf16_prefill, ..Default::default() },
+        ..Default::default()
+    };
     let load = |bf16| {
         let backend = CpuBackend::new().with_bf16_prefill(bf16);
         Engine::new(Model::load(&dir, backend).unwrap(), &config(bf16)).unwrap()

@@ -197,7 +197,7 @@ pub fn run_rank_step<B: Backend>(
 /// The loop of every rank but the leader: allocate the KV cache the leader asks for, then
 /// run steps until told to stop.
 pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator>) -> Result<()> {
-    let init = comm.recv(0)?;
+    let init = comm.recv_idle(0)?;
     if init.first() != Some(&MSG_INIT) {
         return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
     }
@@ -207,7 +207,7 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
     let rank = comm.rank();
     let last_lead = model.shard.is_last_stage() && model.shard.shard.tp_rank == 0;
     loop {
-        let msg = comm.recv(0)?;
+        let msg = comm.recv_idle(0)?;
         if msg.first() == Some(&MSG_SHUTDOWN) {
             return Ok(());
         }

@@ -35,8 +35,8 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Reuse cached KV blocks of shared prompt prefixes.
     pub prefix_caching: bool,
-    /// CPU: prefill bf16 weights with bf16-rounded activations (faster, not f32-exact).
-    pub bf16_prefill: bool,
+    /// Device and numerics of the ranks' backends.
+    pub backend: crate::backend::BackendOptions,
 }
 
 impl Default for EngineConfig {
@@ -46,7 +46,7 @@ impl Default for EngineConfig {
             kv_cache_bytes: 512 << 20,
             scheduler: SchedulerConfig::default(),
             prefix_caching: true,
-            bf16_prefill: false,
+            backend: Default::default(),
         }
     }
 }
@@ -153,41 +153,64 @@ impl Engine {
 
     /// Queues a sequence; it runs as soon as the scheduler admits it.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        self.add_resumed(id, prompt, Vec::new(), params)
+    }
+
+    /// Queues a sequence whose first output tokens, `generated`, were produced elsewhere
+    /// (a replica that failed mid-stream): they are prefilled with the prompt, count
+    /// toward `max_new_tokens` and the penalties, and generation continues after them.
+    pub fn add_resumed(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<()> {
         params.validate()?;
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "must not be empty"));
         }
         let vocab = self.exec.config().vocab_size;
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        for (field, ids) in [("prompt", &prompt), ("generated", &generated)] {
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::invalid(
+                    field,
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+        }
+        if generated.len() >= params.max_new_tokens as usize {
             return Err(Error::invalid(
-                "prompt",
-                format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                "generated",
+                format!("{} tokens already reach max_tokens {}", generated.len(), params.max_new_tokens),
             ));
         }
-        if prompt.len() >= self.max_context() {
+        let total = prompt.len() + generated.len();
+        if total >= self.max_context() {
             return Err(Error::invalid(
                 "prompt",
                 format!(
-                    "{} tokens leave no room to generate within the context of {} tokens",
-                    prompt.len(),
+                    "{total} tokens leave no room to generate within the context of {} tokens",
                     self.max_context()
                 ),
             ));
         }
         let pool = self.scheduler.pool();
         let capacity = pool.num_blocks() * pool.block_size();
-        if prompt.len() + 1 > capacity {
+        if total + 1 > capacity {
             return Err(Error::invalid(
                 "prompt",
-                format!("{} tokens exceed the KV cache's capacity of {capacity} positions", prompt.len()),
+                format!("{total} tokens exceed the KV cache's capacity of {capacity} positions"),
             ));
         }
         if self.meta.contains_key(&id) {
             return Err(Error::invalid("request_id", format!("sequence {id} is already running")));
         }
-        let sampler = Sampler::new(params, &prompt);
-        self.meta.insert(id, SeqMeta { sampler, generated: 0 });
-        self.scheduler.add(SeqData::new(id, prompt));
+        let sampler = Sampler::resume(params, &prompt, &generated);
+        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32 });
+        let mut tokens = prompt;
+        tokens.extend(generated);
+        self.scheduler.add(SeqData::new(id, tokens));
         Ok(())
     }
 

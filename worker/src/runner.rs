@@ -6,6 +6,13 @@
 //! so a caller that goes away frees its KV blocks at the next step boundary. When the
 //! queue is full, [`EngineHandle::submit`] fails at once with `Overloaded`; when the
 //! runner is gone, with `Unavailable`.
+//!
+//! **Health.** [`EngineHandle::canary`] proves that a step can still go through every rank
+//! of the replica: it is answered after the next successful step (when the engine is
+//! idle, a one-token canary sequence makes one). A step that fails for lack of a rank
+//! (`Unavailable`) marks the runner broken: its sequences fail, new submissions and
+//! canaries fail at once, and [`EngineHandle::broken`] says why — a live process with a
+//! dead model does not look healthy.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -47,9 +54,19 @@ pub struct EngineStats {
 }
 
 enum Command {
-    Submit { id: SeqId, prompt: Vec<u32>, params: SamplingParams, events: tmpsc::UnboundedSender<SeqEvent> },
+    Submit {
+        id: SeqId,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    },
     Cancel(SeqId),
+    Canary(tokio::sync::oneshot::Sender<Result<()>>),
 }
+
+/// Sequence ids at and above this are the runner's own canaries.
+const CANARY_IDS: SeqId = 1 << 62;
 
 #[derive(Default)]
 struct Shared {
@@ -61,6 +78,8 @@ struct Shared {
     kv_free: AtomicUsize,
     kv_total: AtomicUsize,
     next_id: AtomicU64,
+    /// Set once a step failed for lack of a rank; the replica cannot serve again.
+    broken: std::sync::Mutex<Option<String>>,
 }
 
 /// Cloneable handle to a runner thread.
@@ -106,7 +125,14 @@ impl EngineHandle {
         let shared = Arc::new(Shared::default());
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
         shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
-        let runner = Runner { engine, rx, shared: shared.clone(), streams: HashMap::new() };
+        let runner = Runner {
+            engine,
+            rx,
+            shared: shared.clone(),
+            streams: HashMap::new(),
+            canaries: Vec::new(),
+            next_canary: CANARY_IDS,
+        };
         std::thread::Builder::new()
             .name(format!("engine-{name}"))
             .spawn(move || runner.run())
@@ -116,6 +142,19 @@ impl EngineHandle {
 
     /// Queues a sequence; its tokens arrive on the returned stream.
     pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<SequenceStream> {
+        self.submit_resumed(prompt, Vec::new(), params)
+    }
+
+    /// Queues a sequence that continues after `generated` (see [`Engine::add_resumed`]).
+    pub fn submit_resumed(
+        &self,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<SequenceStream> {
+        if let Some(why) = self.broken() {
+            return Err(Error::Unavailable(format!("the replica is broken: {why}")));
+        }
         let queued = self.shared.queued.fetch_add(1, Ordering::SeqCst);
         let waiting = queued + self.shared.waiting.load(Ordering::SeqCst);
         if waiting >= self.limits.max_waiting {
@@ -127,7 +166,7 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, rx) = tmpsc::unbounded_channel();
-        if self.tx.send(Command::Submit { id, prompt, params, events }).is_err() {
+        if self.tx.send(Command::Submit { id, prompt, generated, params, events }).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
@@ -148,6 +187,23 @@ impl EngineHandle {
         let s = self.stats();
         s.running + s.waiting
     }
+
+    /// Why the replica can no longer run steps, if it cannot.
+    pub fn broken(&self) -> Option<String> {
+        self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Resolves once a step has gone through every rank after this call (an error if the
+    /// step failed, the replica is broken, or the runner is gone). The caller bounds the
+    /// wait: a rank that hangs makes this hang.
+    pub async fn canary(&self) -> Result<()> {
+        if let Some(why) = self.broken() {
+            return Err(Error::Unavailable(format!("the replica is broken: {why}")));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Command::Canary(tx)).map_err(|_| Error::Unavailable("the engine has stopped".into()))?;
+        rx.await.map_err(|_| Error::Unavailable("the engine stopped before the canary step".into()))?
+    }
 }
 
 struct Runner {
@@ -156,6 +212,9 @@ struct Runner {
     shared: Arc<Shared>,
     /// Event senders of the engine's sequences.
     streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
+    /// Canaries answered by the next step.
+    canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
+    next_canary: SeqId,
 }
 
 impl Runner {
@@ -179,12 +238,17 @@ impl Runner {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, prompt, params, events } => {
+            Command::Submit { id, prompt, generated, params, events } => {
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
                 if events.is_closed() {
                     return;
                 }
-                match self.engine.add(id, prompt, params) {
+                if let Some(why) = self.broken() {
+                    let _ = events
+                        .send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
+                    return;
+                }
+                match self.engine.add_resumed(id, prompt, generated, params) {
                     Ok(()) => {
                         self.streams.insert(id, events);
                     }
@@ -199,7 +263,29 @@ impl Runner {
                 }
                 self.streams.remove(&id);
             }
+            Command::Canary(reply) => {
+                if let Some(why) = self.broken() {
+                    let _ = reply.send(Err(Error::Unavailable(format!("the replica is broken: {why}"))));
+                    return;
+                }
+                self.canaries.push(reply);
+                if !self.engine.has_work() {
+                    // One prompt token, one output token: the cheapest step through every rank.
+                    let id = self.next_canary;
+                    self.next_canary += 1;
+                    let params = SamplingParams { max_new_tokens: 1, ignore_eos: true, ..Default::default() };
+                    if let Err(e) = self.engine.add(id, vec![0], params) {
+                        for c in self.canaries.drain(..) {
+                            let _ = c.send(Err(Error::Internal(format!("canary sequence: {e}"))));
+                        }
+                    }
+                }
+            }
         }
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn step(&mut self) {
@@ -211,6 +297,9 @@ impl Runner {
         }
         match result {
             Ok(events) => {
+                for c in self.canaries.drain(..) {
+                    let _ = c.send(Ok(()));
+                }
                 for ev in events {
                     let Some(stream) = self.streams.get(&ev.seq) else { continue };
                     let finished = ev.finish.is_some();
@@ -231,6 +320,17 @@ impl Runner {
             }
             Err(e) => {
                 error!(error = %e, "engine step failed; failing its sequences");
+                if e.class() == strata_common::ErrorClass::Unavailable {
+                    *self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                }
+                for c in self.canaries.drain(..) {
+                    let _ = c.send(Err(Error::Unavailable(format!("canary step failed: {e}"))));
+                }
+                // Canary sequences have no stream; drop them with the rest.
+                let canaries: Vec<SeqId> = (CANARY_IDS..self.next_canary).collect();
+                for id in canaries {
+                    self.engine.cancel(id);
+                }
                 for (id, events) in self.streams.drain() {
                     self.engine.cancel(id);
                     let _ =

@@ -41,6 +41,21 @@ impl Sampler {
         Sampler { params, rng, seen, counts: HashMap::new() }
     }
 
+    /// A sampler that continues a generation whose first tokens were `generated`
+    /// elsewhere (failover): penalties count them as output, and a seeded random stream
+    /// is advanced past their draws, so the continuation is the one the original replica
+    /// would have produced.
+    pub fn resume(params: SamplingParams, prompt: &[u32], generated: &[u32]) -> Self {
+        let mut s = Sampler::new(params, prompt);
+        for &t in generated {
+            if !s.params.is_greedy() {
+                let _: f32 = s.rng.random();
+            }
+            s.record(t);
+        }
+        s
+    }
+
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
@@ -51,11 +66,16 @@ impl Sampler {
         self.apply_penalties(&mut logits);
         let token = if self.params.is_greedy() { argmax(&logits) } else { self.draw(&logits) };
         let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
+        self.record(token);
+        (token, logprobs)
+    }
+
+    /// Records `token` as output.
+    fn record(&mut self, token: u32) {
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(token);
         }
         *self.counts.entry(token).or_insert(0) += 1;
-        (token, logprobs)
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {

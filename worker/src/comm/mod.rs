@@ -32,6 +32,12 @@ pub trait Communicator: Send {
     fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()>;
     fn send(&mut self, to: usize, data: &[u8]) -> Result<()>;
     fn recv(&mut self, from: usize) -> Result<Vec<u8>>;
+    /// Like `recv`, but waits as long as it takes for the message to start (a follower
+    /// waiting for the leader's next step while the replica is idle); the peer closing
+    /// the connection still ends the wait with an error.
+    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.recv(from)
+    }
     /// Returns once every member of `group` has called it.
     fn barrier(&mut self, group: &[usize]) -> Result<()>;
     fn stats(&self) -> CommStats;

@@ -173,6 +173,10 @@ impl Communicator for NcclComm {
         self.bootstrap.recv(from)
     }
 
+    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.bootstrap.recv_idle(from)
+    }
+
     fn barrier(&mut self, group: &[usize]) -> Result<()> {
         self.bootstrap.barrier(group)
     }

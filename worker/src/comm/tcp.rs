@@ -379,6 +379,29 @@ impl Communicator for TcpComm {
         self.timed(|c| read_frame(&mut c.peer(from)?).map_err(io_err(format!("receive from rank {from}"))))
     }
 
+    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
+        let err = io_err(format!("waiting for rank {from}"));
+        let mut s = self.peer(from)?;
+        // No timeout until the frame's first byte; then the usual one for the rest.
+        s.set_read_timeout(None).map_err(io_err("timeout"))?;
+        let mut first = [0u8; 1];
+        let got = (&mut s).read_exact(&mut first);
+        s.set_read_timeout(Some(self.recv_timeout)).map_err(io_err("timeout"))?;
+        got.map_err(err)?;
+        self.timed(|c| {
+            let mut s = c.peer(from)?;
+            let mut rest = [0u8; 7];
+            let e = io_err(format!("receive from rank {from}"));
+            (&mut s).read_exact(&mut rest).map_err(e)?;
+            let mut len = [0u8; 8];
+            len[0] = first[0];
+            len[1..].copy_from_slice(&rest);
+            let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+            (&mut s).read_exact(&mut buf).map_err(io_err(format!("receive from rank {from}")))?;
+            Ok(buf)
+        })
+    }
+
     fn barrier(&mut self, group: &[usize]) -> Result<()> {
         let mut token = [1f32];
         self.all_reduce_sum(group, &mut token)
@@ -483,6 +506,33 @@ mod tests {
         let e = TcpComm::connect(&cfg(0), Some(listener)).err().expect("rank 2 never comes");
         assert!(e.to_string().contains("[2]"), "{e}");
         assert!(one.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn an_idle_wait_outlasts_the_receive_timeout_and_ends_when_the_peer_goes() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let rendezvous = listener.local_addr().unwrap();
+        let cfg = move |rank| TcpCommConfig {
+            rank,
+            world: 2,
+            rendezvous,
+            setup_timeout: Duration::from_secs(10),
+            recv_timeout: Duration::from_millis(100),
+        };
+        let leader = std::thread::spawn(move || {
+            let mut c = TcpComm::connect(&cfg(0), Some(listener)).unwrap();
+            std::thread::sleep(Duration::from_millis(400)); // idle for 4 receive timeouts
+            c.send(1, b"step").unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+            drop(c); // the leader goes away
+        });
+        let mut f = TcpComm::connect(&cfg(1), None).unwrap();
+        assert_eq!(f.recv_idle(0).unwrap(), b"step");
+        let t = Instant::now();
+        let e = f.recv_idle(0).unwrap_err();
+        assert!(matches!(e, Error::Unavailable(_)), "{e}");
+        assert!(t.elapsed() < Duration::from_secs(2));
+        leader.join().unwrap();
     }
 
     #[test]

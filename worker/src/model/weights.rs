@@ -22,6 +22,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// Parses "bf16", "f16" or "f32" (any case).
+    pub fn parse(text: &str) -> Result<DType> {
+        match text.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(DType::BF16),
+            "f16" | "fp16" => Ok(DType::F16),
+            "f32" | "fp32" => Ok(DType::F32),
+            other => Err(Error::invalid("dtype", format!("{other:?}: expected bf16, f16 or f32"))),
+        }
+    }
+
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -127,6 +137,32 @@ impl HostTensor {
             source: Source::Owned(Arc::new(out)),
             range: 0..len,
         })
+    }
+
+    /// The same tensor stored as `dtype` (a copy; rounding to nearest even when narrowing).
+    pub fn cast(&self, dtype: DType) -> HostTensor {
+        if dtype == self.dtype {
+            return self.clone();
+        }
+        let values = self.to_f32_vec();
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => {
+                values.iter().flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes()).collect()
+            }
+            DType::F16 => {
+                values.iter().flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes()).collect()
+            }
+        };
+        let len = bytes.len();
+        HostTensor {
+            name: self.name.clone(),
+            dtype,
+            shape: self.shape.clone(),
+            file: self.file.clone(),
+            source: Source::Owned(Arc::new(bytes)),
+            range: 0..len,
+        }
     }
 
     /// Converts every element to f32 (for small tensors: norms, biases).

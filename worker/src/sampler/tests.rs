@@ -141,3 +141,22 @@ fn logprobs_are_log_softmax_of_raw_logits() {
     let (_, got) = s.sample(&LOGITS);
     assert_eq!(got.unwrap().top.len(), 2);
 }
+
+#[test]
+fn a_resumed_sampler_continues_the_same_stream() {
+    // A seeded, penalised generation split after 7 tokens and resumed elsewhere produces
+    // exactly the tokens of the uninterrupted one.
+    let p = params(|p| {
+        p.temperature = 1.3;
+        p.top_p = 0.9;
+        p.frequency_penalty = 0.4;
+        p.repetition_penalty = 1.2;
+    });
+    let prompt = [4u32, 0];
+    let logits = |i: usize| -> Vec<f32> { LOGITS.iter().map(|l| l + (i % 3) as f32 * 0.1).collect() };
+    let mut whole = Sampler::new(p.clone(), &prompt);
+    let all: Vec<u32> = (0..20).map(|i| whole.sample(&logits(i)).0).collect();
+    let mut resumed = Sampler::resume(p, &prompt, &all[..7]);
+    let rest: Vec<u32> = (7..20).map(|i| resumed.sample(&logits(i)).0).collect();
+    assert_eq!(rest, all[7..].to_vec());
+}

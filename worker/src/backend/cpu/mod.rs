@@ -14,7 +14,7 @@ use rayon::prelude::*;
 use strata_common::{Error, Result};
 
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
-use crate::model::weights::HostTensor;
+use crate::model::weights::{DType, HostTensor};
 
 pub use matmul::{CpuWeight, WeightData};
 
@@ -54,6 +54,8 @@ const PAR_ROWS: usize = 16;
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend {
     bf16_prefill: bool,
+    /// Store weight matrices in this dtype instead of the checkpoint's.
+    weight_dtype: Option<DType>,
 }
 
 impl CpuBackend {
@@ -77,6 +79,13 @@ impl CpuBackend {
         self
     }
 
+    /// Keeps weight matrices in `dtype` (converted once at load) instead of the
+    /// checkpoint's dtype; None keeps the checkpoint's (zero copy).
+    pub fn with_weight_dtype(mut self, dtype: Option<DType>) -> Self {
+        self.weight_dtype = dtype;
+        self
+    }
+
     /// Whether this CPU can run the opt-in bf16 prefill GEMM (AVX512-BF16).
     pub fn bf16_prefill_available() -> bool {
         bf16_gemm::available()
@@ -93,7 +102,10 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
-        CpuWeight::from_host(host)
+        match self.weight_dtype {
+            Some(d) if d != host.dtype => CpuWeight::from_host(&host.cast(d)),
+            _ => CpuWeight::from_host(host),
+        }
     }
 
     fn load_vector(&self, host: &HostTensor) -> Result<CpuTensor> {

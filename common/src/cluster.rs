@@ -1,0 +1,262 @@
+//! The records the cluster keeps in its registry (JSON values under [`Keys`]).
+//!
+//! Who writes what:
+//! - a worker writes its own [`WorkerRecord`], bound to its lease;
+//! - the admin API writes [`ModelSpec`]s (desired state) and drain marks;
+//! - only the leader coordinator writes [`ReplicaRecord`]s (actual state), each write
+//!   guarded by its leadership key.
+//!
+//! [`Keys`]: crate::registry::keys::Keys
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::shard::Parallelism;
+
+/// What a worker offers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capacity {
+    /// "cpu" or "cuda".
+    pub device_kind: String,
+    /// Devices the worker drives (CPU: 1).
+    pub device_count: u32,
+    /// Memory available for weights and KV cache, in bytes.
+    pub memory_bytes: u64,
+}
+
+/// Where a worker's loaded shard stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShardState {
+    /// Reading weights or waiting for the replica's other ranks.
+    Loading,
+    /// Loaded and joined to its replica.
+    Ready,
+    /// Loading or the replica's communication failed; the reason is in `error`.
+    Failed,
+}
+
+/// The replica rank a worker serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Assignment {
+    pub replica: String,
+    pub model: String,
+    pub rank: u32,
+    pub state: ShardState,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub error: String,
+}
+
+/// `<prefix>/workers/<id>`, written by the worker with its lease.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerRecord {
+    pub id: String,
+    /// worker.v1 address coordinators call ("host:port").
+    pub address: String,
+    pub capacity: Capacity,
+    /// The shard it holds, if any; kept across re-registration so a worker whose lease
+    /// lapsed is re-adopted with what it has loaded.
+    #[serde(default)]
+    pub assignment: Option<Assignment>,
+    /// Unix milliseconds when the process started (tells a restart from a re-registration).
+    pub started_ms: u64,
+}
+
+/// Engine limits a deployment sets (0 = the worker's default).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLimits {
+    #[serde(default)]
+    pub max_num_seqs: u32,
+    #[serde(default)]
+    pub max_batched_tokens: u32,
+    /// KV cache bytes per rank (0: the worker's default).
+    #[serde(default)]
+    pub kv_cache_bytes: u64,
+}
+
+/// `<prefix>/models/<name>`: what an operator asked for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub name: String,
+    /// HF model directory, as the workers see it.
+    pub model_dir: String,
+    /// "bf16", "f16", "f32", or empty for the checkpoint's own dtype.
+    #[serde(default)]
+    pub dtype: String,
+    pub tp: u32,
+    pub pp: u32,
+    pub replicas: u32,
+    #[serde(default)]
+    pub limits: EngineLimits,
+    /// Bumped on every change, so replicas know which spec they were built from.
+    #[serde(default)]
+    pub generation: u64,
+}
+
+impl ModelSpec {
+    pub fn parallelism(&self) -> Parallelism {
+        Parallelism { tp: self.tp as usize, pp: self.pp as usize }
+    }
+
+    pub fn world(&self) -> usize {
+        self.parallelism().world()
+    }
+
+    /// Checks the fields a deployment must get right; names the bad one.
+    pub fn validate(&self) -> Result<()> {
+        if !crate::registry::keys::valid_name(&self.name) {
+            return Err(Error::invalid(
+                "name",
+                format!("{:?}: use 1-128 letters, digits, '-', '_', '.' or ':'", self.name),
+            ));
+        }
+        if self.model_dir.is_empty() {
+            return Err(Error::invalid("model_dir", "must name the model directory the workers load"));
+        }
+        if !matches!(self.dtype.as_str(), "" | "bf16" | "f16" | "f32") {
+            return Err(Error::invalid(
+                "dtype",
+                format!("{:?}: expected bf16, f16, f32 or empty", self.dtype),
+            ));
+        }
+        if self.tp == 0 || self.pp == 0 {
+            return Err(Error::invalid(if self.tp == 0 { "tp" } else { "pp" }, "must be at least 1"));
+        }
+        if self.world() > 1024 {
+            return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
+        }
+        if self.replicas > 1024 {
+            return Err(Error::invalid("replicas", format!("{} is more than 1024", self.replicas)));
+        }
+        Ok(())
+    }
+}
+
+/// Where a replica stands, as `ListReplicas` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplicaState {
+    /// Waiting for free workers.
+    Pending,
+    /// Workers assigned; shards loading, ranks joining, canary not yet through.
+    Loading,
+    /// Serving: its canary went through every rank.
+    Ready,
+    /// Taking no new requests; in-flight ones finish, then it is unloaded.
+    Draining,
+    /// A rank died, its canary failed, or loading failed; being torn down.
+    Failed,
+}
+
+impl ReplicaState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplicaState::Pending => "pending",
+            ReplicaState::Loading => "loading",
+            ReplicaState::Ready => "ready",
+            ReplicaState::Draining => "draining",
+            ReplicaState::Failed => "failed",
+        }
+    }
+
+    /// Counts toward the desired number of replicas.
+    pub fn is_live(self) -> bool {
+        matches!(self, ReplicaState::Pending | ReplicaState::Loading | ReplicaState::Ready)
+    }
+}
+
+/// `<prefix>/replicas/<model>/<id>`, written by the leader coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaRecord {
+    pub id: String,
+    pub model: String,
+    pub state: ReplicaState,
+    /// Why it is in this state ("waiting for 2 free workers (1 free)", "rank 1 ...").
+    #[serde(default)]
+    pub reason: String,
+    /// Worker id of each rank, in rank order; empty while pending.
+    #[serde(default)]
+    pub workers: Vec<String>,
+    /// worker.v1 address of rank 0, where requests go.
+    #[serde(default)]
+    pub leader_address: String,
+    /// The spec generation it was built from.
+    #[serde(default)]
+    pub generation: u64,
+    /// Unix milliseconds of the last state change.
+    #[serde(default)]
+    pub since_ms: u64,
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Serialises a record for the registry.
+pub fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("cluster records serialise")
+}
+
+/// Parses a record; a malformed value is reported with its key.
+pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Internal(format!("registry value at {key}: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            name: "m".into(),
+            model_dir: "/models/m".into(),
+            dtype: String::new(),
+            tp: 1,
+            pp: 1,
+            replicas: 1,
+            limits: EngineLimits::default(),
+            generation: 1,
+        }
+    }
+
+    #[test]
+    fn spec_validation_names_the_field() {
+        assert!(spec().validate().is_ok());
+        let bad = |f: fn(&mut ModelSpec), field: &str| {
+            let mut s = spec();
+            f(&mut s);
+            let e = s.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        };
+        bad(|s| s.name = "a/b".into(), "name");
+        bad(|s| s.model_dir.clear(), "model_dir");
+        bad(|s| s.dtype = "int4".into(), "dtype");
+        bad(|s| s.tp = 0, "tp");
+        bad(|s| s.pp = 0, "pp");
+        bad(|s| s.replicas = 5000, "replicas");
+    }
+
+    #[test]
+    fn records_round_trip_as_json() {
+        let w = WorkerRecord {
+            id: "w1".into(),
+            address: "127.0.0.1:1".into(),
+            capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
+            assignment: Some(Assignment {
+                replica: "m-1".into(),
+                model: "m".into(),
+                rank: 0,
+                state: ShardState::Ready,
+                error: String::new(),
+            }),
+            started_ms: 5,
+        };
+        assert_eq!(decode::<WorkerRecord>("k", &encode(&w)).unwrap(), w);
+        let e = decode::<WorkerRecord>("/strata/workers/w1", b"{").unwrap_err().to_string();
+        assert!(e.contains("/strata/workers/w1"), "{e}");
+    }
+}
