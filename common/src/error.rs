@@ -17,6 +17,14 @@ pub enum ErrorClass {
     Overloaded,
     /// A dependency (worker, peer) is gone or did not answer.
     Unavailable,
+    /// The operation does not fit the current state (e.g. a worker that already holds a shard).
+    FailedPrecondition,
+    /// The caller's deadline passed.
+    DeadlineExceeded,
+    /// No credentials, or credentials that are not valid.
+    Unauthenticated,
+    /// Valid credentials without the right to do this.
+    PermissionDenied,
     /// A bug or an unexpected state.
     Internal,
 }
@@ -44,8 +52,24 @@ pub enum Error {
     #[error("unavailable: {0}")]
     Unavailable(String),
 
+    #[error("failed precondition: {0}")]
+    FailedPrecondition(String),
+
+    #[error("deadline exceeded: {0}")]
+    DeadlineExceeded(String),
+
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
+
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+
     #[error("internal error: {0}")]
     Internal(String),
+
+    /// An error another Strata process reported, relayed with its class.
+    #[error("{message}")]
+    Relayed { class: ErrorClass, message: String },
 }
 
 impl Error {
@@ -65,7 +89,12 @@ impl Error {
             Error::NotFound(_) => ErrorClass::NotFound,
             Error::Overloaded(_) => ErrorClass::Overloaded,
             Error::Unavailable(_) => ErrorClass::Unavailable,
+            Error::FailedPrecondition(_) => ErrorClass::FailedPrecondition,
+            Error::DeadlineExceeded(_) => ErrorClass::DeadlineExceeded,
+            Error::Unauthenticated(_) => ErrorClass::Unauthenticated,
+            Error::PermissionDenied(_) => ErrorClass::PermissionDenied,
             Error::Internal(_) => ErrorClass::Internal,
+            Error::Relayed { class, .. } => *class,
         }
     }
 }

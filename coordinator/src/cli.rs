@@ -493,7 +493,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
                 .with_context(|| format!("--model {}: not a directory", dir.display()))?,
         };
-        let model = crate::models::ServedModel::load_local(
+        let model = crate::models::load_local(
             &name,
             dir,
             args.replicas,
@@ -508,8 +508,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let opts = crate::serve::ServeOptions {
         listen: args.listen,
         drain_timeout: std::time::Duration::from_secs_f64(args.drain_timeout),
+        route: crate::generation::RouteLimits::default(),
+        client_auth: crate::auth::ClientAuth::open(),
+        role: "strata",
     };
-    runtime()?.block_on(crate::serve::serve(models, opts))
+    runtime()?.block_on(crate::serve::serve(std::sync::Arc::new(models), crate::admin::EmbeddedAdmin, opts))
 }
 
 fn latency(args: LatencyArgs) -> anyhow::Result<()> {

@@ -5,9 +5,11 @@
 //! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
 
 pub mod admin;
+pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod cluster;
 pub mod comm_bench;
 pub mod engine_bench;
 pub mod generation;
@@ -16,6 +18,7 @@ pub mod local;
 pub mod model_tools;
 pub mod models;
 pub mod request;
+pub mod routing;
 pub mod serve;
 pub mod server;
 pub mod status;

@@ -6,7 +6,7 @@
 use strata_common::{Error, Result, SamplingParams};
 use strata_proto::inference::v1 as pb;
 
-use crate::models::ServedModel;
+use crate::routing::ModelEntry;
 
 /// Default `max_tokens` when a request leaves it out.
 pub const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -18,7 +18,7 @@ pub struct Admitted {
     pub params: SamplingParams,
 }
 
-pub fn admit(req: &pb::GenerateRequest, model: &ServedModel) -> Result<Admitted> {
+pub fn admit(req: &pb::GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
     let prompt_ids = match &req.prompt {
         None => return Err(Error::invalid("prompt", "missing: set text or token_ids")),
         Some(pb::generate_request::Prompt::Text(t)) => {

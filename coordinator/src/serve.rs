@@ -8,27 +8,35 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use anyhow::Context;
-use strata_proto::admin::v1::admin_server::AdminServer;
+use strata_proto::admin::v1::admin_server::{Admin, AdminServer};
 use strata_proto::inference::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
-use crate::admin::EmbeddedAdmin;
-use crate::models::ModelSet;
+use crate::auth::ClientAuth;
+use crate::generation::RouteLimits;
+use crate::routing::Catalog;
 use crate::server::InferenceService;
 
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub drain_timeout: Duration,
+    pub route: RouteLimits,
+    pub client_auth: ClientAuth,
+    /// First words of the "ready" log line ("strata", "strata coordinator").
+    pub role: &'static str,
 }
 
-pub async fn serve(models: ModelSet, opts: ServeOptions) -> anyhow::Result<()> {
+/// Serves inference.v1 over `models` and admin.v1 through `admin` until SIGTERM.
+pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOptions) -> anyhow::Result<()> {
     let listener =
         TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let addr = listener.local_addr()?;
-    let names = models.names();
+    let names: Vec<String> = models.all().iter().map(|m| m.name.clone()).collect();
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<InferenceServer<InferenceService>>().await;
@@ -42,12 +50,12 @@ pub async fn serve(models: ModelSet, opts: ServeOptions) -> anyhow::Result<()> {
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(reflection)
-        .add_service(InferenceServer::new(InferenceService::new(models)))
-        .add_service(AdminServer::new(EmbeddedAdmin))
+        .add_service(InferenceServer::new(InferenceService::new(models, opts.route, opts.client_auth)))
+        .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stop_rx.await;
         });
-    info!(address = %addr, models = %names.join(","), "strata ready, listening on {addr}");
+    info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role);
 
     let mut server = std::pin::pin!(server);
     tokio::select! {
@@ -65,7 +73,7 @@ pub async fn serve(models: ModelSet, opts: ServeOptions) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {

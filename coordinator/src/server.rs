@@ -6,6 +6,8 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
 use strata_proto::inference::v1 as pb;
@@ -15,19 +17,40 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
 use tracing::{info_span, Instrument};
 
-use crate::generation::{self, finish_to_pb};
-use crate::models::ModelSet;
+use crate::generation::{self, finish_to_pb, RouteLimits};
 use crate::request::admit;
+use crate::routing::Catalog;
 use crate::status::to_status;
 
 pub struct InferenceService {
-    models: ModelSet,
+    models: Arc<dyn Catalog>,
     next_request: AtomicU64,
+    limits: RouteLimits,
+    auth: crate::auth::ClientAuth,
+}
+
+/// The caller's deadline from the `grpc-timeout` header, a little early so that our
+/// DEADLINE_EXCEEDED reaches the caller before the transport's own timer cancels the call.
+pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
+    let v = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    let d = match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    let margin = (d / 20).min(Duration::from_millis(20));
+    Some(tokio::time::Instant::now() + d - margin)
 }
 
 impl InferenceService {
-    pub fn new(models: ModelSet) -> Self {
-        InferenceService { models, next_request: AtomicU64::new(1) }
+    pub fn new(models: Arc<dyn Catalog>, limits: RouteLimits, auth: crate::auth::ClientAuth) -> Self {
+        InferenceService { models, next_request: AtomicU64::new(1), limits, auth }
     }
 
     fn request_id(&self, given: &str) -> String {
@@ -38,11 +61,18 @@ impl InferenceService {
         }
     }
 
-    fn start(&self, req: &pb::GenerateRequest) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
+    async fn start(
+        &self,
+        req: &pb::GenerateRequest,
+        request_id: &str,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
         let model = self.models.get(&req.model).map_err(to_status)?;
         let admitted = admit(req, &model).map_err(to_status)?;
         let prompt_ids = admitted.prompt_ids.clone();
-        let rx = generation::start(model, admitted).map_err(to_status)?;
+        let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)
+            .await
+            .map_err(to_status)?;
         Ok((prompt_ids, rx))
     }
 }
@@ -55,11 +85,13 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
+        self.auth.check(&request)?;
+        let deadline = deadline(&request);
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
         let span = info_span!("generate", request_id = %request_id, model = %req.model);
         async move {
-            let (prompt_ids, mut rx) = self.start(&req)?;
+            let (prompt_ids, mut rx) = self.start(&req, &request_id, deadline).await?;
             let mut out = pb::GenerateResponse { request_id, ..Default::default() };
             while let Some(chunk) = rx.recv().await {
                 let chunk = chunk.map_err(to_status)?;
@@ -88,9 +120,12 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
+        self.auth.check(&request)?;
+        let deadline = deadline(&request);
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
-        let (prompt_ids, rx) = self.start(&req)?;
+        let span = info_span!("generate_stream", request_id = %request_id, model = %req.model);
+        let (prompt_ids, rx) = self.start(&req, &request_id, deadline).instrument(span).await?;
         let prompt_tokens = prompt_ids.len() as u32;
         let mut completion_tokens = 0u32;
         let stream = ReceiverStream::new(rx).map(move |chunk| {
@@ -113,6 +148,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.auth.check(&request)?;
         let req = request.into_inner();
         let model = self.models.get(&req.model).map_err(to_status)?;
         let token_ids = model.tokenizer.encode(&req.text).map_err(to_status)?;
@@ -121,19 +157,21 @@ impl Inference for InferenceService {
 
     async fn list_models(
         &self,
-        _: Request<pb::ListModelsRequest>,
+        request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.auth.check(&request)?;
         let models = self
             .models
-            .iter()
+            .all()
+            .into_iter()
             .map(|m| {
-                let s = m.stats();
+                let s = m.routes.stats();
                 pb::ModelInfo {
                     name: m.name.clone(),
                     architecture: m.config.architecture.hf_class().to_string(),
                     max_context: m.config.max_position_embeddings as u32,
                     vocab_size: m.config.vocab_size as u32,
-                    replicas: m.replicas.len() as u32,
+                    replicas: m.routes.ready() as u32,
                     running_sequences: s.running as u32,
                     waiting_requests: s.waiting as u32,
                     kv_blocks_free: s.kv_blocks_free as u64,

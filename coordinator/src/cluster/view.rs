@@ -1,0 +1,236 @@
+//! A coordinator's copy of the cluster state, kept exact by list + watch.
+//!
+//! [`ClusterView`] is plain data with a pure [`apply`](ClusterView::apply); the
+//! [`Watcher`] task lists every key under the prefix once, then applies each watch batch
+//! and publishes the new view on a `watch` channel. When the registry becomes unreachable
+//! the last view stays published (coordinators keep routing on it) and the watcher keeps
+//! trying; when it returns, a fresh listing replaces the view.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use strata_common::cluster::{decode, ModelSpec, ReplicaRecord, ReplicaState, WorkerRecord};
+use strata_common::registry::keys::{KeyKind, Keys};
+use strata_common::registry::{Event, Listing, Registry};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+#[derive(Debug, Clone, Default)]
+pub struct ClusterView {
+    pub models: BTreeMap<String, ModelSpec>,
+    /// By model, then replica id.
+    pub replicas: BTreeMap<String, BTreeMap<String, ReplicaRecord>>,
+    pub workers: BTreeMap<String, WorkerRecord>,
+    pub drained: BTreeSet<String>,
+    /// The leader coordinator's id, when one holds the key.
+    pub leader: Option<String>,
+    pub revision: i64,
+    /// Whether the last contact with the registry succeeded.
+    pub connected: bool,
+}
+
+impl ClusterView {
+    pub fn from_listing(keys: &Keys, listing: &Listing) -> Self {
+        let mut v = ClusterView { revision: listing.revision, connected: true, ..Default::default() };
+        for e in &listing.entries {
+            v.put(keys, &e.key, &e.value);
+        }
+        v
+    }
+
+    /// Applies one watch event.
+    pub fn apply(&mut self, keys: &Keys, ev: &Event) {
+        match ev {
+            Event::Put(e) => self.put(keys, &e.key, &e.value),
+            Event::Delete { key, .. } => self.remove(keys, key),
+        }
+        self.revision = self.revision.max(ev.revision());
+    }
+
+    fn put(&mut self, keys: &Keys, key: &str, value: &[u8]) {
+        let Some(kind) = keys.parse(key) else { return };
+        let bad = |e: strata_common::Error| warn!(error = %e, "ignoring a malformed registry value");
+        match kind {
+            KeyKind::Worker(_) => match decode::<WorkerRecord>(key, value) {
+                Ok(w) => {
+                    self.workers.insert(w.id.clone(), w);
+                }
+                Err(e) => bad(e),
+            },
+            KeyKind::Model(_) => match decode::<ModelSpec>(key, value) {
+                Ok(m) => {
+                    self.models.insert(m.name.clone(), m);
+                }
+                Err(e) => bad(e),
+            },
+            KeyKind::Replica { model, .. } => match decode::<ReplicaRecord>(key, value) {
+                Ok(r) => {
+                    self.replicas.entry(model.to_string()).or_default().insert(r.id.clone(), r);
+                }
+                Err(e) => bad(e),
+            },
+            KeyKind::Drain(w) => {
+                self.drained.insert(w.to_string());
+            }
+            KeyKind::Leader => self.leader = Some(String::from_utf8_lossy(value).into_owned()),
+        }
+    }
+
+    fn remove(&mut self, keys: &Keys, key: &str) {
+        match keys.parse(key) {
+            Some(KeyKind::Worker(w)) => {
+                self.workers.remove(w);
+            }
+            Some(KeyKind::Model(m)) => {
+                self.models.remove(m);
+            }
+            Some(KeyKind::Replica { model, id }) => {
+                if let Some(rs) = self.replicas.get_mut(model) {
+                    rs.remove(id);
+                    if rs.is_empty() {
+                        self.replicas.remove(model);
+                    }
+                }
+            }
+            Some(KeyKind::Drain(w)) => {
+                self.drained.remove(w);
+            }
+            Some(KeyKind::Leader) => self.leader = None,
+            None => {}
+        }
+    }
+
+    /// Every replica of every model.
+    pub fn all_replicas(&self) -> impl Iterator<Item = &ReplicaRecord> {
+        self.replicas.values().flat_map(|m| m.values())
+    }
+
+    /// Replicas of `model` that take requests.
+    pub fn ready_replicas<'a>(&'a self, model: &str) -> impl Iterator<Item = &'a ReplicaRecord> + 'a {
+        self.replicas.get(model).into_iter().flat_map(|m| m.values()).filter(|r| r.state == ReplicaState::Ready)
+    }
+}
+
+/// Keeps a [`ClusterView`] published.
+pub struct Watcher {
+    rx: watch::Receiver<Arc<ClusterView>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watcher {
+    /// Starts watching; the first view is published once the registry answers.
+    pub fn start(registry: Arc<dyn Registry>, keys: Keys) -> Self {
+        let (tx, rx) = watch::channel(Arc::new(ClusterView::default()));
+        let task = tokio::spawn(run(registry, keys, tx));
+        Watcher { rx, task }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<ClusterView>> {
+        self.rx.clone()
+    }
+
+    pub fn current(&self) -> Arc<ClusterView> {
+        self.rx.borrow().clone()
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn run(registry: Arc<dyn Registry>, keys: Keys, tx: watch::Sender<Arc<ClusterView>>) {
+    let mut backoff = Duration::from_millis(100);
+    let mut lost = false;
+    loop {
+        let listing = match registry.list(&keys.root()).await {
+            Ok(l) => l,
+            Err(e) => {
+                if !lost {
+                    warn!(error = %e, "registry unreachable; routing on the last known state");
+                    lost = true;
+                    tx.send_modify(|v| Arc::make_mut(v).connected = false);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        if lost {
+            info!("registry reachable again; view refreshed");
+            lost = false;
+        }
+        backoff = Duration::from_millis(100);
+        let mut view = ClusterView::from_listing(&keys, &listing);
+        let from = listing.revision + 1;
+        tx.send_replace(Arc::new(view.clone()));
+        let mut stream = match registry.watch(&keys.root(), from).await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "cannot watch the registry; listing again");
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
+        };
+        while let Some(batch) = stream.next().await {
+            match batch {
+                Ok(events) => {
+                    for ev in &events {
+                        view.apply(&keys, ev);
+                    }
+                    tx.send_replace(Arc::new(view.clone()));
+                }
+                Err(e) => {
+                    warn!(error = %e, "registry watch broke; listing again");
+                    break;
+                }
+            }
+        }
+        tx.send_modify(|v| Arc::make_mut(v).connected = false);
+        lost = true;
+        tokio::time::sleep(backoff).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use strata_common::cluster::encode;
+    use strata_common::registry::Entry;
+
+    use super::*;
+
+    fn put(key: String, value: Vec<u8>, rev: i64) -> Event {
+        Event::Put(Entry { key, value, mod_revision: rev, lease: None })
+    }
+
+    #[test]
+    fn events_keep_the_view_exact() {
+        let k = Keys::new("/s");
+        let mut v = ClusterView::default();
+        let r = ReplicaRecord {
+            id: "m-1".into(),
+            model: "m".into(),
+            state: ReplicaState::Ready,
+            reason: String::new(),
+            workers: vec!["w1".into()],
+            leader_address: "a:1".into(),
+            generation: 1,
+            since_ms: 0,
+        };
+        v.apply(&k, &put(k.replica("m", "m-1"), encode(&r), 3));
+        v.apply(&k, &put(k.drain("w2"), Vec::new(), 4));
+        v.apply(&k, &put(k.leader(), b"c1".to_vec(), 5));
+        v.apply(&k, &put(k.worker("junk"), b"not json".to_vec(), 6));
+        assert_eq!(v.ready_replicas("m").count(), 1);
+        assert!(v.drained.contains("w2"));
+        assert_eq!(v.leader.as_deref(), Some("c1"));
+        assert!(v.workers.is_empty(), "malformed values are ignored");
+        assert_eq!(v.revision, 6);
+        v.apply(&k, &Event::Delete { key: k.replica("m", "m-1"), mod_revision: 7 });
+        v.apply(&k, &Event::Delete { key: k.leader(), mod_revision: 8 });
+        assert!(v.replicas.is_empty() && v.leader.is_none());
+    }
+}
