@@ -186,6 +186,9 @@ pub struct ReplicaRecord {
     /// Unix milliseconds of the last state change.
     #[serde(default)]
     pub since_ms: u64,
+    /// Unix milliseconds when the replica was created (newest are drained first).
+    #[serde(default)]
+    pub created_ms: u64,
 }
 
 /// Milliseconds since the Unix epoch.

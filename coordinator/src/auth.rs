@@ -50,7 +50,9 @@ impl ClientAuth {
     pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
         let Some(keys) = &self.keys else { return Ok(()) };
         match bearer(req) {
-            None => Err(Status::unauthenticated("missing API key: send metadata \"authorization: Bearer <key>\"")),
+            None => {
+                Err(Status::unauthenticated("missing API key: send metadata \"authorization: Bearer <key>\""))
+            }
             Some(t) if keys.iter().any(|k| same(k, t)) => Ok(()),
             Some(_) => Err(Status::unauthenticated("the API key is not valid")),
         }

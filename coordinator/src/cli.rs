@@ -493,16 +493,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
                 .with_context(|| format!("--model {}: not a directory", dir.display()))?,
         };
-        let model = crate::models::load_local(
-            &name,
-            dir,
-            args.replicas,
-            par,
-            rendezvous.take(),
-            &engine,
-            &limits,
-        )
-        .with_context(|| format!("loading model {name:?}"))?;
+        let model =
+            crate::models::load_local(&name, dir, args.replicas, par, rendezvous.take(), &engine, &limits)
+                .with_context(|| format!("loading model {name:?}"))?;
         models.insert(model)?;
     }
     let opts = crate::serve::ServeOptions {

@@ -42,7 +42,12 @@ pub fn load_local(
         let handle = EngineHandle::spawn(engine, limits.clone(), &id)?;
         handles.push(Arc::new(LocalReplica { id, handle }));
     }
-    Ok(ModelEntry { name: name.to_string(), config, tokenizer, routes: Arc::new(LocalRoutes { replicas: handles }) })
+    Ok(ModelEntry {
+        name: name.to_string(),
+        config,
+        tokenizer,
+        routes: Arc::new(LocalRoutes { replicas: handles }),
+    })
 }
 
 /// Served models by name.

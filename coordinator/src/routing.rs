@@ -106,7 +106,8 @@ impl Replica for LocalReplica {
     }
 
     async fn submit(&self, job: &Job) -> Result<EventStream> {
-        let seq = self.handle.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
+        let seq =
+            self.handle.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
         Ok(sequence_events(seq))
     }
 }

@@ -138,8 +138,9 @@ impl WorkerAgent {
         let mut rendezvous_listener = None;
         let mut rendezvous = None;
         if req.rank == 0 && req.par.world() > 1 {
-            let l = TcpListener::bind((self.cfg.bind_ip, 0))
-                .map_err(|e| Error::Unavailable(format!("cannot bind a rendezvous on {}: {e}", self.cfg.bind_ip)))?;
+            let l = TcpListener::bind((self.cfg.bind_ip, 0)).map_err(|e| {
+                Error::Unavailable(format!("cannot bind a rendezvous on {}: {e}", self.cfg.bind_ip))
+            })?;
             let addr = l.local_addr().map_err(|e| Error::Internal(format!("rendezvous address: {e}")))?;
             rendezvous = Some(addr.to_string());
             rendezvous_listener = Some(l);
@@ -183,8 +184,7 @@ impl WorkerAgent {
                 Some(l) => leader_with_external_ranks(&dir, req.par, &engine, l),
                 None => local_replica(&dir, Parallelism::NONE, &engine),
             };
-            let slot = match built
-                .and_then(|e| EngineHandle::spawn(e, self.cfg.runner.clone(), &req.replica))
+            let slot = match built.and_then(|e| EngineHandle::spawn(e, self.cfg.runner.clone(), &req.replica))
             {
                 Ok(handle) => {
                     info!(replica = %req.replica, "replica leader ready");
@@ -273,7 +273,9 @@ impl WorkerAgent {
         }
         match &h.slot {
             Slot::Leader(handle) => Ok(handle.clone()),
-            Slot::Loading => Err(Error::Unavailable(format!("replica {} is still loading", h.request.replica))),
+            Slot::Loading => {
+                Err(Error::Unavailable(format!("replica {} is still loading", h.request.replica)))
+            }
             Slot::Failed(e) => Err(Error::Unavailable(format!("replica {} failed: {e}", h.request.replica))),
             Slot::Follower => Err(Error::Unavailable(format!(
                 "worker {} is rank {} of replica {}, not its leader",
@@ -293,7 +295,9 @@ impl WorkerAgent {
 
     pub fn status(&self) -> AgentStatus {
         let inner = self.lock();
-        let Some(h) = &inner.held else { return AgentStatus { draining: inner.draining, ..Default::default() } };
+        let Some(h) = &inner.held else {
+            return AgentStatus { draining: inner.draining, ..Default::default() };
+        };
         let (state, error, stats) = match &h.slot {
             Slot::Loading => (ShardState::Loading, String::new(), EngineStats::default()),
             Slot::Follower => (ShardState::Ready, String::new(), EngineStats::default()),
@@ -328,7 +332,10 @@ fn validate(req: &LoadRequest) -> Result<()> {
         return Err(Error::invalid("tp", "tp and pp must be at least 1"));
     }
     if req.rank >= req.par.world() {
-        return Err(Error::invalid("rank", format!("{} is outside a replica of {} ranks", req.rank, req.par.world())));
+        return Err(Error::invalid(
+            "rank",
+            format!("{} is outside a replica of {} ranks", req.rank, req.par.world()),
+        ));
     }
     if req.rank > 0 && req.rendezvous.as_deref().unwrap_or("").is_empty() {
         return Err(Error::invalid("rendezvous", "ranks > 0 need rank 0's rendezvous address"));

@@ -34,7 +34,12 @@ pub struct Announcement {
 
 impl Membership {
     /// Starts registering `agent` and keeping the registration alive.
-    pub fn start(registry: Arc<dyn Registry>, keys: Keys, agent: Arc<WorkerAgent>, ann: Announcement) -> Self {
+    pub fn start(
+        registry: Arc<dyn Registry>,
+        keys: Keys,
+        agent: Arc<WorkerAgent>,
+        ann: Announcement,
+    ) -> Self {
         let lease = Arc::new(Mutex::new(None));
         let task = tokio::spawn(run(registry.clone(), keys, agent, ann, lease.clone()));
         Membership { lease, task, registry }
@@ -99,7 +104,8 @@ async fn run(
                     Ok(()) => {
                         dirty = false;
                         if unreachable || !registered_before {
-                            let held = agent.status().assignment.map(|a| format!("{} rank {}", a.replica, a.rank));
+                            let held =
+                                agent.status().assignment.map(|a| format!("{} rank {}", a.replica, a.rank));
                             info!(worker = agent.id(), lease = format!("{lease:x}"), holds = ?held, "registered");
                         }
                         registered_before = true;

@@ -7,7 +7,11 @@
 //! - [`clients`]: one worker.v1 client per worker, shared.
 
 pub mod agent;
+pub mod catalog;
 pub mod clients;
 pub mod membership;
+pub mod plan;
+pub mod router;
+pub mod routes;
 pub mod view;
 pub mod worker_service;

@@ -109,7 +109,11 @@ impl ClusterView {
 
     /// Replicas of `model` that take requests.
     pub fn ready_replicas<'a>(&'a self, model: &str) -> impl Iterator<Item = &'a ReplicaRecord> + 'a {
-        self.replicas.get(model).into_iter().flat_map(|m| m.values()).filter(|r| r.state == ReplicaState::Ready)
+        self.replicas
+            .get(model)
+            .into_iter()
+            .flat_map(|m| m.values())
+            .filter(|r| r.state == ReplicaState::Ready)
     }
 }
 
@@ -219,6 +223,7 @@ mod tests {
             leader_address: "a:1".into(),
             generation: 1,
             since_ms: 0,
+            created_ms: 0,
         };
         v.apply(&k, &put(k.replica("m", "m-1"), encode(&r), 3));
         v.apply(&k, &put(k.drain("w2"), Vec::new(), 4));

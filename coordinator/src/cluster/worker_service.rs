@@ -159,13 +159,18 @@ impl Worker for WorkerService {
         }))
     }
 
-    async fn canary(&self, request: Request<pb::CanaryRequest>) -> Result<Response<pb::CanaryResponse>, Status> {
+    async fn canary(
+        &self,
+        request: Request<pb::CanaryRequest>,
+    ) -> Result<Response<pb::CanaryResponse>, Status> {
         let r = request.into_inner();
         let engine = self.agent.leader(&r.replica_id).map_err(to_status)?;
         let limit = Duration::from_millis(if r.timeout_ms == 0 { 10_000 } else { r.timeout_ms as u64 });
         let started = Instant::now();
         match tokio::time::timeout(limit, engine.canary()).await {
-            Ok(Ok(())) => Ok(Response::new(pb::CanaryResponse { elapsed_ms: started.elapsed().as_millis() as u32 })),
+            Ok(Ok(())) => {
+                Ok(Response::new(pb::CanaryResponse { elapsed_ms: started.elapsed().as_millis() as u32 }))
+            }
             Ok(Err(e)) => Err(to_status(e)),
             Err(_) => Err(to_status(Error::DeadlineExceeded(format!(
                 "replica {}: no step came back within {} ms",

@@ -1,0 +1,295 @@
+//! The reconciler's policies on hand-built views (no network, no registry).
+
+use strata_common::cluster::{Assignment, Capacity, EngineLimits, ModelSpec};
+
+use super::*;
+
+fn worker(id: &str) -> WorkerRecord {
+    WorkerRecord {
+        id: id.into(),
+        address: format!("{id}:1"),
+        capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
+        assignment: None,
+        started_ms: 0,
+    }
+}
+
+fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
+    ModelSpec {
+        name: name.into(),
+        model_dir: "/m".into(),
+        dtype: String::new(),
+        tp,
+        pp: 1,
+        replicas,
+        limits: EngineLimits::default(),
+        generation: 1,
+    }
+}
+
+fn replica(model: &str, id: &str, state: ReplicaState, workers: &[&str], created: u64) -> ReplicaRecord {
+    ReplicaRecord {
+        id: id.into(),
+        model: model.into(),
+        state,
+        reason: String::new(),
+        workers: workers.iter().map(|w| w.to_string()).collect(),
+        leader_address: String::new(),
+        generation: 1,
+        since_ms: created,
+        created_ms: created,
+    }
+}
+
+struct V(ClusterView);
+
+impl V {
+    fn new() -> Self {
+        V(ClusterView::default())
+    }
+    fn workers(mut self, ids: &[&str]) -> Self {
+        for id in ids {
+            self.0.workers.insert(id.to_string(), worker(id));
+        }
+        self
+    }
+    fn model(mut self, s: ModelSpec) -> Self {
+        self.0.models.insert(s.name.clone(), s);
+        self
+    }
+    /// Adds a replica and sets its workers' assignments to match.
+    fn replica(mut self, r: ReplicaRecord) -> Self {
+        for (rank, w) in r.workers.iter().enumerate() {
+            if let Some(rec) = self.0.workers.get_mut(w) {
+                if r.state != ReplicaState::Pending {
+                    rec.assignment = Some(Assignment {
+                        replica: r.id.clone(),
+                        model: r.model.clone(),
+                        rank: rank as u32,
+                        state: ShardState::Ready,
+                        error: String::new(),
+                    });
+                }
+            }
+        }
+        self.0.replicas.entry(r.model.clone()).or_default().insert(r.id.clone(), r);
+        self
+    }
+}
+
+fn run(view: &ClusterView, inputs: &Inputs<'_>) -> Vec<Action> {
+    let mut n = 0;
+    plan(view, inputs, &mut |m: &str| {
+        n += 1;
+        format!("{m}-new{n}")
+    })
+}
+
+fn monitored<'a>(ids: &[&'a str]) -> Inputs<'a> {
+    Inputs { monitored: ids.iter().copied().collect(), ..Default::default() }
+}
+
+#[test]
+fn scale_up_places_new_replicas_on_free_workers_and_waits_for_the_rest() {
+    let v = V::new().workers(&["w1", "w2", "w3"]).model(spec("m", 2, 2)).0;
+    let a = run(&v, &Inputs::default());
+    assert_eq!(
+        a,
+        vec![
+            Action::Assign {
+                model: "m".into(),
+                id: "m-new1".into(),
+                workers: vec!["w1".into(), "w2".into()]
+            },
+            Action::CreatePending {
+                model: "m".into(),
+                id: "m-new2".into(),
+                generation: 1,
+                reason: "waiting for 2 free workers (1 free)".into()
+            },
+        ]
+    );
+}
+
+#[test]
+fn a_pending_replica_gets_workers_when_they_appear() {
+    let mut r = replica("m", "m-1", ReplicaState::Pending, &[], 1);
+    r.reason = "waiting for 1 free worker (0 free)".into();
+    let v = V::new().model(spec("m", 1, 1)).replica(r.clone()).0;
+    assert!(run(&v, &Inputs::default()).is_empty(), "nothing to do while no worker is free");
+    let v = V::new().workers(&["w9"]).model(spec("m", 1, 1)).replica(r).0;
+    assert_eq!(
+        run(&v, &Inputs::default()),
+        vec![Action::Assign { model: "m".into(), id: "m-1".into(), workers: vec!["w9".into()] }]
+    );
+}
+
+#[test]
+fn scale_down_drains_the_newest_ready_replicas() {
+    let v = V::new()
+        .workers(&["w1", "w2", "w3"])
+        .model(spec("m", 1, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1"], 1))
+        .replica(replica("m", "b", ReplicaState::Ready, &["w2"], 2))
+        .replica(replica("m", "c", ReplicaState::Ready, &["w3"], 3))
+        .0;
+    let a = run(&v, &monitored(&["a", "b", "c"]));
+    assert_eq!(
+        a,
+        vec![
+            Action::Drain { model: "m".into(), id: "c".into(), reason: "scaled down".into() },
+            Action::Drain { model: "m".into(), id: "b".into(), reason: "scaled down".into() },
+        ]
+    );
+}
+
+#[test]
+fn surplus_pending_replicas_go_before_any_ready_one() {
+    let v = V::new()
+        .workers(&["w1"])
+        .model(spec("m", 1, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1"], 1))
+        .replica(replica("m", "p", ReplicaState::Pending, &[], 2))
+        .0;
+    assert_eq!(run(&v, &monitored(&["a"])), vec![Action::Delete { model: "m".into(), id: "p".into() }]);
+}
+
+#[test]
+fn a_failed_rank_fails_its_replica_and_a_replacement_is_placed() {
+    let mut v = V::new()
+        .workers(&["w1", "w2", "w3"])
+        .model(spec("m", 1, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1"], 1))
+        .0;
+    v.workers.get_mut("w1").unwrap().assignment.as_mut().unwrap().state = ShardState::Failed;
+    v.workers.get_mut("w1").unwrap().assignment.as_mut().unwrap().error = "peer gone".into();
+    let a = run(&v, &monitored(&["a"]));
+    assert!(
+        matches!(&a[0], Action::Fail { id, reason, .. } if id == "a" && reason.contains("peer gone")),
+        "{a:?}"
+    );
+    assert!(
+        a.iter().any(|x| matches!(x, Action::Assign { workers, .. } if workers == &["w2".to_string()])),
+        "a replacement goes to a free worker at once: {a:?}"
+    );
+}
+
+#[test]
+fn a_restarted_worker_fails_its_replica_but_a_missing_one_is_left_to_the_monitor() {
+    let mut v = V::new()
+        .workers(&["w1", "w2"])
+        .model(spec("m", 2, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1", "w2"], 1))
+        .0;
+    v.workers.get_mut("w2").unwrap().assignment = None;
+    let a = run(&v, &monitored(&["a"]));
+    assert!(matches!(&a[0], Action::Fail { reason, .. } if reason.contains("holds no shard")), "{a:?}");
+    // A worker absent from the view may be re-registering: no verdict here.
+    v.workers.remove("w2");
+    let a = run(&v, &monitored(&["a"]));
+    assert!(a.is_empty(), "{a:?}");
+}
+
+#[test]
+fn failed_replicas_are_torn_down_and_their_workers_freed_after() {
+    let v = V::new()
+        .workers(&["w1"])
+        .model(spec("m", 1, 1))
+        .replica(replica("m", "a", ReplicaState::Failed, &["w1"], 1))
+        .0;
+    let a = run(&v, &Inputs::default());
+    assert!(a.contains(&Action::Teardown { model: "m".into(), id: "a".into() }), "{a:?}");
+    // w1 still holds the failed shard: not free yet, so the replacement waits.
+    assert!(a.iter().any(|x| matches!(x, Action::CreatePending { .. })), "{a:?}");
+}
+
+#[test]
+fn drained_workers_are_replaced_before_their_replica_is_drained() {
+    let mut v = V::new()
+        .workers(&["w1", "w2"])
+        .model(spec("m", 1, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1"], 1))
+        .0;
+    v.drained.insert("w1".into());
+    let a = run(&v, &monitored(&["a"]));
+    assert_eq!(
+        a,
+        vec![Action::Assign { model: "m".into(), id: "m-new1".into(), workers: vec!["w2".into()] }],
+        "make before break"
+    );
+    let v2 = V(v).replica(replica("m", "b", ReplicaState::Ready, &["w2"], 2)).0;
+    let a = run(&v2, &monitored(&["a", "b"]));
+    assert_eq!(
+        a,
+        vec![Action::Drain {
+            model: "m".into(),
+            id: "a".into(),
+            reason: "a worker was drained; replaced".into()
+        }]
+    );
+}
+
+#[test]
+fn undeployed_models_are_drained_and_leftover_shards_released() {
+    let mut v = V::new()
+        .workers(&["w1", "w2"])
+        .replica(replica("gone", "a", ReplicaState::Ready, &["w1"], 1))
+        .replica(replica("gone", "p", ReplicaState::Pending, &[], 2))
+        .0;
+    v.workers.get_mut("w2").unwrap().assignment = Some(Assignment {
+        replica: "old".into(),
+        model: "x".into(),
+        rank: 0,
+        state: ShardState::Ready,
+        error: String::new(),
+    });
+    let a = run(&v, &monitored(&["a"]));
+    assert_eq!(
+        a,
+        vec![
+            Action::Release { worker: "w2".into(), replica: "old".into() },
+            Action::Drain { model: "gone".into(), id: "a".into(), reason: "model undeployed".into() },
+            Action::Delete { model: "gone".into(), id: "p".into() },
+        ]
+    );
+}
+
+#[test]
+fn work_nobody_is_doing_is_resumed_and_busy_replicas_are_left_alone() {
+    let v = V::new()
+        .workers(&["w1", "w2", "w3"])
+        .model(spec("m", 1, 3))
+        .replica(replica("m", "l", ReplicaState::Loading, &["w1"], 1))
+        .replica(replica("m", "r", ReplicaState::Ready, &["w2"], 2))
+        .replica(replica("m", "d", ReplicaState::Draining, &["w3"], 3))
+        .0;
+    let a = run(&v, &Inputs::default());
+    assert!(a.contains(&Action::Build { model: "m".into(), id: "l".into() }), "{a:?}");
+    assert!(a.contains(&Action::Monitor { model: "m".into(), id: "r".into() }), "{a:?}");
+    assert!(a.iter().any(|x| matches!(x, Action::Drain { id, .. } if id == "d")), "{a:?}");
+    let busy = Inputs {
+        busy: ["l", "d"].into_iter().collect(),
+        monitored: ["r"].into_iter().collect(),
+        ..Default::default()
+    };
+    let a = run(&v, &busy);
+    assert!(a.iter().all(|x| matches!(x, Action::CreatePending { .. })), "{a:?}");
+}
+
+#[test]
+fn failing_models_back_off() {
+    let v = V::new().workers(&["w1"]).model(spec("m", 1, 1)).0;
+    let inputs = Inputs {
+        backoff: [("m", "retrying in 4 s".to_string())].into_iter().collect(),
+        ..Default::default()
+    };
+    assert_eq!(
+        run(&v, &inputs),
+        vec![Action::CreatePending {
+            model: "m".into(),
+            id: "m-new1".into(),
+            generation: 1,
+            reason: "retrying in 4 s".into()
+        }]
+    );
+}
