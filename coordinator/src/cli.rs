@@ -28,8 +28,13 @@ pub enum Command {
     Serve(ServeArgs),
     /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
     Bench(crate::bench::BenchArgs),
-    /// Run one rank of a tensor/pipeline-parallel replica led by `strata serve`.
-    Worker(WorkerArgs),
+    /// Cluster mode: route requests, serve the admin API, reconcile while elected leader.
+    Coordinator(crate::cluster_cli::CoordinatorArgs),
+    /// A worker: with --etcd, registers and holds the shards the leader assigns; with
+    /// --rank/--rendezvous, one rank of a replica led by `strata serve`.
+    Worker(crate::cluster_cli::WorkerArgs),
+    /// Deploy, scale, list and drain through a coordinator's admin API.
+    Admin(crate::admin_cli::AdminArgs),
     /// Benchmark the TCP communicator's all-reduce against a raw loopback TCP stream.
     CommBench {
         #[arg(long, default_value_t = 2)]
@@ -162,26 +167,6 @@ pub struct GenerateArgs {
     /// In-process: pipeline stages (threads).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
-}
-
-#[derive(Args, Debug)]
-pub struct WorkerArgs {
-    /// Model directory (the same files the leader loads).
-    #[arg(long)]
-    pub model: PathBuf,
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    #[arg(long, default_value_t = 1)]
-    pub pp: usize,
-    /// This process's rank in the replica (1 ..= tp·pp − 1; rank 0 is the leader).
-    #[arg(long)]
-    pub rank: usize,
-    /// The leader's rendezvous address (`strata serve --worker-rendezvous`).
-    #[arg(long)]
-    pub rendezvous: std::net::SocketAddr,
-    /// Must match the leader's --bf16-prefill.
-    #[arg(long)]
-    pub bf16_prefill: bool,
 }
 
 #[derive(Args, Debug)]
@@ -331,23 +316,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
-        Command::Worker(args) => {
-            let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
-            strata_worker::replica::run_worker_rank(
-                &args.model,
-                par,
-                args.rank,
-                args.rendezvous,
-                &strata_worker::backend::BackendOptions {
-                    bf16_prefill: args.bf16_prefill,
-                    ..Default::default()
-                },
-                || {},
-            )
-            .with_context(|| format!("worker rank {}", args.rank))?;
-            tracing::info!("leader shut the replica down; exiting");
-            Ok(())
-        }
+        Command::Coordinator(args) => crate::cluster_cli::coordinator(args, runtime()?),
+        Command::Worker(args) => crate::cluster_cli::worker(args, runtime),
+        Command::Admin(args) => runtime()?.block_on(crate::admin_cli::run(args)),
         Command::Bench(args) => {
             let json = args.json;
             let report = runtime()?.block_on(crate::bench::run(args))?;

@@ -5,11 +5,13 @@
 //! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
 
 pub mod admin;
+pub mod admin_cli;
 pub mod auth;
 pub mod bench;
 pub mod cli;
 pub mod client;
 pub mod cluster;
+pub mod cluster_cli;
 pub mod comm_bench;
 pub mod engine_bench;
 pub mod generation;

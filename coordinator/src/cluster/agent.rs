@@ -44,8 +44,10 @@ pub struct LoadRequest {
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub id: String,
-    /// Address the rendezvous listener binds (the worker's advertised IP).
+    /// Address replica rendezvous listeners bind.
     pub bind_ip: IpAddr,
+    /// Host other ranks reach those listeners at.
+    pub advertise_host: String,
     /// Device, numerics; the dtype of a deployment overrides `weight_dtype`.
     pub backend: BackendOptions,
     /// Engine settings a deployment does not override.
@@ -142,7 +144,7 @@ impl WorkerAgent {
                 Error::Unavailable(format!("cannot bind a rendezvous on {}: {e}", self.cfg.bind_ip))
             })?;
             let addr = l.local_addr().map_err(|e| Error::Internal(format!("rendezvous address: {e}")))?;
-            rendezvous = Some(addr.to_string());
+            rendezvous = Some(format!("{}:{}", self.cfg.advertise_host, addr.port()));
             rendezvous_listener = Some(l);
         }
         inner.held = Some(Held { request: req.clone(), rendezvous: rendezvous.clone(), slot: Slot::Loading });
@@ -198,7 +200,10 @@ impl WorkerAgent {
             self.set(epoch, slot);
             return;
         }
-        let Some(addr) = req.rendezvous.as_deref().and_then(|a| a.parse().ok()) else {
+        use std::net::ToSocketAddrs;
+        let resolved =
+            req.rendezvous.as_deref().and_then(|a| a.to_socket_addrs().ok()).and_then(|mut a| a.next());
+        let Some(addr) = resolved else {
             return self.set(epoch, Slot::Failed(format!("bad rendezvous address {:?}", req.rendezvous)));
         };
         let joined = || self.set(epoch, Slot::Follower);

@@ -124,7 +124,7 @@ impl ClusterCatalog {
             loop {
                 let Some(c) = weak.upgrade() else { return };
                 c.refresh().await;
-                if polls % 4 == 0 {
+                if polls.is_multiple_of(4) {
                     let routes: Vec<Arc<ClusterRoutes>> = c
                         .entries
                         .lock()

@@ -6,12 +6,16 @@
 //! - [`view`]: a coordinator's exact copy of the registry (list + watch).
 //! - [`clients`]: one worker.v1 client per worker, shared.
 
+pub mod admin;
 pub mod agent;
 pub mod catalog;
 pub mod clients;
+pub mod leader;
 pub mod membership;
+pub mod node;
 pub mod plan;
 pub mod router;
 pub mod routes;
+pub mod tasks;
 pub mod view;
 pub mod worker_service;

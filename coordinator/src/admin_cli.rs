@@ -1,0 +1,291 @@
+//! `strata admin`: the admin.v1 client. Human-readable tables by default, `--json` for
+//! scripts (one JSON document per command).
+
+use anyhow::{anyhow, Context};
+use clap::{Args, Subcommand};
+use serde_json::json;
+use strata_proto::admin::v1 as pb;
+use strata_proto::admin::v1::admin_client::AdminClient;
+use tonic::transport::Channel;
+
+#[derive(Args, Debug)]
+pub struct AdminArgs {
+    /// A coordinator's address, e.g. http://127.0.0.1:50051.
+    #[arg(long, env = "STRATA_ENDPOINT", default_value = "http://127.0.0.1:50051")]
+    pub endpoint: String,
+    /// The admin token (sent as "authorization: Bearer <token>").
+    #[arg(long, env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum AdminCommand {
+    /// Deploy a model (or change a deployed model's spec).
+    Deploy {
+        #[arg(long)]
+        name: String,
+        /// Model directory as the workers see it.
+        #[arg(long)]
+        model: String,
+        #[arg(long, default_value_t = 1)]
+        tp: u32,
+        #[arg(long, default_value_t = 1)]
+        pp: u32,
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        /// bf16, f16 or f32 (default: the checkpoint's).
+        #[arg(long, default_value = "")]
+        dtype: String,
+        /// Most sequences per engine step (0: the worker's default).
+        #[arg(long, default_value_t = 0)]
+        max_num_seqs: u32,
+        /// Most tokens per engine step (0: the worker's default).
+        #[arg(long, default_value_t = 0)]
+        max_batched_tokens: u32,
+        /// KV cache per rank, e.g. 512MiB (default: the worker's).
+        #[arg(long)]
+        kv_cache_memory: Option<String>,
+    },
+    /// Change a model's replica count (scale-down drains first).
+    Scale {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        replicas: u32,
+    },
+    /// Drain and remove every replica of a model.
+    Undeploy {
+        #[arg(long)]
+        name: String,
+    },
+    /// Deployed models.
+    Models,
+    /// Replicas and their state (pending, loading, ready, draining, failed).
+    Replicas {
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Registered workers.
+    Workers,
+    /// Stop placing work on a worker and move its replica elsewhere.
+    Drain {
+        #[arg(long)]
+        worker: String,
+        /// Clear the drain instead.
+        #[arg(long)]
+        undo: bool,
+    },
+}
+
+fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T>> {
+    let mut r = tonic::Request::new(msg);
+    if let Some(t) = token {
+        r.metadata_mut().insert(
+            "authorization",
+            format!("Bearer {t}").parse().map_err(|_| anyhow!("--token: not a valid header value"))?,
+        );
+    }
+    Ok(r)
+}
+
+fn status_error(s: tonic::Status) -> anyhow::Error {
+    anyhow!("{:?}: {}", s.code(), s.message())
+}
+
+fn state_name(v: i32) -> &'static str {
+    match pb::ReplicaState::try_from(v) {
+        Ok(pb::ReplicaState::Pending) => "pending",
+        Ok(pb::ReplicaState::Loading) => "loading",
+        Ok(pb::ReplicaState::Ready) => "ready",
+        Ok(pb::ReplicaState::Draining) => "draining",
+        Ok(pb::ReplicaState::Failed) => "failed",
+        _ => "unknown",
+    }
+}
+
+fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
+    let s = m.scheduler.unwrap_or_default();
+    json!({
+        "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp,
+        "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
+        "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
+        "kv_cache_bytes": s.kv_cache_bytes, "generation": m.generation,
+    })
+}
+
+fn print_models(models: &[pb::ModelStatus], as_json: bool) {
+    if as_json {
+        println!("{}", json!(models.iter().map(model_json).collect::<Vec<_>>()));
+        return;
+    }
+    println!("{:<24} {:>5} {:>3} {:>3} {:>7} {:>5}  DIR", "NAME", "DTYPE", "TP", "PP", "REPLICAS", "READY");
+    for m in models {
+        let dtype = if m.dtype.is_empty() { "-" } else { &m.dtype };
+        println!(
+            "{:<24} {:>5} {:>3} {:>3} {:>8} {:>5}  {}",
+            m.name, dtype, m.tp, m.pp, m.desired_replicas, m.ready_replicas, m.model_dir
+        );
+    }
+}
+
+pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
+    let mut c: AdminClient<Channel> = AdminClient::connect(args.endpoint.clone())
+        .await
+        .with_context(|| format!("cannot connect to --endpoint {}", args.endpoint))?;
+    let t = &args.token;
+    let j = args.json;
+    match args.command {
+        AdminCommand::Deploy {
+            name,
+            model,
+            tp,
+            pp,
+            replicas,
+            dtype,
+            max_num_seqs,
+            max_batched_tokens,
+            kv_cache_memory,
+        } => {
+            let kv_cache_bytes = match kv_cache_memory {
+                Some(m) => crate::cli::parse_memory(&m).context("--kv-cache-memory")? as u64,
+                None => 0,
+            };
+            let r = c
+                .deploy_model(request(
+                    t,
+                    pb::DeployModelRequest {
+                        name,
+                        model_dir: model,
+                        dtype,
+                        tp,
+                        pp,
+                        replicas,
+                        scheduler: Some(pb::SchedulerLimits {
+                            max_num_seqs,
+                            max_batched_tokens,
+                            kv_cache_bytes,
+                        }),
+                    },
+                )?)
+                .await
+                .map_err(status_error)?;
+            print_models(&r.into_inner().model.into_iter().collect::<Vec<_>>(), j);
+        }
+        AdminCommand::Scale { name, replicas } => {
+            let r = c
+                .scale_replicas(request(t, pb::ScaleReplicasRequest { name, replicas })?)
+                .await
+                .map_err(status_error)?;
+            print_models(&r.into_inner().model.into_iter().collect::<Vec<_>>(), j);
+        }
+        AdminCommand::Undeploy { name } => {
+            c.undeploy_model(request(t, pb::UndeployModelRequest { name: name.clone() })?)
+                .await
+                .map_err(status_error)?;
+            if j {
+                println!("{}", json!({ "undeployed": name }));
+            } else {
+                println!("undeployed {name}; its replicas drain");
+            }
+        }
+        AdminCommand::Models => {
+            let r = c.list_models(request(t, pb::ListModelsRequest {})?).await.map_err(status_error)?;
+            print_models(&r.into_inner().models, j);
+        }
+        AdminCommand::Replicas { name } => {
+            let r = c
+                .list_replicas(request(t, pb::ListReplicasRequest { name: name.unwrap_or_default() })?)
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if j {
+                let v: Vec<_> = r
+                    .replicas
+                    .iter()
+                    .map(|x| {
+                        json!({
+                            "id": x.id, "model": x.model, "state": state_name(x.state), "reason": x.reason,
+                            "workers": x.workers, "leader_address": x.leader_address,
+                            "generation": x.generation, "since_ms": x.since_ms,
+                        })
+                    })
+                    .collect();
+                println!("{}", json!(v));
+            } else {
+                println!("{:<28} {:<20} {:<9} {:<30} REASON", "REPLICA", "MODEL", "STATE", "WORKERS");
+                for x in &r.replicas {
+                    println!(
+                        "{:<28} {:<20} {:<9} {:<30} {}",
+                        x.id,
+                        x.model,
+                        state_name(x.state),
+                        x.workers.join(","),
+                        x.reason
+                    );
+                }
+            }
+        }
+        AdminCommand::Workers => {
+            let r = c
+                .list_workers(request(t, pb::ListWorkersRequest {})?)
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            if j {
+                let v: Vec<_> = r
+                    .workers
+                    .iter()
+                    .map(|w| {
+                        json!({
+                            "id": w.id, "address": w.address, "device_kind": w.device_kind,
+                            "device_count": w.device_count, "memory_bytes": w.memory_bytes,
+                            "replica": w.replica, "rank": w.rank, "shard_state": w.shard_state,
+                            "draining": w.draining, "started_ms": w.started_ms,
+                        })
+                    })
+                    .collect();
+                println!("{}", json!(v));
+            } else {
+                println!(
+                    "{:<24} {:<22} {:<6} {:>9} {:<28} {:<8} DRAINING",
+                    "WORKER", "ADDRESS", "DEVICE", "MEM GiB", "REPLICA", "SHARD"
+                );
+                for w in &r.workers {
+                    let replica = if w.replica.is_empty() {
+                        "-".to_string()
+                    } else {
+                        format!("{} #{}", w.replica, w.rank)
+                    };
+                    println!(
+                        "{:<24} {:<22} {:<6} {:>9.1} {:<28} {:<8} {}",
+                        w.id,
+                        w.address,
+                        w.device_kind,
+                        w.memory_bytes as f64 / (1u64 << 30) as f64,
+                        replica,
+                        if w.shard_state.is_empty() { "-" } else { &w.shard_state },
+                        if w.draining { "yes" } else { "no" }
+                    );
+                }
+            }
+        }
+        AdminCommand::Drain { worker, undo } => {
+            c.drain_worker(request(t, pb::DrainWorkerRequest { worker_id: worker.clone(), undrain: undo })?)
+                .await
+                .map_err(status_error)?;
+            if j {
+                println!("{}", json!({ "worker": worker, "draining": !undo }));
+            } else if undo {
+                println!("worker {worker} takes placements again");
+            } else {
+                println!("worker {worker} drained: its replica moves elsewhere");
+            }
+        }
+    }
+    Ok(())
+}
