@@ -1,5 +1,6 @@
 //! Helpers shared by the end-to-end tests in `tests/`.
 
+pub mod cluster;
 pub mod etcd;
 
 use std::path::{Path, PathBuf};

@@ -64,6 +64,8 @@ enum Slot {
 
 struct Held {
     request: LoadRequest,
+    /// Sequences accepted for this shard (rank 0).
+    served: u64,
     /// Rank 0's rendezvous address.
     rendezvous: Option<String>,
     slot: Slot,
@@ -147,7 +149,12 @@ impl WorkerAgent {
             rendezvous = Some(format!("{}:{}", self.cfg.advertise_host, addr.port()));
             rendezvous_listener = Some(l);
         }
-        inner.held = Some(Held { request: req.clone(), rendezvous: rendezvous.clone(), slot: Slot::Loading });
+        inner.held = Some(Held {
+            request: req.clone(),
+            served: 0,
+            rendezvous: rendezvous.clone(),
+            slot: Slot::Loading,
+        });
         inner.draining = false;
         drop(inner);
         self.notify();
@@ -250,8 +257,9 @@ impl WorkerAgent {
             let held = inner.held.take();
             inner.draining = false;
             drop(inner);
+            let served = held.as_ref().map(|h| h.served).unwrap_or(0);
             drop(held);
-            info!(replica, "shard unloaded");
+            info!(replica, served, "shard unloaded");
             self.notify();
         }
     }
@@ -289,11 +297,15 @@ impl WorkerAgent {
         }
     }
 
-    /// [`leader`](Self::leader), refusing while draining.
+    /// [`leader`](Self::leader) for a new request, refusing while draining.
     pub fn serving(&self, replica: &str) -> Result<EngineHandle> {
         let handle = self.leader(replica)?;
-        if self.lock().draining {
+        let mut inner = self.lock();
+        if inner.draining {
             return Err(Error::Unavailable(format!("replica {replica} is draining")));
+        }
+        if let Some(h) = inner.held.as_mut() {
+            h.served += 1;
         }
         Ok(handle)
     }
