@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use strata_common::{Parallelism, SamplingParams};
@@ -23,13 +22,10 @@ use strata_proto::worker::v1::worker_client::WorkerClient;
 use strata_tests::cluster::{eventually, Cluster, Timing};
 use strata_tests::{fixtures_dir, write_slow_model};
 use tonic::transport::Channel;
+use tokio::sync::Mutex;
 use tonic::Code;
 
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
+static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn fixture(name: &str) -> String {
     fixtures_dir().join(name).to_string_lossy().to_string()
@@ -147,7 +143,7 @@ fn slow_model() -> (tempfile::TempDir, PathBuf) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 4, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let dir = fixture("llama_gqa");
@@ -259,7 +255,7 @@ async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
@@ -306,7 +302,7 @@ async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(1, 5, Timing::default());
     let a = cluster.coordinators[0].endpoint();
@@ -352,7 +348,7 @@ async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
 async fn a_paused_rank_fails_its_canary_while_its_lease_lives() {
     // A live process with a dead model is not healthy: the follower is stopped (SIGSTOP)
     // but its lease outlives the test's wait, so only the canary can notice.
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let timing = Timing { lease_ttl: 60.0, canary_interval: 0.5, canary_timeout: 1.5 };
     let cluster = Cluster::start(1, 4, timing);
     let a = cluster.coordinators[0].endpoint();
@@ -383,7 +379,7 @@ async fn a_paused_rank_fails_its_canary_while_its_lease_lives() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_leader_coordinator_can_die() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let dir = fixture("llama_gqa");
     let leader = cluster.leader(Duration::from_secs(10));
@@ -411,7 +407,7 @@ async fn the_leader_coordinator_can_die() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_etcd_outage_keeps_serving_and_workers_are_readopted() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let dir = fixture("llama_gqa");
@@ -475,7 +471,7 @@ async fn an_etcd_outage_keeps_serving_and_workers_are_readopted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deadlines_auth_and_bad_requests_get_clear_statuses() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(0, 2, Timing::default());
     cluster.add_coordinator(&["--admin-token", "s3cret", "--api-key", "client-key"]);
@@ -573,7 +569,7 @@ async fn workers_with(endpoint: &str, token: &str) -> Vec<apb::WorkerStatus> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn draining_a_worker_moves_its_replica_first_and_coordinators_fetch_model_files() {
-    let _g = serial();
+    let _g = SERIAL.lock().await;
     // The workers see the model under a relative path the coordinator cannot resolve,
     // so the coordinator asks a worker for config.json and tokenizer.json.
     let root = tempfile::tempdir().unwrap();
