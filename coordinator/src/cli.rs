@@ -219,6 +219,10 @@ pub struct ServeArgs {
     /// Seconds in-flight calls get to finish after SIGTERM.
     #[arg(long, default_value_t = 30.0)]
     pub drain_timeout: f64,
+    /// In-process workers beyond what the --model flags need, for models deployed at run
+    /// time through the admin API.
+    #[arg(long, default_value_t = 0)]
+    pub spare_workers: usize,
 }
 
 impl GenerateArgs {
@@ -454,7 +458,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
     };
     let limits = strata_worker::RunnerLimits { max_waiting: args.max_waiting };
-    let mut models = crate::models::ModelSet::default();
+    let mut names = Vec::new();
     for (i, dir) in args.model.iter().enumerate() {
         let name = match args.name.get(i) {
             Some(n) => n.clone(),
@@ -464,10 +468,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
                 .with_context(|| format!("--model {}: not a directory", dir.display()))?,
         };
-        let model =
-            crate::models::load_local(&name, dir, args.replicas, par, rendezvous.take(), &engine, &limits)
-                .with_context(|| format!("loading model {name:?}"))?;
-        models.insert(model)?;
+        if names.contains(&name) {
+            bail!("model name {name:?} is used twice: give each --model its own --name");
+        }
+        names.push(name);
     }
     let opts = crate::serve::ServeOptions {
         listen: args.listen,
@@ -476,7 +480,45 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         client_auth: crate::auth::ClientAuth::open(),
         role: "strata",
     };
-    runtime()?.block_on(crate::serve::serve(std::sync::Arc::new(models), crate::admin::EmbeddedAdmin, opts))
+    if rendezvous.is_some() {
+        // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
+        let mut models = crate::models::ModelSet::default();
+        let model =
+            crate::models::load_local(&names[0], &args.model[0], 1, par, rendezvous.take(), &engine, &limits)
+                .with_context(|| format!("loading model {:?}", names[0]))?;
+        models.insert(model)?;
+        return runtime()?.block_on(crate::serve::serve(
+            std::sync::Arc::new(models),
+            crate::admin::EmbeddedAdmin,
+            opts,
+        ));
+    }
+    let models = names
+        .into_iter()
+        .zip(&args.model)
+        .map(|(name, dir)| crate::cluster::embedded::EmbeddedModel {
+            name,
+            dir: dir.clone(),
+            par,
+            replicas: args.replicas,
+        })
+        .collect();
+    let embedded = crate::cluster::embedded::EmbeddedOptions {
+        models,
+        spare_workers: args.spare_workers,
+        agent: crate::cluster::agent::AgentConfig {
+            id: String::new(),
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise_host: "127.0.0.1".into(),
+            backend: engine.backend.clone(),
+            engine,
+            runner: limits,
+        },
+        limits: strata_common::cluster::EngineLimits::default(),
+        serve: opts,
+        timings: crate::cluster::tasks::Timings::default(),
+    };
+    runtime()?.block_on(crate::cluster::embedded::run_embedded(embedded))
 }
 
 fn latency(args: LatencyArgs) -> anyhow::Result<()> {

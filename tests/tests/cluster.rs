@@ -21,8 +21,8 @@ use strata_proto::worker::v1 as wpb;
 use strata_proto::worker::v1::worker_client::WorkerClient;
 use strata_tests::cluster::{eventually, Cluster, Timing};
 use strata_tests::{fixtures_dir, write_slow_model};
-use tonic::transport::Channel;
 use tokio::sync::Mutex;
+use tonic::transport::Channel;
 use tonic::Code;
 
 static SERIAL: Mutex<()> = Mutex::const_new(());

@@ -345,3 +345,74 @@ fn bench_reports_vllm_style_metrics() {
     let expect = 108.0 / r["duration_s"].as_f64().unwrap();
     assert!((tput - expect).abs() < 1e-6 * expect, "{tput} vs {expect}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_embedded_cluster_answers_the_admin_api() {
+    // `strata serve` runs the cluster's control plane on the in-memory registry: its
+    // replicas are listed, and models can be deployed, scaled and undeployed at run time
+    // on spare in-process workers.
+    use strata_proto::admin::v1 as apb;
+    use strata_proto::admin::v1::admin_client::AdminClient;
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "m", "--spare-workers", "2"]);
+    let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
+    let rs = admin.list_replicas(apb::ListReplicasRequest::default()).await.unwrap().into_inner().replicas;
+    assert_eq!(rs.len(), 1);
+    assert_eq!(rs[0].state, apb::ReplicaState::Ready as i32);
+    assert!(rs[0].reason.contains("canary"), "{}", rs[0].reason);
+    let ws = admin.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
+    assert_eq!(ws.len(), 3);
+    admin
+        .deploy_model(apb::DeployModelRequest {
+            name: "q".into(),
+            model_dir: fixture("qwen2_bias_tied"),
+            tp: 1,
+            pp: 1,
+            replicas: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let r = reference(&fixtures_dir().join("qwen2_bias_tied"));
+    let prompt = ids(&r["prompt_ids"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let got = loop {
+        match client(&server).await.generate(request("q", prompt.clone(), 32)).await {
+            Ok(g) => break g.into_inner(),
+            Err(e) if Instant::now() < deadline => {
+                assert!(matches!(e.code(), Code::NotFound | Code::Unavailable), "{e:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the deployed model never served: {e:?}"),
+        }
+    };
+    assert_eq!(got.token_ids, ids(&r["greedy_ids"]));
+    // Only two spare workers: a third replica waits, and says why.
+    admin.scale_replicas(apb::ScaleReplicasRequest { name: "q".into(), replicas: 3 }).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rs = admin
+            .list_replicas(apb::ListReplicasRequest { name: "q".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .replicas;
+        if rs.iter().any(|r| r.state == apb::ReplicaState::Pending as i32 && r.reason.contains("0 free")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{rs:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    admin.undeploy_model(apb::UndeployModelRequest { name: "q".into() }).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let rs =
+            admin.list_replicas(apb::ListReplicasRequest::default()).await.unwrap().into_inner().replicas;
+        if rs.iter().all(|r| r.model == "m") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{rs:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let e = client(&server).await.generate(request("q", prompt, 4)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+}

@@ -2,7 +2,9 @@
 //!
 //! Channels connect lazily and reconnect by themselves; a connection that cannot be made
 //! within [`CONNECT_TIMEOUT`] fails the call with UNAVAILABLE, which callers treat as a
-//! worker that may be gone.
+//! worker that may be gone. Workers living in this process (`strata serve`) are also
+//! registered here, so the request path reaches their engines directly instead of through
+//! loopback gRPC; the control plane still uses worker.v1 for them, like for any worker.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -19,11 +21,22 @@ const MAX_MESSAGE: usize = 256 << 20;
 #[derive(Default)]
 pub struct WorkerClients {
     by_address: Mutex<HashMap<String, WorkerClient<Channel>>>,
+    local: Mutex<HashMap<String, std::sync::Arc<super::agent::WorkerAgent>>>,
 }
 
 impl WorkerClients {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Declares that the worker at `address` is `agent`, in this process.
+    pub fn register_local(&self, address: &str, agent: std::sync::Arc<super::agent::WorkerAgent>) {
+        self.local.lock().unwrap_or_else(|p| p.into_inner()).insert(address.to_string(), agent);
+    }
+
+    /// The in-process worker at `address`, if it is one.
+    pub fn local(&self, address: &str) -> Option<std::sync::Arc<super::agent::WorkerAgent>> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner()).get(address).cloned()
     }
 
     /// The client for `address` ("host:port").

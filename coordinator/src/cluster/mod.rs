@@ -10,6 +10,7 @@ pub mod admin;
 pub mod agent;
 pub mod catalog;
 pub mod clients;
+pub mod embedded;
 pub mod leader;
 pub mod membership;
 pub mod node;

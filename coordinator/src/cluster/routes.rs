@@ -114,9 +114,13 @@ impl Routes for ClusterRoutes {
         let loads: Vec<Arc<ReplicaLoad>> = ready.iter().map(|(id, _)| self.load(id)).collect();
         let outstanding: Vec<usize> = loads
             .iter()
-            .map(|l| {
+            .zip(&ready)
+            .map(|(l, (_, address))| {
                 let mine = l.outstanding.load(Ordering::Relaxed);
-                let r = *l.reported.lock().unwrap_or_else(|p| p.into_inner());
+                let r = match self.clients.local(address) {
+                    Some(agent) => agent.status().stats,
+                    None => *l.reported.lock().unwrap_or_else(|p| p.into_inner()),
+                };
                 mine.max(r.running + r.waiting)
             })
             .collect();
@@ -164,7 +168,10 @@ impl Routes for ClusterRoutes {
 
     fn stats(&self) -> EngineStats {
         let ready = self.ready_replicas();
-        sum_stats(ready.iter().map(|(id, _)| {
+        sum_stats(ready.iter().map(|(id, address)| {
+            if let Some(agent) = self.clients.local(address) {
+                return agent.status().stats;
+            }
             let l = self.load(id);
             let mut s = *l.reported.lock().unwrap_or_else(|p| p.into_inner());
             s.running = s.running.max(l.outstanding.load(Ordering::Relaxed));
@@ -208,6 +215,16 @@ impl Replica for RemoteReplica {
     async fn submit(&self, job: &Job) -> Result<EventStream> {
         self.load.outstanding.fetch_add(1, Ordering::Relaxed);
         let guard = Outstanding(self.load.clone());
+        if let Some(agent) = self.clients.local(&self.address) {
+            // In this process: straight to the engine.
+            let engine = agent.serving(&self.id)?;
+            let seq = engine.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
+            let events = crate::routing::sequence_events(seq);
+            return Ok(futures::stream::unfold((events, guard), |(mut ev, g)| async move {
+                ev.next().await.map(|e| (e, (ev, g)))
+            })
+            .boxed());
+        }
         let mut req = pb::WorkerGenerateRequest {
             request_id: job.request_id.clone(),
             prompt_token_ids: job.prompt.clone(),
