@@ -32,6 +32,9 @@ pub struct RegistryArgs {
     /// Seconds a lease lives without a refresh (liveness of workers and of the leader).
     #[arg(long, default_value_t = 5.0)]
     pub lease_ttl: f64,
+    /// Seconds between lease refreshes (default: a third of --lease-ttl).
+    #[arg(long)]
+    pub lease_keepalive: Option<f64>,
 }
 
 impl RegistryArgs {
@@ -45,6 +48,20 @@ impl RegistryArgs {
 
     fn ttl(&self) -> anyhow::Result<Duration> {
         seconds("--lease-ttl", self.lease_ttl, 1.0)
+    }
+
+    fn keepalive(&self) -> anyhow::Result<Duration> {
+        let ttl = self.ttl()?;
+        match self.lease_keepalive {
+            None => Ok(ttl / 3),
+            Some(k) => {
+                let k = seconds("--lease-keepalive", k, 0.05)?;
+                if k >= ttl {
+                    bail!("--lease-keepalive must be shorter than --lease-ttl, or leases lapse between refreshes");
+                }
+                Ok(k)
+            }
+        }
     }
 }
 
@@ -111,7 +128,13 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
     let opts = CoordinatorOptions {
         keys: Keys::new(&args.registry.prefix),
         listen: args.listen,
-        leader: LeaderConfig { id, lease_ttl: ttl, timings, tick: Duration::from_millis(250) },
+        leader: LeaderConfig {
+            id,
+            lease_ttl: ttl,
+            keepalive: args.registry.keepalive()?,
+            timings,
+            tick: Duration::from_millis(250),
+        },
         route: RouteLimits { wait: seconds("--route-wait", args.route_wait, 0.0)?, ..Default::default() },
         client_auth,
         admin_auth,
@@ -216,6 +239,7 @@ pub fn worker(
         advertise: args.advertise.clone(),
         id: args.id.clone(),
         lease_ttl: args.registry.ttl()?,
+        keepalive: args.registry.keepalive()?,
         agent: AgentConfig {
             id: String::new(),
             bind_ip: args.listen.ip(),

@@ -117,12 +117,14 @@ impl ClusterCatalog {
             errors: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&catalog);
+        let mut view = catalog.view.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             let mut polls = 0u64;
             loop {
                 let Some(c) = weak.upgrade() else { return };
+                view.borrow_and_update();
                 c.refresh().await;
                 if polls.is_multiple_of(4) {
                     let routes: Vec<Arc<ClusterRoutes>> = c
@@ -137,7 +139,6 @@ impl ClusterCatalog {
                     }
                 }
                 polls += 1;
-                let mut view = c.view.clone();
                 drop(c);
                 tokio::select! {
                     _ = tick.tick() => {}

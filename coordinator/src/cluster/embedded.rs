@@ -99,7 +99,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
             registry.clone(),
             keys.clone(),
             agent.clone(),
-            Announcement { address, capacity, ttl: LEASE_TTL },
+            Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 },
         );
         workers.push((agent, membership, server));
     }
@@ -108,6 +108,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     let leader = LeaderConfig {
         id: "serve".into(),
         lease_ttl: LEASE_TTL,
+        keepalive: LEASE_TTL / 3,
         timings: opts.timings.clone(),
         tick: Duration::from_millis(100),
     };

@@ -38,6 +38,8 @@ pub struct LeaderConfig {
     /// This coordinator's id (the leader key's value).
     pub id: String,
     pub lease_ttl: Duration,
+    /// How often the election lease is refreshed.
+    pub keepalive: Duration,
     pub timings: Timings,
     /// Longest pause between two plans.
     pub tick: Duration,
@@ -85,7 +87,7 @@ async fn campaign(
     leading: watch::Sender<bool>,
     current: Arc<Mutex<Option<LeaseId>>>,
 ) {
-    let retry = (cfg.lease_ttl / 3).max(Duration::from_millis(100));
+    let retry = cfg.keepalive.max(Duration::from_millis(50));
     loop {
         let lease = match registry.grant_lease(cfg.lease_ttl).await {
             Ok(l) => l,

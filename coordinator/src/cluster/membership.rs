@@ -1,6 +1,6 @@
 //! A worker's registration: its record under `<prefix>/workers/<id>`, bound to a lease.
 //!
-//! The lease is refreshed every third of its TTL; the record is rewritten whenever the
+//! The lease is refreshed every `keepalive` (a third of its TTL by default); the record is rewritten whenever the
 //! agent's assignment changes. When the registry is unreachable the worker keeps serving
 //! what it holds and keeps trying. When its lease has lapsed (the registry was away longer
 //! than the TTL, or the process was paused), it takes a new lease and registers again with
@@ -30,6 +30,8 @@ pub struct Announcement {
     pub address: String,
     pub capacity: Capacity,
     pub ttl: Duration,
+    /// How often the lease is refreshed (shorter than `ttl`).
+    pub keepalive: Duration,
 }
 
 impl Membership {
@@ -71,7 +73,7 @@ async fn run(
     let started_ms = now_ms();
     let key = keys.worker(agent.id());
     let mut changed = agent.subscribe();
-    let refresh = (ann.ttl / 3).max(Duration::from_millis(100));
+    let refresh = ann.keepalive.max(Duration::from_millis(50));
     let record = |agent: &WorkerAgent| {
         encode(&WorkerRecord {
             id: agent.id().to_string(),

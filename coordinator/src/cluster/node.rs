@@ -83,6 +83,8 @@ pub struct WorkerOptions {
     pub advertise: Option<String>,
     pub id: Option<String>,
     pub lease_ttl: Duration,
+    /// How often the lease is refreshed.
+    pub keepalive: Duration,
     pub agent: AgentConfig,
     /// SIGTERM: how long in-flight sequences get to finish.
     pub drain_timeout: Duration,
@@ -158,7 +160,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         registry.clone(),
         opts.keys.clone(),
         agent.clone(),
-        Announcement { address: advertise.clone(), capacity, ttl: opts.lease_ttl },
+        Announcement { address: advertise.clone(), capacity, ttl: opts.lease_ttl, keepalive: opts.keepalive },
     );
     info!(id = %id, device = %device, address = %advertise, registry = registry.kind(), "strata worker ready, listening on {bound}");
     let mut server = std::pin::pin!(server);

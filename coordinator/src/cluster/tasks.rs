@@ -319,6 +319,8 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
     // Wait for rank 0's engine (it needs every other rank), watching for failures.
     let deadline = started + ctx.timings.load_timeout;
     let mut unreachable: HashMap<String, Instant> = HashMap::new();
+    // Small models load in milliseconds: poll quickly at first, then every 200 ms.
+    let mut poll = Duration::from_millis(5);
     'wait: loop {
         if Instant::now() > deadline {
             return Err(Error::Unavailable(format!("not loaded within {:?}", ctx.timings.load_timeout)));
@@ -356,7 +358,8 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(poll).await;
+        poll = (poll * 2).min(Duration::from_millis(200));
     }
     let ms = ctx
         .canary(&workers[0], &rec.id)

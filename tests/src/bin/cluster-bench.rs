@@ -1,0 +1,292 @@
+//! Cluster-mode benchmark: real etcd, two coordinators and worker processes on loopback.
+//!
+//! Measures, for docs/PERFORMANCE.md:
+//! 1. `ScaleReplicas` 1 → 2 until the new replica is ready (canary through every rank),
+//!    for each model given (median of `--repeats`, scaling back down between repeats);
+//! 2. `kill -9` of a worker that is streaming (6 streams over 2 replicas) until every
+//!    stream has delivered its next token (client-side timestamps; the worst stream per
+//!    kill, median over 3 kills);
+//! 3. routing overhead: 1-token generations of the first model through a coordinator
+//!    (alternating between the two) against the same call straight to a replica's rank 0
+//!    over worker.v1.
+//!
+//! `cargo run --release -p strata-tests --bin cluster-bench -- --model DIR [--model DIR2]
+//!  [--stream-model DIR] [--repeats 5] [--requests 500]` (needs target/release/strata:
+//! set STRATA_BIN). Prints a JSON report on stdout, progress on stderr.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use strata_proto::admin::v1 as apb;
+use strata_proto::admin::v1::admin_client::AdminClient;
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_proto::worker::v1 as wpb;
+use strata_proto::worker::v1::worker_client::WorkerClient;
+use strata_tests::cluster::{Cluster, Timing};
+
+struct Args {
+    models: Vec<PathBuf>,
+    stream_model: Option<PathBuf>,
+    repeats: usize,
+    requests: usize,
+}
+
+fn parse() -> Args {
+    let mut a = Args { models: Vec::new(), stream_model: None, repeats: 5, requests: 500 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--model" => a.models.push(val().into()),
+            "--stream-model" => a.stream_model = Some(val().into()),
+            "--repeats" => a.repeats = val().parse().expect("--repeats N"),
+            "--requests" => a.requests = val().parse().expect("--requests N"),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    assert!(!a.models.is_empty(), "give at least one --model DIR");
+    a
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[v.len() / 2]
+}
+
+fn pct(mut v: Vec<f64>, p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+async fn ready_ids(
+    admin: &mut AdminClient<tonic::transport::Channel>,
+    model: &str,
+) -> Vec<apb::ReplicaStatus> {
+    admin
+        .list_replicas(apb::ListReplicasRequest { name: model.into() })
+        .await
+        .map(|r| r.into_inner().replicas)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| r.state == apb::ReplicaState::Ready as i32)
+        .collect()
+}
+
+async fn wait_ready(
+    admin: &mut AdminClient<tonic::transport::Channel>,
+    model: &str,
+    n: usize,
+) -> Vec<apb::ReplicaStatus> {
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let all = admin
+            .list_replicas(apb::ListReplicasRequest { name: model.into() })
+            .await
+            .map(|r| r.into_inner().replicas)
+            .unwrap_or_default();
+        let ready: Vec<_> =
+            all.iter().filter(|r| r.state == apb::ReplicaState::Ready as i32).cloned().collect();
+        if ready.len() == n && all.len() == n {
+            return ready;
+        }
+        assert!(Instant::now() < deadline, "{model}: {n} ready replicas never came: {all:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn gen(model: &str, prompt: Vec<u32>, n: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        model: model.into(),
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+        max_tokens: Some(n),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+#[tokio::main(flavor = "multi_thread")]
+async fn main() {
+    let args = parse();
+    let mut report = serde_json::Map::new();
+    let workers = 4;
+    let mut cluster =
+        Cluster::start(2, workers, Timing { lease_ttl: 3.0, canary_interval: 1.0, canary_timeout: 10.0 });
+    let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
+    let mut admin = AdminClient::connect(a.clone()).await.unwrap();
+
+    // 1. Scale-up latency.
+    let mut scale = Vec::new();
+    for dir in &args.models {
+        let name =
+            dir.file_name().unwrap().to_string_lossy().replace(|c: char| !c.is_ascii_alphanumeric(), "-");
+        admin
+            .deploy_model(apb::DeployModelRequest {
+                name: name.clone(),
+                model_dir: dir.to_string_lossy().into(),
+                tp: 1,
+                pp: 1,
+                replicas: 1,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        wait_ready(&mut admin, &name, 1).await;
+        let mut times = Vec::new();
+        for i in 0..args.repeats {
+            let t = Instant::now();
+            admin
+                .scale_replicas(apb::ScaleReplicasRequest { name: name.clone(), replicas: 2 })
+                .await
+                .unwrap();
+            wait_ready(&mut admin, &name, 2).await;
+            let s = t.elapsed().as_secs_f64();
+            eprintln!("{name}: scale 1→2 ready in {s:.3} s (repeat {i})");
+            times.push(s);
+            admin
+                .scale_replicas(apb::ScaleReplicasRequest { name: name.clone(), replicas: 1 })
+                .await
+                .unwrap();
+            wait_ready(&mut admin, &name, 1).await;
+            tokio::time::sleep(Duration::from_millis(500)).await; // the drained worker unloads
+        }
+        scale.push(serde_json::json!({
+            "model": name, "repeats": args.repeats,
+            "scale_to_ready_s_median": median(times.clone()), "scale_to_ready_s": times,
+        }));
+        admin.undeploy_model(apb::UndeployModelRequest { name: name.clone() }).await.unwrap();
+        while !ready_ids(&mut admin, &name).await.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    report.insert("scale".into(), serde_json::json!(scale));
+
+    // 2. Failover: kill -9 a streaming worker; time until its streams' next token.
+    let stream_dir = args.stream_model.clone().unwrap_or_else(|| args.models[0].clone());
+    admin
+        .deploy_model(apb::DeployModelRequest {
+            name: "s".into(),
+            model_dir: stream_dir.to_string_lossy().into(),
+            tp: 1,
+            pp: 1,
+            replicas: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut resume = Vec::new();
+    for rep in 0..args.repeats.min(3) {
+        let rs = wait_ready(&mut admin, "s", 2).await;
+        let ws = admin.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
+        let addr = |id: &str| ws.iter().find(|w| w.id == id).unwrap().address.clone();
+        let streams: Vec<_> = (0..6u32)
+            .map(|i| {
+                let ep = if i % 2 == 0 { a.clone() } else { b.clone() };
+                tokio::spawn(async move {
+                    let mut c = InferenceClient::connect(ep).await.unwrap();
+                    let mut s =
+                        c.generate_stream(gen("s", vec![1, 2 + i, 3, 4], 600)).await.unwrap().into_inner();
+                    let mut times = Vec::new();
+                    while let Some(m) = s.message().await.unwrap() {
+                        times.push(Instant::now());
+                        if m.finish_reason != 0 {
+                            break;
+                        }
+                    }
+                    times
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        // The busier leader.
+        let mut victim = rs[0].workers[0].clone();
+        for r in &rs {
+            let mut c = WorkerClient::connect(format!("http://{}", addr(&r.workers[0]))).await.unwrap();
+            if c.stats(wpb::StatsRequest {}).await.unwrap().into_inner().running_sequences > 0 {
+                victim = r.workers[0].clone();
+                break;
+            }
+        }
+        cluster.worker_mut(&victim).kill();
+        let killed = Instant::now();
+        // The worst stream: on the killed worker, it resumed elsewhere (its prompt and
+        // streamed tokens prefilled again); on the survivor, it waited for that prefill.
+        let mut worst = 0f64;
+        for h in streams {
+            let times = h.await.unwrap();
+            assert_eq!(times.len(), 600, "every stream completes");
+            if let Some(f) = times.iter().find(|t| **t >= killed) {
+                worst = worst.max(f.duration_since(killed).as_secs_f64());
+            }
+        }
+        resume.push(worst);
+        eprintln!("failover repeat {rep}: every stream's next token within {worst:.3} s of the kill");
+        cluster.add_worker(&[], None);
+    }
+    report.insert(
+        "failover".into(),
+        serde_json::json!({
+            "kill_to_every_streams_next_token_s_median": median(resume.clone()),
+            "kill_to_every_streams_next_token_s": resume,
+        }),
+    );
+
+    // 3. Routing overhead: coordinator vs straight to rank 0, on the first (small) model.
+    admin.undeploy_model(apb::UndeployModelRequest { name: "s".into() }).await.unwrap();
+    admin
+        .deploy_model(apb::DeployModelRequest {
+            name: "r".into(),
+            model_dir: args.models[0].to_string_lossy().into(),
+            tp: 1,
+            pp: 1,
+            replicas: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let rs = wait_ready(&mut admin, "r", 2).await;
+    let direct_addr = rs[0].leader_address.clone();
+    let mut ca = InferenceClient::connect(a.clone()).await.unwrap();
+    let mut cb = InferenceClient::connect(b.clone()).await.unwrap();
+    let mut w = WorkerClient::connect(format!("http://{direct_addr}")).await.unwrap();
+    let mut via = Vec::new();
+    let mut direct = Vec::new();
+    for i in 0..args.requests + 20 {
+        let t = Instant::now();
+        let c = if i % 2 == 0 { &mut ca } else { &mut cb };
+        c.generate(gen("r", vec![1, 2, 3], 1)).await.unwrap();
+        let v = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        let mut s = w
+            .generate(wpb::WorkerGenerateRequest {
+                prompt_token_ids: vec![1, 2, 3],
+                max_tokens: 1,
+                ignore_eos: true,
+                replica_id: rs[0].id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        while s.message().await.unwrap().is_some() {}
+        let d = t.elapsed().as_secs_f64() * 1e3;
+        if i >= 20 {
+            via.push(v);
+            direct.push(d);
+        }
+    }
+    report.insert(
+        "routing".into(),
+        serde_json::json!({
+            "requests": args.requests,
+            "via_coordinators_ms": {"p50": pct(via.clone(), 0.5), "p90": pct(via.clone(), 0.9), "p99": pct(via.clone(), 0.99)},
+            "direct_to_worker_ms": {"p50": pct(direct.clone(), 0.5), "p90": pct(direct.clone(), 0.9), "p99": pct(direct.clone(), 0.99)},
+            "overhead_p50_ms": pct(via, 0.5) - pct(direct, 0.5),
+        }),
+    );
+    println!("{}", serde_json::Value::Object(report));
+}
