@@ -613,3 +613,44 @@ async fn draining_a_worker_moves_its_replica_first_and_coordinators_fetch_model_
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_sharing_a_prefix_go_to_the_replica_that_holds_it() {
+    let _g = SERIAL.lock().await;
+    let cluster = Cluster::start(2, 2, Timing::default());
+    let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
+    let dir = fixture("llama_gqa");
+    admin(&a).await.deploy_model(deploy_req("gqa", &dir, 1, 2)).await.unwrap();
+    wait_ready(&a, "gqa", 2, Duration::from_secs(30)).await;
+    // Two families of prompts, each sharing a 48-token prefix, from both coordinators.
+    let family = |f: u32, i: u32| -> Vec<u32> {
+        (0..48).map(|t| 3 + (t * 7 + f * 101) % 250).chain([200 + i]).collect()
+    };
+    for i in 0..8 {
+        for f in 0..2 {
+            let ep = if i % 2 == 0 { a.clone() } else { b.clone() };
+            stream_tokens(ep, gen_req("gqa", family(f, i), 2)).await.unwrap();
+        }
+    }
+    admin(&a).await.undeploy_model(apb::UndeployModelRequest { name: "gqa".into() }).await.unwrap();
+    let served: Vec<u64> = eventually("both replicas unloaded", Duration::from_secs(20), || async {
+        let lines: Vec<u64> = cluster
+            .workers
+            .iter()
+            .flat_map(|w| {
+                w.log()
+                    .lines()
+                    .filter(|l| l.contains("shard unloaded"))
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .filter_map(|l| l.split("served=").nth(1).and_then(|v| v.split_whitespace().next()?.parse().ok()))
+            .collect();
+        (lines.len() == 2).then_some(lines)
+    })
+    .await;
+    // Each family stayed on one replica: the split is 8/8 or 16/0, never anything between.
+    let mut served = served;
+    served.sort();
+    assert!(served == [8, 8] || served == [0, 16], "requests per replica: {served:?}");
+}
