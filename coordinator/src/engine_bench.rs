@@ -166,7 +166,7 @@ pub fn measure_gemm_gflops(repeats: usize) -> f64 {
     let mut rates = Vec::new();
     for _ in 0..repeats {
         let t = Instant::now();
-        std::hint::black_box(backend.matmul(&x, &w));
+        let _ = std::hint::black_box(backend.matmul(&x, &w));
         rates.push(2.0 * (n * k * m) as f64 / t.elapsed().as_secs_f64() / 1e9);
     }
     median(&rates)

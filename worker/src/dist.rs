@@ -183,11 +183,11 @@ pub fn run_rank_step<B: Backend>(
                 ids.len()
             )));
         }
-        b.upload(data, ids.len(), model.config.hidden_size)
+        b.upload(data, ids.len(), model.config.hidden_size)?
     };
     let x = model.run_layers(x, layout, kv, comm)?;
     if !model.shard.is_last_stage() {
-        comm.send((s.stage + 1) * tp + s.tp_rank, f32_bytes(&b.to_host(&x)))?;
+        comm.send((s.stage + 1) * tp + s.tp_rank, f32_bytes(&b.to_host(&x)?))?;
         return Ok(None);
     }
     let logits = model.logits(&x, logit_rows, comm)?;

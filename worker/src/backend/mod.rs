@@ -109,7 +109,9 @@ pub struct AttentionShape {
     pub sliding_window: Option<usize>,
 }
 
-/// Tensor operations the model needs. Implementations: [`cpu::CpuBackend`].
+/// Tensor operations the model needs. Implementations: [`cpu::CpuBackend`] and
+/// [`cuda::CudaBackend`]. Every op can fail (a device error, an allocation the device
+/// cannot make): the step fails with the error instead of the process panicking.
 pub trait Backend: Send + Sync + 'static {
     /// 2-D f32 activations.
     type Tensor: Send + Sync;
@@ -132,20 +134,26 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Rows of the embedding table for `ids`; the table holds ids `first_id..` (a
     /// vocabulary shard) and ids outside it get zero rows.
-    fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Self::Tensor;
+    fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor>;
     /// `x · wᵀ`: `[n, in] × [out, in]ᵀ → [n, out]`.
-    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
     /// Adds a `[1, cols]` bias to every row.
-    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor);
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()>;
     /// `x += y`.
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Self::Tensor;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
     /// Rotates each `head_dim` group of every row by its token's position (rotate-half form).
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable);
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()>;
     /// `silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// Stores each new token's K and V rows at its slot.
-    fn write_kv(&self, cache: &mut Self::KvLayer, k: &Self::Tensor, v: &Self::Tensor, layout: &BatchLayout);
+    fn write_kv(
+        &self,
+        cache: &mut Self::KvLayer,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        layout: &BatchLayout,
+    ) -> Result<()>;
     /// Causal attention of each new token over its sequence's cached positions.
     fn attention(
         &self,
@@ -153,13 +161,13 @@ pub trait Backend: Send + Sync + 'static {
         cache: &Self::KvLayer,
         layout: &BatchLayout,
         shape: AttentionShape,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
     /// The given rows, in order.
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
     /// Copies a tensor to host memory, row-major.
-    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     /// A tensor from host data, row-major.
-    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Self::Tensor;
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Runs `f` on the tensor's elements in host memory (a communicator's collective);
     /// device backends copy out and back.
     fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;

@@ -243,7 +243,7 @@ impl<B: Backend> Model<B> {
             .embed
             .as_ref()
             .ok_or_else(|| Error::Internal("embed_tokens on a stage without the embedding".into()))?;
-        let mut x = self.backend.embed(table, ids, self.shard.shard.vocab.start as u32);
+        let mut x = self.backend.embed(table, ids, self.shard.shard.vocab.start as u32)?;
         self.all_reduce(&mut x, comm)?;
         Ok(x)
     }
@@ -268,24 +268,24 @@ impl<B: Backend> Model<B> {
         };
         let eps = c.rms_norm_eps as f32;
         for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
-            let normed = b.rms_norm(&x, &layer.input_norm, eps);
-            let mut q = self.linear(&normed, &layer.q);
-            let mut k = self.linear(&normed, &layer.k);
-            let v = self.linear(&normed, &layer.v);
-            b.rope(&mut q, c.head_dim, &layout.positions, &self.rope);
-            b.rope(&mut k, c.head_dim, &layout.positions, &self.rope);
-            b.write_kv(cache, &k, &v, layout);
-            let attn = b.attention(&q, cache, layout, shape);
-            let mut o = self.linear(&attn, &layer.o);
+            let normed = b.rms_norm(&x, &layer.input_norm, eps)?;
+            let mut q = self.linear(&normed, &layer.q)?;
+            let mut k = self.linear(&normed, &layer.k)?;
+            let v = self.linear(&normed, &layer.v)?;
+            b.rope(&mut q, c.head_dim, &layout.positions, &self.rope)?;
+            b.rope(&mut k, c.head_dim, &layout.positions, &self.rope)?;
+            b.write_kv(cache, &k, &v, layout)?;
+            let attn = b.attention(&q, cache, layout, shape)?;
+            let mut o = self.linear(&attn, &layer.o)?;
             self.all_reduce(&mut o, comm)?;
-            b.add_assign(&mut x, &o);
+            b.add_assign(&mut x, &o)?;
 
-            let normed = b.rms_norm(&x, &layer.post_norm, eps);
-            let gate = self.linear(&normed, &layer.gate);
-            let up = self.linear(&normed, &layer.up);
-            let mut down = self.linear(&b.silu_mul(&gate, &up), &layer.down);
+            let normed = b.rms_norm(&x, &layer.post_norm, eps)?;
+            let gate = self.linear(&normed, &layer.gate)?;
+            let up = self.linear(&normed, &layer.up)?;
+            let mut down = self.linear(&b.silu_mul(&gate, &up)?, &layer.down)?;
             self.all_reduce(&mut down, comm)?;
-            b.add_assign(&mut x, &down);
+            b.add_assign(&mut x, &down)?;
         }
         Ok(x)
     }
@@ -294,14 +294,14 @@ impl<B: Backend> Model<B> {
     /// gathered across TP. Returns `[rows, vocab]` row-major.
     pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Communicator) -> Result<Vec<f32>> {
         let b = &self.backend;
-        let last = b.gather_rows(x, rows);
-        let normed = b.rms_norm(&last, &self.norm, self.config.rms_norm_eps as f32);
+        let last = b.gather_rows(x, rows)?;
+        let normed = b.rms_norm(&last, &self.norm, self.config.rms_norm_eps as f32)?;
         let head = self
             .lm_head
             .as_ref()
             .or(self.embed.as_ref())
             .ok_or_else(|| Error::Internal("logits on a stage without the LM head".into()))?;
-        let local = b.to_host(&b.matmul(&normed, head));
+        let local = b.to_host(&b.matmul(&normed, head)?)?;
         if self.shard.tp() == 1 {
             return Ok(local);
         }
@@ -332,12 +332,12 @@ impl<B: Backend> Model<B> {
         self.backend.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
     }
 
-    fn linear(&self, x: &B::Tensor, l: &Linear<B>) -> B::Tensor {
-        let mut y = self.backend.matmul(x, &l.weight);
+    fn linear(&self, x: &B::Tensor, l: &Linear<B>) -> Result<B::Tensor> {
+        let mut y = self.backend.matmul(x, &l.weight)?;
         if let Some(bias) = &l.bias {
-            self.backend.add_bias(&mut y, bias);
+            self.backend.add_bias(&mut y, bias)?;
         }
-        y
+        Ok(y)
     }
 }
 

@@ -132,7 +132,7 @@ impl Backend for CpuBackend {
         w.bytes()
     }
 
-    fn embed(&self, table: &CpuWeight, ids: &[u32], first_id: u32) -> CpuTensor {
+    fn embed(&self, table: &CpuWeight, ids: &[u32], first_id: u32) -> Result<CpuTensor> {
         let cols = table.cols;
         let mut out = CpuTensor::zeros(ids.len(), cols);
         for (row, &id) in out.data.chunks_mut(cols).zip(ids) {
@@ -140,37 +140,42 @@ impl Backend for CpuBackend {
                 table.row_to_f32(local as usize, row);
             }
         }
-        out
+        Ok(out)
     }
 
     fn with_host_mut(&self, x: &mut CpuTensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
         f(&mut x.data)
     }
 
-    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> CpuTensor {
-        CpuTensor::new(data, rows, cols)
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
+        }
+        Ok(CpuTensor::new(data, rows, cols))
     }
 
-    fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
-        matmul::matmul(x, w, self.bf16_prefill)
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
+        Ok(matmul::matmul(x, w, self.bf16_prefill))
     }
 
-    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) {
+    fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) -> Result<()> {
         for row in x.data.chunks_mut(x.cols) {
             for (a, b) in row.iter_mut().zip(&bias.data) {
                 *a += b;
             }
         }
+        Ok(())
     }
 
-    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) {
+    fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         debug_assert_eq!(x.data.len(), y.data.len());
         for (a, b) in x.data.iter_mut().zip(&y.data) {
             *a += b;
         }
+        Ok(())
     }
 
-    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> CpuTensor {
+    fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         let norm_row = |(src, dst): (&[f32], &mut [f32])| {
             let mean_sq = src.iter().map(|v| v * v).sum::<f32>() / src.len() as f32;
@@ -184,10 +189,10 @@ impl Backend for CpuBackend {
         } else {
             x.data.chunks(x.cols).zip(out.data.chunks_mut(x.cols)).for_each(norm_row);
         }
-        out
+        Ok(out)
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) {
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
         let half = head_dim / 2;
         let cols = x.cols;
         let rotate_row = |(row, &pos): (&mut [f32], &u32)| {
@@ -212,20 +217,28 @@ impl Backend for CpuBackend {
         } else {
             x.data.chunks_mut(cols).zip(positions.iter()).for_each(rotate_row);
         }
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> CpuTensor {
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
         let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
-        CpuTensor::new(data, gate.rows, gate.cols)
+        Ok(CpuTensor::new(data, gate.rows, gate.cols))
     }
 
-    fn write_kv(&self, cache: &mut CpuKvLayer, k: &CpuTensor, v: &CpuTensor, layout: &BatchLayout) {
+    fn write_kv(
+        &self,
+        cache: &mut CpuKvLayer,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        layout: &BatchLayout,
+    ) -> Result<()> {
         let d = cache.kv_dim;
         for (t, &slot) in layout.slots.iter().enumerate() {
             let at = slot as usize * d;
             cache.k[at..at + d].copy_from_slice(k.row(t));
             cache.v[at..at + d].copy_from_slice(v.row(t));
         }
+        Ok(())
     }
 
     fn attention(
@@ -234,20 +247,20 @@ impl Backend for CpuBackend {
         cache: &CpuKvLayer,
         layout: &BatchLayout,
         shape: AttentionShape,
-    ) -> CpuTensor {
-        attention::paged_attention(q, cache, layout, shape)
+    ) -> Result<CpuTensor> {
+        Ok(attention::paged_attention(q, cache, layout, shape))
     }
 
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> CpuTensor {
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
         let mut data = Vec::with_capacity(rows.len() * x.cols);
         for &r in rows {
             data.extend_from_slice(x.row(r));
         }
-        CpuTensor::new(data, rows.len(), x.cols)
+        Ok(CpuTensor::new(data, rows.len(), x.cols))
     }
 
-    fn to_host(&self, x: &CpuTensor) -> Vec<f32> {
-        x.data.clone()
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
     }
 }
 
