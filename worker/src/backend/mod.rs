@@ -7,7 +7,9 @@
 //! (which token belongs to which sequence, its position, its KV slot) is plain host data
 //! in [`BatchLayout`]; the paged-KV bookkeeping that fills it lives in [`kv`](crate::kv).
 
+pub mod check;
 pub mod cpu;
+pub mod cuda;
 
 use strata_common::{Error, Result};
 

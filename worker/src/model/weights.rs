@@ -73,6 +73,26 @@ impl std::fmt::Debug for HostTensor {
 }
 
 impl HostTensor {
+    /// An f32 tensor from host data (tests, device checks).
+    pub fn from_f32(name: &str, shape: &[usize], data: &[f32]) -> HostTensor {
+        assert_eq!(
+            shape.iter().product::<usize>(),
+            data.len(),
+            "{name}: shape {shape:?} for {} values",
+            data.len()
+        );
+        let bytes: Vec<u8> = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let len = bytes.len();
+        HostTensor {
+            name: name.to_string(),
+            dtype: DType::F32,
+            shape: shape.to_vec(),
+            file: Arc::new(PathBuf::from("<memory>")),
+            source: Source::Owned(Arc::new(bytes)),
+            range: 0..len,
+        }
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match &self.source {
             Source::Mapped(m) => &m[self.range.clone()],

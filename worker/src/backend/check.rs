@@ -1,0 +1,277 @@
+//! Op-by-op comparison of a backend against the CPU backend, on fresh random inputs.
+//!
+//! Used by the CUDA backend's tests (on the CPU emulator) and by `strata gpu-check ops`
+//! (on a real GPU). Each op runs on both backends with the same inputs; the report gives
+//! the largest absolute difference relative to the reference output's largest magnitude,
+//! against a tolerance: bf16 rounding for matmuls (the device rounds activations to bf16,
+//! the CPU reference keeps them f32, both use the same bf16 weights), f32 round-off for the
+//! rest. Shapes cover what trips kernels: row counts not a multiple of any block size,
+//! ragged prefill and decode in one batch, scattered KV blocks, GQA, a sliding window.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use strata_common::Result;
+
+use super::cpu::CpuBackend;
+use super::{AttentionShape, Backend, BatchLayout, RopeTable, SeqSlice};
+use crate::model::weights::{DType, HostTensor};
+
+/// Shapes of the comparison.
+#[derive(Debug, Clone)]
+pub struct CheckSizes {
+    /// Rows of most activations (tokens in a step).
+    pub rows: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub block_size: usize,
+    /// Positions already cached for the decoding sequence of the attention check.
+    pub context: usize,
+}
+
+impl CheckSizes {
+    /// Small enough for the CPU emulator.
+    pub fn tiny() -> Self {
+        CheckSizes {
+            rows: 5,
+            hidden: 72,
+            intermediate: 100,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            vocab: 130,
+            block_size: 4,
+            context: 9,
+        }
+    }
+
+    /// A Llama-8B-like layer with a long context (for real GPUs).
+    pub fn large() -> Self {
+        CheckSizes {
+            rows: 37,
+            hidden: 4096,
+            intermediate: 14336,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            vocab: 128_256,
+            block_size: 16,
+            context: 3000,
+        }
+    }
+}
+
+/// One op's comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpCheck {
+    pub op: String,
+    pub shape: String,
+    /// Largest |device − reference| ÷ largest |reference|.
+    pub rel_err: f32,
+    pub tolerance: f32,
+    pub ok: bool,
+}
+
+fn random(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    if got.len() != want.len() {
+        return f32::INFINITY;
+    }
+    let scale = want.iter().fold(0f32, |a, b| a.max(b.abs())).max(1e-30);
+    let diff = got.iter().zip(want).fold(0f32, |a, (x, y)| {
+        let d = (x - y).abs();
+        if d.is_nan() {
+            f32::INFINITY
+        } else {
+            a.max(d)
+        }
+    });
+    diff / scale
+}
+
+const BF16_TOL: f32 = 2e-2;
+const F32_TOL: f32 = 1e-4;
+
+struct Run<'a, B: Backend> {
+    dev: &'a B,
+    cpu: CpuBackend,
+    out: Vec<OpCheck>,
+}
+
+impl<B: Backend> Run<'_, B> {
+    fn record(&mut self, op: &str, shape: String, got: &[f32], want: &[f32], tolerance: f32) {
+        let e = rel_err(got, want);
+        self.out.push(OpCheck { op: op.into(), shape, rel_err: e, tolerance, ok: e <= tolerance });
+    }
+
+    fn pair(&self, data: &[f32], rows: usize, cols: usize) -> Result<(B::Tensor, super::cpu::CpuTensor)> {
+        Ok((self.dev.upload(data.to_vec(), rows, cols)?, self.cpu.upload(data.to_vec(), rows, cols)?))
+    }
+}
+
+/// Compares every op of `dev` with the CPU backend.
+pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<OpCheck>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // The reference keeps weights in bf16, as the device does.
+    let cpu = CpuBackend::new().with_weight_dtype(Some(DType::BF16));
+    let mut run = Run { dev, cpu, out: Vec::new() };
+    let (n, h) = (s.rows, s.hidden);
+
+    // Round trip.
+    let x = random(&mut rng, n * h, 1.0);
+    let (xd, xc) = run.pair(&x, n, h)?;
+    let back = dev.to_host(&xd)?;
+    run.record("upload/to_host", format!("[{n}, {h}]"), &back, &x, 0.0);
+
+    // Matmuls: a projection and the LM head shape.
+    for (m, k, name) in [(s.intermediate, h, "matmul (mlp)"), (s.vocab, h, "matmul (lm head)")] {
+        let w = random(&mut rng, m * k, 0.1);
+        let host = HostTensor::from_f32("w", &[m, k], &w);
+        let (wd, wc) = (dev.load_weight(&host)?, run.cpu.load_weight(&host)?);
+        for rows in [1, n] {
+            let xs = random(&mut rng, rows * k, 1.0);
+            let (xd, xc) = run.pair(&xs, rows, k)?;
+            let got = dev.to_host(&dev.matmul(&xd, &wd)?)?;
+            let want = run.cpu.to_host(&run.cpu.matmul(&xc, &wc)?)?;
+            run.record(name, format!("[{rows}, {k}] × [{m}, {k}]ᵀ"), &got, &want, BF16_TOL);
+        }
+    }
+
+    // Embedding of a vocabulary shard: ids below, inside and above it.
+    let shard = s.vocab / 2;
+    let table = random(&mut rng, shard * h, 1.0);
+    let host = HostTensor::from_f32("embed", &[shard, h], &table);
+    let (td, tc) = (dev.load_weight(&host)?, run.cpu.load_weight(&host)?);
+    let first = (s.vocab / 4) as u32;
+    let ids: Vec<u32> =
+        (0..n as u32).map(|i| (i * 37 + 3) % s.vocab as u32).chain([first, first + shard as u32]).collect();
+    let got = dev.to_host(&dev.embed(&td, &ids, first)?)?;
+    let want = run.cpu.to_host(&run.cpu.embed(&tc, &ids, first)?)?;
+    run.record("embed", format!("{} ids, shard of {shard}", ids.len()), &got, &want, 0.0);
+
+    // Norm, residual, bias, SiLU·mul, gather.
+    let w = random(&mut rng, h, 1.0);
+    let (wd, wc) = run.pair(&w, 1, h)?;
+    let got = dev.to_host(&dev.rms_norm(&xd, &wd, 1e-5)?)?;
+    let want = run.cpu.to_host(&run.cpu.rms_norm(&xc, &wc, 1e-5)?)?;
+    run.record("rms_norm", format!("[{n}, {h}]"), &got, &want, F32_TOL);
+
+    let y = random(&mut rng, n * h, 1.0);
+    let (yd, yc) = run.pair(&y, n, h)?;
+    let (mut ad, mut ac) = run.pair(&x, n, h)?;
+    dev.add_assign(&mut ad, &yd)?;
+    run.cpu.add_assign(&mut ac, &yc)?;
+    dev.add_bias(&mut ad, &wd)?;
+    run.cpu.add_bias(&mut ac, &wc)?;
+    run.record("add + add_bias", format!("[{n}, {h}]"), &dev.to_host(&ad)?, &run.cpu.to_host(&ac)?, F32_TOL);
+
+    let got = dev.to_host(&dev.silu_mul(&xd, &yd)?)?;
+    let want = run.cpu.to_host(&run.cpu.silu_mul(&xc, &yc)?)?;
+    run.record("silu_mul", format!("[{n}, {h}]"), &got, &want, F32_TOL);
+
+    let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
+    let got = dev.to_host(&dev.gather_rows(&xd, &rows)?)?;
+    let want = run.cpu.to_host(&run.cpu.gather_rows(&xc, &rows)?)?;
+    run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
+
+    // RoPE on q-shaped rows at scattered positions (llama3-style frequencies are just a table).
+    let d = s.head_dim;
+    let inv_freq: Vec<f32> =
+        (0..d / 2).map(|i| 1.0 / 500000f32.powf((2 * i) as f32 / d as f32) / 1.7).collect();
+    let table = RopeTable { inv_freq };
+    let positions: Vec<u32> = (0..n as u32).map(|i| i * 977 % (s.context as u32 + 64)).collect();
+    let q = random(&mut rng, n * s.heads * d, 1.0);
+    let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
+    dev.rope(&mut qd, d, &positions, &table)?;
+    run.cpu.rope(&mut qc, d, &positions, &table)?;
+    run.record(
+        "rope",
+        format!("[{n}, {}×{d}]", s.heads),
+        &dev.to_host(&qd)?,
+        &run.cpu.to_host(&qc)?,
+        F32_TOL,
+    );
+
+    // Paged attention: one sequence prefilling `rows` tokens after a cached prefix of 3,
+    // one decoding after `context` cached positions; blocks scattered and out of order.
+    let kv_dim = s.kv_heads * d;
+    let bs = s.block_size;
+    let lens = [3 + n, s.context + 1];
+    let starts = [3, s.context];
+    let blocks_needed: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let total_blocks = blocks_needed.iter().sum::<usize>() + 3;
+    let mut order: Vec<u32> = (0..total_blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.random_range(0..=i));
+    }
+    let tables = [
+        order[..blocks_needed[0]].to_vec(),
+        order[blocks_needed[0]..blocks_needed[0] + blocks_needed[1]].to_vec(),
+    ];
+    let mut cd = dev.alloc_kv(total_blocks, bs, kv_dim)?;
+    let mut cc = run.cpu.alloc_kv(total_blocks, bs, kv_dim)?;
+    // Fill the cached prefixes through write_kv (a "previous step"), then the new tokens.
+    for phase in 0..2 {
+        let mut layout = BatchLayout { block_size: bs, ..Default::default() };
+        for (sq, table) in tables.iter().enumerate() {
+            let (from, to) = if phase == 0 { (0, starts[sq]) } else { (starts[sq], lens[sq]) };
+            layout.seqs.push(SeqSlice {
+                token_start: layout.positions.len(),
+                num_tokens: to - from,
+                context_before: from,
+                block_table: table.clone(),
+            });
+            for p in from..to {
+                layout.positions.push(p as u32);
+                layout.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
+            }
+        }
+        let t = layout.positions.len();
+        let k = random(&mut rng, t * kv_dim, 1.0);
+        let v = random(&mut rng, t * kv_dim, 1.0);
+        let (kd, kc) = run.pair(&k, t, kv_dim)?;
+        let (vd, vc) = run.pair(&v, t, kv_dim)?;
+        dev.write_kv(&mut cd, &kd, &vd, &layout)?;
+        run.cpu.write_kv(&mut cc, &kc, &vc, &layout)?;
+        if phase == 0 {
+            continue;
+        }
+        let q = random(&mut rng, t * s.heads * d, 1.0);
+        let (qd, qc) = run.pair(&q, t, s.heads * d)?;
+        for window in [None, Some(bs + 1)] {
+            let shape = AttentionShape {
+                num_heads: s.heads,
+                num_kv_heads: s.kv_heads,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                sliding_window: window,
+            };
+            let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape)?)?;
+            let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape)?)?;
+            let what = if window.is_some() { "paged attention (sliding window)" } else { "paged attention" };
+            run.record(
+                what,
+                format!("prefill {n} + decode 1 at {}, {}/{} heads × {d}", s.context, s.heads, s.kv_heads),
+                &got,
+                &want,
+                F32_TOL,
+            );
+        }
+    }
+    // A host-side collective round trip (what the communicator does to device tensors).
+    let (mut hd, _) = run.pair(&x, n, h)?;
+    dev.with_host_mut(&mut hd, &mut |data| {
+        data.iter_mut().for_each(|v| *v *= 2.0);
+        Ok(())
+    })?;
+    let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    run.record("with_host_mut", format!("[{n}, {h}]"), &dev.to_host(&hd)?, &doubled, 0.0);
+    Ok(run.out)
+}

@@ -1,0 +1,218 @@
+//! The real [`Gpu`]: one CUDA device through `cudarc` (driver API, NVRTC, cuBLAS), all
+//! loaded at run time.
+//!
+//! Start-up: probe the vendor libraries (cudarc panics on a missing one; we name it
+//! instead), create the device's context and stream, compile `kernels.cu` with NVRTC for
+//! the device's compute capability, load the module and its functions, create a cuBLAS
+//! handle on the stream. One stream carries everything in call order, so cudarc's
+//! per-buffer event tracking is switched off.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use strata_common::{Error, Result};
+use tracing::info;
+
+use super::device::{Arg, Gpu, Launch};
+use super::kernels::{arch_for, nvrtc_source, Kernel};
+
+/// A vendor library: what it is, and the names it is found under.
+pub type Library = (&'static str, &'static [&'static str]);
+
+pub const DRIVER: Library = ("CUDA driver", &["libcuda.so.1", "libcuda.so"]);
+pub const NVRTC: Library = ("NVRTC", &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]);
+pub const CUBLAS: Library = ("cuBLAS", &["libcublas.so.13", "libcublas.so.12", "libcublas.so"]);
+pub const CUBLASLT: Library = ("cuBLASLt", &["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]);
+
+/// Opens each library; the error names the first one missing and how to point at it.
+pub fn probe(libs: &[Library]) -> Result<()> {
+    for (what, names) in libs {
+        // SAFETY: loading a vendor library runs its initialisers; cudarc loads it next anyway.
+        let found = names.iter().any(|n| unsafe { libloading::Library::new(n) }.is_ok());
+        if !found {
+            return Err(Error::Unavailable(format!(
+                "{what} library not found (tried {}); install it or add its directory to LD_LIBRARY_PATH",
+                names.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn drv(what: &str) -> impl FnOnce(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::Unavailable(format!("CUDA {what}: {e:?}"))
+}
+
+/// `kernels.cu` as PTX for `arch` ("compute_90").
+pub fn compile(arch: &str) -> Result<Ptx> {
+    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    let opts = CompileOptions {
+        arch: Some(arch),
+        fmad: Some(true),
+        name: Some("kernels.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(nvrtc_source(), opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => Error::Internal(format!(
+            "NVRTC could not compile kernels.cu for {arch}: {}",
+            log.to_string_lossy()
+        )),
+        other => Error::Internal(format!("NVRTC for {arch}: {other:?}")),
+    })
+}
+
+pub struct CudaGpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<Kernel, CudaFunction>,
+    describe: String,
+}
+
+impl CudaGpu {
+    /// Opens CUDA device `ordinal` and prepares its kernels.
+    pub fn open(ordinal: usize) -> Result<Arc<Self>> {
+        probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT])?;
+        let count = CudaContext::device_count().map_err(drv("device count"))?;
+        if ordinal as i32 >= count {
+            return Err(Error::Unavailable(format!(
+                "cuda:{ordinal}: this machine has {count} CUDA device(s)"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
+        // SAFETY: this backend uses one stream for everything, in order.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let (major, minor) = ctx.compute_capability().map_err(drv("compute capability"))?;
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let started = std::time::Instant::now();
+        let ptx = compile(&arch_for(major, minor))?;
+        let module = ctx.load_module(ptx).map_err(drv("loading the kernels"))?;
+        let mut functions = HashMap::new();
+        for k in Kernel::ALL {
+            functions.insert(k, module.load_function(k.name()).map_err(drv("kernel lookup"))?);
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::Unavailable(format!("cuBLAS: {e:?}")))?;
+        let describe = format!("{name} (sm_{major}{minor}, cuda:{ordinal})");
+        info!(device = %describe, nvrtc_ms = started.elapsed().as_millis() as u64, "CUDA device ready");
+        Ok(Arc::new(CudaGpu { ctx, stream, blas, functions, describe }))
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl Gpu for CudaGpu {
+    type Buf = CudaSlice<u8>;
+
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(drv("alloc"))
+    }
+
+    fn upload(&self, data: &[u8]) -> Result<CudaSlice<u8>> {
+        if data.is_empty() {
+            return self.alloc(1);
+        }
+        self.stream.clone_htod(data).map_err(drv("copy to device"))
+    }
+
+    fn download(&self, buf: &CudaSlice<u8>, out: &mut [u8]) -> Result<()> {
+        if out.len() > buf.len() {
+            return Err(Error::Internal(format!("download of {} bytes from {}", out.len(), buf.len())));
+        }
+        if out.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtoh(&buf.slice(..out.len()), out).map_err(drv("copy to host"))?;
+        self.stream.synchronize().map_err(drv("synchronize"))
+    }
+
+    fn write(&self, buf: &mut CudaSlice<u8>, data: &[u8]) -> Result<()> {
+        if data.len() > buf.len() {
+            return Err(Error::Internal(format!("write of {} bytes into {}", data.len(), buf.len())));
+        }
+        let mut dst = buf.slice_mut(..data.len());
+        self.stream.memcpy_htod(data, &mut dst).map_err(drv("copy to device"))
+    }
+
+    fn launch(&self, kernel: Kernel, l: Launch, args: &[Arg<'_, CudaSlice<u8>>]) -> Result<()> {
+        let f = self
+            .functions
+            .get(&kernel)
+            .ok_or_else(|| Error::Internal(format!("kernel {kernel:?} not loaded")))?;
+        let mut b = self.stream.launch_builder(f);
+        // Scalars must outlive the launch call: keep them here.
+        let ints: Vec<i32> = args.iter().map(|a| if let Arg::I32(v) = a { *v } else { 0 }).collect();
+        let floats: Vec<f32> = args.iter().map(|a| if let Arg::F32(v) = a { *v } else { 0.0 }).collect();
+        for (i, a) in args.iter().enumerate() {
+            match a {
+                Arg::Buf(buf) => b.arg(*buf),
+                Arg::I32(_) => b.arg(&ints[i]),
+                Arg::F32(_) => b.arg(&floats[i]),
+            };
+        }
+        let cfg =
+            LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: l.shared_bytes };
+        // SAFETY: the arguments follow the kernel's parameter list in kernels.cu; buffers are
+        // live device allocations of the sizes the backend computed.
+        unsafe { b.launch(cfg) }.map_err(drv(kernel.name()))?;
+        Ok(())
+    }
+
+    fn gemm_bf16(
+        &self,
+        m: usize,
+        n: usize,
+        k: usize,
+        a: &CudaSlice<u8>,
+        b: &CudaSlice<u8>,
+        c: &mut CudaSlice<u8>,
+    ) -> Result<()> {
+        // Row-major C[n, m] = B[n, k]·A[m, k]ᵀ is column-major Cᵀ (m × n) = op(A) (m × k) ·
+        // B' (k × n), with A read as column-major k × m (transposed) and B as k × n.
+        let (alpha, beta) = (1f32, 0f32);
+        let (pa, _ga) = a.device_ptr(&self.stream);
+        let (pb, _gb) = b.device_ptr(&self.stream);
+        let (pc, _gc) = c.device_ptr_mut(&self.stream);
+        // SAFETY: pointers are live allocations at least as large as the shapes (checked by
+        // the backend), and the handle runs on this stream.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m as i32,
+                n as i32,
+                k as i32,
+                &alpha as *const f32 as *const _,
+                pa as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                pb as *const _,
+                blas_sys::cudaDataType::CUDA_R_16BF,
+                k as i32,
+                &beta as *const f32 as *const _,
+                pc as *mut _,
+                blas_sys::cudaDataType::CUDA_R_32F,
+                m as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| Error::Unavailable(format!("cuBLAS GemmEx: {e:?}")))
+    }
+
+    fn memory(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().map_err(drv("memory info"))
+    }
+}

@@ -1,0 +1,248 @@
+// Strata's CUDA kernels: everything of the Llama forward pass but the GEMMs (cuBLAS).
+//
+// Compiled at start-up by NVRTC for the device's architecture, after a prelude that
+// defines the portability macros below (see kernels.rs). The same source also compiles
+// as C++ against a CPU emulation of the CUDA execution model (emulator.cpp), which is how
+// the tests run these kernels on machines without a GPU. So the kernels keep to what both
+// can do: blockIdx/threadIdx/blockDim, block-level shared memory, SYNC() reached by every
+// thread of the block, no warp intrinsics.
+//
+//   KERNEL          extern "C" __global__
+//   DEVICE          __device__ inline helper
+//   SHARED          __shared__
+//   DYN_SHARED(T,n) extern __shared__ T n[]   (the launch's dynamic shared memory)
+//   SYNC()          __syncthreads()
+//
+// Layout conventions (as the Backend trait's): activations are row-major f32
+// [rows, cols]; weights are bf16 stored as 16-bit patterns; the KV cache is f32, one
+// [slots, kv_dim] array each for K and V, where slot = block * block_size + offset.
+
+typedef unsigned short bf16_t;
+
+DEVICE float bf16_to_f32(bf16_t h) {
+    return __int_as_float(((unsigned int)h) << 16);
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+DEVICE bf16_t f32_to_bf16(float f) {
+    unsigned int u = (unsigned int)__float_as_int(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((u >> 16) | 0x40u);
+    }
+    unsigned int rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)((u + rounding) >> 16);
+}
+
+// y[i] = bf16(x[i]): GEMM inputs.
+KERNEL void cast_bf16(const float* x, bf16_t* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        y[i] = f32_to_bf16(x[i]);
+    }
+}
+
+// x[r, c] += b[c].
+KERNEL void add_bias(float* x, const float* b, int rows, int cols) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < rows * cols) {
+        x[i] += b[i % cols];
+    }
+}
+
+// x[i] += y[i]: residual connections.
+KERNEL void add(float* x, const float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        x[i] += y[i];
+    }
+}
+
+// y[i] = silu(g[i]) * u[i].
+KERNEL void silu_mul(const float* g, const float* u, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = g[i];
+        y[i] = v / (1.0f + expf(-v)) * u[i];
+    }
+}
+
+// One block per row: y = w * x / sqrt(mean(x²) + eps). blockDim.x is a power of two ≤ 1024.
+KERNEL void rms_norm(const float* x, const float* w, float* y, int cols, float eps) {
+    SHARED float partial[1024];
+    const float* row = x + (long long)blockIdx.x * cols;
+    float* out = y + (long long)blockIdx.x * cols;
+    float sum = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        sum += row[c] * row[c];
+    }
+    partial[threadIdx.x] = sum;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) {
+            partial[threadIdx.x] += partial[threadIdx.x + stride];
+        }
+        SYNC();
+    }
+    float inv = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        out[c] = w[c] * (row[c] * inv);
+    }
+}
+
+// One block per row: rotates each head's halves by the token's position (HF's
+// rotate_half form). inv_freq holds head_dim / 2 frequencies, already rescaled.
+KERNEL void rope(float* x, const int* positions, const float* inv_freq, int cols, int head_dim) {
+    float* row = x + (long long)blockIdx.x * cols;
+    float pos = (float)positions[blockIdx.x];
+    int half = head_dim / 2;
+    int pairs = cols / 2;
+    for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
+        int head = j / half;
+        int i = j % half;
+        float angle = pos * inv_freq[i];
+        float c = cosf(angle);
+        float s = sinf(angle);
+        float* h = row + head * head_dim;
+        float x1 = h[i];
+        float x2 = h[i + half];
+        h[i] = x1 * c - x2 * s;
+        h[i + half] = x2 * c + x1 * s;
+    }
+}
+
+// One block per token: the embedding row of ids[t] from a bf16 table holding ids
+// first_id .. first_id + table_rows (a vocabulary shard); other ids get zeros.
+KERNEL void embed(const bf16_t* table, const int* ids, float* out, int cols, int first_id, int table_rows) {
+    int local = ids[blockIdx.x] - first_id;
+    float* dst = out + (long long)blockIdx.x * cols;
+    bool inside = local >= 0 && local < table_rows;
+    const bf16_t* src = table + (long long)(inside ? local : 0) * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        dst[c] = inside ? bf16_to_f32(src[c]) : 0.0f;
+    }
+}
+
+// One block per new token: its K and V rows into its cache slot.
+KERNEL void write_kv(float* k_cache, float* v_cache, const float* k, const float* v, const int* slots, int kv_dim) {
+    long long dst = (long long)slots[blockIdx.x] * kv_dim;
+    long long src = (long long)blockIdx.x * kv_dim;
+    for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+        k_cache[dst + c] = k[src + c];
+        v_cache[dst + c] = v[src + c];
+    }
+}
+
+// y[i, :] = x[rows[i], :].
+KERNEL void gather_rows(const float* x, const int* rows, float* y, int cols) {
+    const float* src = x + (long long)rows[blockIdx.x] * cols;
+    float* dst = y + (long long)blockIdx.x * cols;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        dst[c] = src[c];
+    }
+}
+
+// Largest number of output dimensions one attention thread accumulates:
+// head_dim ≤ ATTN_MAX_DIMS × blockDim.x.
+#define ATTN_MAX_DIMS 4
+
+// Paged causal attention, one block per (new token, query head), for prefill chunks and
+// decode alike: the token attends to its own sequence's positions lo..=pos, read through
+// the sequence's block table (no padding between sequences of different lengths; lo > 0
+// only under a sliding window). Positions are taken blockDim.x at a time: each thread
+// scores one position, the block reduces max and sum, and an online softmax (running
+// max m and sum l, rescaled as the max grows) accumulates the output, each thread
+// owning head_dim / blockDim.x of its dimensions.
+//
+// Per token t: its sequence s = tok_seq[t]; the sequence's first row seq_start[s], the
+// positions already cached before this step seq_ctx[s], and its block table at
+// block_tables[bt_offset[s] ..]. GQA: query head h reads KV head h / (heads / kv_heads).
+// Dynamic shared memory: (head_dim + 3 × blockDim.x) floats. blockDim.x is a power of two.
+KERNEL void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+                            const int* tok_seq, const int* seq_start, const int* seq_ctx,
+                            const int* bt_offset, const int* block_tables, int num_heads, int num_kv_heads,
+                            int head_dim, int kv_dim, int block_size, float scale, int window) {
+    DYN_SHARED(float, smem);
+    int nt = blockDim.x;
+    int tid = threadIdx.x;
+    float* qs = smem;                    // head_dim: the scaled query
+    float* probs = qs + head_dim;        // nt: this chunk's exp(score - m)
+    float* red = probs + nt;             // nt: reduction scratch
+    int* slot_of = (int*)(red + nt);     // nt: this chunk's cache slots
+
+    int t = blockIdx.x;
+    int h = blockIdx.y;
+    int s = tok_seq[t];
+    int pos = seq_ctx[s] + (t - seq_start[s]);
+    int lo = window > 0 ? (pos + 1 - window > 0 ? pos + 1 - window : 0) : 0;
+    int kv_off = (h / (num_heads / num_kv_heads)) * head_dim;
+    const int* table = block_tables + bt_offset[s];
+    const float* q_row = q + ((long long)t * num_heads + h) * head_dim;
+    for (int d = tid; d < head_dim; d += nt) {
+        qs[d] = q_row[d] * scale;
+    }
+    SYNC();
+
+    float acc[ATTN_MAX_DIMS];
+    for (int i = 0; i < ATTN_MAX_DIMS; i++) {
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY;
+    float l = 0.0f;
+    for (int base = lo; base <= pos; base += nt) {
+        int p = base + tid;
+        bool valid = p <= pos;
+        float score = -INFINITY;
+        if (valid) {
+            int slot = table[p / block_size] * block_size + p % block_size;
+            slot_of[tid] = slot;
+            const float* k = k_cache + (long long)slot * kv_dim + kv_off;
+            float dot = 0.0f;
+            for (int d = 0; d < head_dim; d++) {
+                dot += qs[d] * k[d];
+            }
+            score = dot;
+        }
+        red[tid] = score;
+        SYNC();
+        for (int stride = nt / 2; stride > 0; stride >>= 1) {
+            if (tid < stride) {
+                red[tid] = fmaxf(red[tid], red[tid + stride]);
+            }
+            SYNC();
+        }
+        float m_new = fmaxf(m, red[0]);
+        SYNC();
+        float e = valid ? expf(score - m_new) : 0.0f;
+        probs[tid] = e;
+        red[tid] = e;
+        SYNC();
+        for (int stride = nt / 2; stride > 0; stride >>= 1) {
+            if (tid < stride) {
+                red[tid] += red[tid + stride];
+            }
+            SYNC();
+        }
+        float correction = expf(m - m_new);
+        l = l * correction + red[0];
+        int count = pos - base + 1 < nt ? pos - base + 1 : nt;
+        for (int i = 0; i < ATTN_MAX_DIMS; i++) {
+            int d = tid + i * nt;
+            if (d < head_dim) {
+                float a = acc[i] * correction;
+                for (int j = 0; j < count; j++) {
+                    a += probs[j] * v_cache[(long long)slot_of[j] * kv_dim + kv_off + d];
+                }
+                acc[i] = a;
+            }
+        }
+        m = m_new;
+        SYNC();
+    }
+    float* o = out + ((long long)t * num_heads + h) * head_dim;
+    for (int i = 0; i < ATTN_MAX_DIMS; i++) {
+        int d = tid + i * nt;
+        if (d < head_dim) {
+            o[d] = acc[i] / l;
+        }
+    }
+}

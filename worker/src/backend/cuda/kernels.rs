@@ -1,0 +1,114 @@
+//! The kernel sources and their names.
+//!
+//! `kernels.cu` is one CUDA C source for every kernel; [`Kernel`] names them (no string
+//! look-ups at call sites). The source is compiled at start-up by NVRTC for the device's
+//! architecture after [`NVRTC_PRELUDE`], which maps the portability macros the source
+//! uses onto CUDA; the CPU emulator maps the same macros onto C++ threads (see
+//! `emulator.cpp`).
+
+/// The CUDA C source of every kernel.
+pub const SOURCE: &str = include_str!("kernels.cu");
+
+/// Macro definitions that make [`SOURCE`] CUDA C for NVRTC.
+pub const NVRTC_PRELUDE: &str = r#"
+#define KERNEL extern "C" __global__
+#define DEVICE __device__ __forceinline__
+#define SHARED __shared__
+#define DYN_SHARED(T, name) extern __shared__ T name[]
+#define SYNC() __syncthreads()
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+"#;
+
+/// The full source NVRTC compiles.
+pub fn nvrtc_source() -> String {
+    format!("{NVRTC_PRELUDE}\n{SOURCE}")
+}
+
+/// Every kernel of [`SOURCE`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    CastBf16,
+    AddBias,
+    Add,
+    SiluMul,
+    RmsNorm,
+    Rope,
+    Embed,
+    WriteKv,
+    GatherRows,
+    PagedAttention,
+}
+
+impl Kernel {
+    pub const ALL: [Kernel; 10] = [
+        Kernel::CastBf16,
+        Kernel::AddBias,
+        Kernel::Add,
+        Kernel::SiluMul,
+        Kernel::RmsNorm,
+        Kernel::Rope,
+        Kernel::Embed,
+        Kernel::WriteKv,
+        Kernel::GatherRows,
+        Kernel::PagedAttention,
+    ];
+
+    /// The `extern "C"` name in the source.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::CastBf16 => "cast_bf16",
+            Kernel::AddBias => "add_bias",
+            Kernel::Add => "add",
+            Kernel::SiluMul => "silu_mul",
+            Kernel::RmsNorm => "rms_norm",
+            Kernel::Rope => "rope",
+            Kernel::Embed => "embed",
+            Kernel::WriteKv => "write_kv",
+            Kernel::GatherRows => "gather_rows",
+            Kernel::PagedAttention => "paged_attention",
+        }
+    }
+}
+
+/// The NVRTC architecture option for compute capability `major.minor` (PTX, which the
+/// driver compiles for the exact device when the module loads).
+pub fn arch_for(major: i32, minor: i32) -> String {
+    format!("compute_{major}{minor}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_is_defined_in_the_source() {
+        for k in Kernel::ALL {
+            let decl = format!("KERNEL void {}(", k.name());
+            assert!(SOURCE.contains(&decl), "{} is not defined in kernels.cu", k.name());
+        }
+        assert_eq!(
+            SOURCE.matches("KERNEL void ").count(),
+            Kernel::ALL.len(),
+            "a kernel has no Kernel variant"
+        );
+    }
+
+    /// Every kernel compiles to PTX for sm_80 and sm_90 with the NVRTC library found on
+    /// `LD_LIBRARY_PATH` (`make test` installs PyPI's nvidia-cuda-nvrtc); no GPU needed.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn every_kernel_compiles_with_nvrtc_for_sm80_and_sm90() {
+        crate::backend::cuda::driver::probe(&[crate::backend::cuda::driver::NVRTC])
+            .expect("NVRTC must be present for this test (make prerequisites installs it)");
+        for arch in ["compute_80", "compute_90"] {
+            let ptx = crate::backend::cuda::driver::compile(arch)
+                .unwrap_or_else(|e| panic!("kernels.cu does not compile for {arch}: {e}"));
+            let text = ptx.to_src();
+            for k in Kernel::ALL {
+                assert!(text.contains(&format!(".entry {}(", k.name())), "{arch}: no entry for {}", k.name());
+            }
+        }
+    }
+}

@@ -1,0 +1,454 @@
+//! The CUDA backend: bf16 weights and a paged f32 KV cache in device memory, f32
+//! activations, GEMMs through cuBLAS (bf16 × bf16, f32 accumulation and output), every
+//! other op a kernel of `kernels.cu` compiled by NVRTC at start-up.
+//!
+//! [`CudaBackend`] is the host side — buffer shapes, launch shapes, argument order — and is
+//! written once against the [`Gpu`] seam: [`driver::CudaGpu`] runs it on an NVIDIA GPU
+//! (feature `cuda`; libraries loaded at run time), the [`emulator`] on CPU threads (feature
+//! `cuda-emulator`, tests only), so everything but the vendor libraries is exercised on
+//! machines without a GPU.
+//!
+//! Numerics: matmul inputs are rounded to bf16 (HF transformers runs bf16 models in bf16),
+//! so logits differ from the f32-exact CPU backend by bf16 rounding; everything else (norm,
+//! RoPE, softmax, residuals) is f32 as on the CPU.
+//!
+//! Per step, the batch layout (positions, slots, block tables) is uploaded once and reused
+//! by every layer; small per-call uploads (token ids, row indices) are the only host →
+//! device traffic besides the step's hidden states at pipeline boundaries.
+
+pub mod device;
+#[cfg(feature = "cuda")]
+pub mod driver;
+#[cfg(feature = "cuda-emulator")]
+pub mod emulator;
+pub mod kernels;
+
+use std::sync::{Arc, Mutex};
+
+use strata_common::{Error, Result};
+
+use self::device::{Arg, Gpu, Launch};
+use self::kernels::Kernel;
+use super::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::model::weights::{DType, HostTensor};
+
+/// Threads per block of the attention kernel (a power of two).
+const ATTN_THREADS: u32 = 128;
+/// Most head dimensions the attention kernel handles (ATTN_MAX_DIMS × ATTN_THREADS).
+const MAX_HEAD_DIM: usize = 4 * ATTN_THREADS as usize;
+const ELEMENTWISE_THREADS: u32 = 256;
+const ROW_THREADS: u32 = 256;
+
+/// Row-major f32 activations on the device.
+pub struct GpuTensor<B> {
+    buf: B,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// A `[rows, cols]` bf16 weight matrix on the device.
+pub struct GpuWeight<B> {
+    buf: B,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One layer's paged K and V, f32, `[slots, kv_dim]` each.
+pub struct GpuKv<B> {
+    k: B,
+    v: B,
+    kv_dim: usize,
+}
+
+/// A step's batch layout in device memory.
+struct DeviceLayout<B> {
+    /// The host arrays it was made from (a later call with the same layout reuses it).
+    key: (Vec<u32>, Vec<u32>, Vec<i32>, Vec<i32>),
+    positions: B,
+    slots: B,
+    tok_seq: B,
+    seq_start: B,
+    seq_ctx: B,
+    bt_offset: B,
+    block_tables: B,
+}
+
+/// The rotary frequencies last uploaded, and their device copy.
+type RopeCache<B> = Mutex<Option<(Vec<f32>, Arc<B>)>>;
+
+pub struct CudaBackend<G: Gpu> {
+    gpu: Arc<G>,
+    layout: Mutex<Option<Arc<DeviceLayout<G::Buf>>>>,
+    rope: RopeCache<G::Buf>,
+}
+
+fn i32_bytes(v: &[i32]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+fn to_i32(v: impl IntoIterator<Item = usize>) -> Result<Vec<i32>> {
+    v.into_iter()
+        .map(|x| i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a kernel's i32"))))
+        .collect()
+}
+
+fn dim(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a kernel's i32")))
+}
+
+impl<G: Gpu> CudaBackend<G> {
+    pub fn new(gpu: Arc<G>) -> Self {
+        CudaBackend { gpu, layout: Mutex::new(None), rope: Mutex::new(None) }
+    }
+
+    pub fn gpu(&self) -> &Arc<G> {
+        &self.gpu
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor<G::Buf>> {
+        Ok(GpuTensor { buf: self.gpu.alloc((rows * cols).max(1) * 4)?, rows, cols })
+    }
+
+    fn launch(&self, k: Kernel, l: Launch, args: &[Arg<'_, G::Buf>]) -> Result<()> {
+        if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
+            return Ok(()); // nothing to do (an empty batch)
+        }
+        self.gpu.launch(k, l, args)
+    }
+
+    /// The device copy of `layout`, uploaded on the step's first use.
+    fn device_layout(&self, layout: &BatchLayout) -> Result<Arc<DeviceLayout<G::Buf>>> {
+        let mut tok_seq = vec![0i32; layout.num_tokens()];
+        let mut seq_start = Vec::with_capacity(layout.seqs.len());
+        let mut seq_ctx = Vec::with_capacity(layout.seqs.len());
+        let mut bt_offset = Vec::with_capacity(layout.seqs.len());
+        let mut tables: Vec<i32> = Vec::new();
+        for (s, seq) in layout.seqs.iter().enumerate() {
+            tok_seq
+                .get_mut(seq.token_start..seq.token_start + seq.num_tokens)
+                .ok_or_else(|| Error::Internal("a sequence's rows lie outside the step".into()))?
+                .fill(s as i32);
+            seq_start.push(dim(seq.token_start)?);
+            seq_ctx.push(dim(seq.context_before)?);
+            bt_offset.push(dim(tables.len())?);
+            tables.extend(to_i32(seq.block_table.iter().map(|&b| b as usize))?);
+        }
+        let mut meta = tok_seq.clone();
+        meta.extend(&seq_start);
+        meta.extend(&seq_ctx);
+        meta.extend(&bt_offset);
+        let key = (layout.positions.clone(), layout.slots.clone(), meta, tables.clone());
+        let mut cached = self.layout.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = cached.as_ref() {
+            if l.key == key {
+                return Ok(l.clone());
+            }
+        }
+        let up = |v: &[i32]| self.gpu.upload(i32_bytes(if v.is_empty() { &[0] } else { v }));
+        let positions = to_i32(layout.positions.iter().map(|&p| p as usize))?;
+        let slots = to_i32(layout.slots.iter().map(|&p| p as usize))?;
+        let l = Arc::new(DeviceLayout {
+            positions: up(&positions)?,
+            slots: up(&slots)?,
+            tok_seq: up(&tok_seq)?,
+            seq_start: up(&seq_start)?,
+            seq_ctx: up(&seq_ctx)?,
+            bt_offset: up(&bt_offset)?,
+            block_tables: up(&tables)?,
+            key,
+        });
+        *cached = Some(l.clone());
+        Ok(l)
+    }
+
+    fn rope_table(&self, rope: &RopeTable) -> Result<Arc<G::Buf>> {
+        let mut cached = self.rope.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((freqs, buf)) = cached.as_ref() {
+            if *freqs == rope.inv_freq {
+                return Ok(buf.clone());
+            }
+        }
+        let buf = Arc::new(self.gpu.upload(bytemuck::cast_slice(&rope.inv_freq))?);
+        *cached = Some((rope.inv_freq.clone(), buf.clone()));
+        Ok(buf)
+    }
+}
+
+impl<G: Gpu> Backend for CudaBackend<G> {
+    type Tensor = GpuTensor<G::Buf>;
+    type Weight = GpuWeight<G::Buf>;
+    type KvLayer = GpuKv<G::Buf>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn load_weight(&self, host: &HostTensor) -> Result<Self::Weight> {
+        let [rows, cols] = host.shape[..] else {
+            return Err(Error::model_file(
+                host.file.as_path(),
+                format!("tensor {:?} should be 2-D, has shape {:?}", host.name, host.shape),
+            ));
+        };
+        let bf16 = host.cast(DType::BF16);
+        Ok(GpuWeight { buf: self.gpu.upload(bf16.bytes())?, rows, cols })
+    }
+
+    fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor> {
+        if host.shape.len() != 1 {
+            return Err(Error::model_file(
+                host.file.as_path(),
+                format!("tensor {:?} should be 1-D, has shape {:?}", host.name, host.shape),
+            ));
+        }
+        let data = host.to_f32_vec();
+        self.upload(data.clone(), 1, data.len())
+    }
+
+    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
+        let bytes = num_blocks
+            .checked_mul(block_size)
+            .and_then(|n| n.checked_mul(kv_dim))
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
+        Ok(GpuKv { k: self.gpu.alloc(bytes.max(4))?, v: self.gpu.alloc(bytes.max(4))?, kv_dim })
+    }
+
+    fn weight_bytes(&self, w: &Self::Weight) -> usize {
+        w.rows * w.cols * 2
+    }
+
+    fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
+        let out = self.tensor(ids.len(), table.cols)?;
+        let ids_i = to_i32(ids.iter().map(|&i| i as usize))?;
+        let ids_buf = self.gpu.upload(i32_bytes(if ids_i.is_empty() { &[0] } else { &ids_i }))?;
+        self.launch(
+            Kernel::Embed,
+            Launch::rows(ids.len(), ROW_THREADS),
+            &[
+                Arg::Buf(&table.buf),
+                Arg::Buf(&ids_buf),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(table.cols)?),
+                Arg::I32(dim(first_id as usize)?),
+                Arg::I32(dim(table.rows)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor> {
+        if x.cols != w.cols {
+            return Err(Error::Internal(format!(
+                "matmul of [{}, {}] by [{}, {}]ᵀ",
+                x.rows, x.cols, w.rows, w.cols
+            )));
+        }
+        let y = self.tensor(x.rows, w.rows)?;
+        if x.rows == 0 {
+            return Ok(y);
+        }
+        let n = x.rows * x.cols;
+        let xb = self.gpu.alloc(n * 2)?;
+        self.launch(
+            Kernel::CastBf16,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&xb), Arg::I32(dim(n)?)],
+        )?;
+        let mut y = y;
+        self.gpu.gemm_bf16(w.rows, x.rows, w.cols, &w.buf, &xb, &mut y.buf)?;
+        Ok(y)
+    }
+
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()> {
+        let n = x.rows * x.cols;
+        self.launch(
+            Kernel::AddBias,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&bias.buf), Arg::I32(dim(x.rows)?), Arg::I32(dim(x.cols)?)],
+        )
+    }
+
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
+        let n = x.rows * x.cols;
+        if n != y.rows * y.cols {
+            return Err(Error::Internal("add of tensors of different sizes".into()));
+        }
+        self.launch(
+            Kernel::Add,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
+        )
+    }
+
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor> {
+        let y = self.tensor(x.rows, x.cols)?;
+        self.launch(
+            Kernel::RmsNorm,
+            Launch::rows(x.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&x.buf),
+                Arg::Buf(&weight.buf),
+                Arg::Buf(&y.buf),
+                Arg::I32(dim(x.cols)?),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
+        if positions.len() != x.rows || head_dim == 0 || !x.cols.is_multiple_of(head_dim) || !head_dim.is_multiple_of(2) {
+            return Err(Error::Internal(format!(
+                "rope of [{}, {}] with head_dim {head_dim} and {} positions",
+                x.rows,
+                x.cols,
+                positions.len()
+            )));
+        }
+        // The step's layout (uploaded by the previous layer, or by write_kv) usually holds
+        // these positions already.
+        let cached = self.layout.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let fresh;
+        let pos_buf = match cached.as_ref().filter(|l| l.key.0 == positions) {
+            Some(l) => &l.positions,
+            None => {
+                let pos = to_i32(positions.iter().map(|&p| p as usize))?;
+                fresh = self.gpu.upload(i32_bytes(if pos.is_empty() { &[0] } else { &pos }))?;
+                &fresh
+            }
+        };
+        let freqs = self.rope_table(rope)?;
+        self.launch(
+            Kernel::Rope,
+            Launch::rows(x.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&x.buf),
+                Arg::Buf(pos_buf),
+                Arg::Buf(&freqs),
+                Arg::I32(dim(x.cols)?),
+                Arg::I32(dim(head_dim)?),
+            ],
+        )
+    }
+
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        let y = self.tensor(gate.rows, gate.cols)?;
+        let n = gate.rows * gate.cols;
+        self.launch(
+            Kernel::SiluMul,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
+        )?;
+        Ok(y)
+    }
+
+    fn write_kv(
+        &self,
+        cache: &mut Self::KvLayer,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        layout: &BatchLayout,
+    ) -> Result<()> {
+        if k.cols != cache.kv_dim || v.cols != cache.kv_dim || layout.slots.len() != k.rows {
+            return Err(Error::Internal("write_kv: K/V rows do not match the cache or the layout".into()));
+        }
+        let l = self.device_layout(layout)?;
+        self.launch(
+            Kernel::WriteKv,
+            Launch::rows(k.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&cache.k),
+                Arg::Buf(&cache.v),
+                Arg::Buf(&k.buf),
+                Arg::Buf(&v.buf),
+                Arg::Buf(&l.slots),
+                Arg::I32(dim(cache.kv_dim)?),
+            ],
+        )
+    }
+
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        cache: &Self::KvLayer,
+        layout: &BatchLayout,
+        shape: AttentionShape,
+    ) -> Result<Self::Tensor> {
+        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window } = shape;
+        if head_dim > MAX_HEAD_DIM || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
+            return Err(Error::Unsupported(format!(
+                "CUDA attention needs head_dim ≤ {MAX_HEAD_DIM} and heads divisible by KV heads (head_dim {head_dim}, {num_heads} heads, {num_kv_heads} KV heads)"
+            )));
+        }
+        let out = self.tensor(q.rows, num_heads * head_dim)?;
+        let l = self.device_layout(layout)?;
+        let shared = ((head_dim + 3 * ATTN_THREADS as usize) * 4) as u32;
+        let launch =
+            Launch { grid: (q.rows as u32, num_heads as u32, 1), block: ATTN_THREADS, shared_bytes: shared };
+        self.launch(
+            Kernel::PagedAttention,
+            launch,
+            &[
+                Arg::Buf(&q.buf),
+                Arg::Buf(&cache.k),
+                Arg::Buf(&cache.v),
+                Arg::Buf(&out.buf),
+                Arg::Buf(&l.tok_seq),
+                Arg::Buf(&l.seq_start),
+                Arg::Buf(&l.seq_ctx),
+                Arg::Buf(&l.bt_offset),
+                Arg::Buf(&l.block_tables),
+                Arg::I32(dim(num_heads)?),
+                Arg::I32(dim(num_kv_heads)?),
+                Arg::I32(dim(head_dim)?),
+                Arg::I32(dim(cache.kv_dim)?),
+                Arg::I32(dim(layout.block_size)?),
+                Arg::F32(scale),
+                Arg::I32(dim(sliding_window.unwrap_or(0))?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
+        if let Some(bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
+        }
+        let y = self.tensor(rows.len(), x.cols)?;
+        let idx = to_i32(rows.iter().copied())?;
+        let idx_buf = self.gpu.upload(i32_bytes(if idx.is_empty() { &[0] } else { &idx }))?;
+        self.launch(
+            Kernel::GatherRows,
+            Launch::rows(rows.len(), ROW_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&idx_buf), Arg::Buf(&y.buf), Arg::I32(dim(x.cols)?)],
+        )?;
+        Ok(y)
+    }
+
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; x.rows * x.cols];
+        self.gpu.download(&x.buf, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Tensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
+        }
+        let bytes: &[u8] = if data.is_empty() { &[0; 4] } else { bytemuck::cast_slice(&data) };
+        Ok(GpuTensor { buf: self.gpu.upload(bytes)?, rows, cols })
+    }
+
+    fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let mut host = self.to_host(x)?;
+        f(&mut host)?;
+        if !host.is_empty() {
+            self.gpu.write(&mut x.buf, bytemuck::cast_slice(&host))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(all(test, feature = "cuda-emulator"))]
+mod tests;
