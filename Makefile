@@ -7,14 +7,15 @@ STRATA_RELEASE := target/release/strata
 .PHONY: test demo build lint fmt bench-engine prerequisites
 
 ## Everything CI checks: formatting, lints, the whole test suite, and that the `cuda`
-## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA.
+## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
+## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --workspace --all-targets --features strata-coordinator/cuda -- -D warnings
-	$(CARGO) test -p strata-worker --features cuda comm::nccl
+	$(CARGO) clippy --workspace --all-targets --features strata-coordinator/cuda,strata-worker/cuda-emulator -- -D warnings
+	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-worker --features cuda,cuda-emulator
 	$(CARGO) build --bin strata --features strata-coordinator/cuda
 
 ## Installs what the build and tests need and is missing.

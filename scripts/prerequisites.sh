@@ -30,3 +30,10 @@ if ! "$PYENV/bin/python" -c "import grpc, grpc_tools, grpc_health" 2>/dev/null; 
   python3 -m venv "$PYENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$PYENV"; }
   "$PYENV/bin/pip" install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking
 fi
+
+# NVRTC's shared library (PyPI's nvidia-cuda-nvrtc): the test that compiles every CUDA
+# kernel to PTX loads it; no GPU or CUDA toolkit is needed.
+if [ -z "$(scripts/nvrtc_lib_dir.sh)" ]; then
+  echo "installing nvidia-cuda-nvrtc into $PYENV" >&2
+  "$PYENV/bin/pip" install -q --disable-pip-version-check nvidia-cuda-nvrtc
+fi

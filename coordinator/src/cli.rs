@@ -35,6 +35,9 @@ pub enum Command {
     Worker(crate::cluster_cli::WorkerArgs),
     /// Deploy, scale, list and drain through a coordinator's admin API.
     Admin(crate::admin_cli::AdminArgs),
+    /// Checks for a machine with a GPU: ops and tokens against the CPU backend, decode
+    /// speed against the bandwidth roofline (see scripts/gpu-check.sh).
+    GpuCheck(crate::gpu_check::GpuCheckArgs),
     /// Benchmark the TCP communicator's all-reduce against a raw loopback TCP stream.
     CommBench {
         #[arg(long, default_value_t = 2)]
@@ -90,6 +93,9 @@ pub struct BenchArgs {
     /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Also measure decode steps with this many sequences running (e.g. 8,32).
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
@@ -161,6 +167,9 @@ pub struct GenerateArgs {
     /// twice as fast, no longer f32-exact).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// In-process: tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
@@ -212,6 +221,9 @@ pub struct ServeArgs {
     /// fast, no longer f32-exact).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
     /// Wait at this address for the replica's other ranks to join as `strata worker`
     /// processes, instead of running them as threads (one model, one replica).
     #[arg(long)]
@@ -323,6 +335,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Coordinator(args) => crate::cluster_cli::coordinator(args, runtime()?),
         Command::Worker(args) => crate::cluster_cli::worker(args, runtime),
         Command::Admin(args) => runtime()?.block_on(crate::admin_cli::run(args)),
+        Command::GpuCheck(args) => crate::gpu_check::run(args),
         Command::Bench(args) => {
             let json = args.json;
             let report = runtime()?.block_on(crate::bench::run(args))?;
@@ -347,6 +360,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         kv_cache_bytes: args.kv_cache_mib << 20,
         backend: strata_worker::backend::BackendOptions {
             bf16_prefill: args.bf16_prefill,
+            device: strata_worker::backend::Device::parse(&args.device).context("--device")?,
             ..Default::default()
         },
         ..Default::default()
@@ -454,6 +468,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         prefix_caching: !args.no_prefix_caching,
         backend: strata_worker::backend::BackendOptions {
             bf16_prefill: args.bf16_prefill,
+            device: strata_worker::backend::Device::parse(&args.device).context("--device")?,
             ..Default::default()
         },
     };
@@ -546,6 +561,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
         kv_cache_bytes: args.kv_cache_mib << 20,
         backend: strata_worker::backend::BackendOptions {
             bf16_prefill: args.bf16_prefill,
+            device: strata_worker::backend::Device::parse(&args.device).context("--device")?,
             ..Default::default()
         },
         ..Default::default()

@@ -15,6 +15,7 @@ pub mod cluster_cli;
 pub mod comm_bench;
 pub mod engine_bench;
 pub mod generation;
+pub mod gpu_check;
 pub mod latency_bench;
 pub mod local;
 pub mod model_tools;

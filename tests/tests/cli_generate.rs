@@ -340,3 +340,59 @@ fn random_models_load_and_generate() {
     let e = failure(&["model", "random", "--heads", "5", "--out", &tmp.path().join("bad").to_string_lossy()]);
     assert!(e.contains("heads"), "{e}");
 }
+
+#[test]
+fn an_unusable_device_is_a_clear_error() {
+    // This build or this machine cannot drive a GPU: say which, exit non-zero, no panic.
+    let dir = strata_tests::fixtures_dir().join("llama_gqa");
+    for device in ["cuda", "cuda:3"] {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args(["--prompt-ids", "1,2", "--device", device])
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("--device cuda") && !err.contains("panicked"), "{err}");
+        assert!(
+            err.contains("features cuda") || err.contains("LD_LIBRARY_PATH") || err.contains("device"),
+            "{err}"
+        );
+    }
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["generate", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", "1,2", "--device", "tpu"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--device") && err.contains("cuda:N"), "{err}");
+}
+
+#[test]
+fn gpu_check_runs_its_checks_on_the_cpu_backend() {
+    // `strata gpu-check --device cpu` is the GPU check script's dry run: the same commands,
+    // the CPU backend standing in for the device.
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["gpu-check", "--device", "cpu"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let ops = run(&["ops"]);
+    assert!(ops.len() >= 12 && ops.iter().all(|r| r["ok"] == true), "{ops:?}");
+    let dir = strata_tests::fixtures_dir().join("llama3_rope");
+    let tokens = run(&["tokens", "--model", dir.to_str().unwrap()]);
+    assert_eq!(tokens[0]["result"]["verdict"], "identical");
+    assert_eq!(tokens[0]["matches_hf_reference"], true);
+}

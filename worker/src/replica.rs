@@ -3,8 +3,10 @@
 //! processes (`strata worker`) that join through a rendezvous address.
 //!
 //! The backend is chosen here, once, from [`BackendOptions::device`]; everything below
-//! (model, executors, engine) is written against the `Backend` trait. A device this build
-//! or this machine cannot drive is an error that says what is missing.
+//! (model, executors, engine) is written against the `Backend` trait. On CUDA, each rank
+//! drives its own GPU (in-process ranks take consecutive devices from the given one) and
+//! TP collectives go through NCCL, bootstrapped over the TCP mesh. A device this build or
+//! this machine cannot drive is an error that says what is missing.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
@@ -16,6 +18,7 @@ use tracing::{error, info};
 use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, BackendOptions, Device};
 use crate::comm::tcp::{local_group, TcpComm, TcpCommConfig};
+use crate::comm::Communicator;
 use crate::dist::{follower_loop, LeaderExecutor};
 use crate::engine::{Engine, EngineConfig};
 use crate::model::Model;
@@ -34,17 +37,68 @@ pub fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
 pub fn check_device(device: Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            use crate::backend::cuda::driver::{probe, CUBLAS, CUBLASLT, DRIVER, NVRTC};
+            probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT])
+                .map_err(|e| Error::Unavailable(format!("--device {device}: {e}")))
+        }
+        #[cfg(not(feature = "cuda"))]
         Device::Cuda(n) => Err(Error::Unavailable(format!(
-            "--device cuda:{n}: this build has no CUDA backend (build with `--features cuda`)"
+            "--device cuda:{n}: this build has no CUDA support (build with `--features cuda`)"
         ))),
     }
 }
 
+/// Joins rank `rank`'s TCP mesh to the replica's communicator: the mesh itself on CPUs;
+/// NCCL for the TP groups on GPUs (every rank calls this at the same time, as NCCL's
+/// set-up is collective).
+fn communicator(comm: TcpComm, device: Device, par: Parallelism) -> Result<Box<dyn Communicator>> {
+    match device {
+        Device::Cpu => Ok(Box::new(comm)),
+        Device::Cuda(_) if par.tp == 1 => Ok(Box::new(comm)), // PP only: send/recv over the mesh
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            let groups: Vec<Vec<usize>> =
+                (0..par.pp).map(|s| (s * par.tp..(s + 1) * par.tp).collect()).collect();
+            Ok(Box::new(crate::comm::nccl::NcclComm::new(ordinal, Box::new(comm), &groups)?))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(Error::Internal("CUDA device in a build without CUDA".into())),
+    }
+}
+
+/// Runs `$body` with `$make` bound to a `Fn(rank) -> Result<backend>` for `$opts.device`,
+/// where `$base` is the device index of rank 0 (on CUDA, rank r of an in-process replica
+/// uses device `$base + r`; a worker process passes its own rank's device and rank 0).
+macro_rules! with_backend {
+    ($opts:expr, |$make:ident| $body:expr) => {{
+        let opts: BackendOptions = $opts.clone();
+        check_device(opts.device)?;
+        match opts.device {
+            Device::Cpu => {
+                let $make = move |_rank: usize| -> Result<CpuBackend> { Ok(cpu_backend(&opts)) };
+                $body
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(base) => {
+                let $make = move |rank: usize| -> Result<
+                    crate::backend::cuda::CudaBackend<crate::backend::cuda::driver::CudaGpu>,
+                > {
+                    let gpu = crate::backend::cuda::driver::CudaGpu::open(base + rank)?;
+                    Ok(crate::backend::cuda::CudaBackend::new(gpu))
+                };
+                $body
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(Error::Internal("CUDA device in a build without CUDA".into())),
+        }
+    }};
+}
+
 /// An engine for the model in `dir`: in-process ranks when `par` has more than one.
 pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Result<Engine> {
-    check_device(config.backend.device)?;
-    let opts = config.backend.clone();
-    local_replica_on(dir, par, config, move |_rank| Ok(cpu_backend(&opts)))
+    with_backend!(config.backend, |make| local_replica_on(dir, par, config, make))
 }
 
 /// `local_replica` on backends made by `backend(rank)`.
@@ -56,6 +110,11 @@ where
     if par.world() == 1 {
         return Engine::new(Model::load(dir, backend(0)?)?, config);
     }
+    let device = config.backend.device;
+    let rank_device = move |rank: usize| match device {
+        Device::Cpu => Device::Cpu,
+        Device::Cuda(base) => Device::Cuda(base + rank),
+    };
     let mut comms = local_group(par.world(), SETUP_TIMEOUT)?.into_iter();
     let leader_comm = comms.next().expect("world >= 1");
     let mut followers = Vec::new();
@@ -68,9 +127,10 @@ where
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let run = || -> Result<()> {
+                    let comm = communicator(comm, rank_device(rank), par)?;
                     let model = Model::load_shard(&dir, make(rank)?, par, rank)?;
                     let _ = tx.send(Ok(()));
-                    follower_loop(model, Box::new(comm))
+                    follower_loop(model, comm)
                 };
                 if let Err(e) = run() {
                     error!(rank, error = %e, "rank stopped");
@@ -80,6 +140,7 @@ where
             .map_err(|e| Error::Internal(format!("cannot start rank {rank}: {e}")))?;
         followers.push((rank, rx, handle));
     }
+    let leader_comm = communicator(leader_comm, rank_device(0), par)?;
     for (rank, rx, _) in &followers {
         match rx.recv() {
             Ok(Ok(())) => {}
@@ -89,7 +150,7 @@ where
     }
     let model = Model::load_shard(dir, backend(0)?, par, 0)?;
     info!(tp = par.tp, pp = par.pp, "replica ranks ready (threads)");
-    Engine::with_executor(Box::new(LeaderExecutor::new(model, Box::new(leader_comm))), par, config)
+    Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm)), par, config)
 }
 
 /// The leader of a replica whose other ranks are worker processes joining at
@@ -100,7 +161,6 @@ pub fn leader_with_external_ranks(
     config: &EngineConfig,
     rendezvous: TcpListener,
 ) -> Result<Engine> {
-    check_device(config.backend.device)?;
     let addr = rendezvous.local_addr().map_err(|e| Error::Internal(format!("rendezvous address: {e}")))?;
     info!(%addr, world = par.world(), "waiting for worker ranks at the rendezvous");
     let cfg = TcpCommConfig {
@@ -110,13 +170,16 @@ pub fn leader_with_external_ranks(
         setup_timeout: SETUP_TIMEOUT,
         recv_timeout: STEP_TIMEOUT,
     };
-    let comm = TcpComm::connect(&cfg, Some(rendezvous))?;
-    let model = Model::load_shard(dir, cpu_backend(&config.backend), par, 0)?;
-    Engine::with_executor(Box::new(LeaderExecutor::new(model, Box::new(comm))), par, config)
+    with_backend!(config.backend, |make| {
+        let comm = communicator(TcpComm::connect(&cfg, Some(rendezvous))?, config.backend.device, par)?;
+        let model = Model::load_shard(dir, make(0)?, par, 0)?;
+        Engine::with_executor(Box::new(LeaderExecutor::new(model, comm)), par, config)
+    })
 }
 
 /// Runs rank `rank` (> 0) of a replica until the leader shuts it down or a peer fails.
-/// `joined` is called once the shard is loaded and the rank has joined its replica.
+/// `joined` is called once the shard is loaded and the rank has joined its replica. On
+/// CUDA, `opts.device` is this process's own GPU.
 pub fn run_worker_rank(
     dir: &Path,
     par: Parallelism,
@@ -128,7 +191,6 @@ pub fn run_worker_rank(
     if rank == 0 || rank >= par.world() {
         return Err(Error::invalid("rank", format!("must be in 1..{} (rank 0 is the leader)", par.world())));
     }
-    check_device(opts.device)?;
     let cfg = TcpCommConfig {
         rank,
         world: par.world(),
@@ -136,9 +198,11 @@ pub fn run_worker_rank(
         setup_timeout: SETUP_TIMEOUT,
         recv_timeout: STEP_TIMEOUT,
     };
-    let comm = TcpComm::connect(&cfg, None)?;
-    let model = Model::load_shard(dir, cpu_backend(opts), par, rank)?;
-    info!(rank, "worker rank ready");
-    joined();
-    follower_loop(model, Box::new(comm))
+    with_backend!(opts, |make| {
+        let comm = communicator(TcpComm::connect(&cfg, None)?, opts.device, par)?;
+        let model = Model::load_shard(dir, make(0)?, par, rank)?;
+        info!(rank, device = %opts.device, "worker rank ready");
+        joined();
+        follower_loop(model, comm)
+    })
 }

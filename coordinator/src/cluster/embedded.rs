@@ -76,6 +76,10 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     for i in 0..needed {
         let mut cfg = opts.agent.clone();
         cfg.id = format!("local-{i}");
+        // One in-process worker per GPU: worker i drives the i-th device from the given one.
+        if let strata_worker::backend::Device::Cuda(base) = cfg.backend.device {
+            cfg.backend.device = strata_worker::backend::Device::Cuda(base + i);
+        }
         cfg.bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
         cfg.advertise_host = "127.0.0.1".into();
         let agent = WorkerAgent::new(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;

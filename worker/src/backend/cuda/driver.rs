@@ -2,10 +2,12 @@
 //! loaded at run time.
 //!
 //! Start-up: probe the vendor libraries (cudarc panics on a missing one; we name it
-//! instead), create the device's context and stream, compile `kernels.cu` with NVRTC for
-//! the device's compute capability, load the module and its functions, create a cuBLAS
-//! handle on the stream. One stream carries everything in call order, so cudarc's
-//! per-buffer event tracking is switched off.
+//! instead), open the device's context, compile `kernels.cu` with NVRTC for the device's
+//! compute capability (once per process and architecture), load the module and its
+//! functions, create a stream and a cuBLAS handle on it. Each [`CudaGpu`] — one per
+//! backend, so one per rank or replica — owns its stream and handle, and its buffers are
+//! only ever used on that stream, in call order; so cudarc's per-buffer event tracking is
+//! switched off.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -66,6 +68,20 @@ pub fn compile(arch: &str) -> Result<Ptx> {
     })
 }
 
+/// PTX per architecture, compiled once per process.
+fn compiled(arch: &str) -> Result<Ptx> {
+    use std::sync::{Mutex, OnceLock};
+    static CACHE: OnceLock<Mutex<HashMap<String, String>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    let mut map = cache.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(src) = map.get(arch) {
+        return Ok(Ptx::from_src(src.clone()));
+    }
+    let src = compile(arch)?.to_src();
+    map.insert(arch.to_string(), src.clone());
+    Ok(Ptx::from_src(src))
+}
+
 pub struct CudaGpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
@@ -85,13 +101,13 @@ impl CudaGpu {
             )));
         }
         let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
-        // SAFETY: this backend uses one stream for everything, in order.
+        // SAFETY: every buffer of a CudaGpu is used on its own stream only, in order.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        let stream = ctx.new_stream().map_err(drv("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(drv("compute capability"))?;
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let started = std::time::Instant::now();
-        let ptx = compile(&arch_for(major, minor))?;
+        let ptx = compiled(&arch_for(major, minor))?;
         let module = ctx.load_module(ptx).map_err(drv("loading the kernels"))?;
         let mut functions = HashMap::new();
         for k in Kernel::ALL {
@@ -105,6 +121,32 @@ impl CudaGpu {
 
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Device-to-device copy bandwidth, bytes/s counting reads and writes: the best of
+    /// `repeats` copies of `bytes` (fresh random contents, synchronised around each copy).
+    pub fn copy_bandwidth(&self, bytes: usize, repeats: usize) -> Result<f64> {
+        let words = bytes / 4;
+        let mut seed = 0x9e37_79b9u32;
+        let host: Vec<u32> = (0..words)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 17;
+                seed ^= seed << 5;
+                seed
+            })
+            .collect();
+        let src = self.stream.clone_htod(&host).map_err(drv("copy to device"))?;
+        let mut dst = self.stream.alloc_zeros::<u32>(words).map_err(drv("alloc"))?;
+        let mut best = 0f64;
+        for _ in 0..repeats.max(1) {
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            let t = std::time::Instant::now();
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(drv("device copy"))?;
+            self.stream.synchronize().map_err(drv("synchronize"))?;
+            best = best.max(2.0 * (words * 4) as f64 / t.elapsed().as_secs_f64());
+        }
+        Ok(best)
     }
 }
 
@@ -181,6 +223,7 @@ impl Gpu for CudaGpu {
         // Row-major C[n, m] = B[n, k]·A[m, k]ᵀ is column-major Cᵀ (m × n) = op(A) (m × k) ·
         // B' (k × n), with A read as column-major k × m (transposed) and B as k × n.
         let (alpha, beta) = (1f32, 0f32);
+        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
         let (pa, _ga) = a.device_ptr(&self.stream);
         let (pb, _gb) = b.device_ptr(&self.stream);
         let (pc, _gc) = c.device_ptr_mut(&self.stream);
@@ -214,5 +257,26 @@ impl Gpu for CudaGpu {
 
     fn memory(&self) -> Result<(usize, usize)> {
         self.ctx.mem_get_info().map_err(drv("memory info"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_driver_is_named_not_panicked_on() {
+        // Without a GPU driver (CI): a clear error naming the library. With one: Ok or a
+        // device error, never a panic.
+        match CudaGpu::open(0) {
+            Ok(gpu) => eprintln!("CUDA device present: {}", gpu.describe()),
+            Err(e) => {
+                let msg = e.to_string();
+                eprintln!("{msg}");
+                if probe(&[DRIVER]).is_err() {
+                    assert!(msg.contains("libcuda") && msg.contains("LD_LIBRARY_PATH"), "{msg}");
+                }
+            }
+        }
     }
 }

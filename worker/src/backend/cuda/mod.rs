@@ -298,7 +298,11 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     }
 
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
-        if positions.len() != x.rows || head_dim == 0 || !x.cols.is_multiple_of(head_dim) || !head_dim.is_multiple_of(2) {
+        if positions.len() != x.rows
+            || head_dim == 0
+            || !x.cols.is_multiple_of(head_dim)
+            || !head_dim.is_multiple_of(2)
+        {
             return Err(Error::Internal(format!(
                 "rope of [{}, {}] with head_dim {head_dim} and {} positions",
                 x.rows,
