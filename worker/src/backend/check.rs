@@ -144,6 +144,21 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
         }
     }
 
+    // Several projections of one input (q/k/v): the device may share the input's cast.
+    let ws: Vec<Vec<f32>> = (0..3).map(|i| random(&mut rng, (h + 8 * i) * h, 0.1)).collect();
+    let hosts: Vec<HostTensor> =
+        ws.iter().enumerate().map(|(i, w)| HostTensor::from_f32("w", &[h + 8 * i, h], w)).collect();
+    let wds = hosts.iter().map(|t| dev.load_weight(t)).collect::<Result<Vec<_>>>()?;
+    let wcs = hosts.iter().map(|t| run.cpu.load_weight(t)).collect::<Result<Vec<_>>>()?;
+    let got = dev.matmul_many(&xd, &wds.iter().collect::<Vec<_>>())?;
+    let want = run.cpu.matmul_many(&xc, &wcs.iter().collect::<Vec<_>>())?;
+    let (mut g, mut w) = (Vec::new(), Vec::new());
+    for (a, b) in got.iter().zip(&want) {
+        g.extend(dev.to_host(a)?);
+        w.extend(run.cpu.to_host(b)?);
+    }
+    run.record("matmul_many (q, k, v)", format!("[{n}, {h}] × 3 weights"), &g, &w, BF16_TOL);
+
     // Embedding of a vocabulary shard: ids below, inside and above it.
     let shard = s.vocab / 2;
     let table = random(&mut rng, shard * h, 1.0);

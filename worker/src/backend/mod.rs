@@ -139,6 +139,11 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor>;
     /// `x · wᵀ`: `[n, in] × [out, in]ᵀ → [n, out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    /// `x · wᵀ` for several weights reading the same input (q/k/v, gate/up), so a
+    /// backend can prepare the input once.
+    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Result<Vec<Self::Tensor>> {
+        ws.iter().map(|w| self.matmul(x, w)).collect()
+    }
     /// Adds a `[1, cols]` bias to every row.
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()>;
     /// `x += y`.

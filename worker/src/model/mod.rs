@@ -269,9 +269,7 @@ impl<B: Backend> Model<B> {
         let eps = c.rms_norm_eps as f32;
         for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
             let normed = b.rms_norm(&x, &layer.input_norm, eps)?;
-            let mut q = self.linear(&normed, &layer.q)?;
-            let mut k = self.linear(&normed, &layer.k)?;
-            let v = self.linear(&normed, &layer.v)?;
+            let [mut q, mut k, v] = self.linears(&normed, [&layer.q, &layer.k, &layer.v])?;
             b.rope(&mut q, c.head_dim, &layout.positions, &self.rope)?;
             b.rope(&mut k, c.head_dim, &layout.positions, &self.rope)?;
             b.write_kv(cache, &k, &v, layout)?;
@@ -281,8 +279,7 @@ impl<B: Backend> Model<B> {
             b.add_assign(&mut x, &o)?;
 
             let normed = b.rms_norm(&x, &layer.post_norm, eps)?;
-            let gate = self.linear(&normed, &layer.gate)?;
-            let up = self.linear(&normed, &layer.up)?;
+            let [gate, up] = self.linears(&normed, [&layer.gate, &layer.up])?;
             let mut down = self.linear(&b.silu_mul(&gate, &up)?, &layer.down)?;
             self.all_reduce(&mut down, comm)?;
             b.add_assign(&mut x, &down)?;
@@ -330,6 +327,18 @@ impl<B: Backend> Model<B> {
         }
         let group = &self.shard.tp_group;
         self.backend.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
+    }
+
+    /// Several linear layers of the same input.
+    fn linears<const N: usize>(&self, x: &B::Tensor, ls: [&Linear<B>; N]) -> Result<[B::Tensor; N]> {
+        let ws: Vec<&B::Weight> = ls.iter().map(|l| &l.weight).collect();
+        let mut ys = self.backend.matmul_many(x, &ws)?;
+        for (y, l) in ys.iter_mut().zip(ls) {
+            if let Some(bias) = &l.bias {
+                self.backend.add_bias(y, bias)?;
+            }
+        }
+        ys.try_into().map_err(|_| Error::Internal("matmul_many returned the wrong number of outputs".into()))
     }
 
     fn linear(&self, x: &B::Tensor, l: &Linear<B>) -> Result<B::Tensor> {

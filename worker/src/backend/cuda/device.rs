@@ -48,6 +48,11 @@ pub trait Gpu: Send + Sync + 'static {
     fn describe(&self) -> String;
     /// `bytes` of zeroed device memory.
     fn alloc(&self, bytes: usize) -> Result<Self::Buf>;
+    /// `bytes` of device memory with undefined contents, for outputs a kernel or GEMM
+    /// overwrites entirely (saves the zeroing pass).
+    fn alloc_output(&self, bytes: usize) -> Result<Self::Buf> {
+        self.alloc(bytes)
+    }
     /// A device copy of `data`.
     fn upload(&self, data: &[u8]) -> Result<Self::Buf>;
     /// Copies the start of `buf` into `out`, after all work queued before.

@@ -161,6 +161,12 @@ impl Gpu for CudaGpu {
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(drv("alloc"))
     }
 
+    fn alloc_output(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // SAFETY: the contents are undefined until written; callers only use this for
+        // buffers a kernel or GEMM overwrites entirely before anything reads them.
+        unsafe { self.stream.alloc::<u8>(bytes.max(1)) }.map_err(drv("alloc"))
+    }
+
     fn upload(&self, data: &[u8]) -> Result<CudaSlice<u8>> {
         if data.is_empty() {
             return self.alloc(1);

@@ -81,6 +81,15 @@ impl Gpu for EmulatedGpu {
         Ok(EmuBuf::new(bytes))
     }
 
+    fn alloc_output(&self, bytes: usize) -> Result<EmuBuf> {
+        // Poisoned with NaN bit patterns: an element a kernel forgets to write shows up
+        // as NaN in the comparisons instead of passing as zero.
+        let b = EmuBuf::new(bytes);
+        // SAFETY: fresh buffer of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(b.ptr(), 0xff, bytes) };
+        Ok(b)
+    }
+
     fn upload(&self, data: &[u8]) -> Result<EmuBuf> {
         let b = EmuBuf::new(data.len());
         // SAFETY: fresh buffer of at least data.len() bytes.

@@ -105,8 +105,35 @@ impl<G: Gpu> CudaBackend<G> {
         &self.gpu
     }
 
+    /// An output tensor (contents undefined until the op writes every element).
     fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor<G::Buf>> {
-        Ok(GpuTensor { buf: self.gpu.alloc((rows * cols).max(1) * 4)?, rows, cols })
+        Ok(GpuTensor { buf: self.gpu.alloc_output((rows * cols).max(1) * 4)?, rows, cols })
+    }
+
+    /// `x` rounded to bf16, the GEMMs' input.
+    fn cast_bf16(&self, x: &GpuTensor<G::Buf>) -> Result<G::Buf> {
+        let n = x.rows * x.cols;
+        let xb = self.gpu.alloc_output(n.max(1) * 2)?;
+        self.launch(
+            Kernel::CastBf16,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&xb), Arg::I32(dim(n)?)],
+        )?;
+        Ok(xb)
+    }
+
+    fn gemm(&self, x: &GpuTensor<G::Buf>, xb: &G::Buf, w: &GpuWeight<G::Buf>) -> Result<GpuTensor<G::Buf>> {
+        if x.cols != w.cols {
+            return Err(Error::Internal(format!(
+                "matmul of [{}, {}] by [{}, {}]ᵀ",
+                x.rows, x.cols, w.rows, w.cols
+            )));
+        }
+        let mut y = self.tensor(x.rows, w.rows)?;
+        if x.rows > 0 {
+            self.gpu.gemm_bf16(w.rows, x.rows, w.cols, &w.buf, xb, &mut y.buf)?;
+        }
+        Ok(y)
     }
 
     fn launch(&self, k: Kernel, l: Launch, args: &[Arg<'_, G::Buf>]) -> Result<()> {
@@ -238,26 +265,14 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     }
 
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor> {
-        if x.cols != w.cols {
-            return Err(Error::Internal(format!(
-                "matmul of [{}, {}] by [{}, {}]ᵀ",
-                x.rows, x.cols, w.rows, w.cols
-            )));
-        }
-        let y = self.tensor(x.rows, w.rows)?;
-        if x.rows == 0 {
-            return Ok(y);
-        }
-        let n = x.rows * x.cols;
-        let xb = self.gpu.alloc(n * 2)?;
-        self.launch(
-            Kernel::CastBf16,
-            Launch::elements(n, ELEMENTWISE_THREADS),
-            &[Arg::Buf(&x.buf), Arg::Buf(&xb), Arg::I32(dim(n)?)],
-        )?;
-        let mut y = y;
-        self.gpu.gemm_bf16(w.rows, x.rows, w.cols, &w.buf, &xb, &mut y.buf)?;
-        Ok(y)
+        let xb = self.cast_bf16(x)?;
+        self.gemm(x, &xb, w)
+    }
+
+    fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Result<Vec<Self::Tensor>> {
+        // One bf16 copy of the input for every projection that reads it (q/k/v, gate/up).
+        let xb = self.cast_bf16(x)?;
+        ws.iter().map(|w| self.gemm(x, &xb, w)).collect()
     }
 
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()> {
