@@ -40,8 +40,10 @@ pub fn check_device(device: Device) -> Result<()> {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             use crate::backend::cuda::driver::{probe, CUBLAS, CUBLASLT, DRIVER, NVRTC};
-            probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT])
-                .map_err(|e| Error::Unavailable(format!("--device {device}: {e}")))
+            probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT]).map_err(|e| match e {
+                Error::Unavailable(m) => Error::Unavailable(format!("--device {device}: {m}")),
+                other => other,
+            })
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda(n) => Err(Error::Unavailable(format!(
