@@ -143,3 +143,20 @@ pub fn write_slow_model(dir: &Path) {
         .expect("run strata model random");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A greedy `Generate` request for token ids, ignoring EOS (so it yields exactly
+/// `max_tokens` tokens).
+pub fn token_request(
+    model: &str,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+) -> strata_proto::inference::v1::GenerateRequest {
+    use strata_proto::inference::v1 as pb;
+    pb::GenerateRequest {
+        model: model.into(),
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    }
+}

@@ -50,15 +50,7 @@ fn deploy_req(name: &str, dir: &str, tp: u32, replicas: u32) -> apb::DeployModel
     }
 }
 
-fn gen_req(model: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        model: model.into(),
-        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
-        max_tokens: Some(max_tokens),
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
+use strata_tests::token_request as gen_req;
 
 /// Greedy continuations computed in-process from the same files (one rank).
 fn reference(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {

@@ -18,15 +18,7 @@ fn fixture(name: &str) -> String {
     fixtures_dir().join(name).to_string_lossy().to_string()
 }
 
-fn request(model: &str, prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        model: model.into(),
-        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
-        max_tokens: Some(max_tokens),
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
+use strata_tests::token_request as request;
 
 fn text_request(model: &str, text: &str, max_tokens: u32) -> pb::GenerateRequest {
     pb::GenerateRequest {

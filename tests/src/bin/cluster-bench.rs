@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use strata_proto::admin::v1 as apb;
 use strata_proto::admin::v1::admin_client::AdminClient;
-use strata_proto::inference::v1 as pb;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 use strata_proto::worker::v1 as wpb;
 use strata_proto::worker::v1::worker_client::WorkerClient;
@@ -98,15 +97,7 @@ async fn wait_ready(
     }
 }
 
-fn gen(model: &str, prompt: Vec<u32>, n: u32) -> pb::GenerateRequest {
-    pb::GenerateRequest {
-        model: model.into(),
-        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
-        max_tokens: Some(n),
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
+use strata_tests::token_request as gen;
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() {

@@ -22,24 +22,14 @@ use strata_common::{Error, Result};
 
 use super::{CommStats, Communicator};
 
-/// Shared libraries the NCCL communicator needs, with the names they are found under.
-const LIBRARIES: [(&str, &[&str]); 2] =
-    [("CUDA driver", &["libcuda.so.1", "libcuda.so"]), ("NCCL", &["libnccl.so.2", "libnccl.so"])];
+use crate::backend::cuda::driver::{probe, Library, DRIVER};
 
-/// Opens each library cudarc will load; an error names the first one missing.
+/// NCCL's library, under the names it is found by.
+pub const NCCL: Library = ("NCCL", &["libnccl.so.2", "libnccl.so"]);
+
+/// Opens each library cudarc will load for NCCL; an error names the first one missing.
 pub fn probe_libraries() -> Result<()> {
-    for (what, names) in LIBRARIES {
-        // SAFETY: loading a shared library runs its initialisers; these are the vendor
-        // libraries cudarc would load next anyway.
-        let found = names.iter().any(|n| unsafe { libloading::Library::new(n) }.is_ok());
-        if !found {
-            return Err(Error::Unavailable(format!(
-                "{what} library not found (tried {}); install it or add its directory to LD_LIBRARY_PATH",
-                names.join(", ")
-            )));
-        }
-    }
-    Ok(())
+    probe(&[DRIVER, NCCL])
 }
 
 fn nccl_err(what: &str) -> impl FnOnce(cudarc::nccl::result::NcclError) -> Error + '_ {
