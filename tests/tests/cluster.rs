@@ -319,17 +319,28 @@ async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let follower = busy.workers[1].clone();
     cluster.worker_mut(&follower).kill();
+    // Watch for the failed record while the streams run: once they finish, the record may
+    // already have been retired (failed retention) and replaced.
+    let failed = tokio::spawn({
+        let (a, id) = (a.clone(), busy.id.clone());
+        async move {
+            eventually("the replica marked failed", Duration::from_secs(60), || {
+                let (a, id) = (a.clone(), id.clone());
+                async move {
+                    replicas(&a, "slow")
+                        .await
+                        .into_iter()
+                        .find(|r| r.id == id && r.state == apb::ReplicaState::Failed as i32)
+                }
+            })
+            .await
+        }
+    });
     for (i, (h, want)) in streams.into_iter().zip(&want).enumerate() {
         let got = h.await.unwrap().unwrap_or_else(|e| panic!("stream {i} failed: {e:?}"));
         assert_eq!(&got, want, "stream {i}");
     }
-    let failed = eventually("the replica marked failed", Duration::from_secs(20), || async {
-        replicas(&a, "slow")
-            .await
-            .into_iter()
-            .find(|r| r.id == busy.id && r.state == apb::ReplicaState::Failed as i32)
-    })
-    .await;
+    let failed = failed.await.unwrap();
     assert!(!failed.reason.is_empty());
     // Rebuilt from the survivor and the free worker.
     let now = wait_ready(&a, "slow", 2, Duration::from_secs(60)).await;
