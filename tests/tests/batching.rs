@@ -1,6 +1,7 @@
 //! Continuous batching, preemption and prefix caching never change what a request gets:
 //! greedy outputs are identical alone, among 32 concurrent requests, with the prefix cache
-//! hit or missed, and after being preempted and recomputed.
+//! hit or missed, after being preempted and recomputed, and whether a step returns greedy
+//! picks or whole logits.
 
 use strata_common::SamplingParams;
 use strata_tests::{fixtures_dir, ids, reference};
@@ -178,6 +179,43 @@ fn a_resumed_sequence_continues_exactly_where_it_stopped() {
         // Already at max_tokens: nothing to resume.
         let e = other.add_resumed(2, prompt.clone(), whole.clone(), params).unwrap_err();
         assert!(e.to_string().contains("generated"), "{e}");
+    }
+}
+
+#[test]
+fn greedy_picks_equal_sampling_from_the_whole_logits() {
+    // Plain greedy steps return one pick per row (argmax and log-normaliser, merged over
+    // tensor-parallel shards on the device); asking for top logprobs makes the step return
+    // whole rows instead. Both must choose the same tokens with the same logprobs.
+    for name in ["llama_gqa", "qwen2_bias_tied", "mistral_window"] {
+        let reqs = mixed_requests(384);
+        let run = |top: u32| {
+            let mut e = engine(name, config(16 << 20, true));
+            for (i, r) in reqs.iter().take(8).enumerate() {
+                let params = SamplingParams { logprobs: Some(top), ..greedy(r.max_tokens) };
+                e.add(i as u64, r.prompt.clone(), params).unwrap();
+            }
+            let mut out = vec![Vec::new(); 8];
+            while e.has_work() {
+                for ev in e.step().unwrap() {
+                    let lp = ev.logprobs.expect("logprobs were asked for");
+                    assert_eq!(lp.token_id, ev.token);
+                    assert_eq!(lp.top.len(), top as usize);
+                    out[ev.seq as usize].push((ev.token, lp.logprob));
+                }
+            }
+            out
+        };
+        let (picks, full) = (run(0), run(1));
+        for (i, (p, f)) in picks.iter().zip(&full).enumerate() {
+            assert_eq!(p.len(), reqs[i].max_tokens as usize);
+            let tokens = |v: &[(u32, f32)]| v.iter().map(|t| t.0).collect::<Vec<_>>();
+            assert_eq!(tokens(p), tokens(f), "{name}: request {i} tokens differ");
+            for ((_, a), (_, b)) in p.iter().zip(f) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{name}: logprob {a} vs {b}");
+                assert!(*a <= 0.0);
+            }
+        }
     }
 }
 

@@ -15,6 +15,7 @@ use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
 
 use crate::backend::{Backend, BatchLayout, SeqSlice};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
+use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, StepLogits};
 use crate::model::{Model, NoComm};
 
 /// What the engine needs from whatever runs its steps.
@@ -22,8 +23,15 @@ pub trait StepExecutor: Send {
     fn config(&self) -> &ModelConfig;
     /// Allocates `num_blocks` KV blocks on every rank.
     fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()>;
-    /// Runs one step and returns the logits of `logit_rows`, `[rows, vocab]`.
-    fn execute(&mut self, ids: &[u32], layout: &BatchLayout, logit_rows: &[usize]) -> Result<Vec<f32>>;
+    /// Runs one step and returns, for `logit_rows`, what `wanted` asks: their logits
+    /// (`[rows, vocab]`) or their greedy picks.
+    fn execute(
+        &mut self,
+        ids: &[u32],
+        layout: &BatchLayout,
+        logit_rows: &[usize],
+        wanted: LogitsWanted,
+    ) -> Result<StepLogits>;
     /// Weight bytes on the leader rank.
     fn weight_bytes(&self) -> usize;
     /// Weight bytes the leader rank reads per decode step.
@@ -84,11 +92,17 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
         self.kv = self.model.alloc_kv(num_blocks, block_size)?;
         Ok(())
     }
-    fn execute(&mut self, ids: &[u32], layout: &BatchLayout, logit_rows: &[usize]) -> Result<Vec<f32>> {
+    fn execute(
+        &mut self,
+        ids: &[u32],
+        layout: &BatchLayout,
+        logit_rows: &[usize],
+        wanted: LogitsWanted,
+    ) -> Result<StepLogits> {
         let mut none = NoComm;
         let x = self.model.embed_tokens(ids, &mut none)?;
         let x = self.model.run_layers(x, layout, &mut self.kv, &mut none)?;
-        self.model.logits(&x, logit_rows, &mut none)
+        self.model.step_logits(&x, logit_rows, wanted, &mut none)
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
@@ -126,17 +140,28 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         self.kv = self.model.alloc_kv(num_blocks, block_size)?;
         Ok(())
     }
-    fn execute(&mut self, ids: &[u32], layout: &BatchLayout, logit_rows: &[usize]) -> Result<Vec<f32>> {
-        let msg = encode_step(ids, layout, logit_rows);
+    fn execute(
+        &mut self,
+        ids: &[u32],
+        layout: &BatchLayout,
+        logit_rows: &[usize],
+        wanted: LogitsWanted,
+    ) -> Result<StepLogits> {
+        let msg = encode_step(ids, layout, logit_rows, wanted);
         for r in 1..self.comm.world() {
             self.comm.send(r, &msg)?;
         }
-        let own = run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), ids, layout, logit_rows)?;
+        let own =
+            run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), ids, layout, logit_rows, wanted)?;
         match own {
             Some(logits) => Ok(logits),
             None => {
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
-                Ok(bytes_f32(&self.comm.recv(from)?))
+                let data = bytes_f32(&self.comm.recv(from)?);
+                Ok(match wanted {
+                    LogitsWanted::Full => StepLogits::Full(data),
+                    LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
+                })
             }
         }
     }
@@ -159,7 +184,7 @@ impl<B: Backend> Drop for LeaderExecutor<B> {
     }
 }
 
-/// This rank's part of a step. Returns the logits on the last stage's TP rank 0.
+/// This rank's part of a step. Returns the logits (or picks) on the last stage's TP rank 0.
 pub fn run_rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
@@ -167,7 +192,8 @@ pub fn run_rank_step<B: Backend>(
     ids: &[u32],
     layout: &BatchLayout,
     logit_rows: &[usize],
-) -> Result<Option<Vec<f32>>> {
+    wanted: LogitsWanted,
+) -> Result<Option<StepLogits>> {
     let s = &model.shard.shard;
     let tp = model.shard.par.tp;
     let b = model.backend();
@@ -190,7 +216,7 @@ pub fn run_rank_step<B: Backend>(
         comm.send((s.stage + 1) * tp + s.tp_rank, f32_bytes(&b.to_host(&x)?))?;
         return Ok(None);
     }
-    let logits = model.logits(&x, logit_rows, comm)?;
+    let logits = model.step_logits(&x, logit_rows, wanted, comm)?;
     Ok((s.tp_rank == 0).then_some(logits))
 }
 
@@ -211,11 +237,15 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
         if msg.first() == Some(&MSG_SHUTDOWN) {
             return Ok(());
         }
-        let (ids, layout, rows) = decode_step(&msg)?;
-        let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &rows)?;
+        let (ids, layout, rows, wanted) = decode_step(&msg)?;
+        let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &rows, wanted)?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
-                comm.send(0, f32_bytes(&l))?;
+                let data = match l {
+                    StepLogits::Full(l) => l,
+                    StepLogits::Greedy(p) => picks_to_f32s(&p),
+                };
+                comm.send(0, f32_bytes(&data))?;
             }
         }
     }
@@ -237,7 +267,7 @@ fn put_all(out: &mut Vec<u8>, v: impl ExactSizeIterator<Item = usize>) {
 }
 
 /// Serialises a step plan (u32 little-endian fields).
-pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize]) -> Vec<u8> {
+pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize], wanted: LogitsWanted) -> Vec<u8> {
     let mut out = vec![MSG_STEP];
     put_all(&mut out, ids.iter().map(|&x| x as usize));
     put_all(&mut out, layout.positions.iter().map(|&x| x as usize));
@@ -251,6 +281,7 @@ pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize]) -> V
         put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
     }
     put_all(&mut out, logit_rows.iter().copied());
+    put(&mut out, (wanted == LogitsWanted::Greedy) as usize);
     out
 }
 
@@ -274,7 +305,7 @@ impl Reader<'_> {
     }
 }
 
-pub fn decode_step(msg: &[u8]) -> Result<(Vec<u32>, BatchLayout, Vec<usize>)> {
+pub fn decode_step(msg: &[u8]) -> Result<(Vec<u32>, BatchLayout, Vec<usize>, LogitsWanted)> {
     if msg.first() != Some(&MSG_STEP) {
         return Err(Error::Internal("not a step message".into()));
     }
@@ -294,7 +325,12 @@ pub fn decode_step(msg: &[u8]) -> Result<(Vec<u32>, BatchLayout, Vec<usize>)> {
         });
     }
     let rows = r.vec()?.into_iter().map(|x| x as usize).collect();
-    Ok((ids, BatchLayout { positions, slots, seqs, block_size }, rows))
+    let wanted = match r.u32()? {
+        0 => LogitsWanted::Full,
+        1 => LogitsWanted::Greedy,
+        w => return Err(Error::Internal(format!("a step message asks for logits form {w}"))),
+    };
+    Ok((ids, BatchLayout { positions, slots, seqs, block_size }, rows, wanted))
 }
 
 #[cfg(test)]
@@ -312,10 +348,11 @@ mod tests {
             ],
             block_size: 16,
         };
-        let msg = encode_step(&[5, 6, 9], &layout, &[1, 2]);
-        let (ids, back, rows) = decode_step(&msg).unwrap();
+        let msg = encode_step(&[5, 6, 9], &layout, &[1, 2], LogitsWanted::Greedy);
+        let (ids, back, rows, wanted) = decode_step(&msg).unwrap();
         assert_eq!(ids, vec![5, 6, 9]);
         assert_eq!(rows, vec![1, 2]);
+        assert_eq!(wanted, LogitsWanted::Greedy);
         assert_eq!((back.positions, back.slots, back.block_size), (layout.positions, layout.slots, 16));
         assert_eq!(back.seqs[1].block_table, vec![4, 0]);
         assert!(decode_step(&msg[..msg.len() - 3]).is_err());

@@ -18,6 +18,7 @@ use tracing::debug;
 use crate::backend::{Backend, BatchLayout, SeqSlice};
 use crate::dist::{kv_blocks, LocalExecutor, StepExecutor};
 use crate::kv::{BlockPool, DEFAULT_BLOCK_SIZE};
+use crate::logits::{LogitsWanted, StepLogits, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
@@ -260,14 +261,31 @@ impl Engine {
                 logit_rows.push(ids.len() - 1);
             }
         }
-        let logits = self.exec.execute(&ids, &layout, &logit_rows)?;
         let vocab = self.exec.config().vocab_size;
+        let greedy_only = vocab < MAX_PICK_VOCAB
+            && plan
+                .seqs
+                .iter()
+                .filter(|s| s.sample)
+                .all(|s| self.meta.get(&s.id).is_some_and(|m| !m.sampler.needs_full_logits()));
+        let wanted = if greedy_only { LogitsWanted::Greedy } else { LogitsWanted::Full };
+        let logits = self.exec.execute(&ids, &layout, &logit_rows, wanted)?;
+        let returned = match &logits {
+            StepLogits::Full(l) => l.len() / vocab.max(1),
+            StepLogits::Greedy(p) => p.len(),
+        };
+        if returned != logit_rows.len() {
+            return Err(Error::Internal(format!("a step returned {returned} rows for {}", logit_rows.len())));
+        }
         let max_context = self.max_context();
         let mut events = Vec::with_capacity(logit_rows.len());
         let mut sampled = Vec::with_capacity(logit_rows.len());
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
             let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
-            let (token, logprobs) = meta.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            let (token, logprobs) = match &logits {
+                StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
+                StepLogits::Greedy(p) => meta.sampler.accept(p[row]),
+            };
             meta.generated += 1;
             let params = meta.sampler.params();
             let finish = if !params.ignore_eos && self.eos.contains(&token) {
@@ -308,8 +326,8 @@ impl Engine {
             }],
             block_size: pool.block_size(),
         };
-        let logits = self.exec.execute(prompt, &layout, &[prompt.len() - 1]);
+        let logits = self.exec.execute(prompt, &layout, &[prompt.len() - 1], LogitsWanted::Full);
         self.scheduler.pool_mut().release(&mut blocks);
-        logits
+        logits?.into_full()
     }
 }

@@ -11,6 +11,7 @@ pub mod comm;
 pub mod dist;
 pub mod engine;
 pub mod kv;
+pub mod logits;
 pub mod model;
 pub mod replica;
 pub mod runner;

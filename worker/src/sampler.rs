@@ -12,6 +12,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use strata_common::SamplingParams;
 
+use crate::logits::Pick;
+
 /// The chosen token's logprob and the top alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
@@ -68,6 +70,32 @@ impl Sampler {
         let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
         self.record(token);
         (token, logprobs)
+    }
+
+    /// Whether choosing the next token needs the row's whole logits: anything but plain
+    /// greedy decoding (penalties move the argmax; top logprobs need the distribution).
+    /// When it does not, the step can return a [`Pick`] instead ([`Sampler::accept`]).
+    pub fn needs_full_logits(&self) -> bool {
+        let p = &self.params;
+        !p.is_greedy()
+            || p.repetition_penalty != 1.0
+            || p.presence_penalty != 0.0
+            || p.frequency_penalty != 0.0
+            || p.logprobs.is_some_and(|n| n > 0)
+    }
+
+    /// Takes the token a greedy pick chose (only for a sampler that does not
+    /// [`need_full_logits`](Sampler::needs_full_logits)) and records it as output: the
+    /// same token and logprob [`Sampler::sample`] gives on that row's logits.
+    pub fn accept(&mut self, pick: Pick) -> (u32, Option<TokenLogprobs>) {
+        debug_assert!(!self.needs_full_logits(), "a pick for a sampler that needs the logits");
+        let logprobs = self.params.logprobs.map(|_| TokenLogprobs {
+            token_id: pick.token,
+            logprob: pick.logprob(),
+            top: Vec::new(),
+        });
+        self.record(pick.token);
+        (pick.token, logprobs)
     }
 
     /// Records `token` as output.

@@ -196,6 +196,19 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     let want = run.cpu.to_host(&run.cpu.gather_rows(&xc, &rows)?)?;
     run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
 
+    // Greedy picks of a vocabulary shard's logits, with a planted tie (the lower id wins).
+    let v = s.vocab;
+    let mut logits = random(&mut rng, n * v, 8.0);
+    logits[3] = 20.0;
+    logits[v - 2] = 20.0;
+    let (ld, lc) = run.pair(&logits, n, v)?;
+    let got = dev.greedy_picks(&ld, 7)?;
+    let want = run.cpu.greedy_picks(&lc, 7)?;
+    let tokens = |p: &[crate::logits::Pick]| p.iter().map(|p| p.token as f32).collect::<Vec<_>>();
+    let values = |p: &[crate::logits::Pick]| p.iter().flat_map(|p| [p.logit, p.log_z]).collect::<Vec<_>>();
+    run.record("greedy_pick (tokens)", format!("[{n}, {v}]"), &tokens(&got), &tokens(&want), 0.0);
+    run.record("greedy_pick (logit, log_z)", format!("[{n}, {v}]"), &values(&got), &values(&want), F32_TOL);
+
     // RoPE on q-shaped rows at scattered positions (llama3-style frequencies are just a table).
     let d = s.head_dim;
     let inv_freq: Vec<f32> =

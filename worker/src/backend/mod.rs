@@ -171,6 +171,10 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Result<Self::Tensor>;
     /// The given rows, in order.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
+    /// The greedy pick of each row of `logits`, a vocabulary shard whose first column is
+    /// token `first_id`: its largest logit (the first on ties), that token and the row's
+    /// log-sum-exp, reduced where the logits are (see [`crate::logits`]).
+    fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<crate::logits::Pick>>;
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     /// A tensor from host data, row-major.

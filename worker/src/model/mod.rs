@@ -18,6 +18,7 @@ use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::comm::Communicator;
+use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, Pick, StepLogits};
 use weights::{Checkpoint, HostTensor};
 
 struct Linear<B: Backend> {
@@ -291,14 +292,7 @@ impl<B: Backend> Model<B> {
     /// gathered across TP. Returns `[rows, vocab]` row-major.
     pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Communicator) -> Result<Vec<f32>> {
         let b = &self.backend;
-        let last = b.gather_rows(x, rows)?;
-        let normed = b.rms_norm(&last, &self.norm, self.config.rms_norm_eps as f32)?;
-        let head = self
-            .lm_head
-            .as_ref()
-            .or(self.embed.as_ref())
-            .ok_or_else(|| Error::Internal("logits on a stage without the LM head".into()))?;
-        let local = b.to_host(&b.matmul(&normed, head)?)?;
+        let local = b.to_host(&self.head_logits(x, rows)?)?;
         if self.shard.tp() == 1 {
             return Ok(local);
         }
@@ -319,6 +313,60 @@ impl<B: Backend> Model<B> {
             offset += n * width;
         }
         Ok(out)
+    }
+
+    /// What [`Model::logits`] or [`Model::greedy_picks`] returns, as `wanted` says.
+    pub fn step_logits(
+        &self,
+        x: &B::Tensor,
+        rows: &[usize],
+        wanted: LogitsWanted,
+        comm: &mut dyn Communicator,
+    ) -> Result<StepLogits> {
+        Ok(match wanted {
+            LogitsWanted::Full => StepLogits::Full(self.logits(x, rows, comm)?),
+            LogitsWanted::Greedy => StepLogits::Greedy(self.greedy_picks(x, rows, comm)?),
+        })
+    }
+
+    /// The greedy pick of each of `rows` (last stage), reduced on this rank's vocabulary
+    /// shard and merged across TP: three numbers per row cross the TP group, not the
+    /// shard's logits.
+    pub fn greedy_picks(
+        &self,
+        x: &B::Tensor,
+        rows: &[usize],
+        comm: &mut dyn Communicator,
+    ) -> Result<Vec<Pick>> {
+        let tp = self.shard.tp();
+        let vocab = self.config.vocab_size;
+        let per = vocab.div_ceil(tp);
+        let first_id = (self.shard.shard.tp_rank * per).min(vocab);
+        let local = self.backend.greedy_picks(&self.head_logits(x, rows)?, first_id as u32)?;
+        if tp == 1 {
+            return Ok(local);
+        }
+        let gathered = comm.all_gather(&self.shard.tp_group, &picks_to_f32s(&local))?;
+        let all = picks_from_f32s(&gathered)?;
+        let n = rows.len();
+        if all.len() != n * tp {
+            return Err(Error::Internal(format!("{} picks gathered for {n} rows × {tp} ranks", all.len())));
+        }
+        // Rank blocks in vocabulary order: the earlier shard wins ties.
+        Ok((0..n).map(|t| (1..tp).fold(all[t], |acc, r| acc.merge(all[r * n + t]))).collect())
+    }
+
+    /// This rank's vocabulary shard of the logits of `rows`: final norm and LM head.
+    fn head_logits(&self, x: &B::Tensor, rows: &[usize]) -> Result<B::Tensor> {
+        let b = &self.backend;
+        let last = b.gather_rows(x, rows)?;
+        let normed = b.rms_norm(&last, &self.norm, self.config.rms_norm_eps as f32)?;
+        let head = self
+            .lm_head
+            .as_ref()
+            .or(self.embed.as_ref())
+            .ok_or_else(|| Error::Internal("logits on a stage without the LM head".into()))?;
+        b.matmul(&normed, head)
     }
 
     fn all_reduce(&self, x: &mut B::Tensor, comm: &mut dyn Communicator) -> Result<()> {

@@ -259,6 +259,10 @@ impl Backend for CpuBackend {
         Ok(CpuTensor::new(data, rows.len(), x.cols))
     }
 
+    fn greedy_picks(&self, logits: &CpuTensor, first_id: u32) -> Result<Vec<crate::logits::Pick>> {
+        Ok(crate::logits::host_picks(&logits.data, logits.cols, first_id))
+    }
+
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
         Ok(x.data.clone())
     }

@@ -141,6 +141,63 @@ KERNEL void gather_rows(const float* x, const int* rows, float* y, int cols) {
     }
 }
 
+// One block per row of a vocabulary shard's logits whose first column is token first_id:
+// out[row] = {token of the largest logit (the first on ties), that logit, the row's
+// log-sum-exp}, the token as a float (exact below 2^24). Greedy decoding needs nothing
+// more, so the logits stay on the device. blockDim.x is a power of two <= 1024.
+KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
+    SHARED float best[1024];
+    SHARED int where[1024];
+    const float* row = x + (long long)blockIdx.x * cols;
+    int tid = threadIdx.x;
+    float m = -INFINITY;
+    int at = -1;
+    for (int c = tid; c < cols; c += blockDim.x) {
+        if (at < 0 || row[c] > m) {
+            m = row[c];
+            at = c;
+        }
+    }
+    best[tid] = m;
+    where[tid] = at;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            int a2 = where[tid + stride];
+            float m2 = best[tid + stride];
+            int a1 = where[tid];
+            if (a1 < 0 || (a2 >= 0 && (m2 > best[tid] || (m2 == best[tid] && a2 < a1)))) {
+                best[tid] = m2;
+                where[tid] = a2;
+            }
+        }
+        SYNC();
+    }
+    float top = best[0];
+    int top_at = where[0];
+    SYNC();
+    float sum = 0.0f;
+    if (top != -INFINITY) {
+        for (int c = tid; c < cols; c += blockDim.x) {
+            sum += expf(row[c] - top);
+        }
+    }
+    best[tid] = sum;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            best[tid] += best[tid + stride];
+        }
+        SYNC();
+    }
+    if (tid == 0) {
+        float* o = out + (long long)blockIdx.x * 3;
+        o[0] = (float)(first_id + (top_at < 0 ? 0 : top_at));
+        o[1] = top;
+        o[2] = top == -INFINITY ? top : top + logf(best[0]);
+    }
+}
+
 // Largest number of output dimensions one attention thread accumulates:
 // head_dim ≤ ATTN_MAX_DIMS × blockDim.x.
 #define ATTN_MAX_DIMS 4

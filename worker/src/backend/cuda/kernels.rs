@@ -38,11 +38,12 @@ pub enum Kernel {
     Embed,
     WriteKv,
     GatherRows,
+    GreedyPick,
     PagedAttention,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 10] = [
+    pub const ALL: [Kernel; 11] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -52,6 +53,7 @@ impl Kernel {
         Kernel::Embed,
         Kernel::WriteKv,
         Kernel::GatherRows,
+        Kernel::GreedyPick,
         Kernel::PagedAttention,
     ];
 
@@ -67,6 +69,7 @@ impl Kernel {
             Kernel::Embed => "embed",
             Kernel::WriteKv => "write_kv",
             Kernel::GatherRows => "gather_rows",
+            Kernel::GreedyPick => "greedy_pick",
             Kernel::PagedAttention => "paged_attention",
         }
     }

@@ -30,6 +30,7 @@ use strata_common::{Error, Result};
 use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::logits::{picks_from_f32s, Pick};
 use crate::model::weights::{DType, HostTensor};
 
 /// Threads per block of the attention kernel (a power of two).
@@ -443,6 +444,21 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             &[Arg::Buf(&x.buf), Arg::Buf(&idx_buf), Arg::Buf(&y.buf), Arg::I32(dim(x.cols)?)],
         )?;
         Ok(y)
+    }
+
+    fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<Pick>> {
+        let out = self.tensor(logits.rows, 3)?;
+        self.launch(
+            Kernel::GreedyPick,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(logits.cols)?),
+                Arg::I32(dim(first_id as usize)?),
+            ],
+        )?;
+        picks_from_f32s(&self.to_host(&out)?)
     }
 
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {

@@ -1,0 +1,180 @@
+//! What a step hands back for its sampled rows: the whole logits, or only the greedy pick.
+//!
+//! Sampling with a temperature, penalties or top logprobs needs each row's whole
+//! distribution, copied to the host. Plain greedy decoding needs three numbers per row —
+//! the largest logit, its token and the row's log-sum-exp (for the chosen token's
+//! logprob) — which the backend reduces where the logits are ([`Backend::greedy_picks`],
+//! a kernel on a GPU). Tensor-parallel ranks each reduce their vocabulary shard and
+//! exchange three numbers per row instead of their shard of the logits.
+//!
+//! [`Backend::greedy_picks`]: crate::backend::Backend::greedy_picks
+
+use strata_common::{Error, Result};
+
+/// Which form of the logits a step must return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// `[rows, vocab]` on the host.
+    Full,
+    /// One [`Pick`] per row.
+    Greedy,
+}
+
+/// A step's output for its sampled rows.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepLogits {
+    /// `[rows, vocab]` row-major.
+    Full(Vec<f32>),
+    Greedy(Vec<Pick>),
+}
+
+impl StepLogits {
+    /// The whole logits; an error if the step returned picks.
+    pub fn into_full(self) -> Result<Vec<f32>> {
+        match self {
+            StepLogits::Full(l) => Ok(l),
+            StepLogits::Greedy(_) => {
+                Err(Error::Internal("a step returned picks where logits were asked".into()))
+            }
+        }
+    }
+}
+
+/// Ids at or above this cannot travel as an `f32` exactly; such vocabularies always take
+/// [`LogitsWanted::Full`].
+pub const MAX_PICK_VOCAB: usize = 1 << 24;
+
+/// One row's greedy choice.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Pick {
+    /// The token of the largest logit (the first on ties, as `torch.argmax`).
+    pub token: u32,
+    /// Its logit.
+    pub logit: f32,
+    /// `log(sum(exp(logits)))` of the row.
+    pub log_z: f32,
+}
+
+impl Pick {
+    /// The chosen token's logprob under the raw distribution.
+    pub fn logprob(&self) -> f32 {
+        self.logit - self.log_z
+    }
+
+    /// The pick of two vocabulary shards' rows together; `self` is the shard with the
+    /// lower token ids, so it wins ties.
+    pub fn merge(self, other: Pick) -> Pick {
+        let log_z = log_add_exp(self.log_z, other.log_z);
+        let best = if other.logit > self.logit { other } else { self };
+        Pick { log_z, ..best }
+    }
+}
+
+fn log_add_exp(a: f32, b: f32) -> f32 {
+    let m = a.max(b);
+    if m == f32::NEG_INFINITY {
+        return m;
+    }
+    m + ((a - m).exp() + (b - m).exp()).ln()
+}
+
+/// The pick of each `cols`-wide row of `data`, whose first column is token `first_id`:
+/// the host reduction (CPU backend) and the reference for device kernels.
+pub fn host_picks(data: &[f32], cols: usize, first_id: u32) -> Vec<Pick> {
+    if cols == 0 {
+        return Vec::new();
+    }
+    data.chunks_exact(cols)
+        .map(|row| {
+            let mut best = 0;
+            for (i, &l) in row.iter().enumerate() {
+                if l > row[best] {
+                    best = i;
+                }
+            }
+            let max = row[best];
+            let log_z = if max == f32::NEG_INFINITY {
+                max
+            } else {
+                max + row.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32
+            };
+            Pick { token: first_id + best as u32, logit: max, log_z }
+        })
+        .collect()
+}
+
+/// Picks as `[token, logit, log_z]` triples of `f32` (for the communicators, which move
+/// `f32`s; ids below [`MAX_PICK_VOCAB`] are exact).
+pub fn picks_to_f32s(picks: &[Pick]) -> Vec<f32> {
+    picks.iter().flat_map(|p| [p.token as f32, p.logit, p.log_z]).collect()
+}
+
+/// The inverse of [`picks_to_f32s`].
+pub fn picks_from_f32s(data: &[f32]) -> Result<Vec<Pick>> {
+    if !data.len().is_multiple_of(3) {
+        return Err(Error::Internal(format!("{} values are not whole picks", data.len())));
+    }
+    data.chunks_exact(3)
+        .map(|c| {
+            let token = c[0];
+            if !(token >= 0.0 && token < MAX_PICK_VOCAB as f32 && token.fract() == 0.0) {
+                return Err(Error::Internal(format!("a pick's token {token} is not an id")));
+            }
+            Ok(Pick { token: token as u32, logit: c[1], log_z: c[2] })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::{argmax, logprobs};
+
+    #[test]
+    fn host_picks_agree_with_the_sampler() {
+        let row = [0.5f32, 2.0, -1.0, 2.0, 1.5];
+        let p = host_picks(&row, 5, 0)[0];
+        assert_eq!(p.token, argmax(&row));
+        assert_eq!(p.token, 1, "the first of equal logits");
+        let lp = logprobs(&row, p.token, 0);
+        assert!((p.logprob() - lp.logprob).abs() < 1e-6);
+    }
+
+    #[test]
+    fn merged_shards_equal_the_whole_row() {
+        let row: Vec<f32> = (0..37).map(|i| ((i * 7919) % 101) as f32 * 0.03 - 1.0).collect();
+        let whole = host_picks(&row, row.len(), 0)[0];
+        for split in [1, 10, 19, 36] {
+            let a = host_picks(&row[..split], split, 0)[0];
+            let b = host_picks(&row[split..], row.len() - split, split as u32)[0];
+            let m = a.merge(b);
+            assert_eq!(m.token, whole.token, "split at {split}");
+            assert_eq!(m.logit, whole.logit);
+            assert!((m.log_z - whole.log_z).abs() < 1e-5, "split at {split}: {m:?} vs {whole:?}");
+        }
+        // Ties across shards go to the lower ids.
+        let tie = [1.0f32, 3.0, 3.0, 0.0];
+        let m = host_picks(&tie[..2], 2, 0)[0].merge(host_picks(&tie[2..], 2, 2)[0]);
+        assert_eq!(m.token, 1);
+    }
+
+    #[test]
+    fn picks_round_trip_through_f32s_and_bad_ones_are_refused() {
+        let picks = vec![
+            Pick { token: 0, logit: 1.0, log_z: 2.0 },
+            Pick { token: 128_255, logit: -3.5, log_z: 0.25 },
+        ];
+        assert_eq!(picks_from_f32s(&picks_to_f32s(&picks)).unwrap(), picks);
+        assert!(picks_from_f32s(&[1.0, 2.0]).is_err());
+        assert!(picks_from_f32s(&[1.5, 2.0, 3.0]).is_err());
+        assert!(picks_from_f32s(&[-1.0, 2.0, 3.0]).is_err());
+        assert!(picks_from_f32s(&[f32::NAN, 2.0, 3.0]).is_err());
+    }
+
+    #[test]
+    fn a_row_of_minus_infinity_has_no_mass() {
+        let p = host_picks(&[f32::NEG_INFINITY; 3], 3, 4)[0];
+        assert_eq!((p.token, p.log_z), (4, f32::NEG_INFINITY));
+        assert_eq!(p.merge(Pick { token: 9, logit: 0.0, log_z: 0.0 }).token, 9);
+    }
+}
