@@ -6,7 +6,9 @@
 #      and Llama-8B-sized ones;
 #   3. greedy tokens of every fixture model on the GPU against the CPU backend and HF's
 #      reference (a difference is reported as a bf16 near-tie or a mismatch);
-#   4. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
+#   4. the communicator contract over NCCL, one rank per GPU (needs 2 GPUs; with one,
+#      NCCL's loading and a one-rank communicator);
+#   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
 #      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
 #      bandwidth measured here).
 # Full logs go to $OUT (or target/gpu-check-out); a short table is printed last.
@@ -89,7 +91,16 @@ PY
 )
 row "| greedy tokens, ${#fixtures[@]} fixture models | $status | $summary |"
 
-# 4. Decode speed vs the roofline.
+# 4. The communicator contract over NCCL (the checks the TCP communicator's tests run),
+#    one rank per GPU; with one GPU only NCCL's loading and a one-rank communicator.
+if "$STRATA" gpu-check --device "$DEVICE" comm >"$OUT/comm.jsonl" 2>>"$LOG"; then
+  row "| communicator contract | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; s=[x for x in r if 'skipped' in x]; print(f\"{r[0]['communicator']}: one-rank init {'ok' if s[0]['one_rank_init'] else s[0]['one_rank_init']}; {s[0]['skipped']}\" if s else f\"{r[0]['communicator']}: {len(r)} checks passed, groups of 2..{max(x['world'] for x in r)}\")" "$OUT/comm.jsonl") | |"
+else
+  row "| communicator contract | FAILED | see comm.jsonl and gpu-check.log |"
+fi
+cat "$OUT/comm.jsonl" >>"$LOG" 2>/dev/null
+
+# 5. Decode speed vs the roofline.
 for preset in $PRESETS; do
   dir="$MODELS/$preset-bf16"
   if [ ! -f "$dir/config.json" ]; then

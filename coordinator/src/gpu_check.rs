@@ -6,7 +6,10 @@
 //!   classified as a bf16 near-tie (the CPU's two candidates are closer than bf16 rounding
 //!   moves logits) or a real mismatch;
 //! - `decode`: batch-1 decode tokens/s beside the roofline from the device's copy bandwidth;
-//! - `bandwidth`: the device-to-device copy bandwidth alone.
+//! - `bandwidth`: the device-to-device copy bandwidth alone;
+//! - `comm`: the communicator contract (`strata_worker::comm::contract`, the checks the
+//!   TCP communicator's tests run) over NCCL, one rank per GPU, for every group size from 2
+//!   to the number of GPUs (NCCL allows one rank per GPU: one GPU cannot check it).
 //!
 //! Every subcommand prints JSON objects, one per line. `--device cpu` runs the same code
 //! with the CPU backend as the "device" (a self-check, used by the tests).
@@ -20,6 +23,7 @@ use serde_json::json;
 use strata_common::{Parallelism, SamplingParams};
 use strata_worker::backend::check::{check_ops, CheckSizes};
 use strata_worker::backend::{BackendOptions, Device};
+use strata_worker::comm::Communicator;
 use strata_worker::replica::local_replica;
 use strata_worker::{Engine, EngineConfig};
 use tracing::info;
@@ -59,6 +63,12 @@ pub enum GpuCheckCommand {
         /// KV cache, MiB.
         #[arg(long, default_value_t = 1024)]
         kv_cache_mib: usize,
+    },
+    /// The communicator contract over NCCL (over TCP with `--device cpu`), one rank per GPU.
+    Comm {
+        /// Largest group to check (default: every GPU, at most 8).
+        #[arg(long, default_value_t = 8)]
+        max_world: usize,
     },
     /// Device-to-device copy bandwidth (reads + writes ÷ time), GB/s.
     Bandwidth {
@@ -227,6 +237,67 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
                     "share_of_roofline": 1.0 / step / roofline,
                 })
             );
+        }
+        GpuCheckCommand::Comm { max_world } => {
+            let (backend, available) = match device {
+                Device::Cpu => ("tcp", max_world.min(4)),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(first) => {
+                    ("nccl", strata_worker::comm::nccl::device_count()?.saturating_sub(first).min(max_world))
+                }
+                #[cfg(not(feature = "cuda"))]
+                Device::Cuda(_) => bail!("no CUDA support in this build"),
+            };
+            let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
+                match device {
+                    #[cfg(feature = "cuda")]
+                    Device::Cuda(first) => Ok(strata_worker::comm::nccl::local_group(
+                        first,
+                        world,
+                        &strata_worker::comm::contract::groups(world),
+                    )?
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn Communicator>)
+                    .collect()),
+                    _ => {
+                        Ok(strata_worker::comm::tcp::local_group(world, std::time::Duration::from_secs(30))?
+                            .into_iter()
+                            .map(|c| Box::new(c) as Box<dyn Communicator>)
+                            .collect())
+                    }
+                }
+            };
+            if available < 2 {
+                // One GPU still shows whether NCCL loads and a (one-rank) communicator forms.
+                let init = if available == 1 { Some(make(1).map(drop)) } else { None };
+                let error = init.as_ref().and_then(|r| r.as_ref().err()).map(|e| e.to_string());
+                println!(
+                    "{}",
+                    json!({"communicator": backend,
+                           "one_rank_init": init.as_ref().map(|r| r.is_ok()),
+                           "error": error,
+                           "skipped": format!(
+                        "NCCL needs one GPU per rank: {available} GPU(s) from {device} on, a group needs 2")})
+                );
+                if let Some(e) = error {
+                    bail!("NCCL could not form a one-rank communicator: {e}");
+                }
+                return Ok(());
+            }
+            let mut failed = 0;
+            for world in 2..=available {
+                for (check, result) in strata_worker::comm::contract::run_all(world, &make) {
+                    failed += usize::from(result.is_err());
+                    println!(
+                        "{}",
+                        json!({"communicator": backend, "world": world, "check": check, "ok": result.is_ok(),
+                               "error": result.err().map(|e| e.to_string())})
+                    );
+                }
+            }
+            if failed > 0 {
+                bail!("{failed} communicator check(s) failed");
+            }
         }
         GpuCheckCommand::Bandwidth { mib } => {
             let bw = bandwidth(device, mib)?;

@@ -395,4 +395,9 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     let tokens = run(&["tokens", "--model", dir.to_str().unwrap()]);
     assert_eq!(tokens[0]["result"]["verdict"], "identical");
     assert_eq!(tokens[0]["matches_hf_reference"], true);
+    // The communicator contract, over TCP here (over NCCL on GPUs): groups of 2 and 3.
+    let comm = run(&["comm", "--max-world", "3"]);
+    assert_eq!(comm.len(), 10, "{comm:?}");
+    assert!(comm.iter().all(|r| r["ok"] == true && r["communicator"] == "tcp"), "{comm:?}");
+    assert_eq!(comm.last().unwrap()["world"], 3);
 }

@@ -6,7 +6,9 @@
 //! pipeline stage's TP group), so one communicator serves the whole replica.
 //! [`tcp::TcpComm`] implements it over persistent loopback or LAN TCP connections (CPU
 //! workers); [`nccl::NcclComm`] (feature `cuda`) runs the collectives through NCCL on GPUs.
+//! [`contract`] holds the checks both must pass.
 
+pub mod contract;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod tcp;

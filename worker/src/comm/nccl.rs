@@ -180,6 +180,30 @@ impl Communicator for NcclComm {
     }
 }
 
+/// Number of CUDA devices the driver sees.
+pub fn device_count() -> Result<usize> {
+    probe_libraries()?;
+    let n = CudaContext::device_count().map_err(cuda_err("device count"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// Starts `world` NCCL ranks inside this process (threads), rank r on GPU `first_device + r`,
+/// bootstrapped over a loopback TCP group, each holding communicators for `groups`.
+pub fn local_group(first_device: usize, world: usize, groups: &[Vec<usize>]) -> Result<Vec<NcclComm>> {
+    let tcp = super::tcp::local_group(world, std::time::Duration::from_secs(60))?;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = tcp
+            .into_iter()
+            .enumerate()
+            .map(|(rank, c)| s.spawn(move || NcclComm::new(first_device + rank, Box::new(c), groups)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(Error::Internal("NCCL rank set-up panicked".into()))))
+            .collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -440,55 +440,66 @@ pub fn local_group(world: usize, timeout: Duration) -> Result<Vec<TcpComm>> {
 mod tests {
     use super::*;
 
-    fn run_all<T: Send + 'static>(
-        comms: Vec<TcpComm>,
-        f: impl Fn(TcpComm) -> T + Send + Sync + Copy + 'static,
-    ) -> Vec<T> {
-        let hs: Vec<_> = comms.into_iter().map(|c| std::thread::spawn(move || f(c))).collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    fn boxed(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
+        Ok(local_group(world, Duration::from_secs(10))?
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect())
     }
 
     #[test]
-    fn all_reduce_sums_small_and_large_buffers() {
-        for world in [2usize, 3, 4] {
-            for len in [1usize, 7, 50_000] {
-                let comms = local_group(world, Duration::from_secs(10)).unwrap();
-                let out = run_all(comms, move |mut c| {
-                    let group: Vec<usize> = (0..c.world()).collect();
-                    let mut v: Vec<f32> = (0..len).map(|i| (c.rank() * 1000 + i % 1000) as f32).collect();
-                    c.all_reduce_sum(&group, &mut v).unwrap();
-                    v
-                });
-                let want: Vec<f32> =
-                    (0..len).map(|i| (0..world).map(|r| (r * 1000 + i % 1000) as f32).sum()).collect();
-                for v in out {
-                    assert_eq!(v, want, "world {world}, len {len}");
-                }
+    fn keeps_the_communicator_contract() {
+        // The same checks `strata gpu-check comm` runs over NCCL.
+        for world in [1usize, 2, 3, 4] {
+            for (check, result) in crate::comm::contract::run_all(world, boxed) {
+                result.unwrap_or_else(|e| panic!("world {world}, {check}: {e}"));
             }
         }
     }
 
     #[test]
-    fn gather_broadcast_send_and_subgroups() {
-        let comms = local_group(4, Duration::from_secs(10)).unwrap();
-        let out = run_all(comms, |mut c| {
-            let r = c.rank();
-            // Two TP groups {0,1} and {2,3}, as in a tp=2 × pp=2 replica.
-            let group: Vec<usize> = if r < 2 { vec![0, 1] } else { vec![2, 3] };
-            let gathered = c.all_gather(&group, &vec![r as f32; r + 1]).unwrap();
-            let mut msg = if r == 0 { b"plan".to_vec() } else { Vec::new() };
-            c.broadcast(&[0, 1, 2, 3], 0, &mut msg).unwrap();
-            if r < 2 {
-                c.send(r + 2, &[r as u8; 3]).unwrap();
+    fn a_wrong_sum_is_caught_by_the_contract() {
+        // The contract's checks can fail: a communicator that skips the reduction.
+        struct Lazy(TcpComm);
+        impl Communicator for Lazy {
+            fn rank(&self) -> usize {
+                self.0.rank()
             }
-            let got = if r >= 2 { c.recv(r - 2).unwrap() } else { Vec::new() };
-            c.barrier(&[0, 1, 2, 3]).unwrap();
-            (gathered, msg, got)
-        });
-        assert_eq!(out[0].0, vec![0.0, 1.0, 1.0]);
-        assert_eq!(out[3].0, vec![2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0]);
-        assert!(out.iter().all(|o| o.1 == b"plan"));
-        assert_eq!(out[3].2, vec![1, 1, 1]);
+            fn world(&self) -> usize {
+                self.0.world()
+            }
+            fn all_reduce_sum(&mut self, _group: &[usize], _data: &mut [f32]) -> Result<()> {
+                Ok(())
+            }
+            fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
+                self.0.all_gather(group, local)
+            }
+            fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
+                self.0.broadcast(group, root, data)
+            }
+            fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
+                self.0.send(to, data)
+            }
+            fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
+                self.0.recv(from)
+            }
+            fn barrier(&mut self, group: &[usize]) -> Result<()> {
+                self.0.barrier(group)
+            }
+            fn stats(&self) -> CommStats {
+                self.0.stats()
+            }
+        }
+        let lazy = |world| -> Result<Vec<Box<dyn Communicator>>> {
+            Ok(local_group(world, Duration::from_secs(10))?
+                .into_iter()
+                .map(|c| Box::new(Lazy(c)) as Box<dyn Communicator>)
+                .collect())
+        };
+        let e = crate::comm::contract::all_reduce_sums(lazy(2).unwrap(), 7).unwrap_err();
+        assert!(e.to_string().contains("rank 0"), "{e}");
+        let e = crate::comm::contract::subgroups_gathers_broadcasts_and_sends(lazy(4).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("all_reduce_sum over [0, 1]"), "{e}");
     }
 
     #[test]
