@@ -23,6 +23,7 @@ use serde_json::json;
 use strata_common::{Parallelism, SamplingParams};
 use strata_worker::backend::check::{check_ops, CheckSizes};
 use strata_worker::backend::{BackendOptions, Device};
+use strata_worker::comm::contract::boxed;
 use strata_worker::comm::Communicator;
 use strata_worker::replica::local_replica;
 use strata_worker::{Engine, EngineConfig};
@@ -251,20 +252,15 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
             let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
                 match device {
                     #[cfg(feature = "cuda")]
-                    Device::Cuda(first) => Ok(strata_worker::comm::nccl::local_group(
+                    Device::Cuda(first) => Ok(boxed(strata_worker::comm::nccl::local_group(
                         first,
                         world,
                         &strata_worker::comm::contract::groups(world),
-                    )?
-                    .into_iter()
-                    .map(|c| Box::new(c) as Box<dyn Communicator>)
-                    .collect()),
-                    _ => {
-                        Ok(strata_worker::comm::tcp::local_group(world, std::time::Duration::from_secs(30))?
-                            .into_iter()
-                            .map(|c| Box::new(c) as Box<dyn Communicator>)
-                            .collect())
-                    }
+                    )?)),
+                    _ => Ok(boxed(strata_worker::comm::tcp::local_group(
+                        world,
+                        std::time::Duration::from_secs(30),
+                    )?)),
                 }
             };
             if available < 2 {

@@ -15,7 +15,7 @@ use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
 
 use crate::backend::{Backend, BatchLayout, SeqSlice};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
-use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, StepLogits};
+use crate::logits::{LogitsWanted, StepLogits};
 use crate::model::{Model, NoComm};
 
 /// What the engine needs from whatever runs its steps.
@@ -157,11 +157,7 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
             Some(logits) => Ok(logits),
             None => {
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
-                let data = bytes_f32(&self.comm.recv(from)?);
-                Ok(match wanted {
-                    LogitsWanted::Full => StepLogits::Full(data),
-                    LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
-                })
+                StepLogits::from_f32s(wanted, bytes_f32(&self.comm.recv(from)?))
             }
         }
     }
@@ -241,11 +237,7 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
         let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &rows, wanted)?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
-                let data = match l {
-                    StepLogits::Full(l) => l,
-                    StepLogits::Greedy(p) => picks_to_f32s(&p),
-                };
-                comm.send(0, f32_bytes(&data))?;
+                comm.send(0, f32_bytes(&l.into_f32s()))?;
             }
         }
     }

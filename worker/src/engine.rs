@@ -270,10 +270,7 @@ impl Engine {
                 .all(|s| self.meta.get(&s.id).is_some_and(|m| !m.sampler.needs_full_logits()));
         let wanted = if greedy_only { LogitsWanted::Greedy } else { LogitsWanted::Full };
         let logits = self.exec.execute(&ids, &layout, &logit_rows, wanted)?;
-        let returned = match &logits {
-            StepLogits::Full(l) => l.len() / vocab.max(1),
-            StepLogits::Greedy(p) => p.len(),
-        };
+        let returned = logits.rows(vocab);
         if returned != logit_rows.len() {
             return Err(Error::Internal(format!("a step returned {returned} rows for {}", logit_rows.len())));
         }

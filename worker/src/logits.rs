@@ -38,6 +38,30 @@ impl StepLogits {
             }
         }
     }
+
+    /// Rows it holds, for a vocabulary of `vocab`.
+    pub fn rows(&self, vocab: usize) -> usize {
+        match self {
+            StepLogits::Full(l) => l.len() / vocab.max(1),
+            StepLogits::Greedy(p) => p.len(),
+        }
+    }
+
+    /// As `f32`s, for the communicators (picks as [`picks_to_f32s`] writes them).
+    pub fn into_f32s(self) -> Vec<f32> {
+        match self {
+            StepLogits::Full(l) => l,
+            StepLogits::Greedy(p) => picks_to_f32s(&p),
+        }
+    }
+
+    /// The inverse of [`StepLogits::into_f32s`], for the form `wanted` asked.
+    pub fn from_f32s(wanted: LogitsWanted, data: Vec<f32>) -> Result<Self> {
+        Ok(match wanted {
+            LogitsWanted::Full => StepLogits::Full(data),
+            LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
+        })
+    }
 }
 
 /// Ids at or above this cannot travel as an `f32` exactly; such vocabularies always take

@@ -23,6 +23,11 @@ pub fn groups(world: usize) -> Vec<Vec<usize>> {
     out
 }
 
+/// A group's communicators as the checks take them.
+pub fn boxed<C: Communicator + 'static>(comms: Vec<C>) -> Vec<Box<dyn Communicator>> {
+    comms.into_iter().map(|c| Box::new(c) as Box<dyn Communicator>).collect()
+}
+
 /// Runs `f` on every rank at once (collectives need all members) and collects the results
 /// in rank order; the first failing rank's error wins.
 fn on_every_rank<T: Send>(

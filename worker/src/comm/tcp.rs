@@ -440,18 +440,17 @@ pub fn local_group(world: usize, timeout: Duration) -> Result<Vec<TcpComm>> {
 mod tests {
     use super::*;
 
-    fn boxed(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
-        Ok(local_group(world, Duration::from_secs(10))?
-            .into_iter()
-            .map(|c| Box::new(c) as Box<dyn Communicator>)
-            .collect())
+    use crate::comm::contract::boxed;
+
+    fn loopback(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
+        Ok(boxed(local_group(world, Duration::from_secs(10))?))
     }
 
     #[test]
     fn keeps_the_communicator_contract() {
         // The same checks `strata gpu-check comm` runs over NCCL.
         for world in [1usize, 2, 3, 4] {
-            for (check, result) in crate::comm::contract::run_all(world, boxed) {
+            for (check, result) in crate::comm::contract::run_all(world, loopback) {
                 result.unwrap_or_else(|e| panic!("world {world}, {check}: {e}"));
             }
         }
@@ -491,10 +490,7 @@ mod tests {
             }
         }
         let lazy = |world| -> Result<Vec<Box<dyn Communicator>>> {
-            Ok(local_group(world, Duration::from_secs(10))?
-                .into_iter()
-                .map(|c| Box::new(Lazy(c)) as Box<dyn Communicator>)
-                .collect())
+            Ok(boxed(local_group(world, Duration::from_secs(10))?.into_iter().map(Lazy).collect()))
         };
         let e = crate::comm::contract::all_reduce_sums(lazy(2).unwrap(), 7).unwrap_err();
         assert!(e.to_string().contains("rank 0"), "{e}");

@@ -339,10 +339,8 @@ impl<B: Backend> Model<B> {
         comm: &mut dyn Communicator,
     ) -> Result<Vec<Pick>> {
         let tp = self.shard.tp();
-        let vocab = self.config.vocab_size;
-        let per = vocab.div_ceil(tp);
-        let first_id = (self.shard.shard.tp_rank * per).min(vocab);
-        let local = self.backend.greedy_picks(&self.head_logits(x, rows)?, first_id as u32)?;
+        let first_id = self.shard.shard.vocab.start as u32;
+        let local = self.backend.greedy_picks(&self.head_logits(x, rows)?, first_id)?;
         if tp == 1 {
             return Ok(local);
         }
