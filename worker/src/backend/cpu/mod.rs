@@ -260,7 +260,7 @@ impl Backend for CpuBackend {
     }
 
     fn greedy_picks(&self, logits: &CpuTensor, first_id: u32) -> Result<Vec<crate::logits::Pick>> {
-        Ok(crate::logits::host_picks(&logits.data, logits.cols, first_id))
+        Ok(crate::logits::host_picks(&logits.data, logits.rows, logits.cols, first_id))
     }
 
     fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
