@@ -486,7 +486,12 @@ async fn deadlines_auth_and_bad_requests_get_clear_statuses() {
     assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
     let e = ad.list_models(with("client-key", apb::ListModelsRequest {})).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
-    // Bad deployments name the field.
+    // Bad deployments name the field. The model directory is checked through the workers
+    // this coordinator knows (with none yet, a deployment is accepted and checked at load).
+    eventually("the coordinator to see both workers", Duration::from_secs(20), || async {
+        (workers_with(&a, "s3cret").await.len() == 2).then_some(())
+    })
+    .await;
     let cases = [
         (deploy_req("bad name", &dir, 1, 1), Code::InvalidArgument, "name"),
         (deploy_req("m", "/nonexistent/model", 1, 1), Code::InvalidArgument, "model_dir"),
