@@ -1,18 +1,29 @@
-//! Types shared by every Strata process.
+//! Plain data every Strata process shares.
 //!
-//! Nothing here does I/O beyond reading small JSON files, and nothing here knows about
-//! gRPC, etcd or tensors: the coordinator and the worker both depend on this crate, so it
-//! holds the vocabulary they speak — the model's configuration, sampling parameters, and
-//! the classified error type whose class the gRPC edge maps to a status code.
+//! The vocabulary the coordinator, the worker process and the engine speak: the model's
+//! configuration, the shard plan, sampling parameters and finish reasons, a sequence's
+//! events and a replica's load, the classified error type, the cluster's records and the
+//! [`registry::Registry`] seam, and the [`worker_api::WorkerApi`] seam. Nothing here
+//! knows tensors. Two features add edges the engine never enables: `etcd` (the etcd
+//! registry) and `grpc` (status codes and proto conversions in [`status`] and [`wire`]).
 
 pub mod cluster;
 pub mod error;
+pub mod events;
+pub mod host;
 pub mod model_config;
 pub mod registry;
 pub mod sampling;
 pub mod shard;
+pub mod shutdown;
+#[cfg(feature = "grpc")]
+pub mod status;
+#[cfg(feature = "grpc")]
+pub mod wire;
+pub mod worker_api;
 
 pub use error::{Error, ErrorClass, Result};
+pub use events::{EngineStats, SeqEvent, TokenLogprobs};
 pub use model_config::{Architecture, ModelConfig, RopeScaling};
 pub use sampling::{FinishReason, SamplingParams};
 pub use shard::{Parallelism, RankShard, ShardPlan};

@@ -1,29 +1,16 @@
-//! Strata's coordinator: everything between a caller and the engine.
+//! Strata's coordinator: everything between a caller and the workers, and no tensor math
+//! (this crate does not link the engine).
 //!
-//! It turns text into token ids ([`tokenizer`]), turns generated ids back into text
-//! incrementally and applies stop strings ([`text`]), and drives generations
-//! ([`local`] runs them in-process). The `strata` binary's command line is in [`cli`].
+//! - [`api`]: inference.v1 and admin.v1 over gRPC, auth, the server's lifecycle;
+//! - [`request`]: admission (a domain request in, token ids and sampling out), the
+//!   tokenizer, the incremental detokenizer with stop strings, the generation path with
+//!   failover;
+//! - [`routing`]: the Catalog/Routes/Replica seam, routing policy, the `WorkerApi` clients;
+//! - [`control`]: the registry view, leader election and the reconciler;
+//! - [`node`]: `strata coordinator` wired from those parts.
 
-pub mod admin;
-pub mod admin_cli;
-pub mod auth;
-pub mod bench;
-pub mod cli;
-pub mod client;
-pub mod cluster;
-pub mod cluster_cli;
-pub mod comm_bench;
-pub mod engine_bench;
-pub mod generation;
-pub mod gpu_check;
-pub mod latency_bench;
-pub mod local;
-pub mod model_tools;
-pub mod models;
+pub mod api;
+pub mod control;
+pub mod node;
 pub mod request;
 pub mod routing;
-pub mod serve;
-pub mod server;
-pub mod status;
-pub mod text;
-pub mod tokenizer;

@@ -25,7 +25,7 @@ impl Proc {
     pub fn start(name: &str, args: &[String], cwd: Option<&std::path::Path>) -> Proc {
         let mut cmd = Command::new(strata_bin());
         cmd.args(args)
-            .env("RUST_LOG", "info,strata_worker::runner=debug")
+            .env("RUST_LOG", "info,strata_engine::runner=debug")
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         if let Some(d) = cwd {

@@ -76,7 +76,7 @@ impl Server {
             .arg("serve")
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
-            .env("RUST_LOG", "info,strata_worker::runner=debug")
+            .env("RUST_LOG", "info,strata_engine::runner=debug")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -5,10 +5,10 @@
 
 use strata_common::SamplingParams;
 use strata_tests::{fixtures_dir, ids, reference};
-use strata_worker::backend::cpu::CpuBackend;
-use strata_worker::model::Model;
-use strata_worker::scheduler::SchedulerConfig;
-use strata_worker::{Engine, EngineConfig};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::model::Model;
+use strata_engine::scheduler::SchedulerConfig;
+use strata_engine::{Engine, EngineConfig};
 
 fn engine(name: &str, config: EngineConfig) -> Engine {
     let model = Model::load(&fixtures_dir().join(name), CpuBackend::new()).unwrap();
@@ -222,7 +222,7 @@ fn greedy_picks_equal_sampling_from_the_whole_logits() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_canary_is_answered_by_the_next_step_idle_or_busy() {
     use std::time::Duration;
-    use strata_worker::{EngineHandle, RunnerLimits, SeqEvent};
+    use strata_engine::{EngineHandle, RunnerLimits, SeqEvent};
     let handle =
         EngineHandle::spawn(engine("llama_gqa", config(8 << 20, true)), RunnerLimits::default(), "t")
             .unwrap();

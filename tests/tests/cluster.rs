@@ -54,8 +54,8 @@ use strata_tests::token_request as gen_req;
 
 /// Greedy continuations computed in-process from the same files (one rank).
 fn reference(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {
-    let config = strata_worker::EngineConfig { kv_cache_bytes: 64 << 20, ..Default::default() };
-    let mut e = strata_worker::replica::local_replica(dir, Parallelism::NONE, &config).unwrap();
+    let config = strata_engine::EngineConfig { kv_cache_bytes: 64 << 20, ..Default::default() };
+    let mut e = strata_engine::replica::local_replica(dir, Parallelism::NONE, &config).unwrap();
     let mut out = vec![Vec::new(); prompts.len()];
     for (i, p) in prompts.iter().enumerate() {
         e.add(

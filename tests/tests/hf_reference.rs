@@ -5,11 +5,11 @@
 //! 1e-4 absolute.
 
 use strata_common::SamplingParams;
-use strata_coordinator::tokenizer::Tokenizer;
+use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_tests::{fixture_models, floats, ids, reference};
-use strata_worker::backend::cpu::CpuBackend;
-use strata_worker::model::Model;
-use strata_worker::{Engine, EngineConfig};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::model::Model;
+use strata_engine::{Engine, EngineConfig};
 
 const LOGIT_TOL: f32 = 1e-4;
 
@@ -115,7 +115,7 @@ fn opt_in_bf16_prefill_stays_close_to_exact() {
     prompt.extend((0..30).map(|i| 3 + i * 7));
     let config = |bf16_prefill| EngineConfig {
         kv_cache_bytes: 8 << 20,
-        backend: strata_worker::backend::BackendOptions { bf16_prefill, ..Default::default() },
+        backend: strata_engine::backend::BackendOptions { bf16_prefill, ..Default::default() },
         ..Default::default()
     };
     let load = |bf16| {

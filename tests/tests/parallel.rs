@@ -6,8 +6,8 @@
 
 use strata_common::{Parallelism, SamplingParams, ShardPlan};
 use strata_tests::{fixture_models, ids, reference};
-use strata_worker::replica::local_replica;
-use strata_worker::{Engine, EngineConfig};
+use strata_engine::replica::local_replica;
+use strata_engine::{Engine, EngineConfig};
 
 fn config() -> EngineConfig {
     EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }
@@ -128,7 +128,7 @@ mod processes {
     /// Greedy tokens and their top-5 logprobs from a single in-process rank.
     fn single_rank(dir: &std::path::Path, prompt: &[u32], n: u32) -> (Vec<u32>, Vec<Vec<(u32, f32)>>) {
         let mut e =
-            strata_worker::replica::local_replica(dir, strata_common::Parallelism::NONE, &super::config())
+            strata_engine::replica::local_replica(dir, strata_common::Parallelism::NONE, &super::config())
                 .unwrap();
         let params = strata_common::SamplingParams {
             max_new_tokens: n,
@@ -214,8 +214,8 @@ mod processes {
 
 #[test]
 fn each_rank_holds_its_share_of_the_weights() {
-    use strata_worker::backend::cpu::CpuBackend;
-    use strata_worker::model::Model;
+    use strata_engine::backend::cpu::CpuBackend;
+    use strata_engine::model::Model;
     // 4 layers, untied: a tp=2 × pp=2 rank holds half the matrices of two layers and half
     // the embedding (first stage) or half the LM head (last stage): a quarter of the model.
     let dir = strata_tests::fixtures_dir().join("llama_sharded");

@@ -1,23 +1,16 @@
-//! Strata's engine.
+//! Strata's worker process: one engine, and everything that makes it a cluster member.
 //!
-//! The forward pass of the Llama family is written once in [`model`] against the
-//! [`backend::Backend`] trait; [`backend::cpu`] implements it for CPUs. The paged KV cache's
-//! bookkeeping lives in [`kv`], token selection in [`sampler`], and [`engine::Engine`]
-//! ties them together: sequences join and leave between steps, and every step runs one
-//! batched forward pass over all of them. The engine knows nothing of gRPC or etcd.
+//! - [`agent`]: the shard slot (load, lead or follow, unload, drain), transport-free;
+//! - [`in_process`]: the agent as the `WorkerApi` seam (what `strata serve`'s
+//!   coordinator calls directly), and the model files a coordinator may ask for;
+//! - [`service`]: worker.v1, a thin gRPC adapter over [`in_process`];
+//! - [`membership`]: the leased registration under `<prefix>/workers/<id>`;
+//! - [`process`]: `strata worker --etcd` wired from those parts.
+//!
+//! The worker links the engine and gRPC, never the coordinator.
 
-pub mod backend;
-pub mod comm;
-pub mod dist;
-pub mod engine;
-pub mod kv;
-pub mod logits;
-pub mod model;
-pub mod replica;
-pub mod runner;
-pub mod sampler;
-pub mod scheduler;
-
-pub use engine::{Engine, EngineConfig, SeqId, StepEvent, TokenLogprobs};
-pub use runner::{EngineHandle, EngineStats, RunnerLimits, SeqEvent, SequenceStream};
-pub use strata_common::{Error, Result};
+pub mod agent;
+pub mod in_process;
+pub mod membership;
+pub mod process;
+pub mod service;

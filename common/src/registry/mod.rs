@@ -1,7 +1,7 @@
 //! The cluster's shared state: a small key-value store with leases and watches.
 //!
-//! [`Registry`] is the seam. [`etcd::EtcdRegistry`] is the cluster implementation (a real
-//! etcd through `etcd-client`); [`memory::MemoryRegistry`] keeps the same semantics in
+//! [`Registry`] is the seam. `etcd::EtcdRegistry` (feature `etcd`) is the cluster
+//! implementation (a real etcd through `etcd-client`); [`memory::MemoryRegistry`] keeps the same semantics in
 //! this process — revisions, leases that lapse, watches that replay from a revision — so
 //! `strata serve` and the control plane's tests run without etcd. Callers never know
 //! which one they hold.
@@ -18,6 +18,7 @@
 //!
 //! Keys are plain strings; [`keys::Keys`] lays out Strata's key space under a prefix.
 
+#[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod keys;
 pub mod memory;

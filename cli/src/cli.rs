@@ -1,0 +1,631 @@
+//! The `strata` command line.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use strata_common::{Architecture, SamplingParams};
+use strata_engine::model::random::RandomModelSpec;
+use strata_engine::model::weights::DType;
+use strata_engine::EngineConfig;
+
+use crate::local::{LocalModel, Prompt};
+use crate::model_tools::write_random_model;
+
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, about = "Distributed LLM inference: serve, generate, benchmark")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate text from a prompt, in-process (or against a server with --endpoint).
+    Generate(GenerateArgs),
+    /// Serve models over gRPC: coordinator and workers in one process, no etcd.
+    Serve(ServeArgs),
+    /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
+    Bench(crate::bench::BenchArgs),
+    /// Cluster mode: route requests, serve the admin API, reconcile while elected leader.
+    Coordinator(crate::cluster_cli::CoordinatorArgs),
+    /// A worker: with --etcd, registers and holds the shards the leader assigns; with
+    /// --rank/--rendezvous, one rank of a replica led by `strata serve`.
+    Worker(crate::cluster_cli::WorkerArgs),
+    /// Deploy, scale, list and drain through a coordinator's admin API.
+    Admin(crate::admin_cli::AdminArgs),
+    /// Checks for a machine with a GPU: ops and tokens against the CPU backend, decode
+    /// speed against the bandwidth roofline (see scripts/gpu-check.sh).
+    GpuCheck(crate::gpu_check::GpuCheckArgs),
+    /// Benchmark the TCP communicator's all-reduce against a raw loopback TCP stream.
+    CommBench {
+        #[arg(long, default_value_t = 2)]
+        ranks: usize,
+        #[arg(long, default_value_t = 7)]
+        repeats: usize,
+    },
+    /// Model tools.
+    Model {
+        #[command(subcommand)]
+        command: ModelCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Write a random-weight model directory (config, safetensors, tokenizer).
+    Random(RandomArgs),
+    /// Measure prefill and decode speed in-process, beside the memory-bandwidth roofline.
+    Bench(BenchArgs),
+    /// Latency of 1-token generations, in-process or through a server (--endpoint).
+    Latency(LatencyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct LatencyArgs {
+    /// Model directory (in-process) or served model name (with --endpoint).
+    #[arg(long)]
+    pub model: String,
+    /// A running server to call instead of running the model in-process.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    #[arg(long, default_value_t = 500)]
+    pub requests: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Tokens decoded at batch 1.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Tensor-parallel ranks (threads of this process).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages (threads of this process).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16).
+    #[arg(long)]
+    pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Also measure decode steps with this many sequences running (e.g. 8,32).
+    #[arg(long, value_delimiter = ',')]
+    pub batch_sizes: Vec<usize>,
+    /// Prefill repetitions (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// Model directory (in-process) or served model name (with --endpoint).
+    #[arg(long)]
+    pub model: String,
+    /// Prompt text (tokenized with the model's tokenizer.json).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Prompt as comma-separated token ids, e.g. 1,2,3.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// Sampling temperature; 0 or absent is greedy.
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub repetition_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// Seed for reproducible sampling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop string (repeatable); the text is cut before it.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Token ids that end generation, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Report per-token logprobs with this many alternatives.
+    #[arg(long)]
+    pub logprobs: Option<u32>,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Memory for the KV cache, in MiB (in-process only).
+    #[arg(long, default_value_t = 512)]
+    pub kv_cache_mib: usize,
+    /// Call a running server (e.g. http://127.0.0.1:50051); --model is then a served name.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// With --endpoint: stream text as it is generated.
+    #[arg(long, requires = "endpoint")]
+    pub stream: bool,
+    /// In-process: prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about
+    /// twice as fast, no longer f32-exact).
+    #[arg(long)]
+    pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// In-process: tensor-parallel ranks (threads).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// In-process: pipeline stages (threads).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model directory to serve (repeatable).
+    #[arg(long, required = true)]
+    pub model: Vec<PathBuf>,
+    /// Name clients use for each --model, in the same order (default: the directory name).
+    #[arg(long)]
+    pub name: Vec<String>,
+    /// Address to listen on; port 0 picks a free port (the log says which).
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    pub listen: std::net::SocketAddr,
+    /// Tensor-parallel ranks per replica.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Pipeline stages per replica.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Replicas of each model.
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Most sequences running at once per replica.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one engine step.
+    #[arg(long, default_value_t = 512)]
+    pub max_batched_tokens: usize,
+    /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// Memory for each replica's KV cache: a size (512MiB, 2GiB) or a fraction of the
+    /// machine's available memory (0.2).
+    #[arg(long, default_value = "512MiB")]
+    pub kv_cache_memory: String,
+    /// Positions per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Do not reuse KV blocks of shared prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about twice as
+    /// fast, no longer f32-exact).
+    #[arg(long)]
+    pub bf16_prefill: bool,
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Wait at this address for the replica's other ranks to join as `strata worker`
+    /// processes, instead of running them as threads (one model, one replica).
+    #[arg(long)]
+    pub worker_rendezvous: Option<std::net::SocketAddr>,
+    /// Seconds in-flight calls get to finish after SIGTERM.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain_timeout: f64,
+    /// In-process workers beyond what the --model flags need, for models deployed at run
+    /// time through the admin API.
+    #[arg(long, default_value_t = 0)]
+    pub spare_workers: usize,
+}
+
+impl GenerateArgs {
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(0.0),
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            max_new_tokens: self.max_tokens,
+            ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids.clone(),
+            stop: self.stop.clone(),
+            logprobs: self.logprobs,
+        }
+    }
+
+    fn prompt(&self) -> Prompt {
+        match (&self.prompt, &self.prompt_ids) {
+            (Some(t), _) => Prompt::Text(t.clone()),
+            (None, Some(ids)) => Prompt::Ids(ids.clone()),
+            (None, None) => Prompt::Ids(Vec::new()),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ArchArg {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PresetArg {
+    Tiny,
+    #[value(name = "llama-1b")]
+    Llama1b,
+    #[value(name = "llama-8b")]
+    Llama8b,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum DTypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Args, Debug)]
+pub struct RandomArgs {
+    #[arg(long, value_enum, default_value = "llama")]
+    pub arch: ArchArg,
+    /// A named shape; individual flags override it.
+    #[arg(long, value_enum, default_value = "tiny")]
+    pub preset: PresetArg,
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    #[arg(long)]
+    pub intermediate: Option<usize>,
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: DTypeArg,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Generate(args) => match args.endpoint.clone() {
+            Some(endpoint) => runtime()?.block_on(crate::client::generate_remote(&args, &endpoint)),
+            None => generate(args),
+        },
+        Command::Serve(args) => serve(args),
+        Command::CommBench { ranks, repeats } => {
+            if ranks < 2 || repeats == 0 {
+                bail!("--ranks must be at least 2 and --repeats at least 1");
+            }
+            let sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20];
+            let report = crate::comm_bench::run(ranks, &sizes, repeats)?;
+            println!("{}", serde_json::to_string(&report)?);
+            Ok(())
+        }
+        Command::Coordinator(args) => crate::cluster_cli::coordinator(args, runtime()?),
+        Command::Worker(args) => crate::cluster_cli::worker(args, runtime),
+        Command::Admin(args) => runtime()?.block_on(crate::admin_cli::run(args)),
+        Command::GpuCheck(args) => crate::gpu_check::run(args),
+        Command::Bench(args) => {
+            let json = args.json;
+            let report = runtime()?.block_on(crate::bench::run(args))?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                crate::bench::print_human(&report);
+            }
+            Ok(())
+        }
+        Command::Model { command } => match command {
+            ModelCommand::Random(args) => random_model(args),
+            ModelCommand::Bench(args) => bench_model(args),
+            ModelCommand::Latency(args) => latency(args),
+        },
+    }
+}
+
+fn generate(args: GenerateArgs) -> anyhow::Result<()> {
+    let dir = PathBuf::from(&args.model);
+    let config = EngineConfig {
+        kv_cache_bytes: args.kv_cache_mib << 20,
+        backend: strata_engine::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let mut model = LocalModel::load_parallel(&dir, par, &config)?;
+    let params = args.sampling();
+    let json = args.json;
+    let mut stdout = std::io::stdout();
+    let out = model.generate(args.prompt(), params, |delta| {
+        if !json {
+            let _ = stdout.write_all(delta.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        println!();
+        eprintln!("[{} tokens, finish_reason={}]", out.token_ids.len(), out.finish_reason.as_str());
+    }
+    Ok(())
+}
+
+/// Parses "512MiB", "2GiB", "1000000" (bytes) or a fraction of available memory ("0.2").
+pub fn parse_memory(text: &str) -> anyhow::Result<usize> {
+    let t = text.trim();
+    let units = [
+        ("KiB", 1usize << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("KB", 1000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+    ];
+    for (suffix, mul) in units {
+        if let Some(n) = t.strip_suffix(suffix) {
+            let v: f64 =
+                n.trim().parse().with_context(|| format!("{text:?}: expected a number before {suffix}"))?;
+            if !(v > 0.0 && v.is_finite()) {
+                bail!("{text:?}: must be positive");
+            }
+            return Ok((v * mul as f64) as usize);
+        }
+    }
+    let v: f64 =
+        t.parse().with_context(|| format!("{text:?}: expected a size like 512MiB or a fraction like 0.2"))?;
+    if v > 0.0 && v < 1.0 {
+        let meminfo =
+            std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo for a fraction")?;
+        let avail_kib: usize = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .context("MemAvailable missing from /proc/meminfo")?;
+        return Ok((avail_kib as f64 * 1024.0 * v) as usize);
+    }
+    if v >= 1.0 && v.fract() == 0.0 {
+        return Ok(v as usize);
+    }
+    bail!("{text:?}: a fraction must be in (0, 1)")
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    if par.tp == 0 || par.pp == 0 {
+        bail!("--tp and --pp must be at least 1");
+    }
+    let mut rendezvous = None;
+    if let Some(addr) = args.worker_rendezvous {
+        if args.model.len() != 1 || args.replicas != 1 || par.world() == 1 {
+            bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
+        }
+        let listener =
+            std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
+        let bound = listener.local_addr()?;
+        tracing::info!("worker rendezvous listening on {bound}");
+        rendezvous = Some(listener);
+    }
+    if !args.name.is_empty() && args.name.len() != args.model.len() {
+        bail!(
+            "--name is given {} times for {} --model flags; give one name per model or none",
+            args.name.len(),
+            args.model.len()
+        );
+    }
+    if args.replicas == 0 || args.max_num_seqs == 0 || args.max_batched_tokens == 0 || args.block_size == 0 {
+        bail!("--replicas, --max-num-seqs, --max-batched-tokens and --block-size must be at least 1");
+    }
+    if !(args.drain_timeout >= 0.0 && args.drain_timeout.is_finite()) {
+        bail!("--drain-timeout must be a non-negative number of seconds");
+    }
+    let engine = EngineConfig {
+        kv_cache_bytes: parse_memory(&args.kv_cache_memory).context("--kv-cache-memory")?,
+        block_size: args.block_size,
+        scheduler: strata_engine::scheduler::SchedulerConfig {
+            max_num_seqs: args.max_num_seqs,
+            max_batched_tokens: args.max_batched_tokens,
+        },
+        prefix_caching: !args.no_prefix_caching,
+        backend: strata_engine::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
+            ..Default::default()
+        },
+    };
+    let limits = strata_engine::RunnerLimits { max_waiting: args.max_waiting };
+    let mut names = Vec::new();
+    for (i, dir) in args.model.iter().enumerate() {
+        let name = match args.name.get(i) {
+            Some(n) => n.clone(),
+            None => dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
+                .with_context(|| format!("--model {}: not a directory", dir.display()))?,
+        };
+        if names.contains(&name) {
+            bail!("model name {name:?} is used twice: give each --model its own --name");
+        }
+        names.push(name);
+    }
+    let opts = strata_coordinator::api::server::ServeOptions {
+        listen: args.listen,
+        drain_timeout: std::time::Duration::from_secs_f64(args.drain_timeout),
+        route: strata_coordinator::request::generation::RouteLimits::default(),
+        client_auth: strata_coordinator::api::auth::ClientAuth::open(),
+        role: "strata",
+    };
+    if let Some(listener) = rendezvous.take() {
+        // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
+        let replica = crate::rendezvous::StaticReplica {
+            name: &names[0],
+            dir: &args.model[0],
+            par,
+            listener,
+            engine: &engine,
+            limits: &limits,
+        };
+        return crate::rendezvous::run(replica, opts, runtime()?);
+    }
+    let models = names
+        .into_iter()
+        .zip(&args.model)
+        .map(|(name, dir)| crate::embedded::EmbeddedModel {
+            name,
+            dir: dir.clone(),
+            par,
+            replicas: args.replicas,
+        })
+        .collect();
+    let embedded = crate::embedded::EmbeddedOptions {
+        models,
+        spare_workers: args.spare_workers,
+        agent: strata_worker::agent::AgentConfig {
+            id: String::new(),
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise_host: "127.0.0.1".into(),
+            backend: engine.backend.clone(),
+            engine,
+            runner: limits,
+        },
+        limits: strata_common::cluster::EngineLimits::default(),
+        serve: opts,
+        timings: strata_coordinator::control::tasks::Timings::default(),
+    };
+    runtime()?.block_on(crate::embedded::run_embedded(embedded))
+}
+
+fn latency(args: LatencyArgs) -> anyhow::Result<()> {
+    if args.requests == 0 {
+        bail!("--requests must be at least 1");
+    }
+    let report = match &args.endpoint {
+        Some(endpoint) => {
+            runtime()?.block_on(crate::latency_bench::over_grpc(endpoint, &args.model, args.requests))?
+        }
+        None => {
+            let mut model = LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
+            crate::latency_bench::in_process(&mut model, args.requests)?
+        }
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
+    if args.prompt_len == 0 || args.decode_tokens == 0 || args.repeats == 0 {
+        bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
+    }
+    let config = EngineConfig {
+        kv_cache_bytes: args.kv_cache_mib << 20,
+        backend: strata_engine::backend::BackendOptions {
+            bf16_prefill: args.bf16_prefill,
+            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
+    let cfg = crate::engine_bench::EngineBenchConfig {
+        batch_sizes: args.batch_sizes.clone(),
+        prompt_len: args.prompt_len,
+        decode_tokens: args.decode_tokens,
+        repeats: args.repeats,
+    };
+    let report = crate::engine_bench::run(&mut model.engine, &cfg)?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+fn random_model(args: RandomArgs) -> anyhow::Result<()> {
+    let arch = match args.arch {
+        ArchArg::Llama => Architecture::Llama,
+        ArchArg::Mistral => Architecture::Mistral,
+        ArchArg::Qwen2 => Architecture::Qwen2,
+    };
+    let mut spec = match args.preset {
+        PresetArg::Tiny => RandomModelSpec::tiny(arch),
+        PresetArg::Llama1b => RandomModelSpec { arch, ..RandomModelSpec::llama_1b() },
+        PresetArg::Llama8b => RandomModelSpec { arch, ..RandomModelSpec::llama_8b() },
+    };
+    spec.hidden = args.hidden.unwrap_or(spec.hidden);
+    spec.layers = args.layers.unwrap_or(spec.layers);
+    spec.heads = args.heads.unwrap_or(spec.heads);
+    spec.kv_heads = args.kv_heads.unwrap_or(spec.kv_heads);
+    spec.intermediate = args.intermediate.unwrap_or(spec.intermediate);
+    spec.vocab = args.vocab.unwrap_or(spec.vocab);
+    spec.seed = args.seed;
+    spec.dtype = match args.dtype {
+        DTypeArg::F32 => DType::F32,
+        DTypeArg::Bf16 => DType::BF16,
+        DTypeArg::F16 => DType::F16,
+    };
+    if args.out.exists() && !args.out.is_dir() {
+        bail!("--out {}: exists and is not a directory", args.out.display());
+    }
+    let mut last_pct = usize::MAX;
+    write_random_model(&spec, &args.out, |done, total| {
+        let pct = done * 100 / total.max(1);
+        if pct / 10 != last_pct / 10 {
+            tracing::info!("writing weights: {pct}% of {} MiB", total >> 20);
+            last_pct = pct;
+        }
+    })
+    .with_context(|| format!("writing a random model to {}", args.out.display()))?;
+    eprintln!("wrote {} ({:?}, {} parameters)", args.out.display(), arch, spec_params(&spec));
+    Ok(())
+}
+
+fn spec_params(spec: &RandomModelSpec) -> String {
+    let h = spec.hidden;
+    let kv = spec.kv_heads * (h / spec.heads);
+    let per_layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate;
+    let embed = spec.vocab * h * if spec.tie_word_embeddings { 1 } else { 2 };
+    let n = spec.layers * per_layer + embed;
+    if n >= 1_000_000_000 {
+        format!("{:.2}B", n as f64 / 1e9)
+    } else {
+        format!("{:.1}M", n as f64 / 1e6)
+    }
+}

@@ -1,0 +1,168 @@
+//! `strata serve`: a whole cluster in one process, on the in-memory registry.
+//!
+//! The same parts as cluster mode, minus etcd: one coordinator (always the leader) and
+//! enough in-process workers for the models on the command line (`replicas × tp × pp`
+//! each, plus `--spare-workers`), each serving worker.v1 on a loopback port and
+//! registered with a lease in a [`MemoryRegistry`]. The command line's models are written
+//! as deployments and the reconciler builds them exactly as it would across machines —
+//! so `strata serve` also answers the admin API (deploy, scale, drain at run time), its
+//! replicas are canaried, and a replica that breaks is rebuilt. Requests reach the
+//! engines directly (no loopback gRPC on the request path).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use strata_common::cluster::{encode, Capacity, EngineLimits, ModelSpec, ReplicaState};
+use strata_common::registry::keys::Keys;
+use strata_common::registry::memory::MemoryRegistry;
+use strata_common::registry::Registry;
+use strata_common::{ModelConfig, Parallelism, ShardPlan};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::info;
+
+use strata_coordinator::api::admin::ClusterAdmin;
+use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
+use strata_coordinator::api::server::{serve, ServeOptions};
+use strata_coordinator::control::leader::{Election, LeaderConfig};
+use strata_coordinator::control::tasks::Timings;
+use strata_coordinator::control::view::Watcher;
+use strata_coordinator::request::tokenizer::Tokenizer;
+use strata_coordinator::routing::catalog::ClusterCatalog;
+use strata_coordinator::routing::clients::WorkerClients;
+use strata_coordinator::routing::Catalog;
+use strata_worker::agent::{AgentConfig, WorkerAgent};
+use strata_worker::in_process::InProcessWorker;
+use strata_worker::membership::{Announcement, Membership};
+use strata_worker::process::worker_server;
+
+/// One model of the command line.
+#[derive(Debug, Clone)]
+pub struct EmbeddedModel {
+    pub name: String,
+    pub dir: PathBuf,
+    pub par: Parallelism,
+    pub replicas: usize,
+}
+
+pub struct EmbeddedOptions {
+    pub models: Vec<EmbeddedModel>,
+    /// Workers beyond what the models need (for deployments at run time).
+    pub spare_workers: usize,
+    /// Every worker's agent (engine defaults, backend).
+    pub agent: AgentConfig,
+    pub limits: EngineLimits,
+    pub serve: ServeOptions,
+    pub timings: Timings,
+}
+
+const LEASE_TTL: Duration = Duration::from_secs(5);
+
+/// Starts the in-process cluster, waits for every replica, then serves until SIGTERM.
+pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
+    let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
+    let keys = Keys::new("/strata");
+    // Check every model before starting anything: a bad directory or split fails here.
+    for m in &opts.models {
+        let config = ModelConfig::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+        ShardPlan::new(&config, m.par).with_context(|| format!("model {:?}", m.name))?;
+        Tokenizer::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+    }
+    let clients = Arc::new(WorkerClients::new());
+    let needed: usize =
+        opts.models.iter().map(|m| m.replicas * m.par.world()).sum::<usize>() + opts.spare_workers;
+    let mut workers = Vec::with_capacity(needed);
+    for i in 0..needed {
+        let mut cfg = opts.agent.clone();
+        cfg.id = format!("local-{i}");
+        // One in-process worker per GPU: worker i drives the i-th device from the given one.
+        if let strata_engine::backend::Device::Cuda(base) = cfg.backend.device {
+            cfg.backend.device = strata_engine::backend::Device::Cuda(base + i);
+        }
+        cfg.bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+        cfg.advertise_host = "127.0.0.1".into();
+        let agent = WorkerAgent::new(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let listener = TcpListener::bind("127.0.0.1:0").await.context("binding an in-process worker")?;
+        let address = listener.local_addr()?.to_string();
+        clients.register(&address, Arc::new(InProcessWorker(agent.clone())));
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(worker_server(agent.clone()))
+                .serve_with_incoming(TcpListenerStream::new(listener)),
+        );
+        let capacity = Capacity {
+            device_kind: opts.agent.backend.device.kind().into(),
+            device_count: 1,
+            memory_bytes: strata_common::host::available_memory().unwrap_or(0),
+        };
+        let membership = Membership::start(
+            registry.clone(),
+            keys.clone(),
+            agent.clone(),
+            Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 },
+        );
+        workers.push((agent, membership, server));
+    }
+    let watcher = Watcher::start(registry.clone(), keys.clone());
+    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let leader = LeaderConfig {
+        id: "serve".into(),
+        lease_ttl: LEASE_TTL,
+        keepalive: LEASE_TTL / 3,
+        timings: opts.timings.clone(),
+        tick: Duration::from_millis(100),
+    };
+    let election =
+        Election::start(registry.clone(), keys.clone(), watcher.subscribe(), clients.clone(), leader);
+    for m in &opts.models {
+        let spec = ModelSpec {
+            name: m.name.clone(),
+            model_dir: m.dir.to_string_lossy().into_owned(),
+            dtype: String::new(),
+            tp: m.par.tp as u32,
+            pp: m.par.pp as u32,
+            replicas: m.replicas as u32,
+            limits: opts.limits.clone(),
+            generation: 1,
+        };
+        spec.validate().with_context(|| format!("model {:?}", m.name))?;
+        registry.put(&keys.model(&m.name), encode(&spec), None).await?;
+        info!(model = %m.name, replicas = m.replicas, tp = m.par.tp, pp = m.par.pp, "loading");
+    }
+    // Ready when every replica is and every tokenizer is loaded; a replica that fails to
+    // load fails start-up with its reason.
+    let mut view = watcher.subscribe();
+    loop {
+        let v = view.borrow_and_update().clone();
+        let mut all = true;
+        for m in &opts.models {
+            for r in v.replicas.get(&m.name).into_iter().flat_map(|rs| rs.values()) {
+                if r.state == ReplicaState::Failed {
+                    bail!("loading model {:?}: {}", m.name, r.reason);
+                }
+            }
+            all &= v.ready_replicas(&m.name).count() == m.replicas && catalog.get(&m.name).is_ok();
+        }
+        if all {
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(100), view.changed()).await;
+    }
+    let admin = ClusterAdmin::new(
+        registry.clone(),
+        keys.clone(),
+        watcher.subscribe(),
+        catalog.clone(),
+        AdminAuth::new(None, &ClientAuth::open()).map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
+    let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
+    election.resign().await;
+    for (_, membership, server) in workers {
+        membership.leave().await;
+        server.abort();
+    }
+    drop(watcher);
+    served
+}

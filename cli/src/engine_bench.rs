@@ -1,0 +1,179 @@
+//! `strata model bench`: prefill and decode speed of the in-process engine, beside the
+//! machine's measured memory bandwidth and the decode roofline it implies.
+//!
+//! Decode at batch 1 reads every weight once per token, so `bandwidth / bytes per token`
+//! bounds it; the bandwidth is measured in the same run (a multi-threaded read of a large
+//! array), because on a shared machine it moves between runs. Figures are medians.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde::Serialize;
+use strata_common::{Result, SamplingParams};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::Engine;
+use tracing::info;
+
+#[derive(Debug, Serialize)]
+pub struct EngineBenchReport {
+    pub threads: usize,
+    pub weight_bytes: usize,
+    pub decode_bytes_per_token: usize,
+    pub prompt_len: usize,
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    /// Median decode step time, and the share of it the leader spent communicating.
+    pub decode_step_ms: f64,
+    pub decode_comm_share: f64,
+    /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
+    pub batched_decode: Vec<(usize, f64)>,
+    pub bandwidth_gb_per_s: f64,
+    /// f32 GEMM throughput of the CPU backend's matmul (prefill path), 256×2048 · 2048×8192.
+    pub gemm_gflops: f64,
+    pub roofline_decode_tokens_per_s: f64,
+    pub decode_share_of_roofline: f64,
+}
+
+pub struct EngineBenchConfig {
+    pub batch_sizes: Vec<usize>,
+    pub prompt_len: usize,
+    pub decode_tokens: usize,
+    pub repeats: usize,
+}
+
+pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
+    let vocab = engine.executor().config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..cfg.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+
+    // Warm-up pages the weights in from the mapping.
+    info!("warm-up");
+    engine.prompt_logits(&prompt[..16.min(prompt.len())])?;
+
+    let mut prefill = Vec::new();
+    for r in 0..cfg.repeats {
+        let t = Instant::now();
+        engine.prompt_logits(&prompt)?;
+        let secs = t.elapsed().as_secs_f64();
+        info!(repeat = r + 1, of = cfg.repeats, tokens_per_s = cfg.prompt_len as f64 / secs, "prefill");
+        prefill.push(cfg.prompt_len as f64 / secs);
+    }
+
+    let params = SamplingParams {
+        max_new_tokens: cfg.decode_tokens as u32 + 1,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    engine.add(u64::MAX, prompt[..16.min(prompt.len())].to_vec(), params)?;
+    engine.step()?; // the prefill step
+    let mut steps = Vec::new();
+    let comm_start = engine.executor().comm_stats().map(|c| c.busy_ns).unwrap_or(0);
+    let decode_start = Instant::now();
+    while engine.num_running() > 0 {
+        let t = Instant::now();
+        engine.step()?;
+        steps.push(t.elapsed().as_secs_f64());
+        if steps.len() % 8 == 0 {
+            info!(
+                tokens = steps.len(),
+                of = cfg.decode_tokens,
+                tokens_per_s = 1.0 / median(&steps),
+                "decode"
+            );
+        }
+    }
+    let decode = 1.0 / median(&steps);
+    let comm_ns = engine.executor().comm_stats().map(|c| c.busy_ns).unwrap_or(0) - comm_start;
+    let decode_comm_share = comm_ns as f64 / 1e9 / decode_start.elapsed().as_secs_f64();
+
+    let mut batched_decode = Vec::new();
+    for &batch in &cfg.batch_sizes {
+        batched_decode.push((batch, batched_decode_rate(engine, batch, cfg.decode_tokens, vocab)?));
+        info!(batch, tokens_per_s = batched_decode.last().map(|b| b.1), "batched decode");
+    }
+
+    info!("measuring memory bandwidth");
+    let bandwidth = measure_bandwidth(cfg.repeats.max(5));
+    info!("measuring GEMM peak");
+    let gemm = measure_gemm_gflops(cfg.repeats.max(3));
+    let bytes = engine.executor().decode_bytes_per_token();
+    let roofline = bandwidth / bytes as f64;
+    Ok(EngineBenchReport {
+        threads: rayon::current_num_threads(),
+        weight_bytes: engine.executor().weight_bytes(),
+        decode_bytes_per_token: bytes,
+        prompt_len: cfg.prompt_len,
+        prefill_tokens_per_s: median(&prefill),
+        decode_tokens_per_s: decode,
+        decode_step_ms: 1e3 / decode,
+        decode_comm_share,
+        batched_decode,
+        bandwidth_gb_per_s: bandwidth / 1e9,
+        gemm_gflops: gemm,
+        roofline_decode_tokens_per_s: roofline,
+        decode_share_of_roofline: decode / roofline,
+    })
+}
+
+/// Output tokens/s of decode steps with `batch` sequences running (prefill excluded).
+fn batched_decode_rate(engine: &mut Engine, batch: usize, steps: usize, vocab: u32) -> Result<f64> {
+    for b in 0..batch {
+        let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + b as u32 * 7 + 5) % vocab).collect();
+        let params =
+            SamplingParams { max_new_tokens: steps as u32 + 1, ignore_eos: true, ..Default::default() };
+        engine.add(1_000_000 + b as u64, prompt, params)?;
+    }
+    let mut times = Vec::new();
+    while engine.has_work() {
+        let t = Instant::now();
+        let events = engine.step()?;
+        if events.len() == batch && times.len() < steps {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    // The first full step still includes the prefill of every prompt.
+    let decode = if times.len() > 1 { &times[1..] } else { &times[..] };
+    Ok(batch as f64 / median(decode))
+}
+
+/// Bytes per second of a multi-threaded sequential read of a 1 GiB array: the best of
+/// `repeats` reads, since a roofline is an upper bound and this machine's readings are
+/// noisy.
+pub fn measure_bandwidth(repeats: usize) -> f64 {
+    // Integer sums vectorise freely (no float reassociation), so the read is the limit.
+    let data: Vec<u32> = (0..(1u32 << 28)).collect();
+    let mut rates = Vec::new();
+    for _ in 0..repeats {
+        let t = Instant::now();
+        let sum: u32 = data
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |a, &b| a.wrapping_add(b)))
+            .reduce(|| 0, u32::wrapping_add);
+        let secs = t.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        rates.push((data.len() * 4) as f64 / secs);
+    }
+    rates.iter().copied().fold(0.0, f64::max)
+}
+
+/// GFLOP/s of the CPU backend's matmul on a prefill-shaped problem (median).
+pub fn measure_gemm_gflops(repeats: usize) -> f64 {
+    use strata_engine::backend::cpu::{CpuTensor, CpuWeight};
+    use strata_engine::backend::Backend;
+    let (n, k, m) = (256, 2048, 8192);
+    let x = CpuTensor::new((0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), n, k);
+    let w = CpuWeight::from_f32((0..m * k).map(|i| ((i % 89) as f32 - 44.0) / 890.0).collect(), m, k);
+    let backend = CpuBackend::new();
+    let mut rates = Vec::new();
+    for _ in 0..repeats {
+        let t = Instant::now();
+        let _ = std::hint::black_box(backend.matmul(&x, &w));
+        rates.push(2.0 * (n * k * m) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    median(&rates)
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    s[s.len() / 2]
+}

@@ -1,0 +1,307 @@
+//! `strata gpu-check`: what `scripts/gpu-check.sh` runs on a machine with a GPU.
+//!
+//! - `ops`: every backend op on the device against the CPU backend, fresh random inputs;
+//! - `tokens`: greedy tokens of model directories on the device against the CPU backend
+//!   (and HF transformers' reference.json when the directory has one); a difference is
+//!   classified as a bf16 near-tie (the CPU's two candidates are closer than bf16 rounding
+//!   moves logits) or a real mismatch;
+//! - `decode`: batch-1 decode tokens/s beside the roofline from the device's copy bandwidth;
+//! - `bandwidth`: the device-to-device copy bandwidth alone;
+//! - `comm`: the communicator contract (`strata_engine::comm::contract`, the checks the
+//!   TCP communicator's tests run) over NCCL, one rank per GPU, for every group size from 2
+//!   to the number of GPUs (NCCL allows one rank per GPU: one GPU cannot check it).
+//!
+//! Every subcommand prints JSON objects, one per line. `--device cpu` runs the same code
+//! with the CPU backend as the "device" (a self-check, used by the tests).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use clap::{Args, Subcommand};
+use serde_json::json;
+use strata_common::{Parallelism, SamplingParams};
+use strata_engine::backend::check::{check_ops, CheckSizes};
+use strata_engine::backend::{BackendOptions, Device};
+use strata_engine::comm::contract::boxed;
+use strata_engine::comm::Communicator;
+use strata_engine::replica::local_replica;
+use strata_engine::{Engine, EngineConfig};
+use tracing::info;
+
+#[derive(Args, Debug)]
+pub struct GpuCheckArgs {
+    /// cuda, cuda:N, or cpu (a self-check of this command).
+    #[arg(long, default_value = "cuda:0", global = true)]
+    pub device: String,
+    #[command(subcommand)]
+    pub command: GpuCheckCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum GpuCheckCommand {
+    /// Every op on the device against the CPU backend.
+    Ops {
+        /// Llama-8B-sized shapes and a 3000-position context instead of small ones.
+        #[arg(long)]
+        large: bool,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Greedy tokens on the device against the CPU backend (and HF's reference.json).
+    Tokens {
+        #[arg(long, required = true)]
+        model: Vec<PathBuf>,
+        #[arg(long, default_value_t = 24)]
+        tokens: u32,
+    },
+    /// Batch-1 decode speed against the copy-bandwidth roofline.
+    Decode {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, default_value_t = 64)]
+        tokens: usize,
+        /// KV cache, MiB.
+        #[arg(long, default_value_t = 1024)]
+        kv_cache_mib: usize,
+    },
+    /// The communicator contract over NCCL (over TCP with `--device cpu`), one rank per GPU.
+    Comm {
+        /// Largest group to check (default: every GPU, at most 8).
+        #[arg(long, default_value_t = 8)]
+        max_world: usize,
+    },
+    /// Device-to-device copy bandwidth (reads + writes ÷ time), GB/s.
+    Bandwidth {
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+    },
+}
+
+fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
+    EngineConfig {
+        kv_cache_bytes: kv_mib << 20,
+        backend: BackendOptions { device, ..Default::default() },
+        ..Default::default()
+    }
+}
+
+fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
+    e.add(1, prompt.to_vec(), SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })?;
+    let mut out = Vec::new();
+    while e.has_work() {
+        out.extend(e.step()?.into_iter().map(|ev| ev.token));
+    }
+    Ok(out)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Copy bandwidth of `device` in bytes/s (reads + writes).
+fn bandwidth(device: Device, mib: usize) -> anyhow::Result<f64> {
+    match device {
+        Device::Cpu => Ok(crate::engine_bench::measure_bandwidth(5)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
+            Ok(gpu.copy_bandwidth(mib << 20, 20)?)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => {
+            let _ = mib;
+            bail!("--device cuda: this build has no CUDA support (build with `--features cuda`)")
+        }
+    }
+}
+
+pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
+    let device = Device::parse(&args.device).context("--device")?;
+    strata_engine::replica::check_device(device)?;
+    match args.command {
+        GpuCheckCommand::Ops { large, seed } => {
+            let sizes = if large { CheckSizes::large() } else { CheckSizes::tiny() };
+            let report = match device {
+                // The self-check keeps weights in bf16 like a GPU does.
+                Device::Cpu => check_ops(
+                    &strata_engine::backend::cpu::CpuBackend::new()
+                        .with_weight_dtype(Some(strata_engine::model::weights::DType::BF16)),
+                    &sizes,
+                    seed,
+                )?,
+                #[cfg(feature = "cuda")]
+                Device::Cuda(n) => {
+                    let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
+                    check_ops(&strata_engine::backend::cuda::CudaBackend::new(gpu), &sizes, seed)?
+                }
+                #[cfg(not(feature = "cuda"))]
+                Device::Cuda(_) => bail!("no CUDA support in this build"),
+            };
+            let mut failed = 0;
+            for r in &report {
+                failed += usize::from(!r.ok);
+                println!("{}", serde_json::to_string(r)?);
+            }
+            if failed > 0 {
+                bail!("{failed} of {} ops beyond tolerance", report.len());
+            }
+        }
+        GpuCheckCommand::Tokens { model, tokens } => {
+            let mut mismatches = 0;
+            for dir in model {
+                let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+                let reference: Option<serde_json::Value> =
+                    std::fs::read_to_string(dir.join("reference.json"))
+                        .ok()
+                        .and_then(|t| serde_json::from_str(&t).ok());
+                let ids = |v: &serde_json::Value| -> Vec<u32> {
+                    v.as_array()
+                        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+                        .unwrap_or_default()
+                };
+                let prompt = reference
+                    .as_ref()
+                    .map(|r| ids(&r["prompt_ids"]))
+                    .filter(|p| !p.is_empty())
+                    .unwrap_or_else(|| vec![1, 2, 3, 4]);
+                let hf = reference.as_ref().map(|r| ids(&r["greedy_ids"]));
+                let n = hf.as_ref().map_or(tokens, |h| (h.len() as u32).min(tokens).max(1));
+                let mut cpu = local_replica(&dir, Parallelism::NONE, &engine_config(Device::Cpu, 64))?;
+                let mut dev = local_replica(&dir, Parallelism::NONE, &engine_config(device, 64))?;
+                let want = greedy(&mut cpu, &prompt, n)?;
+                let got = greedy(&mut dev, &prompt, n)?;
+                let hf_match = hf.as_ref().map(|h| h[..n as usize] == got[..]);
+                let verdict = match got.iter().zip(&want).position(|(a, b)| a != b) {
+                    None => json!({"verdict": "identical"}),
+                    Some(i) => {
+                        // The CPU's logits where they part: how far apart were the two choices?
+                        let mut context = prompt.clone();
+                        context.extend(&want[..i]);
+                        let logits = cpu.prompt_logits(&context)?;
+                        let scale = logits.iter().fold(0f32, |a, b| a.max(b.abs()));
+                        let margin = logits[want[i] as usize] - logits[got[i] as usize];
+                        let near_tie = margin <= 0.02 * scale;
+                        if !near_tie {
+                            mismatches += 1;
+                        }
+                        json!({
+                            "verdict": if near_tie { "bf16 near-tie" } else { "MISMATCH" },
+                            "first_difference": i, "cpu_token": want[i], "device_token": got[i],
+                            "cpu_logit_margin": margin, "logit_scale": scale,
+                        })
+                    }
+                };
+                println!(
+                    "{}",
+                    json!({"model": name, "tokens": n, "device": device.to_string(), "matches_hf_reference": hf_match,
+                           "device_tokens": got, "cpu_tokens": want, "result": verdict})
+                );
+            }
+            if mismatches > 0 {
+                bail!("{mismatches} model(s) differ from the CPU backend beyond a bf16 near-tie");
+            }
+        }
+        GpuCheckCommand::Decode { model, tokens, kv_cache_mib } => {
+            if tokens < 2 {
+                bail!("--tokens must be at least 2");
+            }
+            let t = Instant::now();
+            let mut e = local_replica(&model, Parallelism::NONE, &engine_config(device, kv_cache_mib))?;
+            let load_s = t.elapsed().as_secs_f64();
+            let bytes = e.executor().decode_bytes_per_token();
+            let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+            e.add(
+                7,
+                prompt,
+                SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() },
+            )?;
+            e.step()?; // prefill
+            let mut steps = Vec::new();
+            while e.has_work() {
+                let t = Instant::now();
+                e.step()?;
+                steps.push(t.elapsed().as_secs_f64());
+            }
+            let step = median(&mut steps);
+            info!("measuring the copy bandwidth");
+            let bw = bandwidth(device, 1024)?;
+            let roofline = bw / bytes as f64;
+            println!(
+                "{}",
+                json!({
+                    "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
+                    "decode_tokens": steps.len(), "decode_step_ms_median": step * 1e3,
+                    "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
+                    "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,
+                    "share_of_roofline": 1.0 / step / roofline,
+                })
+            );
+        }
+        GpuCheckCommand::Comm { max_world } => {
+            let (backend, available) = match device {
+                Device::Cpu => ("tcp", max_world.min(4)),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(first) => {
+                    ("nccl", strata_engine::comm::nccl::device_count()?.saturating_sub(first).min(max_world))
+                }
+                #[cfg(not(feature = "cuda"))]
+                Device::Cuda(_) => bail!("no CUDA support in this build"),
+            };
+            let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
+                match device {
+                    #[cfg(feature = "cuda")]
+                    Device::Cuda(first) => Ok(boxed(strata_engine::comm::nccl::local_group(
+                        first,
+                        world,
+                        &strata_engine::comm::contract::groups(world),
+                    )?)),
+                    _ => Ok(boxed(strata_engine::comm::tcp::local_group(
+                        world,
+                        std::time::Duration::from_secs(30),
+                    )?)),
+                }
+            };
+            if available < 2 {
+                // One GPU still shows whether NCCL loads and a (one-rank) communicator forms.
+                let init = if available == 1 { Some(make(1).map(drop)) } else { None };
+                let error = init.as_ref().and_then(|r| r.as_ref().err()).map(|e| e.to_string());
+                println!(
+                    "{}",
+                    json!({"communicator": backend,
+                           "one_rank_init": init.as_ref().map(|r| r.is_ok()),
+                           "error": error,
+                           "skipped": format!(
+                        "NCCL needs one GPU per rank: {available} GPU(s) from {device} on, a group needs 2")})
+                );
+                if let Some(e) = error {
+                    bail!("NCCL could not form a one-rank communicator: {e}");
+                }
+                return Ok(());
+            }
+            let mut failed = 0;
+            for world in 2..=available {
+                for (check, result) in strata_engine::comm::contract::run_all(world, &make) {
+                    failed += usize::from(result.is_err());
+                    println!(
+                        "{}",
+                        json!({"communicator": backend, "world": world, "check": check, "ok": result.is_ok(),
+                               "error": result.err().map(|e| e.to_string())})
+                    );
+                }
+            }
+            if failed > 0 {
+                bail!("{failed} communicator check(s) failed");
+            }
+        }
+        GpuCheckCommand::Bandwidth { mib } => {
+            let bw = bandwidth(device, mib)?;
+            println!(
+                "{}",
+                json!({"device": device.to_string(), "copy_bandwidth_gb_per_s": bw / 1e9, "mib": mib})
+            );
+        }
+    }
+    Ok(())
+}

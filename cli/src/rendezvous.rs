@@ -1,0 +1,110 @@
+//! Static mode, `strata serve --worker-rendezvous ADDR`: one replica whose rank 0 runs in
+//! this process and whose other ranks are `strata worker --rank R --rendezvous ADDR`
+//! processes started by hand. No registry, no reconciler: the replica is fixed for the
+//! life of the process (cluster mode is the way to scale, replace or drain).
+//!
+//! The coordinator's request path is reused unchanged: the engine is one [`Replica`]
+//! behind a one-model [`Catalog`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use strata_common::worker_api::{EventStream, Job};
+use strata_common::{EngineStats, ModelConfig, Parallelism, Result, ShardPlan};
+use strata_coordinator::api::server::{serve, ServeOptions};
+use strata_coordinator::request::tokenizer::Tokenizer;
+use strata_coordinator::routing::{not_found, Catalog, ModelEntry, Replica, Routes};
+use strata_engine::replica::leader_with_external_ranks;
+use strata_engine::{EngineConfig, EngineHandle, RunnerLimits};
+use strata_worker::in_process::sequence_events;
+use tracing::info;
+
+use crate::unimplemented_admin::EmbeddedAdmin;
+
+/// Everything static mode runs with.
+pub struct StaticReplica<'a> {
+    pub name: &'a str,
+    pub dir: &'a Path,
+    pub par: Parallelism,
+    pub listener: std::net::TcpListener,
+    pub engine: &'a EngineConfig,
+    pub limits: &'a RunnerLimits,
+}
+
+/// Loads the replica (waiting for every rank to join), then serves until SIGTERM.
+pub fn run(
+    replica: StaticReplica<'_>,
+    opts: ServeOptions,
+    rt: tokio::runtime::Runtime,
+) -> anyhow::Result<()> {
+    let name = replica.name;
+    let entry = load(replica).map_err(|e| anyhow::anyhow!("loading model {name:?}: {e}"))?;
+    rt.block_on(serve(Arc::new(OneModel(Arc::new(entry))), EmbeddedAdmin, opts))
+}
+
+fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
+    let tokenizer = Tokenizer::from_dir(r.dir)?;
+    let config = ModelConfig::from_dir(r.dir)?;
+    ShardPlan::new(&config, r.par)?; // rejects impossible splits before loading anything
+    info!(model = r.name, tp = r.par.tp, pp = r.par.pp, dir = %r.dir.display(), "loading replica");
+    let engine = leader_with_external_ranks(r.dir, r.par, r.engine, r.listener)?;
+    let id = format!("{}-0", r.name);
+    let handle = EngineHandle::spawn(engine, r.limits.clone(), &id)?;
+    Ok(ModelEntry {
+        name: r.name.to_string(),
+        config,
+        tokenizer,
+        routes: Arc::new(EngineReplica { id, handle }),
+    })
+}
+
+/// The in-process engine: the only replica, so also its own routes.
+struct EngineReplica {
+    id: String,
+    handle: EngineHandle,
+}
+
+#[async_trait::async_trait]
+impl Replica for EngineReplica {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn submit(&self, job: &Job) -> Result<EventStream> {
+        let seq =
+            self.handle.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
+        Ok(sequence_events(seq))
+    }
+}
+
+#[async_trait::async_trait]
+impl Routes for EngineReplica {
+    fn pick(&self, _prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
+        let usable = !exclude.contains(&self.id) && self.handle.broken().is_none();
+        usable.then(|| Arc::new(EngineReplica { id: self.id.clone(), handle: self.handle.clone() }) as _)
+    }
+
+    fn ready(&self) -> usize {
+        usize::from(self.handle.broken().is_none())
+    }
+
+    fn stats(&self) -> EngineStats {
+        self.handle.stats()
+    }
+}
+
+/// A catalog of one model.
+struct OneModel(Arc<ModelEntry>);
+
+impl Catalog for OneModel {
+    fn get(&self, name: &str) -> Result<Arc<ModelEntry>> {
+        if name == self.0.name {
+            return Ok(self.0.clone());
+        }
+        Err(not_found(name, std::slice::from_ref(&self.0.name)))
+    }
+
+    fn all(&self) -> Vec<Arc<ModelEntry>> {
+        vec![self.0.clone()]
+    }
+}

@@ -1,0 +1,58 @@
+//! What a running sequence reports, and what a replica's engine reports about its load.
+//!
+//! These are the engine's outputs as every other process sees them: the engine produces
+//! them, the worker process streams them over worker.v1, and the coordinator turns them
+//! into text. They live here so the coordinator never links the engine.
+
+use crate::error::Error;
+use crate::sampling::FinishReason;
+
+/// The chosen token's logprob and the top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// `(token_id, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a sequence's stream receives: tokens in order, the last one with `finish` set, or
+/// a failure. A stream that ends without either means the replica went away.
+#[derive(Debug)]
+pub enum SeqEvent {
+    Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
+    Failed(Error),
+}
+
+impl SeqEvent {
+    /// Whether nothing follows this event.
+    pub fn is_last(&self) -> bool {
+        matches!(self, SeqEvent::Token { finish: Some(_), .. } | SeqEvent::Failed(_))
+    }
+}
+
+/// A point-in-time view of one replica's load.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_free: usize,
+    pub kv_blocks_total: usize,
+}
+
+impl EngineStats {
+    /// Sequences running or waiting.
+    pub fn outstanding(&self) -> usize {
+        self.running + self.waiting
+    }
+
+    /// The load of several replicas together.
+    pub fn sum(stats: impl IntoIterator<Item = EngineStats>) -> EngineStats {
+        stats.into_iter().fold(EngineStats::default(), |a, s| EngineStats {
+            running: a.running + s.running,
+            waiting: a.waiting + s.waiting,
+            kv_blocks_free: a.kv_blocks_free + s.kv_blocks_free,
+            kv_blocks_total: a.kv_blocks_total + s.kv_blocks_total,
+        })
+    }
+}

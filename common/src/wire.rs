@@ -1,0 +1,323 @@
+//! Proto messages <-> domain types, written once for both ends of each call.
+//!
+//! The coordinator and the worker process both speak inference.v1's `SamplingParams` and
+//! `FinishReason` (worker.v1 reuses them) and both ends of worker.v1; every conversion
+//! lives here so the two ends cannot drift. An enum value this build does not know is an
+//! error naming the field, never silently another value.
+
+use strata_proto::inference::v1 as ipb;
+use strata_proto::worker::v1 as wpb;
+
+use crate::cluster::{Assignment, EngineLimits, ShardState};
+use crate::error::{Error, Result};
+use crate::events::{EngineStats, SeqEvent, TokenLogprobs};
+use crate::sampling::{FinishReason, SamplingParams};
+use crate::shard::Parallelism;
+use crate::worker_api::{Job, ModelFiles, ShardLoad, WorkerStatus};
+
+/// The sampling knobs of `p` (the rest of it travels beside the message).
+pub fn sampling_to_pb(p: &SamplingParams) -> ipb::SamplingParams {
+    ipb::SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: Some(p.top_p),
+        min_p: p.min_p,
+        repetition_penalty: Some(p.repetition_penalty),
+        presence_penalty: p.presence_penalty,
+        frequency_penalty: p.frequency_penalty,
+        seed: p.seed,
+    }
+}
+
+/// Sets the knobs of `p` from `s`; absent optional fields are their defaults.
+pub fn apply_sampling(s: &ipb::SamplingParams, p: &mut SamplingParams) {
+    p.temperature = s.temperature;
+    p.top_k = s.top_k;
+    p.top_p = s.top_p.unwrap_or(1.0);
+    p.min_p = s.min_p;
+    p.repetition_penalty = s.repetition_penalty.unwrap_or(1.0);
+    p.presence_penalty = s.presence_penalty;
+    p.frequency_penalty = s.frequency_penalty;
+    p.seed = s.seed;
+}
+
+/// The wire form of a finish reason (a cancelled sequence reads as stopped).
+pub fn finish_to_pb(f: FinishReason) -> ipb::FinishReason {
+    match f {
+        FinishReason::Length => ipb::FinishReason::Length,
+        FinishReason::Stop | FinishReason::Cancelled => ipb::FinishReason::Stop,
+        FinishReason::Eos => ipb::FinishReason::Eos,
+    }
+}
+
+/// A finish reason off the wire: None while unfinished; unknown values are errors.
+pub fn finish_from_pb(v: i32) -> Result<Option<FinishReason>> {
+    match ipb::FinishReason::try_from(v) {
+        Ok(ipb::FinishReason::Unspecified) => Ok(None),
+        Ok(ipb::FinishReason::Length) => Ok(Some(FinishReason::Length)),
+        Ok(ipb::FinishReason::Stop) => Ok(Some(FinishReason::Stop)),
+        Ok(ipb::FinishReason::Eos) => Ok(Some(FinishReason::Eos)),
+        Err(_) => Err(Error::invalid("finish_reason", format!("unknown value {v}"))),
+    }
+}
+
+pub fn logprobs_to_pb(l: TokenLogprobs) -> ipb::TokenLogprob {
+    ipb::TokenLogprob {
+        token_id: l.token_id,
+        logprob: l.logprob,
+        top: l.top.into_iter().map(|(token_id, logprob)| ipb::TopLogprob { token_id, logprob }).collect(),
+    }
+}
+
+/// The worker.v1 request for `job` on `replica` (stop strings stay with the coordinator).
+pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
+    let p = &job.params;
+    wpb::WorkerGenerateRequest {
+        request_id: job.request_id.clone(),
+        prompt_token_ids: job.prompt.clone(),
+        sampling: Some(sampling_to_pb(p)),
+        max_tokens: p.max_new_tokens,
+        ignore_eos: p.ignore_eos,
+        stop_token_ids: p.stop_token_ids.clone(),
+        logprobs: p.logprobs,
+        generated_token_ids: job.generated.clone(),
+        replica_id: replica.to_string(),
+    }
+}
+
+/// `(replica, job)` of a worker.v1 request.
+pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (String, Job) {
+    let mut params = SamplingParams {
+        max_new_tokens: r.max_tokens,
+        ignore_eos: r.ignore_eos,
+        stop_token_ids: r.stop_token_ids,
+        logprobs: r.logprobs,
+        ..SamplingParams::default()
+    };
+    apply_sampling(&r.sampling.unwrap_or_default(), &mut params);
+    let job = Job {
+        request_id: r.request_id,
+        prompt: r.prompt_token_ids,
+        generated: r.generated_token_ids,
+        params,
+    };
+    (r.replica_id, job)
+}
+
+/// One token event as a worker.v1 message (failures travel as the stream's status).
+pub fn token_to_pb(
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+    finish: Option<FinishReason>,
+) -> wpb::WorkerGenerateResponse {
+    let mut t = wpb::WorkerToken { token_id: token, ..Default::default() };
+    if let Some(l) = logprobs {
+        t.logprob = Some(l.logprob);
+        t.top_token_ids = l.top.iter().map(|x| x.0).collect();
+        t.top_logprobs = l.top.iter().map(|x| x.1).collect();
+    }
+    wpb::WorkerGenerateResponse {
+        tokens: vec![t],
+        finish_reason: finish.map(finish_to_pb).unwrap_or(ipb::FinishReason::Unspecified) as i32,
+    }
+}
+
+/// The events of one worker.v1 message: its tokens, the last carrying the finish reason.
+pub fn events_from_pb(m: wpb::WorkerGenerateResponse) -> Result<Vec<SeqEvent>> {
+    let finish = finish_from_pb(m.finish_reason)?;
+    let n = m.tokens.len();
+    if n == 0 && finish.is_some() {
+        return Err(Error::invalid("tokens", "a finished message carries no token"));
+    }
+    Ok(m.tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let logprobs = t.logprob.map(|logprob| TokenLogprobs {
+                token_id: t.token_id,
+                logprob,
+                top: t.top_token_ids.iter().copied().zip(t.top_logprobs.iter().copied()).collect(),
+            });
+            SeqEvent::Token { token: t.token_id, logprobs, finish: if i + 1 == n { finish } else { None } }
+        })
+        .collect())
+}
+
+pub fn stats_to_pb(s: EngineStats) -> wpb::StatsResponse {
+    wpb::StatsResponse {
+        running_sequences: s.running as u32,
+        waiting_requests: s.waiting as u32,
+        kv_blocks_free: s.kv_blocks_free as u64,
+        kv_blocks_total: s.kv_blocks_total as u64,
+    }
+}
+
+pub fn stats_from_pb(r: &wpb::StatsResponse) -> EngineStats {
+    EngineStats {
+        running: r.running_sequences as usize,
+        waiting: r.waiting_requests as usize,
+        kv_blocks_free: r.kv_blocks_free as usize,
+        kv_blocks_total: r.kv_blocks_total as usize,
+    }
+}
+
+pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
+    wpb::LoadShardRequest {
+        replica_id: l.replica.clone(),
+        model: l.model.clone(),
+        model_dir: l.model_dir.clone(),
+        dtype: l.dtype.clone(),
+        tp: l.par.tp as u32,
+        pp: l.par.pp as u32,
+        rank: l.rank as u32,
+        rendezvous: l.rendezvous.clone().unwrap_or_default(),
+        max_num_seqs: l.limits.max_num_seqs,
+        max_batched_tokens: l.limits.max_batched_tokens,
+        kv_cache_bytes: l.limits.kv_cache_bytes,
+    }
+}
+
+pub fn load_from_pb(r: wpb::LoadShardRequest) -> ShardLoad {
+    ShardLoad {
+        replica: r.replica_id,
+        model: r.model,
+        model_dir: r.model_dir,
+        dtype: r.dtype,
+        par: Parallelism { tp: r.tp as usize, pp: r.pp as usize },
+        rank: r.rank as usize,
+        rendezvous: (!r.rendezvous.is_empty()).then_some(r.rendezvous),
+        limits: EngineLimits {
+            max_num_seqs: r.max_num_seqs,
+            max_batched_tokens: r.max_batched_tokens,
+            kv_cache_bytes: r.kv_cache_bytes,
+        },
+    }
+}
+
+pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {
+    let shard = s.assignment.map(|a| wpb::Shard {
+        replica_id: a.replica,
+        model: a.model,
+        rank: a.rank,
+        state: match a.state {
+            ShardState::Loading => wpb::ShardState::Loading,
+            ShardState::Ready => wpb::ShardState::Ready,
+            ShardState::Failed => wpb::ShardState::Failed,
+        } as i32,
+        error: a.error,
+    });
+    wpb::StatusResponse {
+        worker_id: s.worker_id,
+        shard,
+        draining: s.draining,
+        stats: Some(stats_to_pb(s.stats)),
+    }
+}
+
+pub fn status_from_pb(r: wpb::StatusResponse) -> Result<WorkerStatus> {
+    let assignment = match r.shard {
+        None => None,
+        Some(s) => Some(Assignment {
+            replica: s.replica_id,
+            model: s.model,
+            rank: s.rank,
+            state: match wpb::ShardState::try_from(s.state) {
+                Ok(wpb::ShardState::Loading) => ShardState::Loading,
+                Ok(wpb::ShardState::Ready) => ShardState::Ready,
+                Ok(wpb::ShardState::Failed) => ShardState::Failed,
+                Ok(wpb::ShardState::Unspecified) | Err(_) => {
+                    return Err(Error::invalid("shard.state", format!("unknown value {}", s.state)))
+                }
+            },
+            error: s.error,
+        }),
+    };
+    Ok(WorkerStatus {
+        worker_id: r.worker_id,
+        assignment,
+        draining: r.draining,
+        stats: r.stats.as_ref().map(stats_from_pb).unwrap_or_default(),
+    })
+}
+
+pub fn files_to_pb(f: ModelFiles) -> wpb::ModelFilesResponse {
+    wpb::ModelFilesResponse {
+        config_json: f.config_json,
+        generation_config_json: f.generation_config_json,
+        tokenizer_json: f.tokenizer_json,
+        tokenizer_config_json: f.tokenizer_config_json,
+    }
+}
+
+pub fn files_from_pb(r: wpb::ModelFilesResponse) -> ModelFiles {
+    ModelFiles {
+        config_json: r.config_json,
+        generation_config_json: r.generation_config_json,
+        tokenizer_json: r.tokenizer_json,
+        tokenizer_config_json: r.tokenizer_config_json,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jobs_round_trip_through_worker_v1() {
+        let job = Job {
+            request_id: "r1".into(),
+            prompt: vec![1, 2, 3],
+            generated: vec![4],
+            params: SamplingParams {
+                temperature: 0.7,
+                top_k: 5,
+                top_p: 0.9,
+                min_p: 0.05,
+                repetition_penalty: 1.1,
+                presence_penalty: 0.5,
+                frequency_penalty: -0.5,
+                seed: Some(7),
+                max_new_tokens: 9,
+                ignore_eos: true,
+                stop_token_ids: vec![11],
+                stop: Vec::new(),
+                logprobs: Some(3),
+            },
+        };
+        let (replica, back) = job_from_pb(job_to_pb("m-0", &job));
+        assert_eq!(replica, "m-0");
+        assert_eq!(back.params, job.params);
+        assert_eq!(
+            (back.prompt, back.generated, back.request_id),
+            (job.prompt, job.generated, job.request_id)
+        );
+    }
+
+    #[test]
+    fn unknown_finish_reasons_are_errors_not_stop() {
+        assert_eq!(finish_from_pb(0).unwrap(), None);
+        assert_eq!(finish_from_pb(3).unwrap(), Some(FinishReason::Eos));
+        let e = finish_from_pb(42).unwrap_err();
+        assert!(e.to_string().contains("finish_reason"), "{e}");
+    }
+
+    #[test]
+    fn the_last_token_of_a_message_carries_the_finish_reason() {
+        let mut m = token_to_pb(5, None, None);
+        m.tokens.push(token_to_pb(6, None, None).tokens.remove(0));
+        m.finish_reason = ipb::FinishReason::Length as i32;
+        let evs = events_from_pb(m).unwrap();
+        assert!(matches!(evs[0], SeqEvent::Token { token: 5, finish: None, .. }));
+        assert!(matches!(evs[1], SeqEvent::Token { token: 6, finish: Some(FinishReason::Length), .. }));
+    }
+
+    #[test]
+    fn status_with_an_unknown_shard_state_is_an_error() {
+        let r = wpb::StatusResponse {
+            worker_id: "w".into(),
+            shard: Some(wpb::Shard { state: 9, ..Default::default() }),
+            ..Default::default()
+        };
+        assert!(status_from_pb(r).unwrap_err().to_string().contains("shard.state"));
+    }
+}

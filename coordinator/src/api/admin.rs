@@ -1,0 +1,273 @@
+//! `strata.admin.v1.Admin` in cluster mode: desired state into the registry, actual state
+//! out of this coordinator's view.
+//!
+//! Any coordinator takes admin calls; writes are the desired state (`models/`, `drain/`)
+//! that the leader reconciles. A deployment is checked before it is written: the spec's
+//! fields, then the model's config.json (read here or fetched from a worker) against the
+//! requested split, so `tp = 3` on a model with 8 heads is an INVALID_ARGUMENT naming `tp`
+//! rather than a replica that fails later.
+
+use std::sync::Arc;
+
+use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec, ReplicaState, ShardState};
+use strata_common::registry::keys::Keys;
+use strata_common::registry::Registry;
+use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan};
+use strata_proto::admin::v1 as pb;
+use strata_proto::admin::v1::admin_server::Admin;
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use super::auth::AdminAuth;
+use crate::control::view::ClusterView;
+use crate::routing::catalog::ClusterCatalog;
+use strata_common::status::to_status;
+
+pub struct ClusterAdmin {
+    registry: Arc<dyn Registry>,
+    keys: Keys,
+    view: watch::Receiver<Arc<ClusterView>>,
+    catalog: Arc<ClusterCatalog>,
+    auth: AdminAuth,
+}
+
+impl ClusterAdmin {
+    pub fn new(
+        registry: Arc<dyn Registry>,
+        keys: Keys,
+        view: watch::Receiver<Arc<ClusterView>>,
+        catalog: Arc<ClusterCatalog>,
+        auth: AdminAuth,
+    ) -> Self {
+        ClusterAdmin { registry, keys, view, catalog, auth }
+    }
+
+    fn view(&self) -> Arc<ClusterView> {
+        self.view.borrow().clone()
+    }
+
+    async fn spec(&self, name: &str) -> Result<ModelSpec> {
+        if name.is_empty() {
+            return Err(Error::invalid("name", "must name a deployed model"));
+        }
+        let key = self.keys.model(name);
+        match self.registry.get(&key).await? {
+            Some(e) => decode(&key, &e.value),
+            None => Err(Error::NotFound(format!("model {name:?} is not deployed"))),
+        }
+    }
+
+    fn status(&self, spec: &ModelSpec) -> pb::ModelStatus {
+        let ready = self.view().ready_replicas(&spec.name).count();
+        pb::ModelStatus {
+            name: spec.name.clone(),
+            model_dir: spec.model_dir.clone(),
+            dtype: spec.dtype.clone(),
+            tp: spec.tp,
+            pp: spec.pp,
+            desired_replicas: spec.replicas,
+            ready_replicas: ready as u32,
+            scheduler: Some(pb::SchedulerLimits {
+                max_num_seqs: spec.limits.max_num_seqs,
+                max_batched_tokens: spec.limits.max_batched_tokens,
+                kv_cache_bytes: spec.limits.kv_cache_bytes,
+            }),
+            generation: spec.generation,
+        }
+    }
+
+    /// Checks the model directory and the split, when the files can be reached.
+    async fn check_model(&self, spec: &ModelSpec) -> Result<()> {
+        let view = self.view();
+        let dir = match self.catalog.files().locate(&spec.model_dir, &view).await {
+            Ok(d) => d,
+            // Nobody can read it right now: the workers check it when they load.
+            Err(e) if e.class() == ErrorClass::Unavailable => {
+                info!(model = %spec.name, reason = %e, "deploying without checking the model files");
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let config = tokio::task::spawn_blocking(move || ModelConfig::from_dir(&dir))
+            .await
+            .map_err(|e| Error::Internal(format!("reading config.json: {e}")))?
+            .map_err(|e| match e {
+                Error::ModelFile { path, reason } => {
+                    Error::invalid("model_dir", format!("{}: {reason}", path.display()))
+                }
+                other => other,
+            })?;
+        ShardPlan::new(&config, spec.parallelism())?;
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for ClusterAdmin {
+    async fn deploy_model(
+        &self,
+        request: Request<pb::DeployModelRequest>,
+    ) -> Result<Response<pb::DeployModelResponse>, Status> {
+        self.auth.check(&request)?;
+        let r = request.into_inner();
+        let limits = r.scheduler.unwrap_or_default();
+        let mut spec = ModelSpec {
+            name: r.name,
+            model_dir: r.model_dir,
+            dtype: r.dtype.to_ascii_lowercase(),
+            tp: r.tp.max(1),
+            pp: r.pp.max(1),
+            replicas: if r.replicas == 0 { 1 } else { r.replicas },
+            limits: EngineLimits {
+                max_num_seqs: limits.max_num_seqs,
+                max_batched_tokens: limits.max_batched_tokens,
+                kv_cache_bytes: limits.kv_cache_bytes,
+            },
+            generation: 1,
+        };
+        spec.validate().map_err(to_status)?;
+        self.check_model(&spec).await.map_err(to_status)?;
+        match self.spec(&spec.name).await {
+            Ok(old) => {
+                let same = |a: &ModelSpec, b: &ModelSpec| {
+                    (&a.model_dir, &a.dtype, a.tp, a.pp, &a.limits)
+                        == (&b.model_dir, &b.dtype, b.tp, b.pp, &b.limits)
+                };
+                spec.generation = if same(&old, &spec) { old.generation } else { old.generation + 1 };
+            }
+            Err(e) if e.class() == ErrorClass::NotFound => {}
+            Err(e) => return Err(to_status(e)),
+        }
+        self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
+        info!(model = %spec.name, dir = %spec.model_dir, tp = spec.tp, pp = spec.pp, replicas = spec.replicas, generation = spec.generation, "model deployed");
+        Ok(Response::new(pb::DeployModelResponse { model: Some(self.status(&spec)) }))
+    }
+
+    async fn undeploy_model(
+        &self,
+        request: Request<pb::UndeployModelRequest>,
+    ) -> Result<Response<pb::UndeployModelResponse>, Status> {
+        self.auth.check(&request)?;
+        let name = request.into_inner().name;
+        self.spec(&name).await.map_err(to_status)?;
+        self.registry.delete(&self.keys.model(&name)).await.map_err(to_status)?;
+        info!(model = %name, "model undeployed; its replicas drain");
+        Ok(Response::new(pb::UndeployModelResponse {}))
+    }
+
+    async fn scale_replicas(
+        &self,
+        request: Request<pb::ScaleReplicasRequest>,
+    ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
+        self.auth.check(&request)?;
+        let r = request.into_inner();
+        let mut spec = self.spec(&r.name).await.map_err(to_status)?;
+        spec.replicas = r.replicas;
+        spec.validate().map_err(to_status)?;
+        self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
+        info!(model = %spec.name, replicas = spec.replicas, "scaled");
+        Ok(Response::new(pb::ScaleReplicasResponse { model: Some(self.status(&spec)) }))
+    }
+
+    async fn list_models(
+        &self,
+        request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.auth.check(&request)?;
+        let view = self.view();
+        let models = view.models.values().map(|s| self.status(s)).collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+
+    async fn list_replicas(
+        &self,
+        request: Request<pb::ListReplicasRequest>,
+    ) -> Result<Response<pb::ListReplicasResponse>, Status> {
+        self.auth.check(&request)?;
+        let name = request.into_inner().name;
+        let view = self.view();
+        if !name.is_empty() && !view.models.contains_key(&name) && !view.replicas.contains_key(&name) {
+            return Err(to_status(Error::NotFound(format!("model {name:?} is not deployed"))));
+        }
+        let mut replicas: Vec<pb::ReplicaStatus> = view
+            .all_replicas()
+            .filter(|r| name.is_empty() || r.model == name)
+            .map(|r| pb::ReplicaStatus {
+                id: r.id.clone(),
+                model: r.model.clone(),
+                state: match r.state {
+                    ReplicaState::Pending => pb::ReplicaState::Pending,
+                    ReplicaState::Loading => pb::ReplicaState::Loading,
+                    ReplicaState::Ready => pb::ReplicaState::Ready,
+                    ReplicaState::Draining => pb::ReplicaState::Draining,
+                    ReplicaState::Failed => pb::ReplicaState::Failed,
+                } as i32,
+                reason: r.reason.clone(),
+                workers: r.workers.clone(),
+                leader_address: r.leader_address.clone(),
+                generation: r.generation,
+                since_ms: r.since_ms,
+            })
+            .collect();
+        replicas.sort_by(|a, b| (&a.model, &a.id).cmp(&(&b.model, &b.id)));
+        Ok(Response::new(pb::ListReplicasResponse { replicas }))
+    }
+
+    async fn list_workers(
+        &self,
+        request: Request<pb::ListWorkersRequest>,
+    ) -> Result<Response<pb::ListWorkersResponse>, Status> {
+        self.auth.check(&request)?;
+        let view = self.view();
+        let workers = view
+            .workers
+            .values()
+            .map(|w| pb::WorkerStatus {
+                id: w.id.clone(),
+                address: w.address.clone(),
+                device_kind: w.capacity.device_kind.clone(),
+                device_count: w.capacity.device_count,
+                memory_bytes: w.capacity.memory_bytes,
+                replica: w.assignment.as_ref().map(|a| a.replica.clone()).unwrap_or_default(),
+                draining: view.drained.contains(&w.id),
+                rank: w.assignment.as_ref().map(|a| a.rank).unwrap_or(0),
+                shard_state: match w.assignment.as_ref().map(|a| a.state) {
+                    Some(ShardState::Loading) => "loading",
+                    Some(ShardState::Ready) => "ready",
+                    Some(ShardState::Failed) => "failed",
+                    None => "",
+                }
+                .to_string(),
+                started_ms: w.started_ms,
+            })
+            .collect();
+        Ok(Response::new(pb::ListWorkersResponse { workers }))
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
+        self.auth.check(&request)?;
+        let r = request.into_inner();
+        if r.worker_id.is_empty() {
+            return Err(to_status(Error::invalid("worker_id", "must name a worker")));
+        }
+        let key = self.keys.drain(&r.worker_id);
+        if r.undrain {
+            self.registry.delete(&key).await.map_err(to_status)?;
+            info!(worker = %r.worker_id, "worker undrained");
+        } else {
+            if !self.view().workers.contains_key(&r.worker_id) {
+                return Err(to_status(Error::NotFound(format!(
+                    "worker {:?} is not registered",
+                    r.worker_id
+                ))));
+            }
+            self.registry.put(&key, Vec::new(), None).await.map_err(to_status)?;
+            info!(worker = %r.worker_id, "worker drained: its replica moves elsewhere");
+        }
+        Ok(Response::new(pb::DrainWorkerResponse {}))
+    }
+}

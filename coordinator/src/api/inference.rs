@@ -1,0 +1,218 @@
+//! `strata.inference.v1.Inference`: the public API, served by every coordinator.
+//!
+//! This file only translates: a `GenerateRequest` message becomes the domain request that
+//! [`admit`] validates and tokenizes; the generation itself is [`generation::start`],
+//! shared by the unary and the streaming call, so their texts are the same by
+//! construction.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_server::Inference;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status};
+use tracing::{info_span, Instrument};
+
+use strata_common::status::to_status;
+use strata_common::{wire, Error, SamplingParams};
+
+use super::auth::ClientAuth;
+use crate::request::admission::{admit, GenerateRequest, Prompt};
+use crate::request::generation::{self, RouteLimits};
+use crate::routing::Catalog;
+
+/// The domain request of an inference.v1 message.
+pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
+    let prompt = req.prompt.as_ref().map(|p| match p {
+        pb::generate_request::Prompt::Text(t) => Prompt::Text(t.clone()),
+        pb::generate_request::Prompt::TokenIds(ids) => Prompt::TokenIds(ids.ids.clone()),
+    });
+    let mut params = SamplingParams {
+        ignore_eos: req.ignore_eos,
+        stop_token_ids: req.stop_token_ids.clone(),
+        stop: req.stop.clone(),
+        logprobs: req.logprobs,
+        ..SamplingParams::default()
+    };
+    wire::apply_sampling(&req.sampling.unwrap_or_default(), &mut params);
+    GenerateRequest { model: req.model.clone(), prompt, max_tokens: req.max_tokens, params }
+}
+
+/// Sampling knobs live under `sampling.` in inference.v1; admission names them bare.
+fn api_field_names(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument { field, reason }
+            if !matches!(field.as_str(), "max_tokens" | "stop" | "logprobs" | "model")
+                && !field.starts_with("prompt") =>
+        {
+            Error::invalid(format!("sampling.{field}"), reason)
+        }
+        other => other,
+    }
+}
+
+pub struct InferenceService {
+    models: Arc<dyn Catalog>,
+    next_request: AtomicU64,
+    limits: RouteLimits,
+    auth: ClientAuth,
+}
+
+/// The caller's deadline from the `grpc-timeout` header, a little early so that our
+/// DEADLINE_EXCEEDED reaches the caller before the transport's own timer cancels the call.
+pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
+    let v = request.metadata().get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    let d = match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    let margin = (d / 20).min(Duration::from_millis(20));
+    Some(tokio::time::Instant::now() + d - margin)
+}
+
+impl InferenceService {
+    pub fn new(models: Arc<dyn Catalog>, limits: RouteLimits, auth: ClientAuth) -> Self {
+        InferenceService { models, next_request: AtomicU64::new(1), limits, auth }
+    }
+
+    fn request_id(&self, given: &str) -> String {
+        if given.is_empty() {
+            format!("req-{}", self.next_request.fetch_add(1, Ordering::Relaxed))
+        } else {
+            given.to_string()
+        }
+    }
+
+    async fn start(
+        &self,
+        req: &pb::GenerateRequest,
+        request_id: &str,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
+        let model = self.models.get(&req.model).map_err(to_status)?;
+        let admitted = admit(&request_from_pb(req), &model).map_err(|e| to_status(api_field_names(e)))?;
+        let prompt_ids = admitted.prompt_ids.clone();
+        let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)
+            .await
+            .map_err(to_status)?;
+        Ok((prompt_ids, rx))
+    }
+}
+
+type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateStreamResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Inference for InferenceService {
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<pb::GenerateResponse>, Status> {
+        self.auth.check(&request)?;
+        let deadline = deadline(&request);
+        let req = request.into_inner();
+        let request_id = self.request_id(&req.request_id);
+        let span = info_span!("generate", request_id = %request_id, model = %req.model);
+        async move {
+            let (prompt_ids, mut rx) = self.start(&req, &request_id, deadline).await?;
+            let mut out = pb::GenerateResponse { request_id, ..Default::default() };
+            while let Some(chunk) = rx.recv().await {
+                let chunk = chunk.map_err(to_status)?;
+                out.text.push_str(&chunk.text);
+                out.token_ids.extend(chunk.token_ids);
+                out.logprobs.extend(chunk.logprobs.into_iter().map(wire::logprobs_to_pb));
+                if let Some(f) = chunk.finish {
+                    out.finish_reason = wire::finish_to_pb(f) as i32;
+                    break;
+                }
+            }
+            out.usage = Some(pb::Usage {
+                prompt_tokens: prompt_ids.len() as u32,
+                completion_tokens: out.token_ids.len() as u32,
+            });
+            out.prompt_token_ids = prompt_ids;
+            Ok(Response::new(out))
+        }
+        .instrument(span)
+        .await
+    }
+
+    type GenerateStreamStream = GenerateStream;
+
+    async fn generate_stream(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<GenerateStream>, Status> {
+        self.auth.check(&request)?;
+        let deadline = deadline(&request);
+        let req = request.into_inner();
+        let request_id = self.request_id(&req.request_id);
+        let span = info_span!("generate_stream", request_id = %request_id, model = %req.model);
+        let (prompt_ids, rx) = self.start(&req, &request_id, deadline).instrument(span).await?;
+        let prompt_tokens = prompt_ids.len() as u32;
+        let mut completion_tokens = 0u32;
+        let stream = ReceiverStream::new(rx).map(move |chunk| {
+            let chunk = chunk.map_err(to_status)?;
+            completion_tokens += chunk.token_ids.len() as u32;
+            let finish = chunk.finish.map(wire::finish_to_pb);
+            Ok(pb::GenerateStreamResponse {
+                request_id: request_id.clone(),
+                text: chunk.text,
+                token_ids: chunk.token_ids,
+                logprobs: chunk.logprobs.into_iter().map(wire::logprobs_to_pb).collect(),
+                finish_reason: finish.unwrap_or(pb::FinishReason::Unspecified) as i32,
+                usage: finish.map(|_| pb::Usage { prompt_tokens, completion_tokens }),
+            })
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn tokenize(
+        &self,
+        request: Request<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        self.auth.check(&request)?;
+        let req = request.into_inner();
+        let model = self.models.get(&req.model).map_err(to_status)?;
+        let token_ids = model.tokenizer.encode(&req.text).map_err(to_status)?;
+        Ok(Response::new(pb::TokenizeResponse { token_ids }))
+    }
+
+    async fn list_models(
+        &self,
+        request: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        self.auth.check(&request)?;
+        let models = self
+            .models
+            .all()
+            .into_iter()
+            .map(|m| {
+                let s = m.routes.stats();
+                pb::ModelInfo {
+                    name: m.name.clone(),
+                    architecture: m.config.architecture.hf_class().to_string(),
+                    max_context: m.config.max_position_embeddings as u32,
+                    vocab_size: m.config.vocab_size as u32,
+                    replicas: m.routes.ready() as u32,
+                    running_sequences: s.running as u32,
+                    waiting_requests: s.waiting as u32,
+                    kv_blocks_free: s.kv_blocks_free as u64,
+                    kv_blocks_total: s.kv_blocks_total as u64,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}

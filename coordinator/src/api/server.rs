@@ -1,0 +1,74 @@
+//! `strata serve`: coordinator and in-process workers in one process.
+//!
+//! Serves inference.v1, admin.v1, the standard gRPC health service and server reflection
+//! on one port. On SIGTERM (or Ctrl-C) it reports NOT_SERVING, stops accepting new
+//! calls, lets in-flight calls and streams finish for up to the drain timeout, and
+//! returns so the process exits 0.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use strata_proto::admin::v1::admin_server::{Admin, AdminServer};
+use strata_proto::inference::v1::inference_server::InferenceServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use super::auth::ClientAuth;
+use super::inference::InferenceService;
+use crate::request::generation::RouteLimits;
+use crate::routing::Catalog;
+
+pub struct ServeOptions {
+    pub listen: SocketAddr,
+    pub drain_timeout: Duration,
+    pub route: RouteLimits,
+    pub client_auth: ClientAuth,
+    /// First words of the "ready" log line ("strata", "strata coordinator").
+    pub role: &'static str,
+}
+
+/// Serves inference.v1 over `models` and admin.v1 through `admin` until SIGTERM.
+pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOptions) -> anyhow::Result<()> {
+    let listener =
+        TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let addr = listener.local_addr()?;
+    let names: Vec<String> = models.all().iter().map(|m| m.name.clone()).collect();
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<InferenceServer<InferenceService>>().await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(strata_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .context("building the reflection service")?;
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(InferenceServer::new(InferenceService::new(models, opts.route, opts.client_auth)))
+        .add_service(AdminServer::new(admin))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stop_rx.await;
+        });
+    info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role);
+
+    let mut server = std::pin::pin!(server);
+    tokio::select! {
+        res = &mut server => return res.context("gRPC server failed"),
+        _ = strata_common::shutdown::signal() => {}
+    }
+    info!(drain_timeout_s = opts.drain_timeout.as_secs_f64(), "shutting down: draining in-flight calls");
+    health_reporter.set_not_serving::<InferenceServer<InferenceService>>().await;
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(opts.drain_timeout, server).await {
+        Ok(res) => res.context("gRPC server failed while draining")?,
+        Err(_) => warn!("drain timeout reached; closing the remaining calls"),
+    }
+    info!("stopped");
+    Ok(())
+}

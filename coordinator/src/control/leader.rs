@@ -1,0 +1,316 @@
+//! Leader election and the reconcile loop.
+//!
+//! Every coordinator campaigns: it holds a lease and tries to create `<prefix>/leader`
+//! with its id, bound to that lease (the etcd election recipe; whoever creates the key
+//! leads, and the key vanishes with its holder's lease). The winner reconciles; the others
+//! wait for the key to go. A leader that dies stops refreshing its lease, so another
+//! coordinator takes over within the lease TTL; one that shuts down revokes its lease and
+//! hands over at once. Every write a leader makes is guarded by the key still holding its
+//! id, so a coordinator that lost leadership without noticing cannot overwrite its
+//! successor. While the registry is unreachable nobody can write, and a leader whose lease
+//! survives the outage (etcd extends leases when it restarts) simply carries on.
+//!
+//! The loop: every tick (or view change) take the view with this leader's own writes
+//! applied, [`plan`](super::plan::plan) the actions, carry them out. Long work runs as
+//! [`tasks`](super::tasks), at most one per replica (plus a health monitor per ready
+//! replica).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use strata_common::cluster::{now_ms, ReplicaRecord, ReplicaState};
+use strata_common::registry::keys::Keys;
+use strata_common::registry::{LeaseId, Registry};
+use strata_common::ErrorClass;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::plan::{plan, Action, Inputs};
+use super::tasks::{self, Ctx, Timings, Writer};
+use super::view::ClusterView;
+use crate::routing::clients::WorkerClients;
+
+#[derive(Debug, Clone)]
+pub struct LeaderConfig {
+    /// This coordinator's id (the leader key's value).
+    pub id: String,
+    pub lease_ttl: Duration,
+    /// How often the election lease is refreshed.
+    pub keepalive: Duration,
+    pub timings: Timings,
+    /// Longest pause between two plans.
+    pub tick: Duration,
+}
+
+/// Campaigns for leadership forever; reconciles while leading. `leading` says whether
+/// this coordinator leads right now.
+pub struct Election {
+    task: JoinHandle<()>,
+    lease: Arc<Mutex<Option<LeaseId>>>,
+    registry: Arc<dyn Registry>,
+    pub leading: watch::Receiver<bool>,
+}
+
+impl Election {
+    pub fn start(
+        registry: Arc<dyn Registry>,
+        keys: Keys,
+        view: watch::Receiver<Arc<ClusterView>>,
+        clients: Arc<WorkerClients>,
+        cfg: LeaderConfig,
+    ) -> Self {
+        let (tx, leading) = watch::channel(false);
+        let lease = Arc::new(Mutex::new(None));
+        let task = tokio::spawn(campaign(registry.clone(), keys, view, clients, cfg, tx, lease.clone()));
+        Election { task, lease, registry, leading }
+    }
+
+    /// Stops campaigning and gives leadership up at once (revokes the lease).
+    pub async fn resign(self) {
+        self.task.abort();
+        let lease = *self.lease.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = lease {
+            let _ = self.registry.revoke_lease(l).await;
+        }
+    }
+}
+
+async fn campaign(
+    registry: Arc<dyn Registry>,
+    keys: Keys,
+    mut view: watch::Receiver<Arc<ClusterView>>,
+    clients: Arc<WorkerClients>,
+    cfg: LeaderConfig,
+    leading: watch::Sender<bool>,
+    current: Arc<Mutex<Option<LeaseId>>>,
+) {
+    let retry = cfg.keepalive.max(Duration::from_millis(50));
+    loop {
+        let lease = match registry.grant_lease(cfg.lease_ttl).await {
+            Ok(l) => l,
+            Err(_) => {
+                tokio::time::sleep(retry).await;
+                continue;
+            }
+        };
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        let lapsed = Arc::new(AtomicBool::new(false));
+        let keeper = tokio::spawn(keep_alive(registry.clone(), lease, retry, lapsed.clone()));
+        while !lapsed.load(Ordering::SeqCst) {
+            let won = match registry.create(&keys.leader(), cfg.id.as_bytes().to_vec(), Some(lease)).await {
+                Ok(true) => true,
+                Ok(false) => {
+                    matches!(registry.get(&keys.leader()).await, Ok(Some(e)) if e.value == cfg.id.as_bytes())
+                }
+                Err(_) => false,
+            };
+            if won {
+                info!(coordinator = %cfg.id, "elected leader; reconciling");
+                leading.send_replace(true);
+                lead(&registry, &keys, &view, &clients, &cfg, &lapsed).await;
+                leading.send_replace(false);
+                info!(coordinator = %cfg.id, "no longer the leader");
+                continue;
+            }
+            // Someone else leads: wait for the key to go (or our lease to lapse).
+            let _ = tokio::time::timeout(retry, async {
+                loop {
+                    if view.borrow_and_update().leader.is_none() {
+                        return;
+                    }
+                    if view.changed().await.is_err() {
+                        return;
+                    }
+                }
+            })
+            .await;
+        }
+        keeper.abort();
+        warn!(coordinator = %cfg.id, "election lease lapsed; campaigning again");
+    }
+}
+
+async fn keep_alive(registry: Arc<dyn Registry>, lease: LeaseId, every: Duration, lapsed: Arc<AtomicBool>) {
+    loop {
+        tokio::time::sleep(every).await;
+        match registry.keep_alive(lease).await {
+            Ok(()) => {}
+            Err(e) if e.class() == ErrorClass::NotFound => {
+                lapsed.store(true, Ordering::SeqCst);
+                return;
+            }
+            Err(_) => {} // unreachable: keep trying; nobody else can take over meanwhile
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tasks {
+    busy: HashMap<String, JoinHandle<()>>,
+    monitors: HashMap<String, JoinHandle<()>>,
+    releasing: HashMap<String, JoinHandle<()>>,
+}
+
+impl Tasks {
+    fn reap(&mut self) {
+        self.busy.retain(|_, h| !h.is_finished());
+        self.monitors.retain(|_, h| !h.is_finished());
+        self.releasing.retain(|_, h| !h.is_finished());
+    }
+
+    fn abort_all(&mut self) {
+        for h in self.busy.values().chain(self.monitors.values()).chain(self.releasing.values()) {
+            h.abort();
+        }
+    }
+}
+
+async fn lead(
+    registry: &Arc<dyn Registry>,
+    keys: &Keys,
+    view: &watch::Receiver<Arc<ClusterView>>,
+    clients: &Arc<WorkerClients>,
+    cfg: &LeaderConfig,
+    lapsed: &AtomicBool,
+) {
+    let ctx = Arc::new(Ctx {
+        writer: Writer::new(registry.clone(), keys.clone(), &cfg.id),
+        clients: clients.clone(),
+        view: view.clone(),
+        timings: cfg.timings.clone(),
+        failures: Mutex::new(HashMap::new()),
+        addresses: Mutex::new(HashMap::new()),
+    });
+    let mut tasks = Tasks::default();
+    let mut changes = view.clone();
+    while !ctx.writer.lost() && !lapsed.load(Ordering::SeqCst) {
+        tasks.reap();
+        let v = ctx.view_now();
+        if v.connected {
+            let backoff = ctx.backoff();
+            let inputs = Inputs {
+                busy: tasks.busy.keys().map(String::as_str).collect(),
+                monitored: tasks.monitors.keys().map(String::as_str).collect(),
+                backoff: backoff.iter().map(|(k, v)| (k.as_str(), v.clone())).collect(),
+                releasing: tasks.releasing.keys().map(String::as_str).collect::<HashSet<_>>(),
+            };
+            let mut new_id = |model: &str| format!("{model}-{:08x}", rand::random::<u32>());
+            let actions = plan(&v, &inputs, &mut new_id);
+            for a in actions {
+                execute(&ctx, &v, &mut tasks, a).await;
+                if ctx.writer.lost() {
+                    break;
+                }
+            }
+        }
+        changes.borrow_and_update();
+        let _ = tokio::time::timeout(cfg.tick, changes.changed()).await;
+    }
+    tasks.abort_all();
+}
+
+fn record(v: &ClusterView, model: &str, id: &str) -> Option<ReplicaRecord> {
+    v.replicas.get(model).and_then(|m| m.get(id)).cloned()
+}
+
+async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Action) {
+    let warn_write =
+        |e: strata_common::Error| warn!(error = %e, "registry write failed; retrying next round");
+    match action {
+        Action::CreatePending { model, id, generation, reason } => {
+            let now = now_ms();
+            let rec = ReplicaRecord {
+                id,
+                model,
+                state: ReplicaState::Pending,
+                reason,
+                workers: Vec::new(),
+                leader_address: String::new(),
+                generation,
+                since_ms: now,
+                created_ms: now,
+            };
+            info!(replica = %rec.id, model = %rec.model, reason = %rec.reason, "replica pending");
+            if let Err(e) = ctx.writer.put(&rec).await {
+                warn_write(e);
+            }
+        }
+        Action::Assign { model, id, workers } => {
+            let now = now_ms();
+            let generation = v.models.get(&model).map(|s| s.generation).unwrap_or(0);
+            let mut rec = record(v, &model, &id).unwrap_or(ReplicaRecord {
+                id: id.clone(),
+                model: model.clone(),
+                state: ReplicaState::Pending,
+                reason: String::new(),
+                workers: Vec::new(),
+                leader_address: String::new(),
+                generation,
+                since_ms: now,
+                created_ms: now,
+            });
+            rec.workers = workers.clone();
+            rec.generation = generation;
+            let reason = format!("loading on {}", workers.join(", "));
+            match ctx.set_state(rec, ReplicaState::Loading, reason).await {
+                Ok(()) => {
+                    tasks.busy.insert(id.clone(), tokio::spawn(tasks::build(ctx.clone(), model, id)));
+                }
+                Err(e) => warn_write(e),
+            }
+        }
+        Action::Wait { model, id, reason } => {
+            if let Some(mut rec) = record(v, &model, &id) {
+                rec.reason = reason;
+                if let Err(e) = ctx.writer.put(&rec).await {
+                    warn_write(e);
+                }
+            }
+        }
+        Action::Build { model, id } => {
+            tasks.busy.insert(id.clone(), tokio::spawn(tasks::build(ctx.clone(), model, id)));
+        }
+        Action::Monitor { model, id } => {
+            tasks.monitors.insert(id.clone(), tokio::spawn(tasks::monitor(ctx.clone(), model, id)));
+        }
+        Action::Drain { model, id, reason } => {
+            if let Some(m) = tasks.monitors.remove(&id) {
+                m.abort();
+            }
+            let Some(rec) = record(v, &model, &id) else { return };
+            if rec.state != ReplicaState::Draining {
+                if let Err(e) = ctx.set_state(rec, ReplicaState::Draining, reason).await {
+                    return warn_write(e);
+                }
+            }
+            tasks.busy.insert(id.clone(), tokio::spawn(tasks::drain(ctx.clone(), model, id)));
+        }
+        Action::Fail { model, id, reason } => {
+            if let Some(m) = tasks.monitors.remove(&id) {
+                m.abort();
+            }
+            let Some(rec) = record(v, &model, &id) else { return };
+            warn!(replica = %id, %reason, "replica failed");
+            if let Err(e) = ctx.set_state(rec, ReplicaState::Failed, reason).await {
+                return warn_write(e);
+            }
+            tasks.busy.insert(id.clone(), tokio::spawn(tasks::teardown(ctx.clone(), model, id)));
+        }
+        Action::Teardown { model, id } => {
+            tasks.busy.insert(id.clone(), tokio::spawn(tasks::teardown(ctx.clone(), model, id)));
+        }
+        Action::Delete { model, id } => {
+            if let Err(e) = ctx.writer.delete(&model, &id).await {
+                warn_write(e);
+            }
+        }
+        Action::Release { worker, replica } => {
+            tasks
+                .releasing
+                .insert(worker.clone(), tokio::spawn(tasks::release(ctx.clone(), worker, replica)));
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! `strata coordinator`: the coordinator process wired from its seams — the registry view,
+//! the routing catalog, the election and the admin and inference APIs.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_common::registry::keys::Keys;
+use strata_common::registry::Registry;
+use tracing::info;
+
+use crate::api::admin::ClusterAdmin;
+use crate::api::auth::{AdminAuth, ClientAuth};
+use crate::api::server::{serve, ServeOptions};
+use crate::control::leader::{Election, LeaderConfig};
+use crate::control::view::Watcher;
+use crate::request::generation::RouteLimits;
+use crate::routing::catalog::ClusterCatalog;
+use crate::routing::clients::WorkerClients;
+
+/// Everything `strata coordinator` runs with.
+pub struct CoordinatorOptions {
+    pub keys: Keys,
+    pub listen: SocketAddr,
+    pub leader: LeaderConfig,
+    pub route: RouteLimits,
+    pub client_auth: ClientAuth,
+    pub admin_auth: AdminAuth,
+    /// SIGTERM: how long in-flight calls get to finish.
+    pub drain_timeout: Duration,
+}
+
+/// Routes inference traffic from the registry's view, serves the admin API, and
+/// campaigns for leadership (reconciling while it leads) until SIGTERM.
+pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptions) -> anyhow::Result<()> {
+    let watcher = Watcher::start(registry.clone(), opts.keys.clone());
+    let clients = Arc::new(WorkerClients::new());
+    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let election = Election::start(
+        registry.clone(),
+        opts.keys.clone(),
+        watcher.subscribe(),
+        clients.clone(),
+        opts.leader.clone(),
+    );
+    let admin = ClusterAdmin::new(
+        registry.clone(),
+        opts.keys.clone(),
+        watcher.subscribe(),
+        catalog.clone(),
+        opts.admin_auth,
+    );
+    info!(id = %opts.leader.id, registry = registry.kind(), prefix = opts.keys.prefix(), "coordinator starting");
+    let served = serve(
+        catalog,
+        admin,
+        ServeOptions {
+            listen: opts.listen,
+            drain_timeout: opts.drain_timeout,
+            route: opts.route,
+            client_auth: opts.client_auth,
+            role: "strata coordinator",
+        },
+    )
+    .await;
+    election.resign().await;
+    drop(watcher);
+    served
+}

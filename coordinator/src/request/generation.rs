@@ -1,0 +1,248 @@
+//! One request's generation on the coordinator side: route it to a replica, turn the
+//! tokens that come back into text deltas, apply stop strings — and survive replicas
+//! dying under it.
+//!
+//! Unary and streaming calls share this path: both read [`Chunk`]s from the channel
+//! [`start`] returns. When the receiver is dropped (the caller cancelled or
+//! disconnected), the task ends and drops its replica stream, which cancels the sequence
+//! on the replica and frees its KV blocks.
+//!
+//! **Failover.** When the replica's stream breaks or reports `Unavailable` (a worker died,
+//! its replica failed its canary, it is draining), the request is resubmitted to another
+//! ready replica with the prompt plus every token already streamed to the caller; the new
+//! replica prefills them and continues after them, and the text stream carries on, so the
+//! caller sees one uninterrupted stream with no token lost or repeated. Sampled requests
+//! get a seed from the coordinator when they bring none, so the continuation draws from
+//! the same random stream. When no other replica is ready, the request waits for one (up
+//! to [`RouteLimits::wait`], never past the caller's deadline).
+//!
+//! **Deadlines.** A caller's gRPC deadline bounds the whole generation: when it passes, the
+//! stream ends with `DEADLINE_EXCEEDED` and the sequence is cancelled on the replica.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_common::{Error, ErrorClass, FinishReason, Result, SeqEvent, TokenLogprobs};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use crate::request::admission::Admitted;
+use crate::request::text::TextStream;
+use crate::routing::{EventStream, Job, ModelEntry};
+
+/// What one generated token adds to a response.
+#[derive(Debug, Default)]
+pub struct Chunk {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish: Option<FinishReason>,
+}
+
+/// Chunks of one generation, in order; the last has `finish` set (or is an error).
+pub type ChunkRx = mpsc::Receiver<Result<Chunk>>;
+
+/// How long and how often a request looks for a replica.
+#[derive(Debug, Clone, Copy)]
+pub struct RouteLimits {
+    /// Longest wait for a ready replica (at the start, or after one failed).
+    pub wait: Duration,
+    /// Most replicas one request may fail over between.
+    pub max_failovers: usize,
+}
+
+impl Default for RouteLimits {
+    fn default() -> Self {
+        RouteLimits { wait: Duration::from_secs(60), max_failovers: 8 }
+    }
+}
+
+/// Submits the request and streams its chunks. Errors that happen before the first
+/// token (bad request, every replica full, none ready) are returned here, so they become
+/// the call's status.
+pub async fn start(
+    model: Arc<ModelEntry>,
+    admitted: Admitted,
+    request_id: String,
+    deadline: Option<Instant>,
+    limits: RouteLimits,
+) -> Result<ChunkRx> {
+    let stop = admitted.params.stop.clone();
+    let mut params = admitted.params;
+    if !params.is_greedy() && params.seed.is_none() {
+        params.seed = Some(rand::random());
+    }
+    let job = Job { request_id, prompt: admitted.prompt_ids, generated: Vec::new(), params };
+    let mut run = Run { model, job, excluded: Vec::new(), deadline, limits, failovers: 0 };
+    let (replica, stream) = run.submit().await?;
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let model = run.model.clone();
+        let mut text = TextStream::new(&model.tokenizer, stop);
+        run.stream(replica, stream, &mut text, tx).await;
+    });
+    Ok(rx)
+}
+
+struct Run {
+    model: Arc<ModelEntry>,
+    job: Job,
+    /// Replicas this request failed on or found full.
+    excluded: Vec<String>,
+    deadline: Option<Instant>,
+    limits: RouteLimits,
+    failovers: usize,
+}
+
+fn retry_elsewhere(e: &Error) -> bool {
+    matches!(e.class(), ErrorClass::Unavailable | ErrorClass::Overloaded)
+}
+
+impl Run {
+    fn expired(&self) -> Error {
+        Error::DeadlineExceeded(format!(
+            "request {} ran past its deadline after {} tokens",
+            self.job.request_id,
+            self.job.generated.len()
+        ))
+    }
+
+    /// Finds a replica that accepts the job.
+    async fn submit(&mut self) -> Result<(String, EventStream)> {
+        let give_up = Instant::now() + self.limits.wait;
+        let give_up = self.deadline.map_or(give_up, |d| d.min(give_up));
+        let mut last: Option<Error> = None;
+        loop {
+            if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(self.expired());
+            }
+            if let Some(replica) = self.model.routes.pick(&self.job.prompt, &self.excluded) {
+                let id = replica.id().to_string();
+                let submitted = match self.deadline {
+                    Some(d) => match tokio::time::timeout_at(d, replica.submit(&self.job)).await {
+                        Ok(r) => r,
+                        Err(_) => return Err(self.expired()),
+                    },
+                    None => replica.submit(&self.job).await,
+                };
+                match submitted {
+                    Ok(stream) => return Ok((id, stream)),
+                    Err(e) if retry_elsewhere(&e) => {
+                        if e.class() == ErrorClass::Unavailable {
+                            self.model.routes.report_failure(&id);
+                        }
+                        warn!(request = %self.job.request_id, replica = %id, error = %e, "replica refused; trying another");
+                        self.excluded.push(id);
+                        last = Some(e);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            // No replica left to try: full ones answer for themselves; otherwise wait for
+            // the set of ready replicas to change (a replacement being built).
+            if let Some(e) = &last {
+                if e.class() == ErrorClass::Overloaded {
+                    return Err(last.take().expect("checked"));
+                }
+            }
+            let now = Instant::now();
+            let changed = now < give_up && self.model.routes.wait_for_change(give_up - now).await;
+            if !changed {
+                if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(self.expired());
+                }
+                return Err(last.unwrap_or_else(|| {
+                    Error::Unavailable(format!("model {:?} has no ready replica", self.model.name))
+                }));
+            }
+            // Replicas that failed before may have been replaced under the same id only if
+            // rebuilt; ids are never reused, so the exclusions stay.
+        }
+    }
+
+    /// Streams the sequence's chunks to `tx`, failing over as needed.
+    async fn stream(
+        &mut self,
+        mut replica: String,
+        mut events: EventStream,
+        text: &mut TextStream<'_>,
+        tx: mpsc::Sender<Result<Chunk>>,
+    ) {
+        use futures::StreamExt;
+        loop {
+            let next = match self.deadline {
+                Some(d) => match tokio::time::timeout_at(d, events.next()).await {
+                    Ok(ev) => ev,
+                    Err(_) => {
+                        let _ = tx.send(Err(self.expired())).await;
+                        return;
+                    }
+                },
+                None => events.next().await,
+            };
+            let lost = match next {
+                Some(SeqEvent::Token { token, logprobs, finish }) => {
+                    self.job.generated.push(token);
+                    let chunk = token_chunk(text, token, logprobs, finish);
+                    let last = !matches!(chunk, Ok(Chunk { finish: None, .. }));
+                    if tx.send(chunk).await.is_err() || last {
+                        return; // dropping `events` cancels the sequence if it still runs
+                    }
+                    continue;
+                }
+                Some(SeqEvent::Failed(e)) if e.class() == ErrorClass::Unavailable => e,
+                Some(SeqEvent::Failed(e)) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+                None => Error::Unavailable(format!("replica {replica} went away mid-stream")),
+            };
+            self.model.routes.report_failure(&replica);
+            self.excluded.push(replica.clone());
+            self.failovers += 1;
+            if self.failovers > self.limits.max_failovers {
+                let _ = tx.send(Err(lost)).await;
+                return;
+            }
+            info!(
+                request = %self.job.request_id,
+                from = %replica,
+                tokens_streamed = self.job.generated.len(),
+                error = %lost,
+                "replica lost mid-stream; resuming on another"
+            );
+            match self.submit().await {
+                Ok((id, s)) => {
+                    info!(request = %self.job.request_id, to = %id, "resumed");
+                    replica = id;
+                    events = s;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e)).await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn token_chunk(
+    text: &mut TextStream<'_>,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+    finish: Option<FinishReason>,
+) -> Result<Chunk> {
+    let delta = text.push(token)?;
+    let mut chunk = Chunk {
+        text: delta.text,
+        token_ids: vec![token],
+        logprobs: logprobs.into_iter().collect(),
+        finish: if delta.stopped { Some(FinishReason::Stop) } else { finish },
+    };
+    if chunk.finish.is_some() {
+        chunk.text.push_str(&text.finish()?.text);
+    }
+    Ok(chunk)
+}

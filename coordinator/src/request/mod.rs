@@ -1,0 +1,9 @@
+//! One request's way through the coordinator: [`admission`] checks a domain request
+//! against the model, [`tokenizer`] turns text into ids, [`generation`] runs it on a
+//! replica (failing over when one dies) and [`text`] turns ids back into text, applying
+//! stop strings. Nothing here knows which API the request came in on.
+
+pub mod admission;
+pub mod generation;
+pub mod text;
+pub mod tokenizer;

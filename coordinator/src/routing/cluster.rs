@@ -1,0 +1,199 @@
+//! Routes of one model in cluster mode: its ready replicas from the registry view, each
+//! reached over worker.v1 at its rank 0.
+//!
+//! Load is what this coordinator has outstanding on a replica, or what the replica last
+//! reported (`Stats`, polled by the catalog) when that is more — the report also counts
+//! other coordinators' requests. A replica a request just failed on is avoided for a few
+//! seconds, until the leader coordinator's verdict reaches the view.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use strata_common::{EngineStats, Result};
+use tokio::sync::watch;
+
+use super::clients::WorkerClients;
+use super::prefix::{block_hashes, select, Candidate, PrefixIndex};
+use super::{EventStream, Job, Replica, Routes};
+use crate::control::view::ClusterView;
+
+/// How long a replica a request failed on is avoided by this coordinator.
+const SUSPECT_FOR: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+struct ReplicaLoad {
+    outstanding: AtomicUsize,
+    /// Last `Stats` report: running + waiting, and KV blocks.
+    reported: Mutex<EngineStats>,
+}
+
+pub struct ClusterRoutes {
+    model: String,
+    view: watch::Receiver<Arc<ClusterView>>,
+    clients: Arc<WorkerClients>,
+    loads: Mutex<HashMap<String, Arc<ReplicaLoad>>>,
+    index: Mutex<PrefixIndex>,
+    suspects: Mutex<HashMap<String, Instant>>,
+}
+
+impl ClusterRoutes {
+    pub fn new(model: &str, view: watch::Receiver<Arc<ClusterView>>, clients: Arc<WorkerClients>) -> Self {
+        ClusterRoutes {
+            model: model.to_string(),
+            view,
+            clients,
+            loads: Mutex::new(HashMap::new()),
+            index: Mutex::new(PrefixIndex::new(1 << 16)),
+            suspects: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn load(&self, replica: &str) -> Arc<ReplicaLoad> {
+        self.loads.lock().unwrap_or_else(|p| p.into_inner()).entry(replica.to_string()).or_default().clone()
+    }
+
+    /// Ready replicas: (id, rank 0's address).
+    pub fn ready_replicas(&self) -> Vec<(String, String)> {
+        let view = self.view.borrow().clone();
+        view.ready_replicas(&self.model).map(|r| (r.id.clone(), r.leader_address.clone())).collect()
+    }
+
+    /// Refreshes the reported load of each ready replica (called periodically).
+    pub async fn poll_stats(&self) {
+        for (id, address) in self.ready_replicas() {
+            let Ok(worker) = self.clients.get(&address) else { continue };
+            if let Ok(stats) = worker.stats().await {
+                *self.load(&id).reported.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+            }
+        }
+        // Forget replicas that left.
+        let ready: Vec<String> = self.ready_replicas().into_iter().map(|r| r.0).collect();
+        let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+        let gone: Vec<String> = loads.keys().filter(|k| !ready.contains(k)).cloned().collect();
+        for g in gone {
+            if loads.get(&g).is_some_and(|l| l.outstanding.load(Ordering::Relaxed) == 0) {
+                loads.remove(&g);
+                self.index.lock().unwrap_or_else(|p| p.into_inner()).forget(&g);
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Routes for ClusterRoutes {
+    fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
+        let now = Instant::now();
+        let suspects: Vec<String> = {
+            let mut s = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
+            s.retain(|_, until| *until > now);
+            s.keys().cloned().collect()
+        };
+        let ready: Vec<(String, String)> = self
+            .ready_replicas()
+            .into_iter()
+            .filter(|(id, _)| !exclude.contains(id) && !suspects.contains(id))
+            .collect();
+        if ready.is_empty() {
+            return None;
+        }
+        let loads: Vec<Arc<ReplicaLoad>> = ready.iter().map(|(id, _)| self.load(id)).collect();
+        let outstanding: Vec<usize> = loads
+            .iter()
+            .map(|l| {
+                let reported = *l.reported.lock().unwrap_or_else(|p| p.into_inner());
+                l.outstanding.load(Ordering::Relaxed).max(reported.outstanding())
+            })
+            .collect();
+        let candidates: Vec<Candidate<'_>> =
+            ready.iter().zip(&outstanding).map(|((id, _), &o)| Candidate { id, outstanding: o }).collect();
+        let hashes = block_hashes(prompt);
+        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        let i = select(&candidates, index.best(&hashes, &candidates), prompt);
+        index.record(&hashes, &ready[i].0);
+        Some(Arc::new(RemoteReplica {
+            id: ready[i].0.clone(),
+            address: ready[i].1.clone(),
+            clients: self.clients.clone(),
+            load: loads[i].clone(),
+        }))
+    }
+
+    fn report_failure(&self, replica: &str) {
+        self.suspects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(replica.to_string(), Instant::now() + SUSPECT_FOR);
+    }
+
+    async fn wait_for_change(&self, limit: Duration) -> bool {
+        let mut rx = self.view.clone();
+        rx.borrow_and_update();
+        let deadline = tokio::time::Instant::now() + limit;
+        // Suspicion expires too: wake up when it does, so a request can try again.
+        let wake = self
+            .suspects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .min()
+            .map(|t| tokio::time::Instant::from_std(*t))
+            .unwrap_or(deadline)
+            .min(deadline);
+        matches!(tokio::time::timeout_at(wake, rx.changed()).await, Ok(Ok(()))) || wake < deadline
+    }
+
+    fn ready(&self) -> usize {
+        self.ready_replicas().len()
+    }
+
+    fn stats(&self) -> EngineStats {
+        let ready = self.ready_replicas();
+        EngineStats::sum(ready.iter().map(|(id, _)| {
+            let l = self.load(id);
+            let mut s = *l.reported.lock().unwrap_or_else(|p| p.into_inner());
+            s.running = s.running.max(l.outstanding.load(Ordering::Relaxed));
+            s
+        }))
+    }
+}
+
+/// A replica's rank 0, through the `WorkerApi` seam.
+pub struct RemoteReplica {
+    id: String,
+    address: String,
+    clients: Arc<WorkerClients>,
+    load: Arc<ReplicaLoad>,
+}
+
+/// Decrements a replica's outstanding count when the request's stream is dropped.
+struct Outstanding(Arc<ReplicaLoad>);
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.outstanding.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[async_trait::async_trait]
+impl Replica for RemoteReplica {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    async fn submit(&self, job: &Job) -> Result<EventStream> {
+        self.load.outstanding.fetch_add(1, Ordering::Relaxed);
+        let guard = Outstanding(self.load.clone());
+        let events = self.clients.get(&self.address)?.generate(&self.id, job).await?;
+        // The load count is released when the caller drops the stream or it ends.
+        Ok(futures::stream::unfold((events, Some(guard)), |(mut events, guard)| async move {
+            let guard = guard?;
+            let ev = events.next().await?;
+            let next = (!ev.is_last()).then_some(guard);
+            Some((ev, (events, next)))
+        })
+        .boxed())
+    }
+}

@@ -1,0 +1,97 @@
+//! The seam between the request path and wherever replicas live.
+//!
+//! A [`Catalog`] names the served models; each [`ModelEntry`] carries what the coordinator
+//! needs to admit a request (config, tokenizer) and its [`Routes`]: which [`Replica`] takes
+//! the next request. Both `strata serve` and cluster mode fill the catalog from the
+//! registry view; replicas are reached through the `WorkerApi` seam (in-process workers
+//! directly, others over worker.v1). The generation path (`generation.rs`) — including failover — is written
+//! once against these traits.
+//!
+//! - [`cluster`]: one model's routes from the registry view; replicas reached through the
+//!   `WorkerApi` seam ([`clients`]: gRPC or in-process, [`grpc_worker`]: the gRPC one);
+//! - [`prefix`]: the routing policy (prefix affinity, then least outstanding), pure;
+//! - [`catalog`]: the served models as the registry view says, with their tokenizers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use strata_common::{EngineStats, Error, ModelConfig, Result};
+
+use crate::request::tokenizer::Tokenizer;
+
+pub mod catalog;
+pub mod clients;
+pub mod cluster;
+pub mod grpc_worker;
+pub mod prefix;
+
+pub use strata_common::worker_api::{EventStream, Job};
+
+/// Somewhere a sequence can run.
+#[async_trait::async_trait]
+pub trait Replica: Send + Sync {
+    fn id(&self) -> &str;
+    /// Starts `job`. Errors of class `Unavailable` mean "try another replica";
+    /// `Overloaded` means this one is full.
+    async fn submit(&self, job: &Job) -> Result<EventStream>;
+}
+
+/// Which replica of one model takes the next request.
+#[async_trait::async_trait]
+pub trait Routes: Send + Sync {
+    /// The replica for `prompt`, leaving out `exclude` (replicas this request already
+    /// failed on or found full); None when no other replica is ready.
+    fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>>;
+    /// A request found `replica` unusable (hint: route around it until told otherwise).
+    fn report_failure(&self, _replica: &str) {}
+    /// Waits up to `limit` for the set of ready replicas to change; false if it cannot
+    /// change (in-process replicas never come back) or did not.
+    async fn wait_for_change(&self, _limit: Duration) -> bool {
+        false
+    }
+    /// Ready replicas.
+    fn ready(&self) -> usize;
+    /// Load over all replicas.
+    fn stats(&self) -> EngineStats;
+}
+
+/// A served model.
+pub struct ModelEntry {
+    pub name: String,
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub routes: Arc<dyn Routes>,
+}
+
+/// The models a coordinator serves.
+pub trait Catalog: Send + Sync {
+    /// The model called `name`: `NotFound` naming the served ones, `InvalidInput` when empty.
+    fn get(&self, name: &str) -> Result<Arc<ModelEntry>>;
+    /// Every served model, by name.
+    fn all(&self) -> Vec<Arc<ModelEntry>>;
+}
+
+/// The error for a model name that is not served.
+pub fn not_found(name: &str, served: &[String]) -> Error {
+    if name.is_empty() {
+        return Error::invalid("model", "must name a served model");
+    }
+    Error::NotFound(format!("model {name:?}; served: {}", served.join(", ")))
+}
+
+/// Index of the smallest load; the first on ties. `loads` must not be empty.
+pub fn least_loaded(loads: &[usize]) -> usize {
+    loads.iter().enumerate().min_by_key(|(i, l)| (**l, *i)).map(|(i, _)| i).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::least_loaded;
+
+    #[test]
+    fn least_loaded_prefers_idle_then_first() {
+        assert_eq!(least_loaded(&[3, 1, 2]), 1);
+        assert_eq!(least_loaded(&[2, 0, 0]), 1);
+        assert_eq!(least_loaded(&[5]), 0);
+    }
+}

@@ -1,0 +1,332 @@
+//! The engine's actor: one thread owns the [`Engine`], callers hold an [`EngineHandle`].
+//!
+//! Requests arrive over a channel and go to the engine, whose scheduler decides when they
+//! run; between steps the runner takes new requests and cancellations, steps the engine,
+//! and delivers each token to its sequence's stream. A [`SequenceStream`] cancels its sequence when dropped,
+//! so a caller that goes away frees its KV blocks at the next step boundary. When the
+//! queue is full, [`EngineHandle::submit`] fails at once with `Overloaded`; when the
+//! runner is gone, with `Unavailable`.
+//!
+//! **Health.** [`EngineHandle::canary`] proves that a step can still go through every rank
+//! of the replica: it is answered after the next successful step (when the engine is
+//! idle, a one-token canary sequence makes one). A step that fails for lack of a rank
+//! (`Unavailable`) marks the runner broken: its sequences fail, new submissions and
+//! canaries fail at once, and [`EngineHandle::broken`] says why — a live process with a
+//! dead model does not look healthy.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+use strata_common::{EngineStats, Error, Result, SamplingParams, SeqEvent};
+use tokio::sync::mpsc as tmpsc;
+use tracing::{debug, error};
+
+use crate::engine::{Engine, SeqId};
+
+/// Limits of one runner.
+#[derive(Debug, Clone)]
+pub struct RunnerLimits {
+    /// Most requests waiting to start; beyond it submissions are refused.
+    pub max_waiting: usize,
+}
+
+impl Default for RunnerLimits {
+    fn default() -> Self {
+        RunnerLimits { max_waiting: 256 }
+    }
+}
+
+enum Command {
+    Submit {
+        id: SeqId,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    },
+    Cancel(SeqId),
+    Canary(tokio::sync::oneshot::Sender<Result<()>>),
+}
+
+/// Sequence ids at and above this are the runner's own canaries.
+const CANARY_IDS: SeqId = 1 << 62;
+
+#[derive(Default)]
+struct Shared {
+    running: AtomicUsize,
+    /// Submitted, not yet handed to the engine.
+    queued: AtomicUsize,
+    /// Queued inside the engine's scheduler.
+    waiting: AtomicUsize,
+    kv_free: AtomicUsize,
+    kv_total: AtomicUsize,
+    next_id: AtomicU64,
+    /// Set once a step failed for lack of a rank; the replica cannot serve again.
+    broken: std::sync::Mutex<Option<String>>,
+}
+
+/// Cloneable handle to a runner thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    limits: RunnerLimits,
+}
+
+/// Tokens of one sequence, in order; cancels the sequence when dropped.
+pub struct SequenceStream {
+    id: SeqId,
+    rx: tmpsc::UnboundedReceiver<SeqEvent>,
+    tx: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl SequenceStream {
+    /// The next event; None once the sequence has finished (or the runner died before
+    /// finishing it, which the caller reports as unavailable).
+    pub async fn next(&mut self) -> Option<SeqEvent> {
+        let ev = self.rx.recv().await;
+        if matches!(ev, Some(SeqEvent::Token { finish: Some(_), .. }) | Some(SeqEvent::Failed(_)) | None) {
+            self.done = true;
+        }
+        ev
+    }
+}
+
+impl Drop for SequenceStream {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.tx.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+impl EngineHandle {
+    /// Starts a runner thread that owns `engine`.
+    pub fn spawn(engine: Engine, limits: RunnerLimits, name: &str) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
+        shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
+        let runner = Runner {
+            engine,
+            rx,
+            shared: shared.clone(),
+            streams: HashMap::new(),
+            canaries: Vec::new(),
+            next_canary: CANARY_IDS,
+        };
+        std::thread::Builder::new()
+            .name(format!("engine-{name}"))
+            .spawn(move || runner.run())
+            .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
+        Ok(EngineHandle { tx, shared, limits })
+    }
+
+    /// Queues a sequence; its tokens arrive on the returned stream.
+    pub fn submit(&self, prompt: Vec<u32>, params: SamplingParams) -> Result<SequenceStream> {
+        self.submit_resumed(prompt, Vec::new(), params)
+    }
+
+    /// Queues a sequence that continues after `generated` (see [`Engine::add_resumed`]).
+    pub fn submit_resumed(
+        &self,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<SequenceStream> {
+        if let Some(why) = self.broken() {
+            return Err(Error::Unavailable(format!("the replica is broken: {why}")));
+        }
+        let queued = self.shared.queued.fetch_add(1, Ordering::SeqCst);
+        let waiting = queued + self.shared.waiting.load(Ordering::SeqCst);
+        if waiting >= self.limits.max_waiting {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Overloaded(format!(
+                "{waiting} requests already waiting (limit {})",
+                self.limits.max_waiting
+            )));
+        }
+        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, rx) = tmpsc::unbounded_channel();
+        if self.tx.send(Command::Submit { id, prompt, generated, params, events }).is_err() {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Unavailable("the engine has stopped".into()));
+        }
+        Ok(SequenceStream { id, rx, tx: self.tx.clone(), done: false })
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.shared.running.load(Ordering::Relaxed),
+            waiting: self.shared.waiting.load(Ordering::Relaxed) + self.shared.queued.load(Ordering::Relaxed),
+            kv_blocks_free: self.shared.kv_free.load(Ordering::Relaxed),
+            kv_blocks_total: self.shared.kv_total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Outstanding work, for least-loaded routing.
+    pub fn load(&self) -> usize {
+        let s = self.stats();
+        s.running + s.waiting
+    }
+
+    /// Why the replica can no longer run steps, if it cannot.
+    pub fn broken(&self) -> Option<String> {
+        self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Resolves once a step has gone through every rank after this call (an error if the
+    /// step failed, the replica is broken, or the runner is gone). The caller bounds the
+    /// wait: a rank that hangs makes this hang.
+    pub async fn canary(&self) -> Result<()> {
+        if let Some(why) = self.broken() {
+            return Err(Error::Unavailable(format!("the replica is broken: {why}")));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx.send(Command::Canary(tx)).map_err(|_| Error::Unavailable("the engine has stopped".into()))?;
+        rx.await.map_err(|_| Error::Unavailable("the engine stopped before the canary step".into()))?
+    }
+}
+
+struct Runner {
+    engine: Engine,
+    rx: mpsc::Receiver<Command>,
+    shared: Arc<Shared>,
+    /// Event senders of the engine's sequences.
+    streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
+    /// Canaries answered by the next step.
+    canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
+    next_canary: SeqId,
+}
+
+impl Runner {
+    fn run(mut self) {
+        loop {
+            if !self.engine.has_work() {
+                match self.rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return, // every handle is gone
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            if self.engine.has_work() {
+                self.step();
+            }
+            self.publish();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, prompt, generated, params, events } => {
+                self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+                if events.is_closed() {
+                    return;
+                }
+                if let Some(why) = self.broken() {
+                    let _ = events
+                        .send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
+                    return;
+                }
+                match self.engine.add_resumed(id, prompt, generated, params) {
+                    Ok(()) => {
+                        self.streams.insert(id, events);
+                    }
+                    Err(e) => {
+                        let _ = events.send(SeqEvent::Failed(e));
+                    }
+                }
+            }
+            Command::Cancel(id) => {
+                if self.engine.cancel(id) {
+                    debug!(seq = id, "cancelled");
+                }
+                self.streams.remove(&id);
+            }
+            Command::Canary(reply) => {
+                if let Some(why) = self.broken() {
+                    let _ = reply.send(Err(Error::Unavailable(format!("the replica is broken: {why}"))));
+                    return;
+                }
+                self.canaries.push(reply);
+                if !self.engine.has_work() {
+                    // One prompt token, one output token: the cheapest step through every rank.
+                    let id = self.next_canary;
+                    self.next_canary += 1;
+                    let params = SamplingParams { max_new_tokens: 1, ignore_eos: true, ..Default::default() };
+                    if let Err(e) = self.engine.add(id, vec![0], params) {
+                        for c in self.canaries.drain(..) {
+                            let _ = c.send(Err(Error::Internal(format!("canary sequence: {e}"))));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn step(&mut self) {
+        let result = self.engine.step();
+        for a in self.engine.take_aborted() {
+            if let Some(events) = self.streams.remove(&a.seq) {
+                let _ = events.send(SeqEvent::Failed(a.error));
+            }
+        }
+        match result {
+            Ok(events) => {
+                for c in self.canaries.drain(..) {
+                    let _ = c.send(Ok(()));
+                }
+                for ev in events {
+                    let Some(stream) = self.streams.get(&ev.seq) else { continue };
+                    let finished = ev.finish.is_some();
+                    let sent = stream.send(SeqEvent::Token {
+                        token: ev.token,
+                        logprobs: ev.logprobs,
+                        finish: ev.finish,
+                    });
+                    if finished {
+                        self.streams.remove(&ev.seq);
+                    } else if sent.is_err() {
+                        // The caller went away: free the sequence now.
+                        self.engine.cancel(ev.seq);
+                        self.streams.remove(&ev.seq);
+                        debug!(seq = ev.seq, "caller gone, sequence cancelled");
+                    }
+                }
+            }
+            Err(e) => {
+                error!(error = %e, "engine step failed; failing its sequences");
+                if e.class() == strata_common::ErrorClass::Unavailable {
+                    *self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+                }
+                for c in self.canaries.drain(..) {
+                    let _ = c.send(Err(Error::Unavailable(format!("canary step failed: {e}"))));
+                }
+                // Canary sequences have no stream; drop them with the rest.
+                let canaries: Vec<SeqId> = (CANARY_IDS..self.next_canary).collect();
+                for id in canaries {
+                    self.engine.cancel(id);
+                }
+                for (id, events) in self.streams.drain() {
+                    self.engine.cancel(id);
+                    let _ =
+                        events.send(SeqEvent::Failed(Error::Unavailable(format!("engine step failed: {e}"))));
+                }
+            }
+        }
+    }
+
+    fn publish(&self) {
+        self.shared.running.store(self.engine.num_running() - self.engine.num_waiting(), Ordering::Relaxed);
+        self.shared.waiting.store(self.engine.num_waiting(), Ordering::Relaxed);
+        self.shared.kv_free.store(self.engine.free_blocks(), Ordering::Relaxed);
+    }
+}

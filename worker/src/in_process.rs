@@ -1,0 +1,104 @@
+//! The worker agent as a [`WorkerApi`]: what `strata serve` hands its coordinator for the
+//! workers in its own process, and what the worker.v1 server adapts to gRPC, so a
+//! request runs the same worker code whichever way it arrives.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use strata_common::worker_api::{EventStream, Job, ModelFiles, ShardLoad, WorkerApi, WorkerStatus};
+use strata_common::{EngineStats, Error, Result};
+use strata_engine::SequenceStream;
+
+use crate::agent::WorkerAgent;
+
+/// The events of an in-process sequence as a stream; dropping it cancels the sequence.
+pub fn sequence_events(seq: SequenceStream) -> EventStream {
+    futures::stream::unfold(seq, |mut seq| async move { seq.next().await.map(|ev| (ev, seq)) }).boxed()
+}
+
+/// A worker of this process, reached without a network hop.
+#[derive(Clone)]
+pub struct InProcessWorker(pub Arc<WorkerAgent>);
+
+#[async_trait::async_trait]
+impl WorkerApi for InProcessWorker {
+    async fn generate(&self, replica: &str, job: &Job) -> Result<EventStream> {
+        let engine = self.0.serving(replica)?;
+        let seq = engine.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
+        Ok(sequence_events(seq))
+    }
+
+    async fn stats(&self) -> Result<EngineStats> {
+        Ok(self.0.status().stats)
+    }
+
+    async fn load_shard(&self, load: ShardLoad) -> Result<Option<String>> {
+        self.0.load(load)
+    }
+
+    async fn unload_shard(&self, replica: &str) -> Result<()> {
+        // Dropping an engine joins nothing but may block briefly on the shutdown sends.
+        let agent = self.0.clone();
+        let replica = replica.to_string();
+        tokio::task::spawn_blocking(move || agent.unload(&replica))
+            .await
+            .map_err(|e| Error::Internal(format!("unload: {e}")))
+    }
+
+    async fn status(&self) -> Result<WorkerStatus> {
+        let st = self.0.status();
+        Ok(WorkerStatus {
+            worker_id: self.0.id().to_string(),
+            assignment: st.assignment,
+            draining: st.draining,
+            stats: st.stats,
+        })
+    }
+
+    async fn canary(&self, replica: &str, limit: Duration) -> Result<Duration> {
+        let engine = self.0.leader(replica)?;
+        let started = Instant::now();
+        match tokio::time::timeout(limit, engine.canary()).await {
+            Ok(Ok(())) => Ok(started.elapsed()),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(Error::DeadlineExceeded(format!(
+                "replica {replica}: no step came back within {} ms",
+                limit.as_millis()
+            ))),
+        }
+    }
+
+    async fn drain(&self, replica: &str) -> Result<()> {
+        self.0.drain(replica)
+    }
+
+    async fn model_files(&self, model_dir: &str) -> Result<ModelFiles> {
+        let dir = model_dir.to_string();
+        tokio::task::spawn_blocking(move || read_model_files(Path::new(&dir)))
+            .await
+            .map_err(|e| Error::Internal(format!("model files: {e}")))?
+    }
+}
+
+/// The small files of a model directory; config.json and tokenizer.json must exist.
+pub fn read_model_files(dir: &Path) -> Result<ModelFiles> {
+    let read = |name: &str, required: bool| -> Result<Vec<u8>> {
+        let p = dir.join(name);
+        match std::fs::read(&p) {
+            Ok(b) => Ok(b),
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(Error::model_file(&p, format!("cannot read: {e}"))),
+        }
+    };
+    if !dir.is_dir() {
+        return Err(Error::model_file(dir, "not a directory on this worker"));
+    }
+    Ok(ModelFiles {
+        config_json: read("config.json", true)?,
+        generation_config_json: read("generation_config.json", false)?,
+        tokenizer_json: read("tokenizer.json", true)?,
+        tokenizer_config_json: read("tokenizer_config.json", false)?,
+    })
+}

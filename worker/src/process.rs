@@ -1,0 +1,135 @@
+//! `strata worker --etcd`: the worker process wired from its parts — the agent, its
+//! worker.v1 server and its leased registration.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use strata_common::cluster::Capacity;
+use strata_common::registry::keys::Keys;
+use strata_common::registry::Registry;
+use strata_proto::worker::v1::worker_server::WorkerServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tracing::{info, warn};
+
+use crate::agent::{AgentConfig, WorkerAgent};
+use crate::in_process::InProcessWorker;
+use crate::membership::{Announcement, Membership};
+use crate::service::WorkerService;
+
+/// Largest worker.v1 request a worker accepts (a resumed sequence's token ids).
+pub const MAX_REQUEST_BYTES: usize = 64 << 20;
+/// Largest worker.v1 response (tokenizer.json of a large vocabulary is several MiB).
+pub const MAX_RESPONSE_BYTES: usize = 256 << 20;
+
+/// worker.v1 for `agent`, with the message limits every worker uses.
+pub fn worker_server(agent: Arc<WorkerAgent>) -> WorkerServer<WorkerService> {
+    WorkerServer::new(WorkerService::new(InProcessWorker(agent)))
+        .max_decoding_message_size(MAX_REQUEST_BYTES)
+        .max_encoding_message_size(MAX_RESPONSE_BYTES)
+}
+
+/// Everything `strata worker --etcd` runs with.
+pub struct WorkerOptions {
+    pub keys: Keys,
+    pub listen: SocketAddr,
+    /// Address coordinators reach this worker at; defaults to the bound listen address.
+    pub advertise: Option<String>,
+    pub id: Option<String>,
+    pub lease_ttl: Duration,
+    /// How often the lease is refreshed.
+    pub keepalive: Duration,
+    pub agent: AgentConfig,
+    /// SIGTERM: how long in-flight sequences get to finish.
+    pub drain_timeout: Duration,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".into())
+}
+
+/// Serves worker.v1, registers with a lease, and holds whatever shard the leader
+/// coordinator assigns, until SIGTERM.
+pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) -> anyhow::Result<()> {
+    let listener =
+        TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let bound = listener.local_addr()?;
+    let advertise = match opts.advertise.clone() {
+        Some(a) => a,
+        None if bound.ip().is_unspecified() => anyhow::bail!(
+            "--listen {bound} binds every interface: give --advertise HOST:PORT, the address coordinators reach this worker at"
+        ),
+        None => bound.to_string(),
+    };
+    let id = opts.id.clone().unwrap_or_else(|| format!("{}-{}", hostname(), bound.port()));
+    if !strata_common::registry::keys::valid_name(&id) {
+        anyhow::bail!("--id {id:?}: use letters, digits, '-', '_', '.' or ':'");
+    }
+    opts.agent.id = id.clone();
+    // Replica rendezvous listeners bind where the gRPC listener does and are announced
+    // under the advertised host.
+    opts.agent.bind_ip = bound.ip();
+    opts.agent.advertise_host =
+        advertise.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(advertise.clone());
+    let device = opts.agent.backend.device;
+    let agent = WorkerAgent::new(opts.agent).map_err(|e| anyhow::anyhow!("--device {device}: {e}"))?;
+    let capacity = Capacity {
+        device_kind: device.kind().to_string(),
+        device_count: 1,
+        memory_bytes: strata_common::host::available_memory().unwrap_or(0),
+    };
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<WorkerServer<WorkerService>>().await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(worker_server(agent.clone()))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+            let _ = stop_rx.await;
+        });
+    let membership = Membership::start(
+        registry.clone(),
+        opts.keys.clone(),
+        agent.clone(),
+        Announcement { address: advertise.clone(), capacity, ttl: opts.lease_ttl, keepalive: opts.keepalive },
+    );
+    info!(id = %id, device = %device, address = %advertise, registry = registry.kind(), "strata worker ready, listening on {bound}");
+    let mut server = std::pin::pin!(server);
+    tokio::select! {
+        res = &mut server => {
+            membership.leave().await;
+            return res.context("worker.v1 server failed");
+        }
+        _ = strata_common::shutdown::signal() => {}
+    }
+    // Finish what is running, then leave: coordinators move new requests elsewhere.
+    info!("shutting down: finishing in-flight sequences");
+    if let Some(a) = agent.status().assignment {
+        let _ = agent.drain(&a.replica);
+        let until = tokio::time::Instant::now() + opts.drain_timeout;
+        while tokio::time::Instant::now() < until {
+            let s = agent.status().stats;
+            if s.running + s.waiting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let replica = a.replica.clone();
+        let unloading = agent.clone();
+        let _ = tokio::task::spawn_blocking(move || unloading.unload(&replica)).await;
+    }
+    membership.leave().await;
+    let _ = stop_tx.send(());
+    if tokio::time::timeout(Duration::from_secs(5), server).await.is_err() {
+        warn!("closing the remaining worker.v1 calls");
+    }
+    info!("stopped");
+    Ok(())
+}
