@@ -14,9 +14,9 @@ test: prerequisites
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --workspace --all-targets --features strata-coordinator/cuda,strata-worker/cuda-emulator -- -D warnings
-	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-worker --features cuda,cuda-emulator
-	$(CARGO) build --bin strata --features strata-coordinator/cuda
+	$(CARGO) clippy --workspace --all-targets --features strata-cli/cuda,strata-engine/cuda-emulator -- -D warnings
+	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-engine --features cuda,cuda-emulator
+	$(CARGO) build --bin strata --features strata-cli/cuda
 
 ## Installs what the build and tests need and is missing.
 prerequisites:

@@ -16,7 +16,7 @@
 #   scripts/gpu-check.sh            # STRATA=path/to/strata built with --features cuda
 #
 # Build the binary on a machine with Rust (no CUDA needed):
-#   cargo build --release --bin strata --features strata-coordinator/cuda
+#   cargo build --release --bin strata --features strata-cli/cuda
 #   mkdir -p target/gpu-check && cp target/release/strata target/gpu-check/ && strip target/gpu-check/strata
 set -uo pipefail
 cd "$(dirname "$0")/.."

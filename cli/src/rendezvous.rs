@@ -88,7 +88,7 @@ impl Routes for EngineReplica {
         usize::from(self.handle.broken().is_none())
     }
 
-    fn stats(&self) -> EngineStats {
+    async fn stats(&self) -> EngineStats {
         self.handle.stats()
     }
 }

@@ -6,10 +6,10 @@
 
 use strata_common::SamplingParams;
 use strata_coordinator::request::tokenizer::Tokenizer;
-use strata_tests::{fixture_models, floats, ids, reference};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::model::Model;
 use strata_engine::{Engine, EngineConfig};
+use strata_tests::{fixture_models, floats, ids, reference};
 
 const LOGIT_TOL: f32 = 1e-4;
 

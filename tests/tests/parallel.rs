@@ -5,9 +5,9 @@
 //! identical to TP=1 and logits within 1e-4.
 
 use strata_common::{Parallelism, SamplingParams, ShardPlan};
-use strata_tests::{fixture_models, ids, reference};
 use strata_engine::replica::local_replica;
 use strata_engine::{Engine, EngineConfig};
+use strata_tests::{fixture_models, ids, reference};
 
 fn config() -> EngineConfig {
     EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }

@@ -194,25 +194,21 @@ impl Inference for InferenceService {
         request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
         self.auth.check(&request)?;
-        let models = self
-            .models
-            .all()
-            .into_iter()
-            .map(|m| {
-                let s = m.routes.stats();
-                pb::ModelInfo {
-                    name: m.name.clone(),
-                    architecture: m.config.architecture.hf_class().to_string(),
-                    max_context: m.config.max_position_embeddings as u32,
-                    vocab_size: m.config.vocab_size as u32,
-                    replicas: m.routes.ready() as u32,
-                    running_sequences: s.running as u32,
-                    waiting_requests: s.waiting as u32,
-                    kv_blocks_free: s.kv_blocks_free as u64,
-                    kv_blocks_total: s.kv_blocks_total as u64,
-                }
-            })
-            .collect();
+        let mut models = Vec::new();
+        for m in self.models.all() {
+            let s = m.routes.stats().await;
+            models.push(pb::ModelInfo {
+                name: m.name.clone(),
+                architecture: m.config.architecture.hf_class().to_string(),
+                max_context: m.config.max_position_embeddings as u32,
+                vocab_size: m.config.vocab_size as u32,
+                replicas: m.routes.ready() as u32,
+                running_sequences: s.running as u32,
+                waiting_requests: s.waiting as u32,
+                kv_blocks_free: s.kv_blocks_free as u64,
+                kv_blocks_total: s.kv_blocks_total as u64,
+            });
+        }
         Ok(Response::new(pb::ListModelsResponse { models }))
     }
 }

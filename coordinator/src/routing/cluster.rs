@@ -149,14 +149,26 @@ impl Routes for ClusterRoutes {
         self.ready_replicas().len()
     }
 
-    fn stats(&self) -> EngineStats {
+    async fn stats(&self) -> EngineStats {
         let ready = self.ready_replicas();
-        EngineStats::sum(ready.iter().map(|(id, _)| {
+        let mut all = Vec::with_capacity(ready.len());
+        for (id, address) in &ready {
             let l = self.load(id);
-            let mut s = *l.reported.lock().unwrap_or_else(|p| p.into_inner());
+            let live = match self.clients.get(address) {
+                Ok(worker) => worker.stats().await.ok(),
+                Err(_) => None,
+            };
+            let mut s = match live {
+                Some(s) => {
+                    *l.reported.lock().unwrap_or_else(|p| p.into_inner()) = s;
+                    s
+                }
+                None => *l.reported.lock().unwrap_or_else(|p| p.into_inner()),
+            };
             s.running = s.running.max(l.outstanding.load(Ordering::Relaxed));
-            s
-        }))
+            all.push(s);
+        }
+        EngineStats::sum(all)
     }
 }
 

@@ -51,8 +51,8 @@ pub trait Routes: Send + Sync {
     }
     /// Ready replicas.
     fn ready(&self) -> usize;
-    /// Load over all replicas.
-    fn stats(&self) -> EngineStats;
+    /// Load over all ready replicas, as they report it now.
+    async fn stats(&self) -> EngineStats;
 }
 
 /// A served model.
