@@ -152,7 +152,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
             kv_cache_memory,
         } => {
             let kv_cache_bytes = match kv_cache_memory {
-                Some(m) => crate::cli::parse_memory(&m).context("--kv-cache-memory")? as u64,
+                Some(m) => strata_common::config::parse_memory(&m).context("--kv-cache-memory")? as u64,
                 None => 0,
             };
             let r = c

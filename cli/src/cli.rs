@@ -25,7 +25,7 @@ pub enum Command {
     /// Generate text from a prompt, in-process (or against a server with --endpoint).
     Generate(GenerateArgs),
     /// Serve models over gRPC: coordinator and workers in one process, no etcd.
-    Serve(ServeArgs),
+    Serve(crate::serve_cli::ServeArgs),
     /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
     Bench(crate::bench::BenchArgs),
     /// Cluster mode: route requests, serve the admin API, reconcile while elected leader.
@@ -178,65 +178,6 @@ pub struct GenerateArgs {
     pub pp: usize,
 }
 
-#[derive(Args, Debug)]
-pub struct ServeArgs {
-    /// Model directory to serve (repeatable).
-    #[arg(long, required = true)]
-    pub model: Vec<PathBuf>,
-    /// Name clients use for each --model, in the same order (default: the directory name).
-    #[arg(long)]
-    pub name: Vec<String>,
-    /// Address to listen on; port 0 picks a free port (the log says which).
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    pub listen: std::net::SocketAddr,
-    /// Tensor-parallel ranks per replica.
-    #[arg(long, default_value_t = 1)]
-    pub tp: usize,
-    /// Pipeline stages per replica.
-    #[arg(long, default_value_t = 1)]
-    pub pp: usize,
-    /// Replicas of each model.
-    #[arg(long, default_value_t = 1)]
-    pub replicas: usize,
-    /// Most sequences running at once per replica.
-    #[arg(long, default_value_t = 64)]
-    pub max_num_seqs: usize,
-    /// Most tokens (prefill chunks + decodes) in one engine step.
-    #[arg(long, default_value_t = 512)]
-    pub max_batched_tokens: usize,
-    /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED.
-    #[arg(long, default_value_t = 256)]
-    pub max_waiting: usize,
-    /// Memory for each replica's KV cache: a size (512MiB, 2GiB) or a fraction of the
-    /// machine's available memory (0.2).
-    #[arg(long, default_value = "512MiB")]
-    pub kv_cache_memory: String,
-    /// Positions per KV cache block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Do not reuse KV blocks of shared prompt prefixes.
-    #[arg(long)]
-    pub no_prefix_caching: bool,
-    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about twice as
-    /// fast, no longer f32-exact).
-    #[arg(long)]
-    pub bf16_prefill: bool,
-    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// Wait at this address for the replica's other ranks to join as `strata worker`
-    /// processes, instead of running them as threads (one model, one replica).
-    #[arg(long)]
-    pub worker_rendezvous: Option<std::net::SocketAddr>,
-    /// Seconds in-flight calls get to finish after SIGTERM.
-    #[arg(long, default_value_t = 30.0)]
-    pub drain_timeout: f64,
-    /// In-process workers beyond what the --model flags need, for models deployed at run
-    /// time through the admin API.
-    #[arg(long, default_value_t = 0)]
-    pub spare_workers: usize,
-}
-
 impl GenerateArgs {
     pub fn sampling(&self) -> SamplingParams {
         SamplingParams {
@@ -322,7 +263,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Some(endpoint) => runtime()?.block_on(crate::client::generate_remote(&args, &endpoint)),
             None => generate(args),
         },
-        Command::Serve(args) => serve(args),
+        Command::Serve(args) => crate::serve_cli::serve(args, runtime()?),
         Command::CommBench { ranks, repeats } => {
             if ranks < 2 || repeats == 0 {
                 bail!("--ranks must be at least 2 and --repeats at least 1");
@@ -385,154 +326,8 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Parses "512MiB", "2GiB", "1000000" (bytes) or a fraction of available memory ("0.2").
-pub fn parse_memory(text: &str) -> anyhow::Result<usize> {
-    let t = text.trim();
-    let units = [
-        ("KiB", 1usize << 10),
-        ("MiB", 1 << 20),
-        ("GiB", 1 << 30),
-        ("KB", 1000),
-        ("MB", 1_000_000),
-        ("GB", 1_000_000_000),
-    ];
-    for (suffix, mul) in units {
-        if let Some(n) = t.strip_suffix(suffix) {
-            let v: f64 =
-                n.trim().parse().with_context(|| format!("{text:?}: expected a number before {suffix}"))?;
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{text:?}: must be positive");
-            }
-            return Ok((v * mul as f64) as usize);
-        }
-    }
-    let v: f64 =
-        t.parse().with_context(|| format!("{text:?}: expected a size like 512MiB or a fraction like 0.2"))?;
-    if v > 0.0 && v < 1.0 {
-        let meminfo =
-            std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo for a fraction")?;
-        let avail_kib: usize = meminfo
-            .lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|l| l.split_whitespace().next())
-            .and_then(|n| n.parse().ok())
-            .context("MemAvailable missing from /proc/meminfo")?;
-        return Ok((avail_kib as f64 * 1024.0 * v) as usize);
-    }
-    if v >= 1.0 && v.fract() == 0.0 {
-        return Ok(v as usize);
-    }
-    bail!("{text:?}: a fraction must be in (0, 1)")
-}
-
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")
-}
-
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
-    if par.tp == 0 || par.pp == 0 {
-        bail!("--tp and --pp must be at least 1");
-    }
-    let mut rendezvous = None;
-    if let Some(addr) = args.worker_rendezvous {
-        if args.model.len() != 1 || args.replicas != 1 || par.world() == 1 {
-            bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
-        }
-        let listener =
-            std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
-        let bound = listener.local_addr()?;
-        tracing::info!("worker rendezvous listening on {bound}");
-        rendezvous = Some(listener);
-    }
-    if !args.name.is_empty() && args.name.len() != args.model.len() {
-        bail!(
-            "--name is given {} times for {} --model flags; give one name per model or none",
-            args.name.len(),
-            args.model.len()
-        );
-    }
-    if args.replicas == 0 || args.max_num_seqs == 0 || args.max_batched_tokens == 0 || args.block_size == 0 {
-        bail!("--replicas, --max-num-seqs, --max-batched-tokens and --block-size must be at least 1");
-    }
-    if !(args.drain_timeout >= 0.0 && args.drain_timeout.is_finite()) {
-        bail!("--drain-timeout must be a non-negative number of seconds");
-    }
-    let engine = EngineConfig {
-        kv_cache_bytes: parse_memory(&args.kv_cache_memory).context("--kv-cache-memory")?,
-        block_size: args.block_size,
-        scheduler: strata_engine::scheduler::SchedulerConfig {
-            max_num_seqs: args.max_num_seqs,
-            max_batched_tokens: args.max_batched_tokens,
-        },
-        prefix_caching: !args.no_prefix_caching,
-        backend: strata_engine::backend::BackendOptions {
-            bf16_prefill: args.bf16_prefill,
-            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
-            ..Default::default()
-        },
-    };
-    let limits = strata_engine::RunnerLimits { max_waiting: args.max_waiting };
-    let mut names = Vec::new();
-    for (i, dir) in args.model.iter().enumerate() {
-        let name = match args.name.get(i) {
-            Some(n) => n.clone(),
-            None => dir
-                .canonicalize()
-                .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
-                .with_context(|| format!("--model {}: not a directory", dir.display()))?,
-        };
-        if names.contains(&name) {
-            bail!("model name {name:?} is used twice: give each --model its own --name");
-        }
-        names.push(name);
-    }
-    let opts = strata_coordinator::api::server::ServeOptions {
-        listen: args.listen,
-        drain_timeout: std::time::Duration::from_secs_f64(args.drain_timeout),
-        route: strata_coordinator::request::generation::RouteLimits::default(),
-        client_auth: strata_coordinator::api::auth::ClientAuth::open(),
-        role: "strata",
-    };
-    if let Some(listener) = rendezvous.take() {
-        // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
-        let replica = crate::rendezvous::StaticReplica {
-            name: &names[0],
-            dir: &args.model[0],
-            par,
-            listener,
-            engine: &engine,
-            limits: &limits,
-        };
-        return crate::rendezvous::run(replica, opts, runtime()?);
-    }
-    let models = names
-        .into_iter()
-        .zip(&args.model)
-        .map(|(name, dir)| crate::embedded::EmbeddedModel {
-            name,
-            dir: dir.clone(),
-            par,
-            replicas: args.replicas,
-        })
-        .collect();
-    let embedded = crate::embedded::EmbeddedOptions {
-        models,
-        spare_workers: args.spare_workers,
-        agent: strata_worker::agent::AgentConfig {
-            id: String::new(),
-            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
-            advertise_host: "127.0.0.1".into(),
-            backend: engine.backend.clone(),
-            engine,
-            runner: limits,
-        },
-        limits: strata_common::cluster::EngineLimits::default(),
-        serve: opts,
-        timings: strata_coordinator::control::tasks::Timings::default(),
-    };
-    runtime()?.block_on(crate::embedded::run_embedded(embedded))
 }
 
 fn latency(args: LatencyArgs) -> anyhow::Result<()> {

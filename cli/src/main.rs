@@ -14,6 +14,7 @@ mod cli;
 mod client;
 mod cluster_cli;
 mod comm_bench;
+mod config_args;
 mod embedded;
 mod engine_bench;
 mod gpu_check;
@@ -21,6 +22,7 @@ mod latency_bench;
 mod local;
 mod model_tools;
 mod rendezvous;
+mod serve_cli;
 mod unimplemented_admin;
 
 fn main() -> std::process::ExitCode {

@@ -8,6 +8,8 @@
 //! registry) and `grpc` (status codes and proto conversions in [`status`] and [`wire`]).
 
 pub mod cluster;
+pub mod config;
+pub mod device;
 pub mod error;
 pub mod events;
 pub mod host;
@@ -22,6 +24,7 @@ pub mod status;
 pub mod wire;
 pub mod worker_api;
 
+pub use device::{DType, Device};
 pub use error::{Error, ErrorClass, Result};
 pub use events::{EngineStats, SeqEvent, TokenLogprobs};
 pub use model_config::{Architecture, ModelConfig, RopeScaling};

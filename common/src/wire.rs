@@ -9,6 +9,7 @@ use strata_proto::inference::v1 as ipb;
 use strata_proto::worker::v1 as wpb;
 
 use crate::cluster::{Assignment, EngineLimits, ShardState};
+use crate::device::DType;
 use crate::error::{Error, Result};
 use crate::events::{EngineStats, SeqEvent, TokenLogprobs};
 use crate::sampling::{FinishReason, SamplingParams};
@@ -166,7 +167,7 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
         replica_id: l.replica.clone(),
         model: l.model.clone(),
         model_dir: l.model_dir.clone(),
-        dtype: l.dtype.clone(),
+        dtype: l.dtype.map(|d| d.name().to_ascii_lowercase()).unwrap_or_default(),
         tp: l.par.tp as u32,
         pp: l.par.pp as u32,
         rank: l.rank as u32,
@@ -177,12 +178,14 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
     }
 }
 
-pub fn load_from_pb(r: wpb::LoadShardRequest) -> ShardLoad {
-    ShardLoad {
+/// A load request off the wire; a dtype this build does not know is an error naming it.
+pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
+    let dtype = if r.dtype.is_empty() { None } else { Some(DType::parse(&r.dtype)?) };
+    Ok(ShardLoad {
         replica: r.replica_id,
         model: r.model,
         model_dir: r.model_dir,
-        dtype: r.dtype,
+        dtype,
         par: Parallelism { tp: r.tp as usize, pp: r.pp as usize },
         rank: r.rank as usize,
         rendezvous: (!r.rendezvous.is_empty()).then_some(r.rendezvous),
@@ -191,7 +194,7 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> ShardLoad {
             max_batched_tokens: r.max_batched_tokens,
             kv_cache_bytes: r.kv_cache_bytes,
         },
-    }
+    })
 }
 
 pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use futures::stream::BoxStream;
 
 use crate::cluster::{Assignment, EngineLimits};
+use crate::device::DType;
 use crate::error::Result;
 use crate::events::{EngineStats, SeqEvent};
 use crate::sampling::SamplingParams;
@@ -38,8 +39,8 @@ pub struct ShardLoad {
     pub model: String,
     /// Model directory as the worker sees it.
     pub model_dir: String,
-    /// "bf16", "f16", "f32" or empty (the checkpoint's).
-    pub dtype: String,
+    /// Weight dtype; None keeps the checkpoint's.
+    pub dtype: Option<DType>,
     pub par: Parallelism,
     pub rank: usize,
     /// Rank 0's rendezvous address (ranks > 0 only).

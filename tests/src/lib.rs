@@ -63,13 +63,22 @@ pub struct Server {
 impl Server {
     /// Starts `strata serve --listen 127.0.0.1:0 ARGS…` and waits until it is ready.
     pub fn start(args: &[&str]) -> Server {
-        let (mut server, lines) = Server::spawn(args);
+        Server::start_with_env(args, &[])
+    }
+
+    /// [`Server::start`] with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let (mut server, lines) = Server::spawn_with_env(args, env);
         server.addr = wait_for_line(&lines, "strata ready, listening on ", &server);
         server
     }
 
     /// Starts `strata serve` without waiting; returns its stderr lines as they come.
     pub fn spawn(args: &[&str]) -> (Server, std::sync::mpsc::Receiver<String>) {
+        Server::spawn_with_env(args, &[])
+    }
+
+    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> (Server, std::sync::mpsc::Receiver<String>) {
         use std::io::{BufRead, BufReader};
         use std::process::{Command, Stdio};
         let mut child = Command::new(strata_bin())
@@ -77,6 +86,7 @@ impl Server {
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "info,strata_engine::runner=debug")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -20,7 +20,6 @@ use strata_common::cluster::{Assignment, ShardState};
 use strata_common::worker_api::ShardLoad;
 use strata_common::{EngineStats, Error, Parallelism, Result};
 use strata_engine::backend::BackendOptions;
-use strata_engine::model::weights::DType;
 use strata_engine::replica::{check_device, leader_with_external_ranks, local_replica, run_worker_rank};
 use strata_engine::{EngineConfig, EngineHandle, RunnerLimits};
 use tokio::sync::watch;
@@ -157,11 +156,8 @@ impl WorkerAgent {
     fn run_shard(self: Arc<Self>, epoch: u64, req: ShardLoad, listener: Option<TcpListener>) {
         let dir = PathBuf::from(&req.model_dir);
         let mut backend = self.cfg.backend.clone();
-        if !req.dtype.is_empty() {
-            match DType::parse(&req.dtype) {
-                Ok(d) => backend.weight_dtype = Some(d),
-                Err(e) => return self.set(epoch, Slot::Failed(e.to_string())),
-            }
+        if req.dtype.is_some() {
+            backend.weight_dtype = req.dtype;
         }
         if req.rank == 0 {
             let mut engine = self.cfg.engine.clone();
@@ -343,9 +339,6 @@ fn validate(req: &ShardLoad) -> Result<()> {
     }
     if req.rank > 0 && req.rendezvous.as_deref().unwrap_or("").is_empty() {
         return Err(Error::invalid("rendezvous", "ranks > 0 need rank 0's rendezvous address"));
-    }
-    if !req.dtype.is_empty() {
-        DType::parse(&req.dtype)?;
     }
     Ok(())
 }

@@ -64,7 +64,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<pb::LoadShardRequest>,
     ) -> Result<Response<pb::LoadShardResponse>, Status> {
-        let load = wire::load_from_pb(request.into_inner());
+        let load = wire::load_from_pb(request.into_inner()).map_err(to_status)?;
         let rendezvous = self.worker.load_shard(load).await.map_err(to_status)?;
         Ok(Response::new(pb::LoadShardResponse { rendezvous: rendezvous.unwrap_or_default() }))
     }

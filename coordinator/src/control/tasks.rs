@@ -15,7 +15,7 @@ use strata_common::cluster::{encode, now_ms, ReplicaRecord, ReplicaState, ShardS
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
-use strata_common::{Error, Parallelism, Result};
+use strata_common::{DType, Error, Parallelism, Result};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -280,11 +280,12 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
         .ok_or_else(|| Error::NotFound(format!("model {}", rec.model)))?;
     let workers: Vec<WorkerRecord> = rec.workers.iter().map(|w| ctx.worker(w)).collect::<Result<_>>()?;
     let started = Instant::now();
+    let dtype = if spec.dtype.is_empty() { None } else { Some(DType::parse(&spec.dtype)?) };
     let request = |rank: usize, rendezvous: Option<String>| ShardLoad {
         replica: rec.id.clone(),
         model: rec.model.clone(),
         model_dir: spec.model_dir.clone(),
-        dtype: spec.dtype.clone(),
+        dtype,
         par: Parallelism { tp: spec.tp as usize, pp: spec.pp as usize },
         rank,
         rendezvous,

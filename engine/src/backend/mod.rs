@@ -11,50 +11,11 @@ pub mod check;
 pub mod cpu;
 pub mod cuda;
 
-use strata_common::{Error, Result};
+use strata_common::Result;
 
 use crate::model::weights::HostTensor;
 
-/// Where a rank runs its shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Device {
-    #[default]
-    Cpu,
-    /// CUDA device ordinal.
-    Cuda(usize),
-}
-
-impl Device {
-    /// Parses "cpu", "cuda" (device 0) or "cuda:N".
-    pub fn parse(text: &str) -> Result<Device> {
-        let bad = || Error::invalid("device", format!("{text:?}: expected cpu, cuda or cuda:N"));
-        match text {
-            "cpu" => Ok(Device::Cpu),
-            "cuda" => Ok(Device::Cuda(0)),
-            t => match t.strip_prefix("cuda:") {
-                Some(n) => n.parse().map(Device::Cuda).map_err(|_| bad()),
-                None => Err(bad()),
-            },
-        }
-    }
-
-    /// "cpu" or "cuda".
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Device::Cpu => "cpu",
-            Device::Cuda(_) => "cuda",
-        }
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => write!(f, "cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
-}
+pub use strata_common::Device;
 
 /// How a rank's backend is built.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -13,40 +13,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use strata_common::{Error, Result};
 
-/// Element types a checkpoint may store weights in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DType {
-    F32,
-    F16,
-    BF16,
-}
-
-impl DType {
-    /// Parses "bf16", "f16" or "f32" (any case).
-    pub fn parse(text: &str) -> Result<DType> {
-        match text.to_ascii_lowercase().as_str() {
-            "bf16" => Ok(DType::BF16),
-            "f16" | "fp16" => Ok(DType::F16),
-            "f32" | "fp32" => Ok(DType::F32),
-            other => Err(Error::invalid("dtype", format!("{other:?}: expected bf16, f16 or f32"))),
-        }
-    }
-
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "F32",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-        }
-    }
-}
+pub use strata_common::DType;
 
 /// Where a tensor's bytes live: in a file mapping, or copied (a column slice).
 #[derive(Clone)]

@@ -1,0 +1,171 @@
+//! Flags that feed the config tree (`strata_common::config`): each overrides its key when
+//! given, and clap reads the flag's `STRATA_*` variable when the flag is absent — so the
+//! layers are defaults, then `--config FILE`, then the environment, then flags.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use strata_common::config::{parse_memory, seconds, Config, EngineSettings, RegistrySettings};
+use strata_common::registry::etcd::EtcdRegistry;
+use strata_common::registry::keys::Keys;
+use strata_common::registry::Registry;
+use strata_common::Device;
+use strata_engine::backend::BackendOptions;
+use strata_engine::scheduler::SchedulerConfig;
+use strata_engine::{EngineConfig, RunnerLimits};
+
+/// `--config FILE`: the TOML layer.
+#[derive(Args, Debug, Clone, Default)]
+pub struct ConfigArg {
+    /// A TOML config file (keys and defaults: deploy/strata.example.toml); flags and
+    /// STRATA_* variables override it.
+    #[arg(long = "config", env = "STRATA_CONFIG", value_name = "FILE")]
+    pub file: Option<PathBuf>,
+}
+
+impl ConfigArg {
+    /// The defaults overlaid with the file, then `overlay` (the flags), validated.
+    pub fn resolve(&self, overlay: impl FnOnce(&mut Config) -> anyhow::Result<()>) -> anyhow::Result<Config> {
+        let mut cfg = Config::load(self.file.as_deref()).map_err(with_flag)?;
+        overlay(&mut cfg)?;
+        cfg.validate().map_err(with_flag)?;
+        Ok(cfg)
+    }
+}
+
+/// A config error naming the key and the flag that sets it ("engine.block_size" is set by
+/// `--block-size`; durations drop their `_s`).
+fn with_flag(e: strata_common::Error) -> anyhow::Error {
+    match e {
+        strata_common::Error::InvalidArgument { field, reason } if field.contains('.') => {
+            let key = field.rsplit('.').next().unwrap_or(&field);
+            let flag = key.strip_suffix("_s").unwrap_or(key).replace('_', "-");
+            anyhow::anyhow!("invalid {field} (--{flag}): {reason}")
+        }
+        other => other.into(),
+    }
+}
+
+/// Engine flags shared by `strata serve` and `strata worker` ([engine] in the config).
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs) [default: cpu].
+    #[arg(long, env = "STRATA_DEVICE")]
+    pub device: Option<String>,
+    /// Memory for each replica's (or shard's) KV cache: a size (512MiB, 2GiB) or a fraction
+    /// of the machine's available memory (0.2) [default: 512MiB].
+    #[arg(long, env = "STRATA_KV_CACHE_MEMORY")]
+    pub kv_cache_memory: Option<String>,
+    /// Positions per KV cache block [default: 16].
+    #[arg(long, env = "STRATA_BLOCK_SIZE")]
+    pub block_size: Option<usize>,
+    /// Most sequences running at once per replica [default: 64].
+    #[arg(long, env = "STRATA_MAX_NUM_SEQS")]
+    pub max_num_seqs: Option<usize>,
+    /// Most tokens (prefill chunks + decodes) in one engine step [default: 512].
+    #[arg(long, env = "STRATA_MAX_BATCHED_TOKENS")]
+    pub max_batched_tokens: Option<usize>,
+    /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED [default: 256].
+    #[arg(long, env = "STRATA_MAX_WAITING")]
+    pub max_waiting: Option<usize>,
+    /// Do not reuse KV blocks of shared prompt prefixes.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about twice as
+    /// fast, no longer f32-exact; a worker's must match its leader's).
+    #[arg(long)]
+    pub bf16_prefill: bool,
+}
+
+impl EngineArgs {
+    pub fn apply(&self, e: &mut EngineSettings) {
+        set(&mut e.device, &self.device);
+        set(&mut e.kv_cache_memory, &self.kv_cache_memory);
+        set(&mut e.block_size, &self.block_size);
+        set(&mut e.max_num_seqs, &self.max_num_seqs);
+        set(&mut e.max_batched_tokens, &self.max_batched_tokens);
+        set(&mut e.max_waiting, &self.max_waiting);
+        if self.no_prefix_caching {
+            e.prefix_caching = false;
+        }
+        if self.bf16_prefill {
+            e.bf16_prefill = true;
+        }
+    }
+}
+
+/// `slot = value` when the flag (or its variable) was given.
+pub fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
+    if let Some(v) = value {
+        *slot = v.clone();
+    }
+}
+
+/// The engine's settings from validated config.
+pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, RunnerLimits)> {
+    let engine = EngineConfig {
+        kv_cache_bytes: parse_memory(&e.kv_cache_memory).context("engine.kv_cache_memory")?,
+        block_size: e.block_size,
+        scheduler: SchedulerConfig { max_num_seqs: e.max_num_seqs, max_batched_tokens: e.max_batched_tokens },
+        prefix_caching: e.prefix_caching,
+        backend: BackendOptions {
+            device: Device::parse(&e.device).context("engine.device")?,
+            bf16_prefill: e.bf16_prefill,
+            weight_dtype: None,
+        },
+    };
+    Ok((engine, RunnerLimits { max_waiting: e.max_waiting }))
+}
+
+/// Where the cluster's state lives ([registry] in the config).
+#[derive(Args, Debug, Clone, Default)]
+pub struct RegistryArgs {
+    /// etcd endpoints, comma-separated (http://127.0.0.1:2379).
+    #[arg(long, env = "STRATA_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Key prefix of this cluster (two clusters can share one etcd) [default: /strata].
+    #[arg(long, env = "STRATA_PREFIX")]
+    pub prefix: Option<String>,
+    /// Seconds a lease lives without a refresh (liveness of workers and of the leader)
+    /// [default: 5].
+    #[arg(long, env = "STRATA_LEASE_TTL")]
+    pub lease_ttl: Option<f64>,
+    /// Seconds between lease refreshes (default: a third of --lease-ttl).
+    #[arg(long, env = "STRATA_LEASE_KEEPALIVE")]
+    pub lease_keepalive: Option<f64>,
+}
+
+impl RegistryArgs {
+    pub fn apply(&self, r: &mut RegistrySettings) {
+        if !self.etcd.is_empty() {
+            r.etcd = self.etcd.clone();
+        }
+        set(&mut r.prefix, &self.prefix);
+        set(&mut r.lease_ttl_s, &self.lease_ttl);
+        if self.lease_keepalive.is_some() {
+            r.lease_keepalive_s = self.lease_keepalive;
+        }
+    }
+}
+
+/// Connects to the configured etcd.
+pub async fn connect(r: &RegistrySettings) -> anyhow::Result<(Arc<dyn Registry>, Keys)> {
+    if r.etcd.is_empty() {
+        bail!("--etcd is required: the etcd endpoints (e.g. http://127.0.0.1:2379), or set STRATA_ETCD or registry.etcd");
+    }
+    let reg = EtcdRegistry::connect(&r.etcd).await.context("registry.etcd")?;
+    Ok((Arc::new(reg), Keys::new(&r.prefix)))
+}
+
+/// (lease TTL, keep-alive interval) of validated settings.
+pub fn lease_timings(r: &RegistrySettings) -> anyhow::Result<(Duration, Duration)> {
+    let ttl = seconds("registry.lease_ttl_s", r.lease_ttl_s, 1.0)?;
+    let keepalive = match r.lease_keepalive_s {
+        Some(k) => seconds("registry.lease_keepalive_s", k, 0.05)?,
+        None => ttl / 3,
+    };
+    Ok((ttl, keepalive))
+}

@@ -1,0 +1,164 @@
+//! `strata serve`: every role in one process — the command line and its wiring.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use strata_common::config::{Config, ServedModel};
+use strata_common::Parallelism;
+use strata_coordinator::api::auth::ClientAuth;
+use strata_coordinator::api::server::ServeOptions;
+use strata_coordinator::control::tasks::Timings;
+use strata_coordinator::request::generation::RouteLimits;
+use strata_worker::agent::AgentConfig;
+
+use crate::config_args::{engine_config, set, ConfigArg, EngineArgs};
+use crate::embedded::{EmbeddedModel, EmbeddedOptions};
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Model directory to serve (repeatable; replaces the config's serve.models).
+    #[arg(long)]
+    pub model: Vec<PathBuf>,
+    /// Name clients use for each --model, in the same order (default: the directory name).
+    #[arg(long)]
+    pub name: Vec<String>,
+    /// Address to listen on; port 0 picks a free port (the log says which)
+    /// [default: 127.0.0.1:50051].
+    #[arg(long, env = "STRATA_LISTEN")]
+    pub listen: Option<std::net::SocketAddr>,
+    /// Tensor-parallel ranks per replica [default: 1].
+    #[arg(long, env = "STRATA_TP")]
+    pub tp: Option<usize>,
+    /// Pipeline stages per replica [default: 1].
+    #[arg(long, env = "STRATA_PP")]
+    pub pp: Option<usize>,
+    /// Replicas of each model [default: 1].
+    #[arg(long, env = "STRATA_REPLICAS")]
+    pub replicas: Option<usize>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// Wait at this address for the replica's other ranks to join as `strata worker`
+    /// processes, instead of running them as threads (one model, one replica).
+    #[arg(long)]
+    pub worker_rendezvous: Option<std::net::SocketAddr>,
+    /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
+    #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
+    pub drain_timeout: Option<f64>,
+    /// In-process workers beyond what the --model flags need, for models deployed at run
+    /// time through the admin API [default: 0].
+    #[arg(long, env = "STRATA_SPARE_WORKERS")]
+    pub spare_workers: Option<usize>,
+}
+
+impl ServeArgs {
+    fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
+        let s = &mut cfg.serve;
+        if !self.model.is_empty() {
+            if !self.name.is_empty() && self.name.len() != self.model.len() {
+                bail!(
+                    "--name is given {} times for {} --model flags; give one name per model or none",
+                    self.name.len(),
+                    self.model.len()
+                );
+            }
+            s.models = self
+                .model
+                .iter()
+                .enumerate()
+                .map(|(i, path)| ServedModel { path: path.clone(), name: self.name.get(i).cloned() })
+                .collect();
+        } else if !self.name.is_empty() {
+            bail!("--name needs a --model to name");
+        }
+        set(&mut s.listen, &self.listen);
+        set(&mut s.tp, &self.tp);
+        set(&mut s.pp, &self.pp);
+        set(&mut s.replicas, &self.replicas);
+        set(&mut s.drain_timeout_s, &self.drain_timeout);
+        set(&mut s.spare_workers, &self.spare_workers);
+        self.engine.apply(&mut cfg.engine);
+        Ok(())
+    }
+}
+
+/// Each model's name: given, or its directory's; names must differ.
+fn model_names(models: &[ServedModel]) -> anyhow::Result<Vec<String>> {
+    let mut names: Vec<String> = Vec::with_capacity(models.len());
+    for m in models {
+        let name = match &m.name {
+            Some(n) => n.clone(),
+            None => m
+                .path
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
+                .with_context(|| format!("--model {}: not a directory", m.path.display()))?,
+        };
+        if names.contains(&name) {
+            bail!("model name {name:?} is used twice: give each --model its own --name");
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
+pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
+    let cfg = args.config.resolve(|cfg| args.overlay(cfg))?;
+    let s = &cfg.serve;
+    if s.models.is_empty() {
+        bail!("give at least one --model DIR (or serve.models in --config)");
+    }
+    let par = Parallelism { tp: s.tp, pp: s.pp };
+    let names = model_names(&s.models)?;
+    let (engine, limits) = engine_config(&cfg.engine)?;
+    let opts = ServeOptions {
+        listen: s.listen,
+        drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
+        route: RouteLimits::default(),
+        client_auth: ClientAuth::open(),
+        role: "strata",
+    };
+    if let Some(addr) = args.worker_rendezvous {
+        // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
+        if s.models.len() != 1 || s.replicas != 1 || par.world() == 1 {
+            bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
+        }
+        let listener =
+            std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
+        tracing::info!("worker rendezvous listening on {}", listener.local_addr()?);
+        let replica = crate::rendezvous::StaticReplica {
+            name: &names[0],
+            dir: &s.models[0].path,
+            par,
+            listener,
+            engine: &engine,
+            limits: &limits,
+        };
+        return crate::rendezvous::run(replica, opts, rt);
+    }
+    let models = names
+        .into_iter()
+        .zip(&s.models)
+        .map(|(name, m)| EmbeddedModel { name, dir: m.path.clone(), par, replicas: s.replicas })
+        .collect();
+    let embedded = EmbeddedOptions {
+        models,
+        spare_workers: s.spare_workers,
+        agent: AgentConfig {
+            id: String::new(),
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
+            advertise_host: "127.0.0.1".into(),
+            backend: engine.backend.clone(),
+            engine,
+            runner: limits,
+        },
+        limits: strata_common::cluster::EngineLimits::default(),
+        serve: opts,
+        timings: Timings::default(),
+    };
+    rt.block_on(crate::embedded::run_embedded(embedded))
+}

@@ -1,0 +1,353 @@
+//! One config tree for every role: defaults, then a TOML file (`--config FILE`), then the
+//! environment (`STRATA_*`), then flags — each layer overriding the one before.
+//!
+//! The tree is plain data. The command line fills the last two layers (clap reads each
+//! flag's `STRATA_*` variable when the flag is absent, so a flag beats its variable, and a
+//! value from either beats the file); [`Config::validate`] runs once at start-up and names
+//! the bad key as the file spells it (`engine.block_size`). `deploy/strata.example.toml`
+//! lists every key with its default, and a test parses it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+/// Everything a Strata process can be configured with.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// How each replica's engine runs (`strata serve` and `strata worker`).
+    pub engine: EngineSettings,
+    /// Where cluster state lives (`strata coordinator` and `strata worker --etcd`).
+    pub registry: RegistrySettings,
+    pub serve: ServeSettings,
+    pub coordinator: CoordinatorSettings,
+    pub worker: WorkerSettings,
+}
+
+/// Engine settings shared by `serve` and `worker` (a deployment may override the limits).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSettings {
+    /// cpu, cuda or cuda:N.
+    pub device: String,
+    /// KV cache per replica (serve) or per shard (worker): a size ("512MiB", "2GiB") or a
+    /// fraction of the machine's available memory ("0.2").
+    pub kv_cache_memory: String,
+    /// Positions per KV cache block.
+    pub block_size: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill chunks + decodes) in one step.
+    pub max_batched_tokens: usize,
+    /// Most requests waiting; beyond it calls get RESOURCE_EXHAUSTED.
+    pub max_waiting: usize,
+    /// Reuse KV blocks of shared prompt prefixes.
+    pub prefix_caching: bool,
+    /// CPU: prefill bf16 weights with bf16-rounded activations (faster, not f32-exact).
+    pub bf16_prefill: bool,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        EngineSettings {
+            device: "cpu".into(),
+            kv_cache_memory: "512MiB".into(),
+            block_size: 16,
+            max_num_seqs: 64,
+            max_batched_tokens: 512,
+            max_waiting: 256,
+            prefix_caching: true,
+            bf16_prefill: false,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistrySettings {
+    /// etcd endpoints ("http://127.0.0.1:2379").
+    pub etcd: Vec<String>,
+    /// Key prefix of this cluster (two clusters can share one etcd).
+    pub prefix: String,
+    /// Seconds a lease lives without a refresh.
+    pub lease_ttl_s: f64,
+    /// Seconds between lease refreshes; absent: a third of the TTL.
+    pub lease_keepalive_s: Option<f64>,
+}
+
+impl Default for RegistrySettings {
+    fn default() -> Self {
+        RegistrySettings {
+            etcd: Vec::new(),
+            prefix: "/strata".into(),
+            lease_ttl_s: 5.0,
+            lease_keepalive_s: None,
+        }
+    }
+}
+
+/// One model `strata serve` loads at start-up.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServedModel {
+    pub path: PathBuf,
+    /// The name clients use (default: the directory's name).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeSettings {
+    pub listen: SocketAddr,
+    pub models: Vec<ServedModel>,
+    /// Tensor-parallel ranks per replica.
+    pub tp: usize,
+    /// Pipeline stages per replica.
+    pub pp: usize,
+    /// Replicas of each model.
+    pub replicas: usize,
+    /// In-process workers beyond what the models need (for deployments at run time).
+    pub spare_workers: usize,
+    /// Seconds in-flight calls get to finish after SIGTERM.
+    pub drain_timeout_s: f64,
+}
+
+impl Default for ServeSettings {
+    fn default() -> Self {
+        ServeSettings {
+            listen: ([127, 0, 0, 1], 50051).into(),
+            models: Vec::new(),
+            tp: 1,
+            pp: 1,
+            replicas: 1,
+            spare_workers: 0,
+            drain_timeout_s: 30.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CoordinatorSettings {
+    pub listen: SocketAddr,
+    /// This coordinator's id (default: made from the port and a random suffix).
+    pub id: Option<String>,
+    /// Token admin calls must bear; absent: admin calls only from loopback.
+    pub admin_token: Option<String>,
+    /// Client API keys inference calls must bear; empty: inference is open.
+    pub api_keys: Vec<String>,
+    pub canary_interval_s: f64,
+    pub canary_timeout_s: f64,
+    pub load_timeout_s: f64,
+    pub replica_drain_timeout_s: f64,
+    pub failed_retention_s: f64,
+    /// Seconds a request waits for a ready replica.
+    pub route_wait_s: f64,
+    pub drain_timeout_s: f64,
+}
+
+impl Default for CoordinatorSettings {
+    fn default() -> Self {
+        CoordinatorSettings {
+            listen: ([127, 0, 0, 1], 50051).into(),
+            id: None,
+            admin_token: None,
+            api_keys: Vec::new(),
+            canary_interval_s: 5.0,
+            canary_timeout_s: 10.0,
+            load_timeout_s: 600.0,
+            replica_drain_timeout_s: 30.0,
+            failed_retention_s: 30.0,
+            route_wait_s: 60.0,
+            drain_timeout_s: 30.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WorkerSettings {
+    pub listen: SocketAddr,
+    /// Address coordinators and other ranks reach this worker at (default: the bound one).
+    pub advertise: Option<String>,
+    /// This worker's id (default: host name and port).
+    pub id: Option<String>,
+    pub drain_timeout_s: f64,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        WorkerSettings {
+            listen: ([127, 0, 0, 1], 0).into(),
+            advertise: None,
+            id: None,
+            drain_timeout_s: 30.0,
+        }
+    }
+}
+
+impl Config {
+    /// The defaults, overlaid with `file` when given.
+    pub fn load(file: Option<&Path>) -> Result<Config> {
+        let Some(path) = file else { return Ok(Config::default()) };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::invalid("--config", format!("{}: {e}", path.display())))?;
+        Config::from_toml(&text).map_err(|e| match e {
+            Error::InvalidArgument { field, reason } => {
+                Error::invalid(field, format!("{reason} (in {})", path.display()))
+            }
+            other => other,
+        })
+    }
+
+    /// The defaults overlaid with a TOML document; an unknown or mistyped key is an error
+    /// naming it.
+    pub fn from_toml(text: &str) -> Result<Config> {
+        toml::from_str(text).map_err(|e| {
+            let reason = e.message().to_string();
+            Error::invalid("config", reason)
+        })
+    }
+
+    /// Checks every value once, naming the key at fault.
+    pub fn validate(&self) -> Result<()> {
+        let e = &self.engine;
+        Device::parse(&e.device).map_err(|err| rename(err, "engine.device"))?;
+        parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
+        for (key, v) in [
+            ("engine.block_size", e.block_size),
+            ("engine.max_num_seqs", e.max_num_seqs),
+            ("engine.max_batched_tokens", e.max_batched_tokens),
+            ("engine.max_waiting", e.max_waiting),
+            ("serve.tp", self.serve.tp),
+            ("serve.pp", self.serve.pp),
+            ("serve.replicas", self.serve.replicas),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(key, "must be at least 1"));
+            }
+        }
+        let r = &self.registry;
+        seconds("registry.lease_ttl_s", r.lease_ttl_s, 1.0)?;
+        if let Some(k) = r.lease_keepalive_s {
+            seconds("registry.lease_keepalive_s", k, 0.05)?;
+            if k >= r.lease_ttl_s {
+                return Err(Error::invalid(
+                    "registry.lease_keepalive_s",
+                    "must be shorter than registry.lease_ttl_s, or leases lapse between refreshes",
+                ));
+            }
+        }
+        let c = &self.coordinator;
+        for (key, v, min) in [
+            ("coordinator.canary_interval_s", c.canary_interval_s, 0.05),
+            ("coordinator.canary_timeout_s", c.canary_timeout_s, 0.05),
+            ("coordinator.load_timeout_s", c.load_timeout_s, 1.0),
+            ("coordinator.replica_drain_timeout_s", c.replica_drain_timeout_s, 0.0),
+            ("coordinator.failed_retention_s", c.failed_retention_s, 0.0),
+            ("coordinator.route_wait_s", c.route_wait_s, 0.0),
+            ("coordinator.drain_timeout_s", c.drain_timeout_s, 0.0),
+            ("serve.drain_timeout_s", self.serve.drain_timeout_s, 0.0),
+            ("worker.drain_timeout_s", self.worker.drain_timeout_s, 0.0),
+        ] {
+            seconds(key, v, min)?;
+        }
+        Ok(())
+    }
+}
+
+fn rename(e: Error, key: &str) -> Error {
+    match e {
+        Error::InvalidArgument { reason, .. } => Error::invalid(key, reason),
+        other => other,
+    }
+}
+
+/// A duration of at least `min` seconds, or an error naming `key`.
+pub fn seconds(key: &str, v: f64, min: f64) -> Result<std::time::Duration> {
+    if !(v.is_finite() && v >= min) {
+        return Err(Error::invalid(key, format!("must be a number of seconds ≥ {min}, got {v}")));
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
+}
+
+/// Parses "512MiB", "2GiB", "1000000" (bytes) or a fraction of available memory ("0.2").
+pub fn parse_memory(text: &str) -> Result<usize> {
+    let bad = |reason: String| Error::invalid("memory", format!("{text:?}: {reason}"));
+    let t = text.trim();
+    let units = [
+        ("KiB", 1usize << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("KB", 1000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+    ];
+    for (suffix, mul) in units {
+        if let Some(n) = t.strip_suffix(suffix) {
+            let v: f64 = n.trim().parse().map_err(|_| bad(format!("expected a number before {suffix}")))?;
+            if !(v > 0.0 && v.is_finite()) {
+                return Err(bad("must be positive".into()));
+            }
+            return Ok((v * mul as f64) as usize);
+        }
+    }
+    let v: f64 = t.parse().map_err(|_| bad("expected a size like 512MiB or a fraction like 0.2".into()))?;
+    if v > 0.0 && v < 1.0 {
+        let avail = crate::host::available_memory()
+            .ok_or_else(|| bad("a fraction needs MemAvailable from /proc/meminfo".into()))?;
+        return Ok((avail as f64 * v) as usize);
+    }
+    if v >= 1.0 && v.fract() == 0.0 {
+        return Ok(v as usize);
+    }
+    Err(bad("a fraction must be in (0, 1)".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_config_parses_validates_and_states_the_defaults() {
+        let text = include_str!("../../deploy/strata.example.toml");
+        let cfg = Config::from_toml(text).unwrap();
+        cfg.validate().unwrap();
+        // Every value in the example is the default, so the file documents them truly
+        // (models aside, which have none).
+        let mut defaults = Config::default();
+        defaults.serve.models = cfg.serve.models.clone();
+        defaults.registry.etcd = cfg.registry.etcd.clone();
+        assert_eq!(cfg, defaults);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let e = Config::from_toml("[engine]\nblok_size = 4\n").unwrap_err().to_string();
+        assert!(e.contains("blok_size"), "{e}");
+        let e = Config::from_toml("[engine]\nblock_size = \"big\"\n").unwrap_err().to_string();
+        assert!(e.contains("block_size") || e.contains("invalid type"), "{e}");
+        let cfg = Config::from_toml("[engine]\nblock_size = 0\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("engine.block_size"));
+        let cfg = Config::from_toml("[registry]\nlease_ttl_s = 3\nlease_keepalive_s = 3\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("registry.lease_keepalive_s"));
+        let cfg = Config::from_toml("[engine]\ndevice = \"tpu\"\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("engine.device"));
+        let cfg = Config::from_toml("[engine]\nkv_cache_memory = \"lots\"\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("engine.kv_cache_memory"));
+    }
+
+    #[test]
+    fn memory_sizes_parse() {
+        assert_eq!(parse_memory("512MiB").unwrap(), 512 << 20);
+        assert_eq!(parse_memory("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_memory("4096").unwrap(), 4096);
+        assert!(parse_memory("-1MiB").is_err());
+        assert!(parse_memory("2.5").is_err());
+    }
+}

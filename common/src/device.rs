@@ -1,0 +1,94 @@
+//! Plain enums every role names: where a rank runs and what dtype weights are in.
+
+use crate::error::{Error, Result};
+
+/// Where a rank runs its shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    /// CUDA device ordinal.
+    Cuda(usize),
+}
+
+impl Device {
+    /// Parses "cpu", "cuda" (device 0) or "cuda:N".
+    pub fn parse(text: &str) -> Result<Device> {
+        let bad = || Error::invalid("device", format!("{text:?}: expected cpu, cuda or cuda:N"));
+        match text {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            t => match t.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(Device::Cuda).map_err(|_| bad()),
+                None => Err(bad()),
+            },
+        }
+    }
+
+    /// "cpu" or "cuda".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda(_) => "cuda",
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Element types a checkpoint may store weights in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DType {
+    /// Parses "bf16", "f16" or "f32" (any case).
+    pub fn parse(text: &str) -> Result<DType> {
+        match text.to_ascii_lowercase().as_str() {
+            "bf16" => Ok(DType::BF16),
+            "f16" | "fp16" => Ok(DType::F16),
+            "f32" | "fp32" => Ok(DType::F32),
+            other => Err(Error::invalid("dtype", format!("{other:?}: expected bf16, f16 or f32"))),
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The name safetensors uses ("BF16").
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_and_dtypes_parse_or_name_the_field() {
+        assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        assert_eq!(Device::parse("cuda").unwrap().to_string(), "cuda:0");
+        assert!(Device::parse("tpu").unwrap_err().to_string().contains("device"));
+        assert_eq!(DType::parse("BF16").unwrap(), DType::BF16);
+        assert!(DType::parse("int4").unwrap_err().to_string().contains("dtype"));
+    }
+}

@@ -1,0 +1,88 @@
+//! The config tree as an operator meets it: `--config FILE`, then `STRATA_*` variables,
+//! then flags, each overriding the one before; bad keys and values named at start-up.
+
+use std::process::Command;
+
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_tests::{fixtures_dir, strata_bin, Server};
+
+fn model() -> String {
+    fixtures_dir().join("llama_gqa").to_string_lossy().to_string()
+}
+
+/// Runs `strata ARGS` with `env`, expecting a start-up failure; returns stderr.
+fn fails(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = Command::new(strata_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run strata");
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "strata {args:?} should fail: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
+}
+
+fn write(dir: &tempfile::TempDir, text: &str) -> String {
+    let path = dir.path().join("strata.toml");
+    std::fs::write(&path, text).unwrap();
+    path.to_string_lossy().to_string()
+}
+
+async fn served_names(server: &Server) -> Vec<String> {
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let models = c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner().models;
+    models.into_iter().map(|m| m.name).collect()
+}
+
+#[test]
+fn bad_keys_and_values_are_named_with_their_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let typo = write(&tmp, "[engine]\nblok_size = 4\n");
+    let e = fails(&["serve", "--config", &typo, "--model", &model()], &[]);
+    assert!(e.contains("blok_size") && e.contains("strata.toml"), "{e}");
+
+    let zero = write(&tmp, "[engine]\nblock_size = 0\n");
+    let e = fails(&["serve", "--config", &zero, "--model", &model()], &[]);
+    assert!(e.contains("engine.block_size") && e.contains("--block-size"), "{e}");
+
+    let e = fails(&["serve", "--config", "/nonexistent/strata.toml", "--model", &model()], &[]);
+    assert!(e.contains("/nonexistent/strata.toml"), "{e}");
+
+    let e = fails(
+        &["coordinator", "--etcd", "http://127.0.0.1:1", "--lease-ttl", "2", "--lease-keepalive", "3"],
+        &[],
+    );
+    assert!(e.contains("registry.lease_keepalive_s") && e.contains("--lease-keepalive"), "{e}");
+}
+
+#[test]
+fn the_environment_overrides_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ok = write(&tmp, "[engine]\nblock_size = 8\n");
+    let e = fails(&["serve", "--config", &ok, "--model", &model()], &[("STRATA_BLOCK_SIZE", "0")]);
+    assert!(e.contains("engine.block_size"), "{e}");
+    let e = fails(&["serve", "--model", &model()], &[("STRATA_CONFIG", "/nonexistent/env.toml")]);
+    assert!(e.contains("/nonexistent/env.toml"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn flags_override_the_environment_and_the_file_names_the_models() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[engine]\nblock_size = 0\nmax_num_seqs = 4\n\n[serve]\nmodels = [{{ path = {:?}, name = \"from-file\" }}]\n",
+        model()
+    );
+    let file = write(&tmp, &text);
+    // The file's block size is invalid, the environment's too; the flag wins over both.
+    let server =
+        Server::start_with_env(&["--config", &file, "--block-size", "8"], &[("STRATA_BLOCK_SIZE", "0")]);
+    assert_eq!(served_names(&server).await, ["from-file"]);
+    drop(server);
+    // --model replaces the file's model list.
+    let server =
+        Server::start(&["--config", &file, "--block-size", "8", "--model", &model(), "--name", "flag"]);
+    assert_eq!(served_names(&server).await, ["flag"]);
+}
