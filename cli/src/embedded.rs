@@ -151,6 +151,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         let _ = tokio::time::timeout(Duration::from_millis(100), view.changed()).await;
     }
     let admin = ClusterAdmin::new(
+        "serve".into(),
         registry.clone(),
         keys.clone(),
         watcher.subscribe(),

@@ -6,9 +6,10 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use strata_common::config::{Config, ServedModel};
+use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::ClientAuth;
-use strata_coordinator::api::server::ServeOptions;
+use strata_coordinator::api::server::{Role, ServeOptions};
 use strata_coordinator::control::tasks::Timings;
 use strata_coordinator::request::generation::RouteLimits;
 use strata_worker::agent::AgentConfig;
@@ -120,7 +121,8 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
         route: RouteLimits::default(),
         client_auth: ClientAuth::open(),
-        role: "strata",
+        role: Role::Serve,
+        id: "serve".into(),
     };
     if let Some(addr) = args.worker_rendezvous {
         // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
@@ -129,7 +131,10 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         }
         let listener =
             std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
-        tracing::info!("worker rendezvous listening on {}", listener.local_addr()?);
+        let address = listener.local_addr()?.to_string();
+        tracing::info!("worker rendezvous listening on {address}");
+        let rendezvous = Announcement { event: "rendezvous", role: "serve", address: &address, id: "serve" };
+        strata_common::ready::announce(&rendezvous);
         let replica = crate::rendezvous::StaticReplica {
             name: &names[0],
             dir: &s.models[0].path,

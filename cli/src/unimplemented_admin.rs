@@ -60,4 +60,10 @@ impl Admin for EmbeddedAdmin {
     ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
         cluster_only("DrainWorker")
     }
+    async fn get_leader(
+        &self,
+        _: Request<pb::GetLeaderRequest>,
+    ) -> Result<Response<pb::GetLeaderResponse>, Status> {
+        cluster_only("GetLeader")
+    }
 }

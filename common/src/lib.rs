@@ -14,6 +14,7 @@ pub mod error;
 pub mod events;
 pub mod host;
 pub mod model_config;
+pub mod ready;
 pub mod registry;
 pub mod sampling;
 pub mod shard;

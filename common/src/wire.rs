@@ -214,6 +214,8 @@ pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {
         shard,
         draining: s.draining,
         stats: Some(stats_to_pb(s.stats)),
+        loads: s.loads,
+        served: s.served,
     }
 }
 
@@ -240,6 +242,8 @@ pub fn status_from_pb(r: wpb::StatusResponse) -> Result<WorkerStatus> {
         assignment,
         draining: r.draining,
         stats: r.stats.as_ref().map(stats_from_pb).unwrap_or_default(),
+        loads: r.loads,
+        served: r.served,
     })
 }
 

@@ -55,6 +55,10 @@ pub struct WorkerStatus {
     pub assignment: Option<Assignment>,
     pub draining: bool,
     pub stats: EngineStats,
+    /// Shard loads this process has started.
+    pub loads: u64,
+    /// Sequences the shard it holds has accepted (rank 0).
+    pub served: u64,
 }
 
 /// The small files of a model directory that a coordinator needs (config, tokenizer);

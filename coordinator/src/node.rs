@@ -11,7 +11,7 @@ use tracing::info;
 
 use crate::api::admin::ClusterAdmin;
 use crate::api::auth::{AdminAuth, ClientAuth};
-use crate::api::server::{serve, ServeOptions};
+use crate::api::server::{serve, Role, ServeOptions};
 use crate::control::leader::{Election, LeaderConfig};
 use crate::control::view::Watcher;
 use crate::request::generation::RouteLimits;
@@ -44,6 +44,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
         opts.leader.clone(),
     );
     let admin = ClusterAdmin::new(
+        opts.leader.id.clone(),
         registry.clone(),
         opts.keys.clone(),
         watcher.subscribe(),
@@ -59,7 +60,8 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
             drain_timeout: opts.drain_timeout,
             route: opts.route,
             client_auth: opts.client_auth,
-            role: "strata coordinator",
+            role: Role::Coordinator,
+            id: opts.leader.id.clone(),
         },
     )
     .await;

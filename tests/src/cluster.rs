@@ -1,53 +1,33 @@
 //! Real cluster processes for tests: `strata coordinator` and `strata worker --etcd`
 //! against a real etcd, each on free loopback ports, logs captured, killed when dropped.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use crate::etcd::Etcd;
-use crate::strata_bin;
+use crate::{spawn_captured, strata_bin, Outputs};
 
-/// A `strata` process whose stderr is captured line by line.
+/// A `strata` process: its log captured for people, its announcements for the test.
 pub struct Proc {
     pub name: String,
     pub child: Child,
-    log: Arc<Mutex<String>>,
-    lines: Mutex<Receiver<String>>,
-    /// The address from its "listening on" line.
+    out: Outputs,
+    /// The address it announced when ready.
     pub addr: String,
 }
 
 impl Proc {
-    /// Starts `strata ARGS…` and waits for its "ready, listening on" line.
+    /// Starts `strata ARGS…` and waits for its ready announcement.
     pub fn start(name: &str, args: &[String], cwd: Option<&std::path::Path>) -> Proc {
         let mut cmd = Command::new(strata_bin());
-        cmd.args(args)
-            .env("RUST_LOG", "info,strata_engine::runner=debug")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+        cmd.args(args).env("RUST_LOG", "info,strata_engine::runner=debug");
         if let Some(d) = cwd {
             cmd.current_dir(d);
         }
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("start {name}: {e}"));
-        let stderr = child.stderr.take().expect("piped stderr");
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let _ = tx.send(line.clone());
-                let mut l = log2.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        let mut p = Proc { name: name.to_string(), child, log, lines: Mutex::new(rx), addr: String::new() };
-        p.addr = p.wait_for("ready, listening on ", Duration::from_secs(60));
-        p
+        let (child, out) = spawn_captured(&mut cmd);
+        let ready = out.wait_event("ready", Duration::from_secs(60), name);
+        let addr = ready["address"].as_str().expect("ready announcement names its address").to_string();
+        Proc { name: name.to_string(), child, out, addr }
     }
 
     pub fn endpoint(&self) -> String {
@@ -55,29 +35,7 @@ impl Proc {
     }
 
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
-    }
-
-    /// Waits for a new log line containing `marker`; returns the word after it.
-    pub fn wait_for(&self, marker: &str, limit: Duration) -> String {
-        let deadline = Instant::now() + limit;
-        let rx = self.lines.lock().unwrap();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) => {
-                    if let Some(i) = line.find(marker) {
-                        return line[i + marker.len()..].split_whitespace().next().unwrap_or("").to_string();
-                    }
-                }
-                Err(_) => panic!("{}: no line with {marker:?} within {limit:?}:\n{}", self.name, self.log()),
-            }
-        }
-    }
-
-    /// Whether any log line so far contains `marker`.
-    pub fn logged(&self, marker: &str) -> bool {
-        self.log().contains(marker)
+        self.out.log()
     }
 
     pub fn pid(&self) -> u32 {
@@ -197,28 +155,32 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no worker {id}"))
     }
 
-    /// Index of the coordinator that logged its election last (the current leader).
-    pub fn leader(&self, limit: Duration) -> usize {
-        let deadline = Instant::now() + limit;
-        loop {
-            let leaders: Vec<usize> = self
-                .coordinators
-                .iter()
-                .enumerate()
-                .filter(|(_, c)| {
-                    let log = c.log();
-                    let won = log.rfind("elected leader");
-                    let lost = log.rfind("no longer the leader");
-                    won.is_some() && (lost.is_none() || lost < won)
-                })
-                .map(|(i, _)| i)
-                .collect();
-            if leaders.len() == 1 {
-                return leaders[0];
+    /// Index of the leader coordinator: the one every live coordinator's admin API names.
+    pub async fn leader(&self, limit: Duration) -> usize {
+        use strata_proto::admin::v1 as apb;
+        use strata_proto::admin::v1::admin_client::AdminClient;
+        eventually("one leader every coordinator agrees on", limit, || async {
+            let mut named = Vec::new();
+            for c in &self.coordinators {
+                let Ok(mut admin) = AdminClient::connect(c.endpoint()).await else { continue };
+                let Ok(r) = admin.get_leader(apb::GetLeaderRequest {}).await else { continue };
+                named.push(r.into_inner().leader_id);
             }
-            assert!(Instant::now() < deadline, "no single leader among coordinators: {leaders:?}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            let first = named.first()?.clone();
+            if first.is_empty() || named.iter().any(|n| *n != first) {
+                return None;
+            }
+            let index: usize = first.strip_prefix('c')?.parse().ok()?;
+            (index < self.coordinators.len()).then_some(index)
+        })
+        .await
+    }
+
+    /// A worker's own status over worker.v1 (shard loads, sequences served).
+    pub async fn worker_status(&self, id: &str) -> strata_proto::worker::v1::StatusResponse {
+        use strata_proto::worker::v1::worker_client::WorkerClient;
+        let mut c = WorkerClient::connect(self.worker(id).endpoint()).await.expect("connect to the worker");
+        c.status(strata_proto::worker::v1::StatusRequest {}).await.expect("worker status").into_inner()
     }
 }
 

@@ -52,59 +52,103 @@ pub fn floats(v: &serde_json::Value) -> Vec<f32> {
     v.as_array().expect("array of numbers").iter().map(|x| x.as_f64().expect("number") as f32).collect()
 }
 
+/// A started `strata` process's outputs: its stderr log (for people: printed when a test
+/// fails, never asserted on) and the JSON announcements it writes on stdout (what tests
+/// act on; see `strata_common::ready`).
+pub struct Outputs {
+    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+    pub events: std::sync::mpsc::Receiver<serde_json::Value>,
+}
+
+/// Spawns `cmd` with stdout and stderr captured as [`Outputs`].
+pub fn spawn_captured(cmd: &mut std::process::Command) -> (std::process::Child, Outputs) {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start strata");
+    let stderr = child.stderr.take().expect("piped stderr");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let log2 = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines() {
+            let Ok(line) = line else { break };
+            let mut l = log2.lock().unwrap();
+            l.push_str(&line);
+            l.push('\n');
+        }
+    });
+    let (tx, events) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let v: serde_json::Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {line:?}"));
+            let _ = tx.send(v);
+        }
+    });
+    (child, Outputs { log, events })
+}
+
+impl Outputs {
+    /// Waits (up to `limit`) for the next announcement of `event`; returns it.
+    pub fn wait_event(&self, event: &str, limit: std::time::Duration, who: &str) -> serde_json::Value {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(v) if v["event"] == event => return v,
+                Ok(_) => {}
+                Err(_) => panic!("{who}: no {event:?} announcement within {limit:?}:\n{}", self.log()),
+            }
+        }
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
 /// A `strata serve` process on a free loopback port, killed when dropped.
 pub struct Server {
     pub child: std::process::Child,
     pub addr: String,
-    /// Everything the server printed on stderr so far.
-    pub log: std::sync::Arc<std::sync::Mutex<String>>,
+    pub out: Outputs,
 }
 
 impl Server {
-    /// Starts `strata serve --listen 127.0.0.1:0 ARGS…` and waits until it is ready.
+    /// Starts `strata serve --listen 127.0.0.1:0 ARGS…` and waits until it announces it
+    /// is ready.
     pub fn start(args: &[&str]) -> Server {
         Server::start_with_env(args, &[])
     }
 
     /// [`Server::start`] with extra environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let (mut server, lines) = Server::spawn_with_env(args, env);
-        server.addr = wait_for_line(&lines, "strata ready, listening on ", &server);
+        let mut server = Server::spawn_with_env(args, env);
+        server.addr = server.wait_ready();
         server
     }
 
-    /// Starts `strata serve` without waiting; returns its stderr lines as they come.
-    pub fn spawn(args: &[&str]) -> (Server, std::sync::mpsc::Receiver<String>) {
+    /// Starts `strata serve` without waiting.
+    pub fn spawn(args: &[&str]) -> Server {
         Server::spawn_with_env(args, &[])
     }
 
-    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> (Server, std::sync::mpsc::Receiver<String>) {
-        use std::io::{BufRead, BufReader};
-        use std::process::{Command, Stdio};
-        let mut child = Command::new(strata_bin())
-            .arg("serve")
+    fn spawn_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut cmd = std::process::Command::new(strata_bin());
+        cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "info,strata_engine::runner=debug")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start strata serve");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines() {
-                let Ok(line) = line else { break };
-                let _ = tx.send(line.clone());
-                let mut l = log2.lock().unwrap();
-                l.push_str(&line);
-                l.push('\n');
-            }
-        });
-        (Server { child, addr: String::new(), log }, rx)
+            .envs(env.iter().copied());
+        let (child, out) = spawn_captured(&mut cmd);
+        Server { child, addr: String::new(), out }
+    }
+
+    /// Waits for the ready announcement; returns the address it serves at.
+    pub fn wait_ready(&self) -> String {
+        let v = self.out.wait_event("ready", std::time::Duration::from_secs(60), "strata serve");
+        v["address"].as_str().expect("ready announcement names its address").to_string()
     }
 
     pub fn endpoint(&self) -> String {
@@ -112,7 +156,7 @@ impl Server {
     }
 
     pub fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
+        self.out.log()
     }
 }
 
@@ -123,22 +167,6 @@ impl Drop for Server {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Waits (up to 60 s) for a stderr line containing `marker`; returns the word after it.
-pub fn wait_for_line(lines: &std::sync::mpsc::Receiver<String>, marker: &str, server: &Server) -> String {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) => {
-                if let Some(i) = line.find(marker) {
-                    return line[i + marker.len()..].split_whitespace().next().unwrap_or("").to_string();
-                }
-            }
-            Err(_) => panic!("no line with {marker:?} from strata serve: {}", server.log()),
-        }
     }
 }
 

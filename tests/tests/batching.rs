@@ -228,9 +228,15 @@ async fn a_canary_is_answered_by_the_next_step_idle_or_busy() {
             .unwrap();
     // Idle: the runner makes a one-token canary sequence, and leaves nothing behind.
     tokio::time::timeout(Duration::from_secs(10), handle.canary()).await.unwrap().unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(handle.stats().running, 0);
-    assert_eq!(handle.stats().kv_blocks_free, handle.stats().kv_blocks_total);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = handle.stats();
+        if s.running == 0 && s.kv_blocks_free == s.kv_blocks_total {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the canary left work behind: {s:?}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // Busy: answered by a step of the running work, which is not disturbed.
     let mut seq = handle.submit(vec![1, 2, 3], greedy(40)).unwrap();
     tokio::time::timeout(Duration::from_secs(10), handle.canary()).await.unwrap().unwrap();

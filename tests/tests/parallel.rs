@@ -60,7 +60,7 @@ mod processes {
 
     use strata_proto::inference::v1 as pb;
     use strata_proto::inference::v1::inference_client::InferenceClient;
-    use strata_tests::{ids, reference, strata_bin, wait_for_line, write_slow_model, Server};
+    use strata_tests::{ids, reference, strata_bin, write_slow_model, Server};
 
     struct Workers(Vec<Child>);
 
@@ -76,7 +76,7 @@ mod processes {
     /// `strata serve` as rank 0 plus `tp·pp − 1` worker processes.
     fn replica(model: &str, tp: usize, pp: usize) -> (Server, Workers) {
         let (tp_s, pp_s) = (tp.to_string(), pp.to_string());
-        let (mut server, lines) = Server::spawn(&[
+        let mut server = Server::spawn(&[
             "--model",
             model,
             "--name",
@@ -88,7 +88,9 @@ mod processes {
             "--worker-rendezvous",
             "127.0.0.1:0",
         ]);
-        let rendezvous = wait_for_line(&lines, "worker rendezvous listening on ", &server);
+        let announced =
+            server.out.wait_event("rendezvous", std::time::Duration::from_secs(60), "strata serve");
+        let rendezvous = announced["address"].as_str().expect("rendezvous address").to_string();
         let workers = (1..tp * pp)
             .map(|rank| {
                 Command::new(strata_bin())
@@ -111,7 +113,7 @@ mod processes {
                     .expect("start strata worker")
             })
             .collect();
-        server.addr = wait_for_line(&lines, "strata ready, listening on ", &server);
+        server.addr = server.wait_ready();
         (server, Workers(workers))
     }
 

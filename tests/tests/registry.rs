@@ -69,6 +69,7 @@ async fn contract(reg: &dyn Registry, prefix: &str) {
     // Leases: keys bound to a lease vanish when it lapses, and watchers see it.
     let lease = reg.grant_lease(Duration::from_secs(1)).await.unwrap();
     reg.put(&k("w1"), b"alive".to_vec(), Some(lease)).await.unwrap();
+    // Time itself is what is tested here: 1.2 s of refreshes outlive a 1 s lease.
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(400)).await;
         reg.keep_alive(lease).await.expect("a live lease refreshes");

@@ -61,6 +61,8 @@ struct Inner {
     epoch: u64,
     held: Option<Held>,
     draining: bool,
+    /// Shard loads started.
+    loads: u64,
 }
 
 /// What `Status` reports.
@@ -69,6 +71,10 @@ pub struct AgentStatus {
     pub assignment: Option<Assignment>,
     pub draining: bool,
     pub stats: EngineStats,
+    /// Shard loads started since the process began.
+    pub loads: u64,
+    /// Sequences the held shard has accepted.
+    pub served: u64,
 }
 
 pub struct WorkerAgent {
@@ -123,6 +129,7 @@ impl WorkerAgent {
             }
         }
         inner.epoch += 1;
+        inner.loads += 1;
         let epoch = inner.epoch;
         let mut rendezvous_listener = None;
         let mut rendezvous = None;
@@ -296,7 +303,7 @@ impl WorkerAgent {
     pub fn status(&self) -> AgentStatus {
         let inner = self.lock();
         let Some(h) = &inner.held else {
-            return AgentStatus { draining: inner.draining, ..Default::default() };
+            return AgentStatus { draining: inner.draining, loads: inner.loads, ..Default::default() };
         };
         let (state, error, stats) = match &h.slot {
             Slot::Loading => (ShardState::Loading, String::new(), EngineStats::default()),
@@ -317,6 +324,8 @@ impl WorkerAgent {
             }),
             draining: inner.draining,
             stats,
+            loads: inner.loads,
+            served: h.served,
         }
     }
 }

@@ -54,6 +54,8 @@ impl WorkerApi for InProcessWorker {
             assignment: st.assignment,
             draining: st.draining,
             stats: st.stats,
+            loads: st.loads,
+            served: st.served,
         })
     }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use strata_common::cluster::Capacity;
+use strata_common::ready::announce;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_proto::worker::v1::worker_server::WorkerServer;
@@ -101,6 +102,12 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         Announcement { address: advertise.clone(), capacity, ttl: opts.lease_ttl, keepalive: opts.keepalive },
     );
     info!(id = %id, device = %device, address = %advertise, registry = registry.kind(), "strata worker ready, listening on {bound}");
+    announce(&strata_common::ready::Announcement {
+        event: "ready",
+        role: "worker",
+        address: &advertise,
+        id: &id,
+    });
     let mut server = std::pin::pin!(server);
     tokio::select! {
         res = &mut server => {

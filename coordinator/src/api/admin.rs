@@ -25,6 +25,8 @@ use crate::routing::catalog::ClusterCatalog;
 use strata_common::status::to_status;
 
 pub struct ClusterAdmin {
+    /// This coordinator's id.
+    id: String,
     registry: Arc<dyn Registry>,
     keys: Keys,
     view: watch::Receiver<Arc<ClusterView>>,
@@ -34,13 +36,14 @@ pub struct ClusterAdmin {
 
 impl ClusterAdmin {
     pub fn new(
+        id: String,
         registry: Arc<dyn Registry>,
         keys: Keys,
         view: watch::Receiver<Arc<ClusterView>>,
         catalog: Arc<ClusterCatalog>,
         auth: AdminAuth,
     ) -> Self {
-        ClusterAdmin { registry, keys, view, catalog, auth }
+        ClusterAdmin { id, registry, keys, view, catalog, auth }
     }
 
     fn view(&self) -> Arc<ClusterView> {
@@ -212,6 +215,15 @@ impl Admin for ClusterAdmin {
             .collect();
         replicas.sort_by(|a, b| (&a.model, &a.id).cmp(&(&b.model, &b.id)));
         Ok(Response::new(pb::ListReplicasResponse { replicas }))
+    }
+
+    async fn get_leader(
+        &self,
+        request: Request<pb::GetLeaderRequest>,
+    ) -> Result<Response<pb::GetLeaderResponse>, Status> {
+        self.auth.check(&request)?;
+        let leader_id = self.view().leader.clone().unwrap_or_default();
+        Ok(Response::new(pb::GetLeaderResponse { leader_id, coordinator_id: self.id.clone() }))
     }
 
     async fn list_workers(

@@ -11,6 +11,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use anyhow::Context;
+use strata_common::ready::{announce, Announcement};
 use strata_proto::admin::v1::admin_server::{Admin, AdminServer};
 use strata_proto::inference::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
@@ -27,8 +28,34 @@ pub struct ServeOptions {
     pub drain_timeout: Duration,
     pub route: RouteLimits,
     pub client_auth: ClientAuth,
-    /// First words of the "ready" log line ("strata", "strata coordinator").
-    pub role: &'static str,
+    pub role: Role,
+    /// This process's id in the cluster (in the ready announcement).
+    pub id: String,
+}
+
+/// Which command serves: named in the ready log line and announcement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// `strata serve`: every role in one process.
+    Serve,
+    /// `strata coordinator`.
+    Coordinator,
+}
+
+impl Role {
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Serve => "serve",
+            Role::Coordinator => "coordinator",
+        }
+    }
+
+    fn log_name(self) -> &'static str {
+        match self {
+            Role::Serve => "strata",
+            Role::Coordinator => "strata coordinator",
+        }
+    }
 }
 
 /// Serves inference.v1 over `models` and admin.v1 through `admin` until SIGTERM.
@@ -55,7 +82,9 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stop_rx.await;
         });
-    info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role);
+    info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role.log_name());
+    let address = addr.to_string();
+    announce(&Announcement { event: "ready", role: opts.role.name(), address: &address, id: &opts.id });
 
     let mut server = std::pin::pin!(server);
     tokio::select! {
