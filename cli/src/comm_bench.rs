@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use strata_engine::comm::tcp::local_group;
-use strata_engine::comm::Communicator;
+use strata_engine::comm::Collectives;
 
 #[derive(Debug, Serialize)]
 pub struct AllReduceRow {

@@ -13,7 +13,8 @@
 
 use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
 
-use crate::backend::{Backend, BatchLayout, SeqSlice};
+use crate::backend::{Backend, BatchLayout};
+use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
 use crate::logits::{LogitsWanted, StepLogits};
 use crate::model::{Model, NoComm};
@@ -131,9 +132,7 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
     }
     fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
         // Every rank allocates exactly the leader's block count: slots index all of them.
-        let mut init = vec![MSG_INIT];
-        put(&mut init, num_blocks);
-        put(&mut init, block_size);
+        let init = LeaderMessage::Init { num_blocks, block_size }.encode();
         for r in 1..self.comm.world() {
             self.comm.send(r, &init)?;
         }
@@ -174,8 +173,9 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
 
 impl<B: Backend> Drop for LeaderExecutor<B> {
     fn drop(&mut self) {
+        let shutdown = LeaderMessage::Shutdown.encode();
         for r in 1..self.comm.world() {
-            let _ = self.comm.send(r, &[MSG_SHUTDOWN]);
+            let _ = self.comm.send(r, &shutdown);
         }
     }
 }
@@ -219,134 +219,28 @@ pub fn run_rank_step<B: Backend>(
 /// The loop of every rank but the leader: allocate the KV cache the leader asks for, then
 /// run steps until told to stop.
 pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator>) -> Result<()> {
-    let init = comm.recv_idle(0)?;
-    if init.first() != Some(&MSG_INIT) {
+    let LeaderMessage::Init { num_blocks, block_size } = LeaderMessage::decode(&comm.recv_idle(0)?, None)?
+    else {
         return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
-    }
-    let mut r = Reader { b: &init, at: 1 };
-    let (num_blocks, block_size) = (r.u32()? as usize, r.u32()? as usize);
+    };
     let mut kv = model.alloc_kv(num_blocks, block_size)?;
+    let bounds = PlanBounds { num_blocks, block_size, vocab_size: model.config.vocab_size };
     let rank = comm.rank();
     let last_lead = model.shard.is_last_stage() && model.shard.shard.tp_rank == 0;
     loop {
-        let msg = comm.recv_idle(0)?;
-        if msg.first() == Some(&MSG_SHUTDOWN) {
-            return Ok(());
-        }
-        let (ids, layout, rows, wanted) = decode_step(&msg)?;
-        let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &rows, wanted)?;
+        let plan = match LeaderMessage::decode(&comm.recv_idle(0)?, Some(bounds))? {
+            LeaderMessage::Step(plan) => plan,
+            LeaderMessage::Shutdown => return Ok(()),
+            LeaderMessage::Init { .. } => {
+                return Err(Error::Internal("the leader sent a second KV cache size".into()))
+            }
+        };
+        let StepPlan { ids, layout, logit_rows, wanted } = plan;
+        let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &logit_rows, wanted)?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
                 comm.send(0, f32_bytes(&l.into_f32s()))?;
             }
         }
-    }
-}
-
-const MSG_STEP: u8 = 1;
-const MSG_SHUTDOWN: u8 = 2;
-const MSG_INIT: u8 = 3;
-
-fn put(out: &mut Vec<u8>, v: usize) {
-    out.extend_from_slice(&(v as u32).to_le_bytes());
-}
-
-fn put_all(out: &mut Vec<u8>, v: impl ExactSizeIterator<Item = usize>) {
-    put(out, v.len());
-    for x in v {
-        put(out, x);
-    }
-}
-
-/// Serialises a step plan (u32 little-endian fields).
-pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize], wanted: LogitsWanted) -> Vec<u8> {
-    let mut out = vec![MSG_STEP];
-    put_all(&mut out, ids.iter().map(|&x| x as usize));
-    put_all(&mut out, layout.positions.iter().map(|&x| x as usize));
-    put_all(&mut out, layout.slots.iter().map(|&x| x as usize));
-    put(&mut out, layout.block_size);
-    put(&mut out, layout.seqs.len());
-    for s in &layout.seqs {
-        put(&mut out, s.token_start);
-        put(&mut out, s.num_tokens);
-        put(&mut out, s.context_before);
-        put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
-    }
-    put_all(&mut out, logit_rows.iter().copied());
-    put(&mut out, (wanted == LogitsWanted::Greedy) as usize);
-    out
-}
-
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn u32(&mut self) -> Result<u32> {
-        let bytes = self
-            .b
-            .get(self.at..self.at + 4)
-            .ok_or_else(|| Error::Internal("truncated step message".into()))?;
-        self.at += 4;
-        Ok(u32::from_le_bytes(bytes.try_into().expect("4 bytes")))
-    }
-    fn vec(&mut self) -> Result<Vec<u32>> {
-        let n = self.u32()? as usize;
-        (0..n).map(|_| self.u32()).collect()
-    }
-}
-
-pub fn decode_step(msg: &[u8]) -> Result<(Vec<u32>, BatchLayout, Vec<usize>, LogitsWanted)> {
-    if msg.first() != Some(&MSG_STEP) {
-        return Err(Error::Internal("not a step message".into()));
-    }
-    let mut r = Reader { b: msg, at: 1 };
-    let ids = r.vec()?;
-    let positions = r.vec()?;
-    let slots = r.vec()?;
-    let block_size = r.u32()? as usize;
-    let n = r.u32()? as usize;
-    let mut seqs = Vec::with_capacity(n);
-    for _ in 0..n {
-        seqs.push(SeqSlice {
-            token_start: r.u32()? as usize,
-            num_tokens: r.u32()? as usize,
-            context_before: r.u32()? as usize,
-            block_table: r.vec()?,
-        });
-    }
-    let rows = r.vec()?.into_iter().map(|x| x as usize).collect();
-    let wanted = match r.u32()? {
-        0 => LogitsWanted::Full,
-        1 => LogitsWanted::Greedy,
-        w => return Err(Error::Internal(format!("a step message asks for logits form {w}"))),
-    };
-    Ok((ids, BatchLayout { positions, slots, seqs, block_size }, rows, wanted))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn step_messages_round_trip() {
-        let layout = BatchLayout {
-            positions: vec![0, 1, 7],
-            slots: vec![32, 33, 71],
-            seqs: vec![
-                SeqSlice { token_start: 0, num_tokens: 2, context_before: 0, block_table: vec![2] },
-                SeqSlice { token_start: 2, num_tokens: 1, context_before: 7, block_table: vec![4, 0] },
-            ],
-            block_size: 16,
-        };
-        let msg = encode_step(&[5, 6, 9], &layout, &[1, 2], LogitsWanted::Greedy);
-        let (ids, back, rows, wanted) = decode_step(&msg).unwrap();
-        assert_eq!(ids, vec![5, 6, 9]);
-        assert_eq!(rows, vec![1, 2]);
-        assert_eq!(wanted, LogitsWanted::Greedy);
-        assert_eq!((back.positions, back.slots, back.block_size), (layout.positions, layout.slots, 16));
-        assert_eq!(back.seqs[1].block_table, vec![4, 0]);
-        assert!(decode_step(&msg[..msg.len() - 3]).is_err());
     }
 }

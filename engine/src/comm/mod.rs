@@ -1,16 +1,22 @@
-//! Communication between the ranks of one replica.
+//! Communication between the ranks of one replica, as two seams.
 //!
-//! [`Communicator`] is the seam: the model calls `all_reduce_sum` after its row-parallel
-//! matmuls and `all_gather` after the vocabulary-split LM head, and pipeline stages
-//! `send`/`recv` hidden states. Collectives take the group of ranks they run over (a
-//! pipeline stage's TP group), so one communicator serves the whole replica.
-//! [`tcp::TcpComm`] implements it over persistent loopback or LAN TCP connections (CPU
-//! workers); [`nccl::NcclComm`] (feature `cuda`) runs the collectives through NCCL on GPUs.
-//! [`contract`] holds the checks both must pass.
+//! - [`Collectives`]: what the model's math needs — `all_reduce_sum` after the
+//!   row-parallel matmuls, `all_gather` after the vocabulary-split LM head, over the group
+//!   of ranks they run in (a pipeline stage's TP group). On GPUs these belong on device
+//!   buffers ([`nccl::NcclComm`]); the model calls nothing else.
+//! - [`StepChannel`]: what the replica's plumbing needs — the leader's messages to every
+//!   rank ([`plan`]: KV cache size, step plans, shutdown) and the hidden states pipeline
+//!   stages pass on, as bytes.
+//!
+//! A rank's endpoint is a [`Communicator`]: both at once. [`tcp::TcpComm`] implements both
+//! over persistent loopback or LAN TCP connections (CPU workers); the NCCL communicator
+//! (feature `cuda`) runs the collectives through NCCL and the channel over the TCP mesh it
+//! is bootstrapped from. [`contract`] holds the checks every implementation must pass.
 
 pub mod contract;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod plan;
 pub mod tcp;
 
 use strata_common::Result;
@@ -22,7 +28,8 @@ pub struct CommStats {
     pub busy_ns: u64,
 }
 
-pub trait Communicator: Send {
+/// Collective operations over a group of ranks.
+pub trait Collectives: Send {
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
     /// Elementwise sum of `data` across `group` (ascending ranks, including this one);
@@ -30,6 +37,13 @@ pub trait Communicator: Send {
     fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()>;
     /// Every member's `local` concatenated in group order (sizes may differ).
     fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>>;
+    /// Returns once every member of `group` has called it.
+    fn barrier(&mut self, group: &[usize]) -> Result<()>;
+    fn stats(&self) -> CommStats;
+}
+
+/// Point-to-point messages between the ranks of a replica.
+pub trait StepChannel: Send {
     /// `root`'s bytes on every member of `group`.
     fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()>;
     fn send(&mut self, to: usize, data: &[u8]) -> Result<()>;
@@ -40,10 +54,12 @@ pub trait Communicator: Send {
     fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
         self.recv(from)
     }
-    /// Returns once every member of `group` has called it.
-    fn barrier(&mut self, group: &[usize]) -> Result<()>;
-    fn stats(&self) -> CommStats;
 }
+
+/// One rank's endpoint: collectives and the step channel.
+pub trait Communicator: Collectives + StepChannel {}
+
+impl<T: Collectives + StepChannel + ?Sized> Communicator for T {}
 
 /// f32 slices as bytes (little-endian hosts).
 pub fn f32_bytes(v: &[f32]) -> &[u8] {

@@ -20,7 +20,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use strata_common::{Error, Result};
 
-use super::{CommStats, Communicator};
+use super::{Collectives, CommStats, Communicator, StepChannel};
 
 use crate::backend::cuda::driver::{probe, Library, DRIVER};
 
@@ -95,15 +95,13 @@ impl NcclComm {
     }
 }
 
-impl Communicator for NcclComm {
+impl Collectives for NcclComm {
     fn rank(&self) -> usize {
         self.bootstrap.rank()
     }
-
     fn world(&self) -> usize {
         self.bootstrap.world()
     }
-
     fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
         if group.len() <= 1 {
             return Ok(());
@@ -118,7 +116,6 @@ impl Communicator for NcclComm {
         self.stats.busy_ns += started.elapsed().as_nanos() as u64;
         Ok(())
     }
-
     fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
         if group.len() <= 1 {
             return Ok(local.to_vec());
@@ -150,33 +147,30 @@ impl Communicator for NcclComm {
         self.stats.busy_ns += started.elapsed().as_nanos() as u64;
         Ok(out)
     }
-
-    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
-        self.bootstrap.broadcast(group, root, data)
-    }
-
-    fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
-        self.bootstrap.send(to, data)
-    }
-
-    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.bootstrap.recv(from)
-    }
-
-    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.bootstrap.recv_idle(from)
-    }
-
     fn barrier(&mut self, group: &[usize]) -> Result<()> {
         self.bootstrap.barrier(group)
     }
-
     fn stats(&self) -> CommStats {
         let b = self.bootstrap.stats();
         CommStats {
             bytes_sent: self.stats.bytes_sent + b.bytes_sent,
             busy_ns: self.stats.busy_ns + b.busy_ns,
         }
+    }
+}
+
+impl StepChannel for NcclComm {
+    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
+        self.bootstrap.broadcast(group, root, data)
+    }
+    fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
+        self.bootstrap.send(to, data)
+    }
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.bootstrap.recv(from)
+    }
+    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.bootstrap.recv_idle(from)
     }
 }
 

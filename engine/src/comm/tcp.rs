@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use strata_common::{Error, Result};
 
-use super::{bytes_f32, f32_bytes, CommStats, Communicator};
+use super::{bytes_f32, f32_bytes, Collectives, CommStats, StepChannel};
 
 pub struct TcpComm {
     rank: usize,
@@ -290,15 +290,13 @@ fn chunk(len: usize, n: usize, i: usize) -> std::ops::Range<usize> {
     start..start + base + usize::from(i < extra)
 }
 
-impl Communicator for TcpComm {
+impl Collectives for TcpComm {
     fn rank(&self) -> usize {
         self.rank
     }
-
     fn world(&self) -> usize {
         self.world
     }
-
     fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
         let g = group.len();
         if g <= 1 {
@@ -330,7 +328,6 @@ impl Communicator for TcpComm {
             Ok(())
         })
     }
-
     fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
         let g = group.len();
         if g <= 1 {
@@ -352,7 +349,16 @@ impl Communicator for TcpComm {
             Ok(parts.concat())
         })
     }
+    fn barrier(&mut self, group: &[usize]) -> Result<()> {
+        let mut token = [1f32];
+        self.all_reduce_sum(group, &mut token)
+    }
+    fn stats(&self) -> CommStats {
+        self.stats
+    }
+}
 
+impl StepChannel for TcpComm {
     fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
         self.timed(|c| {
             if c.rank == root {
@@ -367,18 +373,15 @@ impl Communicator for TcpComm {
             Ok(())
         })
     }
-
     fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
         self.timed(|c| {
             c.stats.bytes_sent += data.len() as u64;
             write_frame(&mut c.peer(to)?, data).map_err(io_err(format!("send to rank {to}")))
         })
     }
-
     fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
         self.timed(|c| read_frame(&mut c.peer(from)?).map_err(io_err(format!("receive from rank {from}"))))
     }
-
     fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
         let err = io_err(format!("waiting for rank {from}"));
         let mut s = self.peer(from)?;
@@ -400,15 +403,6 @@ impl Communicator for TcpComm {
             (&mut s).read_exact(&mut buf).map_err(io_err(format!("receive from rank {from}")))?;
             Ok(buf)
         })
-    }
-
-    fn barrier(&mut self, group: &[usize]) -> Result<()> {
-        let mut token = [1f32];
-        self.all_reduce_sum(group, &mut token)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats
     }
 }
 
@@ -441,6 +435,7 @@ mod tests {
     use super::*;
 
     use crate::comm::contract::boxed;
+    use crate::comm::Communicator;
 
     fn loopback(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
         Ok(boxed(local_group(world, Duration::from_secs(10))?))
@@ -460,7 +455,7 @@ mod tests {
     fn a_wrong_sum_is_caught_by_the_contract() {
         // The contract's checks can fail: a communicator that skips the reduction.
         struct Lazy(TcpComm);
-        impl Communicator for Lazy {
+        impl Collectives for Lazy {
             fn rank(&self) -> usize {
                 self.0.rank()
             }
@@ -473,6 +468,15 @@ mod tests {
             fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
                 self.0.all_gather(group, local)
             }
+            fn barrier(&mut self, group: &[usize]) -> Result<()> {
+                self.0.barrier(group)
+            }
+            fn stats(&self) -> CommStats {
+                self.0.stats()
+            }
+        }
+
+        impl StepChannel for Lazy {
             fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
                 self.0.broadcast(group, root, data)
             }
@@ -481,12 +485,6 @@ mod tests {
             }
             fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
                 self.0.recv(from)
-            }
-            fn barrier(&mut self, group: &[usize]) -> Result<()> {
-                self.0.barrier(group)
-            }
-            fn stats(&self) -> CommStats {
-                self.0.stats()
             }
         }
         let lazy = |world| -> Result<Vec<Box<dyn Communicator>>> {

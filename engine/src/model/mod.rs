@@ -17,7 +17,7 @@ use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPla
 use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
-use crate::comm::Communicator;
+use crate::comm::Collectives;
 use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, Pick, StepLogits};
 use weights::{Checkpoint, HostTensor};
 
@@ -239,7 +239,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Embeds the step's tokens (first stage); vocabulary shards are summed across TP.
-    pub fn embed_tokens(&self, ids: &[u32], comm: &mut dyn Communicator) -> Result<B::Tensor> {
+    pub fn embed_tokens(&self, ids: &[u32], comm: &mut dyn Collectives) -> Result<B::Tensor> {
         let table = self
             .embed
             .as_ref()
@@ -255,7 +255,7 @@ impl<B: Backend> Model<B> {
         mut x: B::Tensor,
         layout: &BatchLayout,
         kv: &mut [B::KvLayer],
-        comm: &mut dyn Communicator,
+        comm: &mut dyn Collectives,
     ) -> Result<B::Tensor> {
         let b = &self.backend;
         let c = &self.config;
@@ -290,7 +290,7 @@ impl<B: Backend> Model<B> {
 
     /// Final norm and LM head for `rows` of `x` (last stage); vocabulary shards are
     /// gathered across TP. Returns `[rows, vocab]` row-major.
-    pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Communicator) -> Result<Vec<f32>> {
+    pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Collectives) -> Result<Vec<f32>> {
         let b = &self.backend;
         let local = b.to_host(&self.head_logits(x, rows)?)?;
         if self.shard.tp() == 1 {
@@ -321,7 +321,7 @@ impl<B: Backend> Model<B> {
         x: &B::Tensor,
         rows: &[usize],
         wanted: LogitsWanted,
-        comm: &mut dyn Communicator,
+        comm: &mut dyn Collectives,
     ) -> Result<StepLogits> {
         Ok(match wanted {
             LogitsWanted::Full => StepLogits::Full(self.logits(x, rows, comm)?),
@@ -336,7 +336,7 @@ impl<B: Backend> Model<B> {
         &self,
         x: &B::Tensor,
         rows: &[usize],
-        comm: &mut dyn Communicator,
+        comm: &mut dyn Collectives,
     ) -> Result<Vec<Pick>> {
         let tp = self.shard.tp();
         let first_id = self.shard.shard.vocab.start as u32;
@@ -367,7 +367,7 @@ impl<B: Backend> Model<B> {
         b.matmul(&normed, head)
     }
 
-    fn all_reduce(&self, x: &mut B::Tensor, comm: &mut dyn Communicator) -> Result<()> {
+    fn all_reduce(&self, x: &mut B::Tensor, comm: &mut dyn Collectives) -> Result<()> {
         if self.shard.tp() == 1 {
             return Ok(());
         }
@@ -396,10 +396,10 @@ impl<B: Backend> Model<B> {
     }
 }
 
-/// The communicator of a single rank: every collective is the identity.
+/// The collectives of a single rank: each is the identity.
 pub struct NoComm;
 
-impl Communicator for NoComm {
+impl Collectives for NoComm {
     fn rank(&self) -> usize {
         0
     }
@@ -411,15 +411,6 @@ impl Communicator for NoComm {
     }
     fn all_gather(&mut self, _: &[usize], local: &[f32]) -> Result<Vec<f32>> {
         Ok(local.to_vec())
-    }
-    fn broadcast(&mut self, _: &[usize], _: usize, _: &mut Vec<u8>) -> Result<()> {
-        Ok(())
-    }
-    fn send(&mut self, to: usize, _: &[u8]) -> Result<()> {
-        Err(Error::Internal(format!("a single rank cannot send to rank {to}")))
-    }
-    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-        Err(Error::Internal(format!("a single rank cannot receive from rank {from}")))
     }
     fn barrier(&mut self, _: &[usize]) -> Result<()> {
         Ok(())

@@ -1,0 +1,310 @@
+//! What the leader rank tells the others over the [`StepChannel`](super::StepChannel):
+//! the KV cache to allocate, each step's plan, and when to stop.
+//!
+//! Wire format: `[kind: u8][version: u8]` then little-endian u32 fields; vectors are a
+//! u32 count followed by their elements. Every count is checked against the bytes that
+//! remain before anything is allocated, and a decoded plan is checked against the KV
+//! cache the follower allocated and the model's vocabulary before a kernel sees it — a
+//! malformed message fails the follower's step with an error, never an out-of-bounds
+//! access or an allocation the message did not pay for.
+
+use strata_common::{Error, Result};
+
+use crate::backend::{BatchLayout, SeqSlice};
+use crate::logits::LogitsWanted;
+
+/// Bumped whenever the layout below changes; ranks of one replica must agree.
+pub const PLAN_VERSION: u8 = 1;
+
+const KIND_STEP: u8 = 1;
+const KIND_SHUTDOWN: u8 = 2;
+const KIND_INIT: u8 = 3;
+
+/// Largest block size a plan may name (the engine's are 16–256).
+pub const MAX_BLOCK_SIZE: usize = 1 << 16;
+
+/// One step: token ids, where they go, and which rows need logits in what form.
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    pub ids: Vec<u32>,
+    pub layout: BatchLayout,
+    pub logit_rows: Vec<usize>,
+    pub wanted: LogitsWanted,
+}
+
+/// A message from the leader rank.
+#[derive(Debug, Clone)]
+pub enum LeaderMessage {
+    /// Allocate this many KV blocks of `block_size` positions (the first message).
+    Init {
+        num_blocks: usize,
+        block_size: usize,
+    },
+    Step(StepPlan),
+    Shutdown,
+}
+
+/// What a follower checks a plan against.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanBounds {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub vocab_size: usize,
+}
+
+fn bad(what: impl Into<String>) -> Error {
+    Error::Internal(format!("malformed message from the leader rank: {}", what.into()))
+}
+
+fn put(out: &mut Vec<u8>, v: usize) {
+    out.extend_from_slice(&(v as u32).to_le_bytes());
+}
+
+fn put_all(out: &mut Vec<u8>, v: impl ExactSizeIterator<Item = usize>) {
+    put(out, v.len());
+    for x in v {
+        put(out, x);
+    }
+}
+
+impl LeaderMessage {
+    pub fn encode(&self) -> Vec<u8> {
+        match self {
+            LeaderMessage::Init { num_blocks, block_size } => {
+                let mut out = vec![KIND_INIT, PLAN_VERSION];
+                put(&mut out, *num_blocks);
+                put(&mut out, *block_size);
+                out
+            }
+            LeaderMessage::Shutdown => vec![KIND_SHUTDOWN, PLAN_VERSION],
+            LeaderMessage::Step(p) => encode_step(&p.ids, &p.layout, &p.logit_rows, p.wanted),
+        }
+    }
+
+    /// Decodes a message; a step is checked against `bounds` (None before `Init`, when
+    /// only `Init` is acceptable).
+    pub fn decode(msg: &[u8], bounds: Option<PlanBounds>) -> Result<LeaderMessage> {
+        let (&kind, rest) = msg.split_first().ok_or_else(|| bad("empty"))?;
+        let (&version, _) = rest.split_first().ok_or_else(|| bad("no version byte"))?;
+        if version != PLAN_VERSION {
+            return Err(bad(format!("plan version {version}; this rank speaks {PLAN_VERSION}")));
+        }
+        let mut r = Reader { b: msg, at: 2 };
+        let m = match (kind, bounds) {
+            (KIND_INIT, _) => {
+                let (num_blocks, block_size) = (r.u32()? as usize, r.u32()? as usize);
+                if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+                    return Err(bad(format!("block size {block_size}")));
+                }
+                LeaderMessage::Init { num_blocks, block_size }
+            }
+            (KIND_SHUTDOWN, _) => LeaderMessage::Shutdown,
+            (KIND_STEP, Some(bounds)) => {
+                let plan = decode_step(&mut r)?;
+                check(&plan, bounds)?;
+                LeaderMessage::Step(plan)
+            }
+            (KIND_STEP, None) => return Err(bad("a step before the KV cache size")),
+            (k, _) => return Err(bad(format!("unknown kind {k}"))),
+        };
+        if r.at != msg.len() {
+            return Err(bad(format!("{} trailing bytes", msg.len() - r.at)));
+        }
+        Ok(m)
+    }
+}
+
+/// A step message from borrowed parts (the leader encodes every step without copying).
+pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize], wanted: LogitsWanted) -> Vec<u8> {
+    let mut out = vec![KIND_STEP, PLAN_VERSION];
+    put_all(&mut out, ids.iter().map(|&x| x as usize));
+    put_all(&mut out, layout.positions.iter().map(|&x| x as usize));
+    put_all(&mut out, layout.slots.iter().map(|&x| x as usize));
+    put(&mut out, layout.block_size);
+    put(&mut out, layout.seqs.len());
+    for s in &layout.seqs {
+        put(&mut out, s.token_start);
+        put(&mut out, s.num_tokens);
+        put(&mut out, s.context_before);
+        put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
+    }
+    put_all(&mut out, logit_rows.iter().copied());
+    put(&mut out, (wanted == LogitsWanted::Greedy) as usize);
+    out
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn remaining(&self) -> usize {
+        self.b.len() - self.at
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        let bytes = self.b.get(self.at..self.at + 4).ok_or_else(|| bad("truncated"))?;
+        self.at += 4;
+        Ok(u32::from_le_bytes(bytes.try_into().expect("4 bytes")))
+    }
+
+    /// A count of items of at least `item_bytes` each, no more than the bytes left can hold.
+    fn count(&mut self, item_bytes: usize) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n > self.remaining() / item_bytes {
+            return Err(bad(format!("a count of {n} in {} remaining bytes", self.remaining())));
+        }
+        Ok(n)
+    }
+
+    fn vec(&mut self) -> Result<Vec<u32>> {
+        let n = self.count(4)?;
+        (0..n).map(|_| self.u32()).collect()
+    }
+}
+
+fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
+    let ids = r.vec()?;
+    let positions = r.vec()?;
+    let slots = r.vec()?;
+    let block_size = r.u32()? as usize;
+    // A sequence is at least four u32s (three fields and its table's count).
+    let n = r.count(16)?;
+    let mut seqs = Vec::with_capacity(n);
+    for _ in 0..n {
+        seqs.push(SeqSlice {
+            token_start: r.u32()? as usize,
+            num_tokens: r.u32()? as usize,
+            context_before: r.u32()? as usize,
+            block_table: r.vec()?,
+        });
+    }
+    let logit_rows = r.vec()?.into_iter().map(|x| x as usize).collect();
+    let wanted = match r.u32()? {
+        0 => LogitsWanted::Full,
+        1 => LogitsWanted::Greedy,
+        w => return Err(bad(format!("logits form {w}"))),
+    };
+    Ok(StepPlan { ids, layout: BatchLayout { positions, slots, seqs, block_size }, logit_rows, wanted })
+}
+
+/// Every index in `p` stays inside the KV cache, the vocabulary and the step's own rows.
+fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
+    let l = &p.layout;
+    let n = p.ids.len();
+    if l.positions.len() != n || l.slots.len() != n {
+        return Err(bad(format!("{n} ids, {} positions, {} slots", l.positions.len(), l.slots.len())));
+    }
+    if l.block_size != b.block_size {
+        return Err(bad(format!("block size {} in a cache of {}", l.block_size, b.block_size)));
+    }
+    if let Some(id) = p.ids.iter().find(|&&t| t as usize >= b.vocab_size) {
+        return Err(bad(format!("token id {id} outside a vocabulary of {}", b.vocab_size)));
+    }
+    let cache_slots = b.num_blocks * b.block_size;
+    if let Some(s) = l.slots.iter().find(|&&s| s as usize >= cache_slots) {
+        return Err(bad(format!("KV slot {s} outside a cache of {cache_slots}")));
+    }
+    for s in &l.seqs {
+        let end = s.token_start.checked_add(s.num_tokens).filter(|&e| e <= n);
+        if end.is_none() {
+            return Err(bad(format!("rows {}+{} of a {n}-token step", s.token_start, s.num_tokens)));
+        }
+        let context = s.context_before + s.num_tokens;
+        if s.block_table.len() * b.block_size < context {
+            return Err(bad(format!("{} blocks for {context} positions", s.block_table.len())));
+        }
+        if let Some(blk) = s.block_table.iter().find(|&&x| x as usize >= b.num_blocks) {
+            return Err(bad(format!("block {blk} outside a cache of {}", b.num_blocks)));
+        }
+    }
+    if let Some(r) = p.logit_rows.iter().find(|&&r| r >= n) {
+        return Err(bad(format!("logit row {r} of a {n}-token step")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan() -> StepPlan {
+        StepPlan {
+            ids: vec![5, 6, 9],
+            layout: BatchLayout {
+                positions: vec![0, 1, 7],
+                slots: vec![32, 33, 71],
+                seqs: vec![
+                    SeqSlice { token_start: 0, num_tokens: 2, context_before: 0, block_table: vec![2] },
+                    SeqSlice { token_start: 2, num_tokens: 1, context_before: 7, block_table: vec![4] },
+                ],
+                block_size: 16,
+            },
+            logit_rows: vec![1, 2],
+            wanted: LogitsWanted::Greedy,
+        }
+    }
+
+    const BOUNDS: PlanBounds = PlanBounds { num_blocks: 8, block_size: 16, vocab_size: 100 };
+
+    fn step(msg: &[u8]) -> Result<StepPlan> {
+        match LeaderMessage::decode(msg, Some(BOUNDS))? {
+            LeaderMessage::Step(p) => Ok(p),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn plans_round_trip() {
+        let p = plan();
+        let back = step(&LeaderMessage::Step(p.clone()).encode()).unwrap();
+        assert_eq!((back.ids, back.logit_rows, back.wanted), (p.ids, p.logit_rows, p.wanted));
+        assert_eq!((back.layout.positions, back.layout.slots), (p.layout.positions, p.layout.slots));
+        assert_eq!(back.layout.seqs[1].block_table, vec![4]);
+        let init = LeaderMessage::Init { num_blocks: 8, block_size: 16 }.encode();
+        assert!(matches!(
+            LeaderMessage::decode(&init, None).unwrap(),
+            LeaderMessage::Init { num_blocks: 8, block_size: 16 }
+        ));
+    }
+
+    #[test]
+    fn malformed_messages_are_errors_not_allocations() {
+        let msg = LeaderMessage::Step(plan()).encode();
+        assert!(step(&msg[..msg.len() - 3]).is_err(), "truncated");
+        let mut trailing = msg.clone();
+        trailing.push(0);
+        assert!(step(&trailing).is_err(), "trailing bytes");
+        let mut version = msg.clone();
+        version[1] = PLAN_VERSION + 1;
+        assert!(step(&version).unwrap_err().to_string().contains("version"));
+        // A count far beyond the message: refused before allocating.
+        let mut huge = vec![KIND_STEP, PLAN_VERSION];
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(step(&huge).unwrap_err().to_string().contains("count"));
+        assert!(LeaderMessage::decode(&msg, None).is_err(), "a step before Init");
+        assert!(LeaderMessage::decode(&[KIND_INIT, PLAN_VERSION, 0, 0, 0, 0, 0, 0, 0, 0], None).is_err());
+    }
+
+    #[test]
+    fn plans_outside_the_cache_or_vocabulary_are_refused() {
+        type Edit = Box<dyn Fn(&mut StepPlan)>;
+        let cases: Vec<(&str, Edit)> = vec![
+            ("token id", Box::new(|p| p.ids[0] = 100)),
+            ("KV slot", Box::new(|p| p.layout.slots[2] = 8 * 16)),
+            ("block 8", Box::new(|p| p.layout.seqs[0].block_table[0] = 8)),
+            ("rows", Box::new(|p| p.layout.seqs[1].num_tokens = 5)),
+            ("logit row", Box::new(|p| p.logit_rows.push(3))),
+            ("positions", Box::new(|p| p.layout.positions.pop().map(|_| ()).unwrap_or(()))),
+            ("blocks for", Box::new(|p| p.layout.seqs[1].context_before = 40)),
+            ("block size", Box::new(|p| p.layout.block_size = 32)),
+        ];
+        for (what, edit) in cases {
+            let mut p = plan();
+            edit(&mut p);
+            let e = step(&LeaderMessage::Step(p).encode()).unwrap_err().to_string();
+            assert!(e.contains(what), "{what}: {e}");
+        }
+    }
+}
