@@ -66,12 +66,12 @@ pub struct Stats {
 }
 
 fn stats(v: &mut [f64]) -> Stats {
+    use strata_common::stats::{mean, percentile};
     if v.is_empty() {
         return Stats::default();
     }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
-    Stats { mean: v.iter().sum::<f64>() / v.len() as f64, p50: pct(0.5), p90: pct(0.9), p99: pct(0.99) }
+    let pct = |p: f64| percentile(v, p);
+    Stats { mean: mean(v), p50: pct(0.5), p90: pct(0.9), p99: pct(0.99) }
 }
 
 #[derive(Debug, Serialize)]

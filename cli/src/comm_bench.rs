@@ -29,10 +29,7 @@ pub struct CommBenchReport {
     pub all_reduce: Vec<AllReduceRow>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
+use strata_common::stats::median;
 
 /// Throughput of one TCP stream over loopback: 16 MiB messages, median of `repeats`.
 pub fn raw_tcp(repeats: usize) -> anyhow::Result<f64> {
@@ -62,7 +59,7 @@ pub fn raw_tcp(repeats: usize) -> anyhow::Result<f64> {
         }
     }
     reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
-    Ok(median(rates) / 1e9)
+    Ok(median(&rates) / 1e9)
 }
 
 pub fn run(ranks: usize, sizes: &[usize], repeats: usize) -> anyhow::Result<CommBenchReport> {
@@ -88,7 +85,7 @@ pub fn run(ranks: usize, sizes: &[usize], repeats: usize) -> anyhow::Result<Comm
                             times.push(t.elapsed().as_secs_f64());
                         }
                     }
-                    out.push(median(times));
+                    out.push(median(&times));
                 }
                 Ok(out)
             })

@@ -172,8 +172,4 @@ pub fn measure_gemm_gflops(repeats: usize) -> f64 {
     median(&rates)
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    s[s.len() / 2]
-}
+use strata_common::stats::median;

@@ -95,10 +95,7 @@ fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
     Ok(out)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
+use strata_common::stats::median;
 
 /// Copy bandwidth of `device` in bytes/s (reads + writes).
 fn bandwidth(device: Device, mib: usize) -> anyhow::Result<f64> {
@@ -224,7 +221,7 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
                 e.step()?;
                 steps.push(t.elapsed().as_secs_f64());
             }
-            let step = median(&mut steps);
+            let step = median(&steps);
             info!("measuring the copy bandwidth");
             let bw = bandwidth(device, 1024)?;
             let roofline = bw / bytes as f64;

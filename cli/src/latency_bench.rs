@@ -58,15 +58,15 @@ pub async fn over_grpc(endpoint: &str, model: &str, requests: usize) -> anyhow::
     Ok(report("grpc", samples))
 }
 
-fn report(mode: &str, mut ms: Vec<f64>) -> LatencyReport {
-    ms.sort_by(|a, b| a.total_cmp(b));
-    let pct = |p: f64| ms[((ms.len() - 1) as f64 * p).round() as usize];
+fn report(mode: &str, ms: Vec<f64>) -> LatencyReport {
+    use strata_common::stats::{mean, percentile};
+    let pct = |p: f64| percentile(&ms, p);
     LatencyReport {
         mode: mode.into(),
         requests: ms.len(),
         p50_ms: pct(0.5),
         p90_ms: pct(0.9),
         p99_ms: pct(0.99),
-        mean_ms: ms.iter().sum::<f64>() / ms.len() as f64,
+        mean_ms: mean(&ms),
     }
 }

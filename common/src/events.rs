@@ -38,6 +38,8 @@ pub struct EngineStats {
     pub waiting: usize,
     pub kv_blocks_free: usize,
     pub kv_blocks_total: usize,
+    /// Positions per KV block (0 when unknown): what prefix-affinity routing hashes by.
+    pub block_size: usize,
 }
 
 impl EngineStats {
@@ -53,6 +55,7 @@ impl EngineStats {
             waiting: a.waiting + s.waiting,
             kv_blocks_free: a.kv_blocks_free + s.kv_blocks_free,
             kv_blocks_total: a.kv_blocks_total + s.kv_blocks_total,
+            block_size: a.block_size.max(s.block_size),
         })
     }
 }

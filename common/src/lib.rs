@@ -14,11 +14,13 @@ pub mod error;
 pub mod events;
 pub mod host;
 pub mod model_config;
+pub mod prefix;
 pub mod ready;
 pub mod registry;
 pub mod sampling;
 pub mod shard;
 pub mod shutdown;
+pub mod stats;
 #[cfg(feature = "grpc")]
 pub mod status;
 #[cfg(feature = "grpc")]

@@ -150,6 +150,7 @@ pub fn stats_to_pb(s: EngineStats) -> wpb::StatsResponse {
         waiting_requests: s.waiting as u32,
         kv_blocks_free: s.kv_blocks_free as u64,
         kv_blocks_total: s.kv_blocks_total as u64,
+        kv_block_size: s.block_size as u32,
     }
 }
 
@@ -159,6 +160,7 @@ pub fn stats_from_pb(r: &wpb::StatsResponse) -> EngineStats {
         waiting: r.waiting_requests as usize,
         kv_blocks_free: r.kv_blocks_free as usize,
         kv_blocks_total: r.kv_blocks_total as usize,
+        block_size: r.kv_block_size as usize,
     }
 }
 

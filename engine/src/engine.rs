@@ -152,6 +152,11 @@ impl Engine {
         self.scheduler.pool().num_blocks()
     }
 
+    /// Positions per KV block.
+    pub fn block_size(&self) -> usize {
+        self.scheduler.pool().block_size()
+    }
+
     /// Queues a sequence; it runs as soon as the scheduler admits it.
     pub fn add(&mut self, id: SeqId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         self.add_resumed(id, prompt, Vec::new(), params)

@@ -61,6 +61,7 @@ struct Shared {
     waiting: AtomicUsize,
     kv_free: AtomicUsize,
     kv_total: AtomicUsize,
+    block_size: AtomicUsize,
     next_id: AtomicU64,
     /// Set once a step failed for lack of a rank; the replica cannot serve again.
     broken: std::sync::Mutex<Option<String>>,
@@ -109,6 +110,7 @@ impl EngineHandle {
         let shared = Arc::new(Shared::default());
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
         shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
+        shared.block_size.store(engine.block_size(), Ordering::Relaxed);
         let runner = Runner {
             engine,
             rx,
@@ -163,6 +165,7 @@ impl EngineHandle {
             waiting: self.shared.waiting.load(Ordering::Relaxed) + self.shared.queued.load(Ordering::Relaxed),
             kv_blocks_free: self.shared.kv_free.load(Ordering::Relaxed),
             kv_blocks_total: self.shared.kv_total.load(Ordering::Relaxed),
+            block_size: self.shared.block_size.load(Ordering::Relaxed),
         }
     }
 

@@ -16,7 +16,9 @@ use strata_common::{EngineStats, Result};
 use tokio::sync::watch;
 
 use super::clients::WorkerClients;
-use super::prefix::{block_hashes, select, Candidate, PrefixIndex};
+use strata_common::prefix::{block_hashes, DEFAULT_BLOCK_SIZE};
+
+use super::prefix::{prompt_key, select, Candidate, PrefixIndex};
 use super::{EventStream, Job, Replica, Routes};
 use crate::control::view::ClusterView;
 
@@ -37,6 +39,8 @@ pub struct ClusterRoutes {
     loads: Mutex<HashMap<String, Arc<ReplicaLoad>>>,
     index: Mutex<PrefixIndex>,
     suspects: Mutex<HashMap<String, Instant>>,
+    /// The replicas' KV block size, as they report it (0 until one has).
+    block_size: AtomicUsize,
 }
 
 impl ClusterRoutes {
@@ -48,6 +52,7 @@ impl ClusterRoutes {
             loads: Mutex::new(HashMap::new()),
             index: Mutex::new(PrefixIndex::new(1 << 16)),
             suspects: Mutex::new(HashMap::new()),
+            block_size: AtomicUsize::new(0),
         }
     }
 
@@ -66,6 +71,9 @@ impl ClusterRoutes {
         for (id, address) in self.ready_replicas() {
             let Ok(worker) = self.clients.get(&address) else { continue };
             if let Ok(stats) = worker.stats().await {
+                if stats.block_size > 0 {
+                    self.block_size.store(stats.block_size, Ordering::Relaxed);
+                }
                 *self.load(&id).reported.lock().unwrap_or_else(|p| p.into_inner()) = stats;
             }
         }
@@ -109,9 +117,13 @@ impl Routes for ClusterRoutes {
             .collect();
         let candidates: Vec<Candidate<'_>> =
             ready.iter().zip(&outstanding).map(|((id, _), &o)| Candidate { id, outstanding: o }).collect();
-        let hashes = block_hashes(prompt);
+        let block_size = match self.block_size.load(Ordering::Relaxed) {
+            0 => DEFAULT_BLOCK_SIZE,
+            n => n,
+        };
+        let hashes = block_hashes(prompt, block_size);
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        let i = select(&candidates, index.best(&hashes, &candidates), prompt);
+        let i = select(&candidates, index.best(&hashes, &candidates), prompt_key(prompt, block_size));
         index.record(&hashes, &ready[i].0);
         Some(Arc::new(RemoteReplica {
             id: ready[i].0.clone(),

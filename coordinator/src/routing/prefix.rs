@@ -3,7 +3,8 @@
 //! A replica that already holds a prompt's prefix in its KV cache skips that prefill, so
 //! requests sharing a prefix should go where the prefix went before — unless that replica
 //! is much busier than the others. [`PrefixIndex`] remembers, per block of prompt tokens
-//! (chained hashes, as the engine's prefix cache keys its blocks), which replica the
+//! (`strata_common::prefix`: the chained hashes the engine's prefix cache keys its blocks
+//! by, at the replicas' block size), which replica the
 //! prefix was last sent to: an approximate radix tree, bounded and evicted least recently
 //! used (SGLang's cache-aware router does the same with a real tree). [`select`] is the
 //! pure decision: the longest-matching replica if its load is within the slack of the
@@ -13,8 +14,7 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-/// Tokens per hashed block of a prompt.
-pub const BLOCK: usize = 16;
+use strata_common::prefix::chain_hash;
 
 /// A ready replica and its outstanding requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,16 +29,10 @@ fn hash64(v: impl Hash) -> u64 {
     h.finish()
 }
 
-/// Chained hashes of each full block of `prompt`.
-pub fn block_hashes(prompt: &[u32]) -> Vec<u64> {
-    let mut parent = 0u64;
-    prompt
-        .chunks_exact(BLOCK)
-        .map(|b| {
-            parent = hash64((parent, b));
-            parent
-        })
-        .collect()
+/// What identical prompts agree on when no replica holds their prefix: the hash of their
+/// first block (or of the whole prompt when shorter).
+pub fn prompt_key(prompt: &[u32], block_size: usize) -> u64 {
+    chain_hash(0, &prompt[..prompt.len().min(block_size.max(1))])
 }
 
 /// How much busier than the least loaded replica the affine one may be and still win.
@@ -48,14 +42,13 @@ pub fn slack(min_outstanding: usize) -> usize {
 
 /// Picks a candidate. `affinity` is (candidate index, blocks matched) from the index.
 /// `candidates` must not be empty.
-pub fn select(candidates: &[Candidate<'_>], affinity: Option<(usize, usize)>, prompt: &[u32]) -> usize {
+pub fn select(candidates: &[Candidate<'_>], affinity: Option<(usize, usize)>, key: u64) -> usize {
     let min = candidates.iter().map(|c| c.outstanding).min().unwrap_or(0);
     if let Some((i, blocks)) = affinity {
         if blocks > 0 && candidates[i].outstanding <= min + slack(min) {
             return i;
         }
     }
-    let key = hash64(&prompt[..prompt.len().min(BLOCK)]);
     candidates
         .iter()
         .enumerate()
@@ -124,6 +117,16 @@ impl PrefixIndex {
 mod tests {
     use super::*;
 
+    const BLOCK: usize = 16;
+
+    fn block_hashes(p: &[u32]) -> Vec<u64> {
+        strata_common::prefix::block_hashes(p, BLOCK)
+    }
+
+    fn key(p: &[u32]) -> u64 {
+        prompt_key(p, BLOCK)
+    }
+
     fn cands<'a>(ids: &'a [&'a str], loads: &[usize]) -> Vec<Candidate<'a>> {
         ids.iter().zip(loads).map(|(id, &outstanding)| Candidate { id, outstanding }).collect()
     }
@@ -141,10 +144,10 @@ mod tests {
         let c = cands(&ids, &[0, 1, 0]);
         let aff = index.best(&block_hashes(&p2), &c);
         assert_eq!(aff, Some((1, 4)), "four full blocks shared");
-        assert_eq!(select(&c, aff, &p2), 1, "affinity beats a slightly lower load");
+        assert_eq!(select(&c, aff, key(&p2)), 1, "affinity beats a slightly lower load");
         let c = cands(&ids, &[0, 9, 0]);
         let aff = index.best(&block_hashes(&p2), &c);
-        assert_ne!(select(&c, aff, &p2), 1, "a much busier replica loses its affinity");
+        assert_ne!(select(&c, aff, key(&p2)), 1, "a much busier replica loses its affinity");
         // A replica that is no longer a candidate cannot match.
         let c = cands(&["a", "c"], &[0, 0]);
         assert_eq!(index.best(&block_hashes(&p2), &c), None);
@@ -154,15 +157,15 @@ mod tests {
     fn without_affinity_the_least_loaded_wins_and_ties_are_stable() {
         let ids = ["a", "b", "c"];
         let prompt = [1u32, 2, 3];
-        assert_eq!(select(&cands(&ids, &[3, 1, 2]), None, &prompt), 1);
+        assert_eq!(select(&cands(&ids, &[3, 1, 2]), None, key(&prompt)), 1);
         let tied = cands(&ids, &[0, 0, 0]);
-        let first = select(&tied, None, &prompt);
+        let first = select(&tied, None, key(&prompt));
         for _ in 0..5 {
-            assert_eq!(select(&tied, None, &prompt), first, "the same prompt picks the same replica");
+            assert_eq!(select(&tied, None, key(&prompt)), first, "the same prompt picks the same replica");
         }
         // Different prompts spread over the tied replicas.
         let picks: std::collections::HashSet<usize> =
-            (0..64u32).map(|i| select(&tied, None, &[i, i + 1])).collect();
+            (0..64u32).map(|i| select(&tied, None, key(&[i, i + 1]))).collect();
         assert_eq!(picks.len(), 3, "{picks:?}");
     }
 

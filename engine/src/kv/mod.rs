@@ -12,17 +12,11 @@
 //! evictable block. All operations are O(1) per block except LRU eviction, O(log n).
 //! The backend owns the storage; this module only decides which block holds what.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
 
 use strata_common::{Error, Result};
 
-/// Default positions per block.
-pub const DEFAULT_BLOCK_SIZE: usize = 16;
-
-/// Hash of a full block: its tokens chained with the previous block's hash.
-pub type BlockHash = u64;
+pub use strata_common::prefix::{chain_hash, BlockHash, DEFAULT_BLOCK_SIZE};
 
 #[derive(Debug)]
 pub struct BlockPool {
@@ -144,14 +138,7 @@ impl BlockPool {
 
     /// Hashes of the full blocks of `tokens`, chained.
     pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
-        let mut parent: BlockHash = 0;
-        tokens
-            .chunks_exact(self.block_size)
-            .map(|chunk| {
-                parent = chain_hash(parent, chunk);
-                parent
-            })
-            .collect()
+        strata_common::prefix::block_hashes(tokens, self.block_size)
     }
 
     /// Takes a reference to the cached blocks holding the longest cached prefix of
@@ -189,13 +176,6 @@ impl BlockPool {
 
 /// The hash of a block holding `tokens` after a prefix whose last block hashed to `parent`
 /// (0 for the first block).
-pub fn chain_hash(parent: BlockHash, tokens: &[u32]) -> BlockHash {
-    let mut h = DefaultHasher::new();
-    parent.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

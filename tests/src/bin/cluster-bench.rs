@@ -48,18 +48,7 @@ fn parse() -> Args {
     a
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v[v.len() / 2]
-}
-
-fn pct(mut v: Vec<f64>, p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
+use strata_common::stats::{median, percentile};
 
 async fn ready_ids(
     admin: &mut AdminClient<tonic::transport::Channel>,
@@ -146,7 +135,7 @@ async fn main() {
         }
         scale.push(serde_json::json!({
             "model": name, "repeats": args.repeats,
-            "scale_to_ready_s_median": median(times.clone()), "scale_to_ready_s": times,
+            "scale_to_ready_s_median": median(&times), "scale_to_ready_s": times,
         }));
         admin.undeploy_model(apb::UndeployModelRequest { name: name.clone() }).await.unwrap();
         while !ready_ids(&mut admin, &name).await.is_empty() {
@@ -221,7 +210,7 @@ async fn main() {
     report.insert(
         "failover".into(),
         serde_json::json!({
-            "kill_to_every_streams_next_token_s_median": median(resume.clone()),
+            "kill_to_every_streams_next_token_s_median": median(&resume),
             "kill_to_every_streams_next_token_s": resume,
         }),
     );
@@ -274,9 +263,9 @@ async fn main() {
         "routing".into(),
         serde_json::json!({
             "requests": args.requests,
-            "via_coordinators_ms": {"p50": pct(via.clone(), 0.5), "p90": pct(via.clone(), 0.9), "p99": pct(via.clone(), 0.99)},
-            "direct_to_worker_ms": {"p50": pct(direct.clone(), 0.5), "p90": pct(direct.clone(), 0.9), "p99": pct(direct.clone(), 0.99)},
-            "overhead_p50_ms": pct(via, 0.5) - pct(direct, 0.5),
+            "via_coordinators_ms": {"p50": percentile(&via, 0.5), "p90": percentile(&via, 0.9), "p99": percentile(&via, 0.99)},
+            "direct_to_worker_ms": {"p50": percentile(&direct, 0.5), "p90": percentile(&direct, 0.9), "p99": percentile(&direct, 0.99)},
+            "overhead_p50_ms": percentile(&via, 0.5) - percentile(&direct, 0.5),
         }),
     );
     println!("{}", serde_json::Value::Object(report));
