@@ -80,6 +80,8 @@ pub enum AdminCommand {
         #[arg(long)]
         undo: bool,
     },
+    /// Which coordinator leads (reconciles).
+    Leader,
 }
 
 fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T>> {
@@ -151,29 +153,24 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
             max_batched_tokens,
             kv_cache_memory,
         } => {
-            let kv_cache_bytes = match kv_cache_memory {
-                Some(m) => strata_common::config::parse_memory(&m).context("--kv-cache-memory")? as u64,
-                None => 0,
+            let scheduler = pb::SchedulerLimits {
+                max_num_seqs,
+                max_batched_tokens,
+                kv_cache_bytes: match kv_cache_memory {
+                    Some(m) => strata_common::config::parse_memory(&m).context("--kv-cache-memory")? as u64,
+                    None => 0,
+                },
             };
-            let r = c
-                .deploy_model(request(
-                    t,
-                    pb::DeployModelRequest {
-                        name,
-                        model_dir: model,
-                        dtype,
-                        tp,
-                        pp,
-                        replicas,
-                        scheduler: Some(pb::SchedulerLimits {
-                            max_num_seqs,
-                            max_batched_tokens,
-                            kv_cache_bytes,
-                        }),
-                    },
-                )?)
-                .await
-                .map_err(status_error)?;
+            let req = pb::DeployModelRequest {
+                name,
+                model_dir: model,
+                dtype,
+                tp,
+                pp,
+                replicas,
+                scheduler: Some(scheduler),
+            };
+            let r = c.deploy_model(request(t, req)?).await.map_err(status_error)?;
             print_models(&r.into_inner().model.into_iter().collect::<Vec<_>>(), j);
         }
         AdminCommand::Scale { name, replicas } => {
@@ -203,32 +200,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if j {
-                let v: Vec<_> = r
-                    .replicas
-                    .iter()
-                    .map(|x| {
-                        json!({
-                            "id": x.id, "model": x.model, "state": state_name(x.state), "reason": x.reason,
-                            "workers": x.workers, "leader_address": x.leader_address,
-                            "generation": x.generation, "since_ms": x.since_ms,
-                        })
-                    })
-                    .collect();
-                println!("{}", json!(v));
-            } else {
-                println!("{:<28} {:<20} {:<9} {:<30} REASON", "REPLICA", "MODEL", "STATE", "WORKERS");
-                for x in &r.replicas {
-                    println!(
-                        "{:<28} {:<20} {:<9} {:<30} {}",
-                        x.id,
-                        x.model,
-                        state_name(x.state),
-                        x.workers.join(","),
-                        x.reason
-                    );
-                }
-            }
+            print_replicas(&r.replicas, j);
         }
         AdminCommand::Workers => {
             let r = c
@@ -236,43 +208,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            if j {
-                let v: Vec<_> = r
-                    .workers
-                    .iter()
-                    .map(|w| {
-                        json!({
-                            "id": w.id, "address": w.address, "device_kind": w.device_kind,
-                            "device_count": w.device_count, "memory_bytes": w.memory_bytes,
-                            "replica": w.replica, "rank": w.rank, "shard_state": w.shard_state,
-                            "draining": w.draining, "started_ms": w.started_ms,
-                        })
-                    })
-                    .collect();
-                println!("{}", json!(v));
-            } else {
-                println!(
-                    "{:<24} {:<22} {:<6} {:>9} {:<28} {:<8} DRAINING",
-                    "WORKER", "ADDRESS", "DEVICE", "MEM GiB", "REPLICA", "SHARD"
-                );
-                for w in &r.workers {
-                    let replica = if w.replica.is_empty() {
-                        "-".to_string()
-                    } else {
-                        format!("{} #{}", w.replica, w.rank)
-                    };
-                    println!(
-                        "{:<24} {:<22} {:<6} {:>9.1} {:<28} {:<8} {}",
-                        w.id,
-                        w.address,
-                        w.device_kind,
-                        w.memory_bytes as f64 / (1u64 << 30) as f64,
-                        replica,
-                        if w.shard_state.is_empty() { "-" } else { &w.shard_state },
-                        if w.draining { "yes" } else { "no" }
-                    );
-                }
-            }
+            print_workers(&r.workers, j);
         }
         AdminCommand::Drain { worker, undo } => {
             c.drain_worker(request(t, pb::DrainWorkerRequest { worker_id: worker.clone(), undrain: undo })?)
@@ -286,6 +222,81 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 println!("worker {worker} drained: its replica moves elsewhere");
             }
         }
+        AdminCommand::Leader => {
+            let r =
+                c.get_leader(request(t, pb::GetLeaderRequest {})?).await.map_err(status_error)?.into_inner();
+            if j {
+                println!("{}", json!({ "leader": r.leader_id, "answered_by": r.coordinator_id }));
+            } else if r.leader_id.is_empty() {
+                println!("no leader (answered by {})", r.coordinator_id);
+            } else {
+                println!("{} (answered by {})", r.leader_id, r.coordinator_id);
+            }
+        }
     }
     Ok(())
+}
+
+fn print_replicas(replicas: &[pb::ReplicaStatus], j: bool) {
+    if j {
+        let v: Vec<_> = replicas
+            .iter()
+            .map(|x| {
+                json!({
+                    "id": x.id, "model": x.model, "state": state_name(x.state), "reason": x.reason,
+                    "workers": x.workers, "leader_address": x.leader_address,
+                    "generation": x.generation, "since_ms": x.since_ms,
+                })
+            })
+            .collect();
+        println!("{}", json!(v));
+        return;
+    }
+    println!("{:<28} {:<20} {:<9} {:<30} REASON", "REPLICA", "MODEL", "STATE", "WORKERS");
+    for x in replicas {
+        println!(
+            "{:<28} {:<20} {:<9} {:<30} {}",
+            x.id,
+            x.model,
+            state_name(x.state),
+            x.workers.join(","),
+            x.reason
+        );
+    }
+}
+
+fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
+    if j {
+        let v: Vec<_> = workers
+            .iter()
+            .map(|w| {
+                json!({
+                    "id": w.id, "address": w.address, "device_kind": w.device_kind,
+                    "device_count": w.device_count, "memory_bytes": w.memory_bytes,
+                    "replica": w.replica, "rank": w.rank, "shard_state": w.shard_state,
+                    "draining": w.draining, "started_ms": w.started_ms,
+                })
+            })
+            .collect();
+        println!("{}", json!(v));
+        return;
+    }
+    println!(
+        "{:<24} {:<22} {:<6} {:>9} {:<28} {:<8} DRAINING",
+        "WORKER", "ADDRESS", "DEVICE", "MEM GiB", "REPLICA", "SHARD"
+    );
+    for w in workers {
+        let replica =
+            if w.replica.is_empty() { "-".to_string() } else { format!("{} #{}", w.replica, w.rank) };
+        println!(
+            "{:<24} {:<22} {:<6} {:>9.1} {:<28} {:<8} {}",
+            w.id,
+            w.address,
+            w.device_kind,
+            w.memory_bytes as f64 / (1u64 << 30) as f64,
+            replica,
+            if w.shard_state.is_empty() { "-" } else { &w.shard_state },
+            if w.draining { "yes" } else { "no" }
+        );
+    }
 }

@@ -160,22 +160,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     })?;
     let vocab = info.vocab_size.max(4);
 
-    // The shared prefix does not depend on --seed, so a run with another seed shares it
-    // (how a prefix-cache hit is measured: warm with one seed, measure with another).
-    let mut prefix_rng = ChaCha8Rng::seed_from_u64(0x5eed);
-    let prefix: Vec<u32> = (0..args.shared_prefix).map(|_| prefix_rng.random_range(3..vocab)).collect();
-    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
-    let prompts: Vec<Vec<u32>> = (0..args.requests)
-        .map(|_| {
-            let mut p = prefix.clone();
-            p.extend((args.shared_prefix..args.input_len).map(|_| rng.random_range(3..vocab)));
-            p
-        })
-        .collect();
-    let gaps: Vec<f64> = match args.request_rate {
-        Some(rate) => (0..args.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / rate).collect(),
-        None => vec![0.0; args.requests],
-    };
+    let (prompts, gaps) = workload(&args, vocab);
     let limit = args.concurrency.unwrap_or(if args.request_rate.is_some() { usize::MAX >> 4 } else { 1 });
     let permits = Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS)));
 
@@ -219,7 +204,31 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         }
     }
     bar.finish_and_clear();
-    let duration = started.elapsed().as_secs_f64();
+    Ok(report(&args, &outcomes, failed, started.elapsed().as_secs_f64()))
+}
+
+/// The prompts and the gaps before each request. The shared prefix does not depend on
+/// --seed, so a run with another seed shares it (how a prefix-cache hit is measured: warm
+/// with one seed, measure with another).
+fn workload(args: &BenchArgs, vocab: u32) -> (Vec<Vec<u32>>, Vec<f64>) {
+    let mut prefix_rng = ChaCha8Rng::seed_from_u64(0x5eed);
+    let prefix: Vec<u32> = (0..args.shared_prefix).map(|_| prefix_rng.random_range(3..vocab)).collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let prompts: Vec<Vec<u32>> = (0..args.requests)
+        .map(|_| {
+            let mut p = prefix.clone();
+            p.extend((args.shared_prefix..args.input_len).map(|_| rng.random_range(3..vocab)));
+            p
+        })
+        .collect();
+    let gaps: Vec<f64> = match args.request_rate {
+        Some(rate) => (0..args.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / rate).collect(),
+        None => vec![0.0; args.requests],
+    };
+    (prompts, gaps)
+}
+
+fn report(args: &BenchArgs, outcomes: &[Outcome], failed: usize, duration: f64) -> BenchReport {
     let output_tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
     let input_tokens = outcomes.len() * args.input_len;
     let mut ttft: Vec<f64> = outcomes.iter().map(|o| o.ttft).collect();
@@ -227,7 +236,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     let mut tpot: Vec<f64> =
         outcomes.iter().filter(|o| o.tokens > 1).map(|o| (o.e2e - o.ttft) / (o.tokens - 1) as f64).collect();
     let mut e2e: Vec<f64> = outcomes.iter().map(|o| o.e2e).collect();
-    Ok(BenchReport {
+    BenchReport {
         requests: args.requests,
         completed: outcomes.len(),
         failed,
@@ -241,7 +250,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         itl_ms: stats(&mut itl),
         tpot_ms: stats(&mut tpot),
         e2e_ms: stats(&mut e2e),
-    })
+    }
 }
 
 pub fn print_human(r: &BenchReport) {

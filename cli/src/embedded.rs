@@ -60,62 +60,49 @@ pub struct EmbeddedOptions {
 
 const LEASE_TTL: Duration = Duration::from_secs(5);
 
-/// Starts the in-process cluster, waits for every replica, then serves until SIGTERM.
-pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
-    let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
-    let keys = Keys::new("/strata");
-    // Check every model before starting anything: a bad directory or split fails here.
-    for m in &opts.models {
-        let config = ModelConfig::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
-        ShardPlan::new(&config, m.par).with_context(|| format!("model {:?}", m.name))?;
-        Tokenizer::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+/// One in-process worker: its agent, leased registration and worker.v1 server.
+struct LocalWorker {
+    membership: Membership,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+/// Starts worker `i`: registered in `registry` and reachable through `clients` directly.
+async fn start_worker(
+    i: usize,
+    agent: &AgentConfig,
+    registry: &Arc<dyn Registry>,
+    keys: &Keys,
+    clients: &WorkerClients,
+) -> anyhow::Result<LocalWorker> {
+    let mut cfg = agent.clone();
+    cfg.id = format!("local-{i}");
+    // One in-process worker per GPU: worker i drives the i-th device from the given one.
+    if let strata_engine::backend::Device::Cuda(base) = cfg.backend.device {
+        cfg.backend.device = strata_engine::backend::Device::Cuda(base + i);
     }
-    let clients = Arc::new(WorkerClients::new());
-    let needed: usize =
-        opts.models.iter().map(|m| m.replicas * m.par.world()).sum::<usize>() + opts.spare_workers;
-    let mut workers = Vec::with_capacity(needed);
-    for i in 0..needed {
-        let mut cfg = opts.agent.clone();
-        cfg.id = format!("local-{i}");
-        // One in-process worker per GPU: worker i drives the i-th device from the given one.
-        if let strata_engine::backend::Device::Cuda(base) = cfg.backend.device {
-            cfg.backend.device = strata_engine::backend::Device::Cuda(base + i);
-        }
-        cfg.bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
-        cfg.advertise_host = "127.0.0.1".into();
-        let agent = WorkerAgent::new(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let listener = TcpListener::bind("127.0.0.1:0").await.context("binding an in-process worker")?;
-        let address = listener.local_addr()?.to_string();
-        clients.register(&address, Arc::new(InProcessWorker(agent.clone())));
-        let server = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(worker_server(agent.clone()))
-                .serve_with_incoming(TcpListenerStream::new(listener)),
-        );
-        let capacity = Capacity {
-            device_kind: opts.agent.backend.device.kind().into(),
-            device_count: 1,
-            memory_bytes: strata_common::host::available_memory().unwrap_or(0),
-        };
-        let membership = Membership::start(
-            registry.clone(),
-            keys.clone(),
-            agent.clone(),
-            Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 },
-        );
-        workers.push((agent, membership, server));
-    }
-    let watcher = Watcher::start(registry.clone(), keys.clone());
-    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
-    let leader = LeaderConfig {
-        id: "serve".into(),
-        lease_ttl: LEASE_TTL,
-        keepalive: LEASE_TTL / 3,
-        timings: opts.timings.clone(),
-        tick: Duration::from_millis(100),
+    cfg.bind_ip = std::net::Ipv4Addr::LOCALHOST.into();
+    cfg.advertise_host = "127.0.0.1".into();
+    let agent = WorkerAgent::new(cfg).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let listener = TcpListener::bind("127.0.0.1:0").await.context("binding an in-process worker")?;
+    let address = listener.local_addr()?.to_string();
+    clients.register(&address, Arc::new(InProcessWorker(agent.clone())));
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(worker_server(agent.clone()))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let capacity = Capacity {
+        device_kind: agent.config().backend.device.kind().into(),
+        device_count: 1,
+        memory_bytes: strata_common::host::available_memory().unwrap_or(0),
     };
-    let election =
-        Election::start(registry.clone(), keys.clone(), watcher.subscribe(), clients.clone(), leader);
+    let announcement = Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 };
+    let membership = Membership::start(registry.clone(), keys.clone(), agent, announcement);
+    Ok(LocalWorker { membership, server })
+}
+
+/// Writes the command line's models as deployments.
+async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Keys) -> anyhow::Result<()> {
     for m in &opts.models {
         let spec = ModelSpec {
             name: m.name.clone(),
@@ -131,13 +118,21 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         registry.put(&keys.model(&m.name), encode(&spec), None).await?;
         info!(model = %m.name, replicas = m.replicas, tp = m.par.tp, pp = m.par.pp, "loading");
     }
-    // Ready when every replica is and every tokenizer is loaded; a replica that fails to
-    // load fails start-up with its reason.
+    Ok(())
+}
+
+/// Waits until every replica is ready and every tokenizer loaded; a replica that fails to
+/// load fails start-up with its reason.
+async fn wait_loaded(
+    models: &[EmbeddedModel],
+    watcher: &Watcher,
+    catalog: &ClusterCatalog,
+) -> anyhow::Result<()> {
     let mut view = watcher.subscribe();
     loop {
         let v = view.borrow_and_update().clone();
         let mut all = true;
-        for m in &opts.models {
+        for m in models {
             for r in v.replicas.get(&m.name).into_iter().flat_map(|rs| rs.values()) {
                 if r.state == ReplicaState::Failed {
                     bail!("loading model {:?}: {}", m.name, r.reason);
@@ -146,10 +141,42 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
             all &= v.ready_replicas(&m.name).count() == m.replicas && catalog.get(&m.name).is_ok();
         }
         if all {
-            break;
+            return Ok(());
         }
         let _ = tokio::time::timeout(Duration::from_millis(100), view.changed()).await;
     }
+}
+
+/// Starts the in-process cluster, waits for every replica, then serves until SIGTERM.
+pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
+    let registry: Arc<dyn Registry> = Arc::new(MemoryRegistry::new());
+    let keys = Keys::new("/strata");
+    // Check every model before starting anything: a bad directory or split fails here.
+    for m in &opts.models {
+        let config = ModelConfig::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+        ShardPlan::new(&config, m.par).with_context(|| format!("model {:?}", m.name))?;
+        Tokenizer::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+    }
+    let clients = Arc::new(WorkerClients::new());
+    let needed: usize =
+        opts.models.iter().map(|m| m.replicas * m.par.world()).sum::<usize>() + opts.spare_workers;
+    let mut workers = Vec::with_capacity(needed);
+    for i in 0..needed {
+        workers.push(start_worker(i, &opts.agent, &registry, &keys, &clients).await?);
+    }
+    let watcher = Watcher::start(registry.clone(), keys.clone());
+    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let leader = LeaderConfig {
+        id: "serve".into(),
+        lease_ttl: LEASE_TTL,
+        keepalive: LEASE_TTL / 3,
+        timings: opts.timings.clone(),
+        tick: Duration::from_millis(100),
+    };
+    let election =
+        Election::start(registry.clone(), keys.clone(), watcher.subscribe(), clients.clone(), leader);
+    deploy(&opts, &registry, &keys).await?;
+    wait_loaded(&opts.models, &watcher, &catalog).await?;
     let admin = ClusterAdmin::new(
         "serve".into(),
         registry.clone(),
@@ -160,9 +187,9 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     );
     let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
     election.resign().await;
-    for (_, membership, server) in workers {
-        membership.leave().await;
-        server.abort();
+    for w in workers {
+        w.membership.leave().await;
+        w.server.abort();
     }
     drop(watcher);
     served

@@ -118,187 +118,197 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     let device = Device::parse(&args.device).context("--device")?;
     strata_engine::replica::check_device(device)?;
     match args.command {
-        GpuCheckCommand::Ops { large, seed } => {
-            let sizes = if large { CheckSizes::large() } else { CheckSizes::tiny() };
-            let report = match device {
-                // The self-check keeps weights in bf16 like a GPU does.
-                Device::Cpu => check_ops(
-                    &strata_engine::backend::cpu::CpuBackend::new()
-                        .with_weight_dtype(Some(strata_engine::model::weights::DType::BF16)),
-                    &sizes,
-                    seed,
-                )?,
-                #[cfg(feature = "cuda")]
-                Device::Cuda(n) => {
-                    let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
-                    check_ops(&strata_engine::backend::cuda::CudaBackend::new(gpu), &sizes, seed)?
-                }
-                #[cfg(not(feature = "cuda"))]
-                Device::Cuda(_) => bail!("no CUDA support in this build"),
-            };
-            let mut failed = 0;
-            for r in &report {
-                failed += usize::from(!r.ok);
-                println!("{}", serde_json::to_string(r)?);
-            }
-            if failed > 0 {
-                bail!("{failed} of {} ops beyond tolerance", report.len());
-            }
-        }
-        GpuCheckCommand::Tokens { model, tokens } => {
-            let mut mismatches = 0;
-            for dir in model {
-                let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-                let reference: Option<serde_json::Value> =
-                    std::fs::read_to_string(dir.join("reference.json"))
-                        .ok()
-                        .and_then(|t| serde_json::from_str(&t).ok());
-                let ids = |v: &serde_json::Value| -> Vec<u32> {
-                    v.as_array()
-                        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
-                        .unwrap_or_default()
-                };
-                let prompt = reference
-                    .as_ref()
-                    .map(|r| ids(&r["prompt_ids"]))
-                    .filter(|p| !p.is_empty())
-                    .unwrap_or_else(|| vec![1, 2, 3, 4]);
-                let hf = reference.as_ref().map(|r| ids(&r["greedy_ids"]));
-                let n = hf.as_ref().map_or(tokens, |h| (h.len() as u32).min(tokens).max(1));
-                let mut cpu = local_replica(&dir, Parallelism::NONE, &engine_config(Device::Cpu, 64))?;
-                let mut dev = local_replica(&dir, Parallelism::NONE, &engine_config(device, 64))?;
-                let want = greedy(&mut cpu, &prompt, n)?;
-                let got = greedy(&mut dev, &prompt, n)?;
-                let hf_match = hf.as_ref().map(|h| h[..n as usize] == got[..]);
-                let verdict = match got.iter().zip(&want).position(|(a, b)| a != b) {
-                    None => json!({"verdict": "identical"}),
-                    Some(i) => {
-                        // The CPU's logits where they part: how far apart were the two choices?
-                        let mut context = prompt.clone();
-                        context.extend(&want[..i]);
-                        let logits = cpu.prompt_logits(&context)?;
-                        let scale = logits.iter().fold(0f32, |a, b| a.max(b.abs()));
-                        let margin = logits[want[i] as usize] - logits[got[i] as usize];
-                        let near_tie = margin <= 0.02 * scale;
-                        if !near_tie {
-                            mismatches += 1;
-                        }
-                        json!({
-                            "verdict": if near_tie { "bf16 near-tie" } else { "MISMATCH" },
-                            "first_difference": i, "cpu_token": want[i], "device_token": got[i],
-                            "cpu_logit_margin": margin, "logit_scale": scale,
-                        })
-                    }
-                };
-                println!(
-                    "{}",
-                    json!({"model": name, "tokens": n, "device": device.to_string(), "matches_hf_reference": hf_match,
-                           "device_tokens": got, "cpu_tokens": want, "result": verdict})
-                );
-            }
-            if mismatches > 0 {
-                bail!("{mismatches} model(s) differ from the CPU backend beyond a bf16 near-tie");
-            }
-        }
+        GpuCheckCommand::Ops { large, seed } => ops(device, large, seed),
+        GpuCheckCommand::Tokens { model, tokens: n } => tokens(device, model, n),
         GpuCheckCommand::Decode { model, tokens, kv_cache_mib } => {
-            if tokens < 2 {
-                bail!("--tokens must be at least 2");
-            }
-            let t = Instant::now();
-            let mut e = local_replica(&model, Parallelism::NONE, &engine_config(device, kv_cache_mib))?;
-            let load_s = t.elapsed().as_secs_f64();
-            let bytes = e.executor().decode_bytes_per_token();
-            let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
-            e.add(
-                7,
-                prompt,
-                SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() },
-            )?;
-            e.step()?; // prefill
-            let mut steps = Vec::new();
-            while e.has_work() {
-                let t = Instant::now();
-                e.step()?;
-                steps.push(t.elapsed().as_secs_f64());
-            }
-            let step = median(&steps);
-            info!("measuring the copy bandwidth");
-            let bw = bandwidth(device, 1024)?;
-            let roofline = bw / bytes as f64;
-            println!(
-                "{}",
-                json!({
-                    "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
-                    "decode_tokens": steps.len(), "decode_step_ms_median": step * 1e3,
-                    "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
-                    "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,
-                    "share_of_roofline": 1.0 / step / roofline,
-                })
-            );
+            decode(device, &model, tokens, kv_cache_mib)
         }
-        GpuCheckCommand::Comm { max_world } => {
-            let (backend, available) = match device {
-                Device::Cpu => ("tcp", max_world.min(4)),
-                #[cfg(feature = "cuda")]
-                Device::Cuda(first) => {
-                    ("nccl", strata_engine::comm::nccl::device_count()?.saturating_sub(first).min(max_world))
-                }
-                #[cfg(not(feature = "cuda"))]
-                Device::Cuda(_) => bail!("no CUDA support in this build"),
-            };
-            let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
-                match device {
-                    #[cfg(feature = "cuda")]
-                    Device::Cuda(first) => Ok(boxed(strata_engine::comm::nccl::local_group(
-                        first,
-                        world,
-                        &strata_engine::comm::contract::groups(world),
-                    )?)),
-                    _ => Ok(boxed(strata_engine::comm::tcp::local_group(
-                        world,
-                        std::time::Duration::from_secs(30),
-                    )?)),
-                }
-            };
-            if available < 2 {
-                // One GPU still shows whether NCCL loads and a (one-rank) communicator forms.
-                let init = if available == 1 { Some(make(1).map(drop)) } else { None };
-                let error = init.as_ref().and_then(|r| r.as_ref().err()).map(|e| e.to_string());
-                println!(
-                    "{}",
-                    json!({"communicator": backend,
-                           "one_rank_init": init.as_ref().map(|r| r.is_ok()),
-                           "error": error,
-                           "skipped": format!(
-                        "NCCL needs one GPU per rank: {available} GPU(s) from {device} on, a group needs 2")})
-                );
-                if let Some(e) = error {
-                    bail!("NCCL could not form a one-rank communicator: {e}");
-                }
-                return Ok(());
-            }
-            let mut failed = 0;
-            for world in 2..=available {
-                for (check, result) in strata_engine::comm::contract::run_all(world, &make) {
-                    failed += usize::from(result.is_err());
-                    println!(
-                        "{}",
-                        json!({"communicator": backend, "world": world, "check": check, "ok": result.is_ok(),
-                               "error": result.err().map(|e| e.to_string())})
-                    );
-                }
-            }
-            if failed > 0 {
-                bail!("{failed} communicator check(s) failed");
-            }
-        }
+        GpuCheckCommand::Comm { max_world } => comm(device, max_world),
         GpuCheckCommand::Bandwidth { mib } => {
             let bw = bandwidth(device, mib)?;
             println!(
                 "{}",
                 json!({"device": device.to_string(), "copy_bandwidth_gb_per_s": bw / 1e9, "mib": mib})
             );
+            Ok(())
         }
+    }
+}
+
+fn ops(device: Device, large: bool, seed: u64) -> anyhow::Result<()> {
+    let sizes = if large { CheckSizes::large() } else { CheckSizes::tiny() };
+    let report = match device {
+        // The self-check keeps weights in bf16 like a GPU does.
+        Device::Cpu => check_ops(
+            &strata_engine::backend::cpu::CpuBackend::new()
+                .with_weight_dtype(Some(strata_engine::model::weights::DType::BF16)),
+            &sizes,
+            seed,
+        )?,
+        #[cfg(feature = "cuda")]
+        Device::Cuda(n) => {
+            let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
+            check_ops(&strata_engine::backend::cuda::CudaBackend::new(gpu), &sizes, seed)?
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => bail!("no CUDA support in this build"),
+    };
+    let mut failed = 0;
+    for r in &report {
+        failed += usize::from(!r.ok);
+        println!("{}", serde_json::to_string(r)?);
+    }
+    if failed > 0 {
+        bail!("{failed} of {} ops beyond tolerance", report.len());
+    }
+    Ok(())
+}
+
+fn tokens(device: Device, models: Vec<std::path::PathBuf>, tokens: u32) -> anyhow::Result<()> {
+    let mut mismatches = 0;
+    for dir in models {
+        let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let reference: Option<serde_json::Value> = std::fs::read_to_string(dir.join("reference.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+                .unwrap_or_default()
+        };
+        let prompt = reference
+            .as_ref()
+            .map(|r| ids(&r["prompt_ids"]))
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(|| vec![1, 2, 3, 4]);
+        let hf = reference.as_ref().map(|r| ids(&r["greedy_ids"]));
+        let n = hf.as_ref().map_or(tokens, |h| (h.len() as u32).min(tokens).max(1));
+        let mut cpu = local_replica(&dir, Parallelism::NONE, &engine_config(Device::Cpu, 64))?;
+        let mut dev = local_replica(&dir, Parallelism::NONE, &engine_config(device, 64))?;
+        let want = greedy(&mut cpu, &prompt, n)?;
+        let got = greedy(&mut dev, &prompt, n)?;
+        let hf_match = hf.as_ref().map(|h| h[..n as usize] == got[..]);
+        let verdict = match got.iter().zip(&want).position(|(a, b)| a != b) {
+            None => json!({"verdict": "identical"}),
+            Some(i) => {
+                // The CPU's logits where they part: how far apart were the two choices?
+                let mut context = prompt.clone();
+                context.extend(&want[..i]);
+                let logits = cpu.prompt_logits(&context)?;
+                let scale = logits.iter().fold(0f32, |a, b| a.max(b.abs()));
+                let margin = logits[want[i] as usize] - logits[got[i] as usize];
+                let near_tie = margin <= 0.02 * scale;
+                if !near_tie {
+                    mismatches += 1;
+                }
+                json!({
+                    "verdict": if near_tie { "bf16 near-tie" } else { "MISMATCH" },
+                    "first_difference": i, "cpu_token": want[i], "device_token": got[i],
+                    "cpu_logit_margin": margin, "logit_scale": scale,
+                })
+            }
+        };
+        println!(
+            "{}",
+            json!({"model": name, "tokens": n, "device": device.to_string(), "matches_hf_reference": hf_match,
+                   "device_tokens": got, "cpu_tokens": want, "result": verdict})
+        );
+    }
+    if mismatches > 0 {
+        bail!("{mismatches} model(s) differ from the CPU backend beyond a bf16 near-tie");
+    }
+    Ok(())
+}
+
+fn decode(device: Device, model: &std::path::Path, tokens: usize, kv_cache_mib: usize) -> anyhow::Result<()> {
+    if tokens < 2 {
+        bail!("--tokens must be at least 2");
+    }
+    let t = Instant::now();
+    let mut e = local_replica(model, Parallelism::NONE, &engine_config(device, kv_cache_mib))?;
+    let load_s = t.elapsed().as_secs_f64();
+    let bytes = e.executor().decode_bytes_per_token();
+    let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
+    e.add(
+        7,
+        prompt,
+        SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() },
+    )?;
+    e.step()?; // prefill
+    let mut steps = Vec::new();
+    while e.has_work() {
+        let t = Instant::now();
+        e.step()?;
+        steps.push(t.elapsed().as_secs_f64());
+    }
+    let step = median(&steps);
+    info!("measuring the copy bandwidth");
+    let bw = bandwidth(device, 1024)?;
+    let roofline = bw / bytes as f64;
+    println!(
+        "{}",
+        json!({
+            "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
+            "decode_tokens": steps.len(), "decode_step_ms_median": step * 1e3,
+            "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
+            "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,
+            "share_of_roofline": 1.0 / step / roofline,
+        })
+    );
+    Ok(())
+}
+
+fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {
+    let (backend, available) = match device {
+        Device::Cpu => ("tcp", max_world.min(4)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(first) => {
+            ("nccl", strata_engine::comm::nccl::device_count()?.saturating_sub(first).min(max_world))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => bail!("no CUDA support in this build"),
+    };
+    let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
+        match device {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(first) => Ok(boxed(strata_engine::comm::nccl::local_group(
+                first,
+                world,
+                &strata_engine::comm::contract::groups(world),
+            )?)),
+            _ => Ok(boxed(strata_engine::comm::tcp::local_group(world, std::time::Duration::from_secs(30))?)),
+        }
+    };
+    if available < 2 {
+        // One GPU still shows whether NCCL loads and a (one-rank) communicator forms.
+        let init = if available == 1 { Some(make(1).map(drop)) } else { None };
+        let error = init.as_ref().and_then(|r| r.as_ref().err()).map(|e| e.to_string());
+        println!(
+            "{}",
+            json!({"communicator": backend,
+                   "one_rank_init": init.as_ref().map(|r| r.is_ok()),
+                   "error": error,
+                   "skipped": format!(
+                "NCCL needs one GPU per rank: {available} GPU(s) from {device} on, a group needs 2")})
+        );
+        if let Some(e) = error {
+            bail!("NCCL could not form a one-rank communicator: {e}");
+        }
+        return Ok(());
+    }
+    let mut failed = 0;
+    for world in 2..=available {
+        for (check, result) in strata_engine::comm::contract::run_all(world, &make) {
+            failed += usize::from(result.is_err());
+            println!(
+                "{}",
+                json!({"communicator": backend, "world": world, "check": check, "ok": result.is_ok(),
+                       "error": result.err().map(|e| e.to_string())})
+            );
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} communicator check(s) failed");
     }
     Ok(())
 }

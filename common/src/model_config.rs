@@ -126,19 +126,7 @@ impl ModelConfig {
     }
 
     fn from_map(obj: &Map<String, Value>) -> Result<Self> {
-        let arch_name = obj
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .and_then(|a| a.first())
-            .and_then(|a| a.as_str())
-            .or_else(|| obj.get("model_type").and_then(|m| m.as_str()))
-            .ok_or_else(|| Error::invalid("architectures", "missing (and no model_type)"))?;
-        let architecture = Architecture::from_hf(arch_name).ok_or_else(|| {
-            Error::Unsupported(format!(
-                "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
-                 Qwen2ForCausalLM"
-            ))
-        })?;
+        let architecture = architecture(obj)?;
 
         if let Some(act) = obj.get("hidden_act").and_then(|v| v.as_str()) {
             if act != "silu" {
@@ -147,29 +135,7 @@ impl ModelConfig {
         }
 
         let hidden_size = req_usize(obj, "hidden_size")?;
-        let num_heads = req_usize(obj, "num_attention_heads")?;
-        let num_kv_heads = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_heads);
-        if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(Error::invalid(
-                "num_key_value_heads",
-                format!("{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"),
-            ));
-        }
-        let head_dim = match opt_usize(obj, "head_dim")? {
-            Some(d) => d,
-            None => {
-                if hidden_size % num_heads != 0 {
-                    return Err(Error::invalid(
-                        "hidden_size",
-                        format!("{hidden_size} is not divisible by num_attention_heads ({num_heads})"),
-                    ));
-                }
-                hidden_size / num_heads
-            }
-        };
-        if head_dim % 2 != 0 {
-            return Err(Error::invalid("head_dim", format!("{head_dim} must be even for RoPE")));
-        }
+        let (num_heads, num_kv_heads, head_dim) = heads(obj, hidden_size)?;
 
         // transformers 5 nests rope_theta inside rope_parameters.
         let rope_obj =
@@ -180,30 +146,7 @@ impl ModelConfig {
         };
         let rope_scaling = parse_rope(rope_obj)?;
 
-        let qkv_bias = match architecture {
-            Architecture::Qwen2 => true,
-            _ => opt_bool(obj, "attention_bias")?.unwrap_or(false),
-        };
-        let o_bias = match architecture {
-            Architecture::Llama => opt_bool(obj, "attention_bias")?.unwrap_or(false),
-            _ => false,
-        };
-        let mlp_bias = match architecture {
-            Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
-            _ => false,
-        };
-        let sliding_window = match architecture {
-            Architecture::Mistral => opt_usize(obj, "sliding_window")?,
-            Architecture::Qwen2 => {
-                if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
-                    return Err(Error::Unsupported(
-                        "Qwen2 use_sliding_window=true (per-layer windows are not implemented)".into(),
-                    ));
-                }
-                None
-            }
-            Architecture::Llama => None,
-        };
+        let (qkv_bias, o_bias, mlp_bias, sliding_window) = family_options(architecture, obj)?;
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -296,6 +239,83 @@ fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
             "rope_scaling type {other:?} (supported: default, linear, llama3)"
         ))),
     }
+}
+
+/// The architecture `config.json` names (or its model_type), if Strata implements it.
+fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
+    let arch_name = obj
+        .get("architectures")
+        .and_then(|a| a.as_array())
+        .and_then(|a| a.first())
+        .and_then(|a| a.as_str())
+        .or_else(|| obj.get("model_type").and_then(|m| m.as_str()))
+        .ok_or_else(|| Error::invalid("architectures", "missing (and no model_type)"))?;
+    Architecture::from_hf(arch_name).ok_or_else(|| {
+        Error::Unsupported(format!(
+            "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
+             Qwen2ForCausalLM"
+        ))
+    })
+}
+
+/// `(num_heads, num_kv_heads, head_dim)`, checked against each other and `hidden_size`.
+fn heads(obj: &Map<String, Value>, hidden_size: usize) -> Result<(usize, usize, usize)> {
+    let num_heads = req_usize(obj, "num_attention_heads")?;
+    let num_kv_heads = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_heads);
+    if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
+        return Err(Error::invalid(
+            "num_key_value_heads",
+            format!("{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"),
+        ));
+    }
+    let head_dim = match opt_usize(obj, "head_dim")? {
+        Some(d) => d,
+        None => {
+            if !hidden_size.is_multiple_of(num_heads) {
+                return Err(Error::invalid(
+                    "hidden_size",
+                    format!("{hidden_size} is not divisible by num_attention_heads ({num_heads})"),
+                ));
+            }
+            hidden_size / num_heads
+        }
+    };
+    if !head_dim.is_multiple_of(2) {
+        return Err(Error::invalid("head_dim", format!("{head_dim} must be even for RoPE")));
+    }
+    Ok((num_heads, num_kv_heads, head_dim))
+}
+
+/// Per-family options: `(qkv_bias, o_bias, mlp_bias, sliding_window)`.
+fn family_options(
+    architecture: Architecture,
+    obj: &Map<String, Value>,
+) -> Result<(bool, bool, bool, Option<usize>)> {
+    let qkv_bias = match architecture {
+        Architecture::Qwen2 => true,
+        _ => opt_bool(obj, "attention_bias")?.unwrap_or(false),
+    };
+    let o_bias = match architecture {
+        Architecture::Llama => opt_bool(obj, "attention_bias")?.unwrap_or(false),
+        _ => false,
+    };
+    let mlp_bias = match architecture {
+        Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
+        _ => false,
+    };
+    let sliding_window = match architecture {
+        Architecture::Mistral => opt_usize(obj, "sliding_window")?,
+        Architecture::Qwen2 => {
+            if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
+                return Err(Error::Unsupported(
+                    "Qwen2 use_sliding_window=true (per-layer windows are not implemented)".into(),
+                ));
+            }
+            None
+        }
+        Architecture::Llama => None,
+    };
+    Ok((qkv_bias, o_bias, mlp_bias, sliding_window))
 }
 
 fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {

@@ -20,9 +20,9 @@
 //!
 //! Replicas with a task in flight (`busy`) are left to that task.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 
-use strata_common::cluster::{ReplicaRecord, ReplicaState, ShardState, WorkerRecord};
+use strata_common::cluster::{ModelSpec, ReplicaRecord, ReplicaState, ShardState, WorkerRecord};
 
 use super::view::ClusterView;
 
@@ -68,8 +68,29 @@ pub type NewId<'a> = &'a mut dyn FnMut(&str) -> String;
 
 pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<Action> {
     let mut out = Vec::new();
-    let empty = BTreeMap::new();
-    // Workers that are taken: listed by a replica that is not failed, or still holding a shard.
+    let mut free = free_workers(view);
+    release_leftovers(view, inputs, &mut out);
+    let mut names: Vec<&String> = view.models.keys().chain(view.replicas.keys()).collect();
+    names.sort();
+    names.dedup();
+    for name in names {
+        plan_model(view, inputs, name, &mut free, new_id, &mut out);
+    }
+    // A replica being drained or failed needs no monitor.
+    let ending: HashSet<String> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Drain { id, .. } | Action::Fail { id, .. } => Some(id.clone()),
+            _ => None,
+        })
+        .collect();
+    out.retain(|a| !matches!(a, Action::Monitor { id, .. } if ending.contains(id)));
+    out
+}
+
+/// Workers free for placement, most memory first, then by id (deterministic): not listed
+/// by a live replica, holding no shard, not drained.
+fn free_workers(view: &ClusterView) -> Vec<&str> {
     let mut reserved: HashSet<&str> = HashSet::new();
     for r in view.all_replicas() {
         if r.state != ReplicaState::Failed {
@@ -83,11 +104,12 @@ pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<A
         .filter(|w| w.assignment.is_none())
         .filter(|w| !view.drained.contains(&w.id))
         .collect();
-    // Most memory first, then by id: deterministic.
     free.sort_by(|a, b| b.capacity.memory_bytes.cmp(&a.capacity.memory_bytes).then(a.id.cmp(&b.id)));
-    let mut free: Vec<&str> = free.into_iter().map(|w| w.id.as_str()).collect();
+    free.into_iter().map(|w| w.id.as_str()).collect()
+}
 
-    // Leftover shards.
+/// Shards that no replica lists (at that rank) are released.
+fn release_leftovers(view: &ClusterView, inputs: &Inputs<'_>, out: &mut Vec<Action>) {
     for w in view.workers.values() {
         let Some(a) = &w.assignment else { continue };
         let listed = view
@@ -99,144 +121,186 @@ pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<A
             out.push(Action::Release { worker: w.id.clone(), replica: a.replica.clone() });
         }
     }
+}
 
-    let mut names: Vec<&String> = view.models.keys().chain(view.replicas.keys()).collect();
-    names.sort();
-    names.dedup();
-    for name in names {
-        let recs = view.replicas.get(name).unwrap_or(&empty);
-        let mut recs: Vec<&ReplicaRecord> = recs.values().collect();
-        recs.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
-        let busy = |r: &ReplicaRecord| inputs.busy.contains(r.id.as_str());
-        let m = name.clone();
+/// One model's replicas, oldest first, and which of them a task is busy with.
+struct ModelState<'v> {
+    name: &'v str,
+    recs: Vec<&'v ReplicaRecord>,
+    busy: HashSet<&'v str>,
+    /// Ready replicas this plan fails (from the view's registrations).
+    failed_now: HashSet<&'v str>,
+}
 
-        // Failures the view already shows.
-        let mut failed_now: HashSet<&str> = HashSet::new();
-        for r in recs.iter().filter(|r| r.state == ReplicaState::Ready && !busy(r)) {
-            if let Some(reason) = rank_trouble(view, r) {
-                out.push(Action::Fail { model: m.clone(), id: r.id.clone(), reason });
-                failed_now.insert(&r.id);
-            }
-        }
-        // Work in progress that nobody is doing.
-        for r in recs.iter().filter(|r| !busy(r) && !failed_now.contains(r.id.as_str())) {
-            match r.state {
-                ReplicaState::Loading => out.push(Action::Build { model: m.clone(), id: r.id.clone() }),
-                ReplicaState::Ready if !inputs.monitored.contains(r.id.as_str()) => {
-                    out.push(Action::Monitor { model: m.clone(), id: r.id.clone() })
-                }
-                ReplicaState::Draining => {
-                    out.push(Action::Drain { model: m.clone(), id: r.id.clone(), reason: r.reason.clone() })
-                }
-                ReplicaState::Failed => out.push(Action::Teardown { model: m.clone(), id: r.id.clone() }),
-                _ => {}
-            }
-        }
+impl ModelState<'_> {
+    fn busy(&self, r: &ReplicaRecord) -> bool {
+        self.busy.contains(r.id.as_str())
+    }
+}
 
-        let Some(spec) = view.models.get(name) else {
-            // Undeployed: everything goes.
-            for r in recs.iter().filter(|r| !busy(r)) {
-                match r.state {
-                    ReplicaState::Pending => out.push(Action::Delete { model: m.clone(), id: r.id.clone() }),
-                    ReplicaState::Loading | ReplicaState::Ready if !failed_now.contains(r.id.as_str()) => out
-                        .push(Action::Drain {
-                            model: m.clone(),
-                            id: r.id.clone(),
-                            reason: "model undeployed".into(),
-                        }),
-                    _ => {}
-                }
-            }
-            continue;
-        };
-        let world = spec.world();
-        let on_drained = |r: &ReplicaRecord| r.workers.iter().any(|w| view.drained.contains(w));
-        let stale = |r: &ReplicaRecord| r.generation != spec.generation;
-        let live: Vec<&ReplicaRecord> = recs
-            .iter()
-            .copied()
-            .filter(|r| r.state.is_live() && !failed_now.contains(r.id.as_str()))
-            .collect();
-        let (keep, moving): (Vec<&ReplicaRecord>, Vec<&ReplicaRecord>) =
-            live.iter().copied().partition(|r| !on_drained(r) && !stale(r));
-        // Replicas that must move: not-yet-ready ones go now, ready ones once replaced.
-        let ready_kept = keep.iter().filter(|r| r.state == ReplicaState::Ready).count();
-        for r in moving.iter().filter(|r| !busy(r)) {
-            let why = if on_drained(r) { "a worker was drained" } else { "the model's spec changed" };
-            match r.state {
-                ReplicaState::Pending => out.push(Action::Delete { model: m.clone(), id: r.id.clone() }),
-                ReplicaState::Loading => {
-                    out.push(Action::Drain { model: m.clone(), id: r.id.clone(), reason: why.into() })
-                }
-                _ if ready_kept >= spec.replicas as usize => out.push(Action::Drain {
-                    model: m.clone(),
-                    id: r.id.clone(),
-                    reason: format!("{why}; replaced"),
-                }),
-                _ => {}
-            }
-        }
-        let desired = spec.replicas as usize;
-        // (id, current reason, exists): pending replicas to place, oldest first.
-        let mut to_place: Vec<(String, String, bool)> = keep
-            .iter()
-            .filter(|r| r.state == ReplicaState::Pending)
-            .map(|r| (r.id.clone(), r.reason.clone(), true))
-            .collect();
-        if keep.len() > desired {
-            // Surplus: pending first, then loading, then the newest ready.
-            let mut order: Vec<&ReplicaRecord> = Vec::new();
-            order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Pending));
-            order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Loading && !busy(r)));
-            order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Ready));
-            for r in order.into_iter().take(keep.len() - desired) {
-                if r.state == ReplicaState::Pending {
-                    out.push(Action::Delete { model: m.clone(), id: r.id.clone() });
-                    to_place.retain(|p| p.0 != r.id);
-                } else {
-                    out.push(Action::Drain {
-                        model: m.clone(),
-                        id: r.id.clone(),
-                        reason: "scaled down".into(),
-                    });
-                }
-            }
-        } else {
-            for _ in keep.len()..desired {
-                to_place.push((new_id(name), String::new(), false));
-            }
-        }
-        for (id, current, exists) in to_place {
-            let reason = match inputs.backoff.get(name.as_str()) {
-                Some(why) => why.clone(),
-                None if free.len() >= world => {
-                    let workers: Vec<String> = free.drain(..world).map(str::to_string).collect();
-                    out.push(Action::Assign { model: m.clone(), id, workers });
-                    continue;
-                }
-                None => format!(
-                    "waiting for {world} free worker{} ({} free)",
-                    if world == 1 { "" } else { "s" },
-                    free.len()
-                ),
-            };
-            if !exists {
-                out.push(Action::CreatePending { model: m.clone(), id, generation: spec.generation, reason });
-            } else if current != reason {
-                out.push(Action::Wait { model: m.clone(), id, reason });
-            }
+fn plan_model(
+    view: &ClusterView,
+    inputs: &Inputs<'_>,
+    name: &str,
+    free: &mut Vec<&str>,
+    new_id: NewId<'_>,
+    out: &mut Vec<Action>,
+) {
+    let mut recs: Vec<&ReplicaRecord> =
+        view.replicas.get(name).map(|r| r.values().collect()).unwrap_or_default();
+    recs.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
+    let busy = recs.iter().filter(|r| inputs.busy.contains(r.id.as_str())).map(|r| r.id.as_str()).collect();
+    let mut st = ModelState { name, recs, busy, failed_now: HashSet::new() };
+    resume_work(view, inputs, &mut st, out);
+    let Some(spec) = view.models.get(name) else {
+        return undeployed(&st, out);
+    };
+    let keep = move_off(view, spec, &st, out);
+    let to_place = resize(spec, &st, &keep, new_id, out);
+    place(spec, inputs, name, to_place, free, out);
+}
+
+/// Failures the view already shows, and work in progress that no task is doing.
+fn resume_work<'v>(view: &ClusterView, inputs: &Inputs<'_>, st: &mut ModelState<'v>, out: &mut Vec<Action>) {
+    let m = st.name.to_string();
+    let ready: Vec<&'v ReplicaRecord> =
+        st.recs.iter().copied().filter(|r| r.state == ReplicaState::Ready && !st.busy(r)).collect();
+    for r in ready {
+        if let Some(reason) = rank_trouble(view, r) {
+            out.push(Action::Fail { model: m.clone(), id: r.id.clone(), reason });
+            st.failed_now.insert(&r.id);
         }
     }
-    // A replica being drained or failed needs no monitor.
-    let ending: HashSet<String> = out
+    for r in st.recs.iter().filter(|r| !st.busy(r) && !st.failed_now.contains(r.id.as_str())) {
+        let (model, id) = (m.clone(), r.id.clone());
+        match r.state {
+            ReplicaState::Loading => out.push(Action::Build { model, id }),
+            ReplicaState::Ready if !inputs.monitored.contains(r.id.as_str()) => {
+                out.push(Action::Monitor { model, id })
+            }
+            ReplicaState::Draining => out.push(Action::Drain { model, id, reason: r.reason.clone() }),
+            ReplicaState::Failed => out.push(Action::Teardown { model, id }),
+            _ => {}
+        }
+    }
+}
+
+/// An undeployed model: everything goes.
+fn undeployed(st: &ModelState<'_>, out: &mut Vec<Action>) {
+    for r in st.recs.iter().filter(|r| !st.busy(r)) {
+        let (model, id) = (st.name.to_string(), r.id.clone());
+        match r.state {
+            ReplicaState::Pending => out.push(Action::Delete { model, id }),
+            ReplicaState::Loading | ReplicaState::Ready if !st.failed_now.contains(r.id.as_str()) => {
+                out.push(Action::Drain { model, id, reason: "model undeployed".into() })
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Replicas that must move (on a drained worker, or of an older spec): not-yet-ready ones
+/// go now, ready ones once replaced. Returns the live replicas that stay.
+fn move_off<'v>(
+    view: &ClusterView,
+    spec: &ModelSpec,
+    st: &ModelState<'v>,
+    out: &mut Vec<Action>,
+) -> Vec<&'v ReplicaRecord> {
+    let on_drained = |r: &ReplicaRecord| r.workers.iter().any(|w| view.drained.contains(w));
+    let stale = |r: &ReplicaRecord| r.generation != spec.generation;
+    let live =
+        st.recs.iter().copied().filter(|r| r.state.is_live() && !st.failed_now.contains(r.id.as_str()));
+    let (keep, moving): (Vec<&ReplicaRecord>, Vec<&ReplicaRecord>) =
+        live.partition(|r| !on_drained(r) && !stale(r));
+    let ready_kept = keep.iter().filter(|r| r.state == ReplicaState::Ready).count();
+    for r in moving.iter().filter(|r| !st.busy(r)) {
+        let why = if on_drained(r) { "a worker was drained" } else { "the model's spec changed" };
+        let (model, id) = (st.name.to_string(), r.id.clone());
+        match r.state {
+            ReplicaState::Pending => out.push(Action::Delete { model, id }),
+            ReplicaState::Loading => out.push(Action::Drain { model, id, reason: why.into() }),
+            _ if ready_kept >= spec.replicas as usize => {
+                out.push(Action::Drain { model, id, reason: format!("{why}; replaced") })
+            }
+            _ => {}
+        }
+    }
+    keep
+}
+
+/// A replica waiting for placement: (id, its current reason, whether its record exists).
+type ToPlace = (String, String, bool);
+
+/// Scales `keep` to the desired count: surplus goes (pending first, then loading, then the
+/// newest ready); a shortfall becomes new replicas to place. Returns what to place, oldest
+/// first.
+fn resize(
+    spec: &ModelSpec,
+    st: &ModelState<'_>,
+    keep: &[&ReplicaRecord],
+    new_id: NewId<'_>,
+    out: &mut Vec<Action>,
+) -> Vec<ToPlace> {
+    let desired = spec.replicas as usize;
+    let mut to_place: Vec<ToPlace> = keep
         .iter()
-        .filter_map(|a| match a {
-            Action::Drain { id, .. } | Action::Fail { id, .. } => Some(id.clone()),
-            _ => None,
-        })
+        .filter(|r| r.state == ReplicaState::Pending)
+        .map(|r| (r.id.clone(), r.reason.clone(), true))
         .collect();
-    out.retain(|a| !matches!(a, Action::Monitor { id, .. } if ending.contains(id)));
-    out
+    if keep.len() <= desired {
+        for _ in keep.len()..desired {
+            to_place.push((new_id(st.name), String::new(), false));
+        }
+        return to_place;
+    }
+    let mut order: Vec<&ReplicaRecord> = Vec::new();
+    order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Pending));
+    order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Loading && !st.busy(r)));
+    order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Ready));
+    for r in order.into_iter().take(keep.len() - desired) {
+        let (model, id) = (st.name.to_string(), r.id.clone());
+        if r.state == ReplicaState::Pending {
+            to_place.retain(|p| p.0 != r.id);
+            out.push(Action::Delete { model, id });
+        } else {
+            out.push(Action::Drain { model, id, reason: "scaled down".into() });
+        }
+    }
+    to_place
+}
+
+/// Assigns free workers to each replica to place, or records why it waits.
+fn place(
+    spec: &ModelSpec,
+    inputs: &Inputs<'_>,
+    name: &str,
+    to_place: Vec<ToPlace>,
+    free: &mut Vec<&str>,
+    out: &mut Vec<Action>,
+) {
+    let world = spec.world();
+    let m = name.to_string();
+    for (id, current, exists) in to_place {
+        let reason = match inputs.backoff.get(name) {
+            Some(why) => why.clone(),
+            None if free.len() >= world => {
+                let workers: Vec<String> = free.drain(..world).map(str::to_string).collect();
+                out.push(Action::Assign { model: m.clone(), id, workers });
+                continue;
+            }
+            None => format!(
+                "waiting for {world} free worker{} ({} free)",
+                if world == 1 { "" } else { "s" },
+                free.len()
+            ),
+        };
+        if !exists {
+            out.push(Action::CreatePending { model: m.clone(), id, generation: spec.generation, reason });
+        } else if current != reason {
+            out.push(Action::Wait { model: m.clone(), id, reason });
+        }
+    }
 }
 
 /// Why a ready replica cannot serve, from its workers' registrations: a worker that

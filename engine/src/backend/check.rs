@@ -129,14 +129,37 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     let (xd, xc) = run.pair(&x, n, h)?;
     let back = dev.to_host(&xd)?;
     run.record("upload/to_host", format!("[{n}, {h}]"), &back, &x, 0.0);
+    let input = Input { x: &x, xd: &xd, xc: &xc };
+    check_matmuls(&mut run, &mut rng, s, &input)?;
+    check_elementwise(&mut run, &mut rng, s, &input)?;
+    check_rope_and_picks(&mut run, &mut rng, s)?;
+    check_attention(&mut run, &mut rng, s)?;
+    Ok(run.out)
+}
 
+/// The `[rows, hidden]` input most checks share, on both backends.
+struct Input<'a, B: Backend> {
+    x: &'a [f32],
+    xd: &'a B::Tensor,
+    xc: &'a super::cpu::CpuTensor,
+}
+
+fn check_matmuls<B: Backend>(
+    run: &mut Run<'_, B>,
+    rng: &mut ChaCha8Rng,
+    s: &CheckSizes,
+    input: &Input<'_, B>,
+) -> Result<()> {
+    let dev = run.dev;
+    let (n, h) = (s.rows, s.hidden);
+    let (xd, xc) = (input.xd, input.xc);
     // Matmuls: a projection and the LM head shape.
     for (m, k, name) in [(s.intermediate, h, "matmul (mlp)"), (s.vocab, h, "matmul (lm head)")] {
-        let w = random(&mut rng, m * k, 0.1);
+        let w = random(rng, m * k, 0.1);
         let host = HostTensor::from_f32("w", &[m, k], &w);
         let (wd, wc) = (dev.load_weight(&host)?, run.cpu.load_weight(&host)?);
         for rows in [1, n] {
-            let xs = random(&mut rng, rows * k, 1.0);
+            let xs = random(rng, rows * k, 1.0);
             let (xd, xc) = run.pair(&xs, rows, k)?;
             let got = dev.to_host(&dev.matmul(&xd, &wd)?)?;
             let want = run.cpu.to_host(&run.cpu.matmul(&xc, &wc)?)?;
@@ -145,13 +168,13 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     }
 
     // Several projections of one input (q/k/v): the device may share the input's cast.
-    let ws: Vec<Vec<f32>> = (0..3).map(|i| random(&mut rng, (h + 8 * i) * h, 0.1)).collect();
+    let ws: Vec<Vec<f32>> = (0..3).map(|i| random(rng, (h + 8 * i) * h, 0.1)).collect();
     let hosts: Vec<HostTensor> =
         ws.iter().enumerate().map(|(i, w)| HostTensor::from_f32("w", &[h + 8 * i, h], w)).collect();
     let wds = hosts.iter().map(|t| dev.load_weight(t)).collect::<Result<Vec<_>>>()?;
     let wcs = hosts.iter().map(|t| run.cpu.load_weight(t)).collect::<Result<Vec<_>>>()?;
-    let got = dev.matmul_many(&xd, &wds.iter().collect::<Vec<_>>())?;
-    let want = run.cpu.matmul_many(&xc, &wcs.iter().collect::<Vec<_>>())?;
+    let got = dev.matmul_many(xd, &wds.iter().collect::<Vec<_>>())?;
+    let want = run.cpu.matmul_many(xc, &wcs.iter().collect::<Vec<_>>())?;
     let (mut g, mut w) = (Vec::new(), Vec::new());
     for (a, b) in got.iter().zip(&want) {
         g.extend(dev.to_host(a)?);
@@ -161,7 +184,7 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
 
     // Embedding of a vocabulary shard: ids below, inside and above it.
     let shard = s.vocab / 2;
-    let table = random(&mut rng, shard * h, 1.0);
+    let table = random(rng, shard * h, 1.0);
     let host = HostTensor::from_f32("embed", &[shard, h], &table);
     let (td, tc) = (dev.load_weight(&host)?, run.cpu.load_weight(&host)?);
     let first = (s.vocab / 4) as u32;
@@ -171,34 +194,64 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     let want = run.cpu.to_host(&run.cpu.embed(&tc, &ids, first)?)?;
     run.record("embed", format!("{} ids, shard of {shard}", ids.len()), &got, &want, 0.0);
 
+    Ok(())
+}
+
+fn check_elementwise<B: Backend>(
+    run: &mut Run<'_, B>,
+    rng: &mut ChaCha8Rng,
+    s: &CheckSizes,
+    input: &Input<'_, B>,
+) -> Result<()> {
+    let dev = run.dev;
+    let (n, h) = (s.rows, s.hidden);
+    let (x, xd, xc) = (input.x, input.xd, input.xc);
     // Norm, residual, bias, SiLU·mul, gather.
-    let w = random(&mut rng, h, 1.0);
+    let w = random(rng, h, 1.0);
     let (wd, wc) = run.pair(&w, 1, h)?;
-    let got = dev.to_host(&dev.rms_norm(&xd, &wd, 1e-5)?)?;
-    let want = run.cpu.to_host(&run.cpu.rms_norm(&xc, &wc, 1e-5)?)?;
+    let got = dev.to_host(&dev.rms_norm(xd, &wd, 1e-5)?)?;
+    let want = run.cpu.to_host(&run.cpu.rms_norm(xc, &wc, 1e-5)?)?;
     run.record("rms_norm", format!("[{n}, {h}]"), &got, &want, F32_TOL);
 
-    let y = random(&mut rng, n * h, 1.0);
+    let y = random(rng, n * h, 1.0);
     let (yd, yc) = run.pair(&y, n, h)?;
-    let (mut ad, mut ac) = run.pair(&x, n, h)?;
+    let (mut ad, mut ac) = run.pair(x, n, h)?;
     dev.add_assign(&mut ad, &yd)?;
     run.cpu.add_assign(&mut ac, &yc)?;
     dev.add_bias(&mut ad, &wd)?;
     run.cpu.add_bias(&mut ac, &wc)?;
     run.record("add + add_bias", format!("[{n}, {h}]"), &dev.to_host(&ad)?, &run.cpu.to_host(&ac)?, F32_TOL);
 
-    let got = dev.to_host(&dev.silu_mul(&xd, &yd)?)?;
-    let want = run.cpu.to_host(&run.cpu.silu_mul(&xc, &yc)?)?;
+    let got = dev.to_host(&dev.silu_mul(xd, &yd)?)?;
+    let want = run.cpu.to_host(&run.cpu.silu_mul(xc, &yc)?)?;
     run.record("silu_mul", format!("[{n}, {h}]"), &got, &want, F32_TOL);
 
     let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
-    let got = dev.to_host(&dev.gather_rows(&xd, &rows)?)?;
-    let want = run.cpu.to_host(&run.cpu.gather_rows(&xc, &rows)?)?;
+    let got = dev.to_host(&dev.gather_rows(xd, &rows)?)?;
+    let want = run.cpu.to_host(&run.cpu.gather_rows(xc, &rows)?)?;
     run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
 
+    // A host-side collective round trip (what the communicator does to device tensors).
+    let (mut hd, _) = run.pair(x, n, h)?;
+    dev.with_host_mut(&mut hd, &mut |data| {
+        data.iter_mut().for_each(|v| *v *= 2.0);
+        Ok(())
+    })?;
+    let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
+    run.record("with_host_mut", format!("[{n}, {h}]"), &dev.to_host(&hd)?, &doubled, 0.0);
+    Ok(())
+}
+
+fn check_rope_and_picks<B: Backend>(
+    run: &mut Run<'_, B>,
+    rng: &mut ChaCha8Rng,
+    s: &CheckSizes,
+) -> Result<()> {
+    let dev = run.dev;
+    let n = s.rows;
     // Greedy picks of a vocabulary shard's logits, with a planted tie (the lower id wins).
     let v = s.vocab;
-    let mut logits = random(&mut rng, n * v, 8.0);
+    let mut logits = random(rng, n * v, 8.0);
     logits[3] = 20.0;
     logits[v - 2] = 20.0;
     let (ld, lc) = run.pair(&logits, n, v)?;
@@ -215,7 +268,7 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
         (0..d / 2).map(|i| 1.0 / 500000f32.powf((2 * i) as f32 / d as f32) / 1.7).collect();
     let table = RopeTable { inv_freq };
     let positions: Vec<u32> = (0..n as u32).map(|i| i * 977 % (s.context as u32 + 64)).collect();
-    let q = random(&mut rng, n * s.heads * d, 1.0);
+    let q = random(rng, n * s.heads * d, 1.0);
     let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
     dev.rope(&mut qd, d, &positions, &table)?;
     run.cpu.rope(&mut qc, d, &positions, &table)?;
@@ -227,6 +280,13 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
         F32_TOL,
     );
 
+    Ok(())
+}
+
+fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &CheckSizes) -> Result<()> {
+    let dev = run.dev;
+    let n = s.rows;
+    let d = s.head_dim;
     // Paged attention: one sequence prefilling `rows` tokens after a cached prefix of 3,
     // one decoding after `context` cached positions; blocks scattered and out of order.
     let kv_dim = s.kv_heads * d;
@@ -262,8 +322,8 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
             }
         }
         let t = layout.positions.len();
-        let k = random(&mut rng, t * kv_dim, 1.0);
-        let v = random(&mut rng, t * kv_dim, 1.0);
+        let k = random(rng, t * kv_dim, 1.0);
+        let v = random(rng, t * kv_dim, 1.0);
         let (kd, kc) = run.pair(&k, t, kv_dim)?;
         let (vd, vc) = run.pair(&v, t, kv_dim)?;
         dev.write_kv(&mut cd, &kd, &vd, &layout)?;
@@ -271,7 +331,7 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
         if phase == 0 {
             continue;
         }
-        let q = random(&mut rng, t * s.heads * d, 1.0);
+        let q = random(rng, t * s.heads * d, 1.0);
         let (qd, qc) = run.pair(&q, t, s.heads * d)?;
         for window in [None, Some(bs + 1)] {
             let shape = AttentionShape {
@@ -293,13 +353,5 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
             );
         }
     }
-    // A host-side collective round trip (what the communicator does to device tensors).
-    let (mut hd, _) = run.pair(&x, n, h)?;
-    dev.with_host_mut(&mut hd, &mut |data| {
-        data.iter_mut().for_each(|v| *v *= 2.0);
-        Ok(())
-    })?;
-    let doubled: Vec<f32> = x.iter().map(|v| v * 2.0).collect();
-    run.record("with_host_mut", format!("[{n}, {h}]"), &dev.to_host(&hd)?, &doubled, 0.0);
-    Ok(run.out)
+    Ok(())
 }

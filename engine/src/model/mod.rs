@@ -104,32 +104,17 @@ impl<B: Backend> Model<B> {
         let started = std::time::Instant::now();
         let c = &config;
         let s = &ms.shard;
-        let (h, hd) = (c.hidden_size, c.head_dim);
-        let q_dim = c.num_heads * hd;
-        let kv_dim = c.num_kv_heads * hd;
-        let q_rows = s.q_heads.start * hd..s.q_heads.end * hd;
-        let kv_rows = s.kv_heads.start * hd..s.kv_heads.end * hd;
-        let first = s.is_first_stage();
-        let last = ms.is_last_stage();
-        let lead = s.tp_rank == 0;
-        let mut bytes = 0usize;
-
-        let mut weight = |host: HostTensor| -> Result<B::Weight> {
-            let w = backend.load_weight(&host)?;
-            bytes += backend.weight_bytes(&w);
-            Ok(w)
-        };
-        let vocab_rows =
-            |name: &str| -> Result<HostTensor> { ckpt.get(name, &[c.vocab_size, h])?.rows(s.vocab.clone()) };
+        let (first, last) = (s.is_first_stage(), ms.is_last_stage());
+        let mut load = ShardLoader { backend: &backend, ckpt, config: c, shard: s, bytes: 0 };
         let embed = if first || (last && c.tie_word_embeddings) {
-            Some(weight(vocab_rows("model.embed_tokens.weight")?)?)
+            Some(load.vocab_rows("model.embed_tokens.weight")?)
         } else {
             None
         };
         let lm_head = if !last || c.tie_word_embeddings {
             None
         } else if ckpt.contains("lm_head.weight") {
-            Some(weight(vocab_rows("lm_head.weight")?)?)
+            Some(load.vocab_rows("lm_head.weight")?)
         } else {
             return Err(Error::model_file(
                 ckpt.dir(),
@@ -138,55 +123,11 @@ impl<B: Backend> Model<B> {
         };
         let mut layers = Vec::with_capacity(s.layers.len());
         for i in s.layers.clone() {
-            let p = format!("model.layers.{i}");
-            // Column-parallel: this rank's output rows (and bias elements).
-            let mut column = |name: &str,
-                              out: usize,
-                              inp: usize,
-                              rows: Range<usize>,
-                              bias: bool|
-             -> Result<Linear<B>> {
-                let w = weight(ckpt.get(&format!("{p}.{name}.weight"), &[out, inp])?.rows(rows.clone())?)?;
-                let bias = if bias {
-                    Some(backend.load_vector(&ckpt.get(&format!("{p}.{name}.bias"), &[out])?.rows(rows)?)?)
-                } else {
-                    None
-                };
-                Ok(Linear { weight: w, bias })
-            };
-            let q = column("self_attn.q_proj", q_dim, h, q_rows.clone(), c.qkv_bias)?;
-            let k = column("self_attn.k_proj", kv_dim, h, kv_rows.clone(), c.qkv_bias)?;
-            let v = column("self_attn.v_proj", kv_dim, h, kv_rows.clone(), c.qkv_bias)?;
-            let gate = column("mlp.gate_proj", c.intermediate_size, h, s.intermediate.clone(), c.mlp_bias)?;
-            let up = column("mlp.up_proj", c.intermediate_size, h, s.intermediate.clone(), c.mlp_bias)?;
-            // Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
-            let mut row = |name: &str, inp: usize, cols: Range<usize>, bias: bool| -> Result<Linear<B>> {
-                let full = ckpt.get(&format!("{p}.{name}.weight"), &[h, inp])?;
-                let host = if cols.len() == inp { full } else { full.columns(cols)? };
-                let w = weight(host)?;
-                let bias = if bias && lead {
-                    Some(vector(&backend, ckpt, &format!("{p}.{name}.bias"), h)?)
-                } else {
-                    None
-                };
-                Ok(Linear { weight: w, bias })
-            };
-            let o = row("self_attn.o_proj", q_dim, q_rows.clone(), c.o_bias)?;
-            let down = row("mlp.down_proj", c.intermediate_size, s.intermediate.clone(), c.mlp_bias)?;
-            layers.push(Layer {
-                input_norm: vector(&backend, ckpt, &format!("{p}.input_layernorm.weight"), h)?,
-                post_norm: vector(&backend, ckpt, &format!("{p}.post_attention_layernorm.weight"), h)?,
-                q,
-                k,
-                v,
-                o,
-                gate,
-                up,
-                down,
-            });
+            layers.push(load.layer(i)?);
             tracing::debug!(layer = i, of = c.num_layers, "layer loaded");
         }
-        let norm = vector(&backend, ckpt, "model.norm.weight", h)?;
+        let norm = vector(&backend, ckpt, "model.norm.weight", c.hidden_size)?;
+        let bytes = load.bytes;
         info!(
             backend = backend.name(),
             rank = s.rank,
@@ -417,6 +358,86 @@ impl Collectives for NoComm {
     }
     fn stats(&self) -> crate::comm::CommStats {
         crate::comm::CommStats::default()
+    }
+}
+
+/// Loads one rank's slices of a checkpoint's tensors onto a backend, counting bytes.
+struct ShardLoader<'a, B: Backend> {
+    backend: &'a B,
+    ckpt: &'a Checkpoint,
+    config: &'a ModelConfig,
+    shard: &'a RankShard,
+    bytes: usize,
+}
+
+impl<B: Backend> ShardLoader<'_, B> {
+    fn weight(&mut self, host: HostTensor) -> Result<B::Weight> {
+        let w = self.backend.load_weight(&host)?;
+        self.bytes += self.backend.weight_bytes(&w);
+        Ok(w)
+    }
+
+    /// This rank's vocabulary rows of an embedding-shaped tensor.
+    fn vocab_rows(&mut self, name: &str) -> Result<B::Weight> {
+        let c = self.config;
+        let host = self.ckpt.get(name, &[c.vocab_size, c.hidden_size])?.rows(self.shard.vocab.clone())?;
+        self.weight(host)
+    }
+
+    /// Column-parallel: this rank's output rows (and bias elements).
+    fn column(&mut self, name: &str, out: usize, rows: Range<usize>, bias: bool) -> Result<Linear<B>> {
+        let h = self.config.hidden_size;
+        let w = self.weight(self.ckpt.get(&format!("{name}.weight"), &[out, h])?.rows(rows.clone())?)?;
+        let bias = match bias {
+            true => {
+                Some(self.backend.load_vector(&self.ckpt.get(&format!("{name}.bias"), &[out])?.rows(rows)?)?)
+            }
+            false => None,
+        };
+        Ok(Linear { weight: w, bias })
+    }
+
+    /// Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
+    fn row(&mut self, name: &str, inp: usize, cols: Range<usize>, bias: bool) -> Result<Linear<B>> {
+        let h = self.config.hidden_size;
+        let full = self.ckpt.get(&format!("{name}.weight"), &[h, inp])?;
+        let host = if cols.len() == inp { full } else { full.columns(cols)? };
+        let w = self.weight(host)?;
+        let bias = match bias && self.shard.tp_rank == 0 {
+            true => Some(vector(self.backend, self.ckpt, &format!("{name}.bias"), h)?),
+            false => None,
+        };
+        Ok(Linear { weight: w, bias })
+    }
+
+    fn layer(&mut self, i: usize) -> Result<Layer<B>> {
+        let (c, s) = (self.config, self.shard);
+        let hd = c.head_dim;
+        let (q_dim, kv_dim, inter) = (c.num_heads * hd, c.num_kv_heads * hd, c.intermediate_size);
+        let q_rows = s.q_heads.start * hd..s.q_heads.end * hd;
+        let kv_rows = s.kv_heads.start * hd..s.kv_heads.end * hd;
+        let p = format!("model.layers.{i}");
+        Ok(Layer {
+            input_norm: vector(
+                self.backend,
+                self.ckpt,
+                &format!("{p}.input_layernorm.weight"),
+                c.hidden_size,
+            )?,
+            post_norm: vector(
+                self.backend,
+                self.ckpt,
+                &format!("{p}.post_attention_layernorm.weight"),
+                c.hidden_size,
+            )?,
+            q: self.column(&format!("{p}.self_attn.q_proj"), q_dim, q_rows.clone(), c.qkv_bias)?,
+            k: self.column(&format!("{p}.self_attn.k_proj"), kv_dim, kv_rows.clone(), c.qkv_bias)?,
+            v: self.column(&format!("{p}.self_attn.v_proj"), kv_dim, kv_rows, c.qkv_bias)?,
+            o: self.row(&format!("{p}.self_attn.o_proj"), q_dim, q_rows, c.o_bias)?,
+            gate: self.column(&format!("{p}.mlp.gate_proj"), inter, s.intermediate.clone(), c.mlp_bias)?,
+            up: self.column(&format!("{p}.mlp.up_proj"), inter, s.intermediate.clone(), c.mlp_bias)?,
+            down: self.row(&format!("{p}.mlp.down_proj"), inter, s.intermediate.clone(), c.mlp_bias)?,
+        })
     }
 }
 

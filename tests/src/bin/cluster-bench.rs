@@ -97,8 +97,29 @@ async fn main() {
         Cluster::start(2, workers, Timing { lease_ttl: 3.0, canary_interval: 1.0, canary_timeout: 10.0 });
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let mut admin = AdminClient::connect(a.clone()).await.unwrap();
+    report.insert("scale".into(), scale_latency(&args, &mut admin, workers).await);
+    report.insert("failover".into(), failover(&args, &mut cluster, &mut admin).await);
+    report.insert("routing".into(), routing(&args, &mut admin, &a, &b).await);
+    println!("{}", serde_json::Value::Object(report));
+}
 
-    // 1. Scale-up latency.
+type Admin = AdminClient<tonic::transport::Channel>;
+
+/// Waits until `n` workers hold no shard (a drained replica's worker has unloaded).
+async fn wait_free(admin: &mut Admin, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ws = admin.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
+        if ws.iter().filter(|w| w.replica.is_empty()).count() >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{n} free workers never came: {ws:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// 1. Scale-up latency: ScaleReplicas 1 → 2 until the new replica is ready.
+async fn scale_latency(args: &Args, admin: &mut Admin, workers: usize) -> serde_json::Value {
     let mut scale = Vec::new();
     for dir in &args.models {
         let name =
@@ -114,7 +135,7 @@ async fn main() {
             })
             .await
             .unwrap();
-        wait_ready(&mut admin, &name, 1).await;
+        wait_ready(admin, &name, 1).await;
         let mut times = Vec::new();
         for i in 0..args.repeats {
             let t = Instant::now();
@@ -122,7 +143,7 @@ async fn main() {
                 .scale_replicas(apb::ScaleReplicasRequest { name: name.clone(), replicas: 2 })
                 .await
                 .unwrap();
-            wait_ready(&mut admin, &name, 2).await;
+            wait_ready(admin, &name, 2).await;
             let s = t.elapsed().as_secs_f64();
             eprintln!("{name}: scale 1→2 ready in {s:.3} s (repeat {i})");
             times.push(s);
@@ -130,22 +151,25 @@ async fn main() {
                 .scale_replicas(apb::ScaleReplicasRequest { name: name.clone(), replicas: 1 })
                 .await
                 .unwrap();
-            wait_ready(&mut admin, &name, 1).await;
-            tokio::time::sleep(Duration::from_millis(500)).await; // the drained worker unloads
+            wait_ready(admin, &name, 1).await;
+            wait_free(admin, workers - 1).await; // the drained worker unloads
         }
         scale.push(serde_json::json!({
             "model": name, "repeats": args.repeats,
             "scale_to_ready_s_median": median(&times), "scale_to_ready_s": times,
         }));
         admin.undeploy_model(apb::UndeployModelRequest { name: name.clone() }).await.unwrap();
-        while !ready_ids(&mut admin, &name).await.is_empty() {
+        while !ready_ids(admin, &name).await.is_empty() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        wait_free(admin, workers).await;
     }
-    report.insert("scale".into(), serde_json::json!(scale));
+    serde_json::json!(scale)
+}
 
-    // 2. Failover: kill -9 a streaming worker; time until its streams' next token.
+/// 2. Failover: kill -9 a streaming worker; time until every stream's next token.
+async fn failover(args: &Args, cluster: &mut Cluster, admin: &mut Admin) -> serde_json::Value {
+    let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let stream_dir = args.stream_model.clone().unwrap_or_else(|| args.models[0].clone());
     admin
         .deploy_model(apb::DeployModelRequest {
@@ -160,12 +184,14 @@ async fn main() {
         .unwrap();
     let mut resume = Vec::new();
     for rep in 0..args.repeats.min(3) {
-        let rs = wait_ready(&mut admin, "s", 2).await;
+        let rs = wait_ready(admin, "s", 2).await;
         let ws = admin.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
         let addr = |id: &str| ws.iter().find(|w| w.id == id).unwrap().address.clone();
+        let received = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let streams: Vec<_> = (0..6u32)
             .map(|i| {
                 let ep = if i % 2 == 0 { a.clone() } else { b.clone() };
+                let received = received.clone();
                 tokio::spawn(async move {
                     let mut c = InferenceClient::connect(ep).await.unwrap();
                     let mut s =
@@ -173,6 +199,7 @@ async fn main() {
                     let mut times = Vec::new();
                     while let Some(m) = s.message().await.unwrap() {
                         times.push(Instant::now());
+                        received.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         if m.finish_reason != 0 {
                             break;
                         }
@@ -181,7 +208,10 @@ async fn main() {
                 })
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        // Mid-stream: every stream has tokens behind it.
+        while received.load(std::sync::atomic::Ordering::SeqCst) < 6 * 8 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         // The busier leader.
         let mut victim = rs[0].workers[0].clone();
         for r in &rs {
@@ -207,15 +237,14 @@ async fn main() {
         eprintln!("failover repeat {rep}: every stream's next token within {worst:.3} s of the kill");
         cluster.add_worker(&[], None);
     }
-    report.insert(
-        "failover".into(),
-        serde_json::json!({
-            "kill_to_every_streams_next_token_s_median": median(&resume),
-            "kill_to_every_streams_next_token_s": resume,
-        }),
-    );
+    serde_json::json!({
+        "kill_to_every_streams_next_token_s_median": median(&resume),
+        "kill_to_every_streams_next_token_s": resume,
+    })
+}
 
-    // 3. Routing overhead: coordinator vs straight to rank 0, on the first (small) model.
+/// 3. Routing overhead: through a coordinator vs straight to rank 0, on the first model.
+async fn routing(args: &Args, admin: &mut Admin, a: &str, b: &str) -> serde_json::Value {
     admin.undeploy_model(apb::UndeployModelRequest { name: "s".into() }).await.unwrap();
     admin
         .deploy_model(apb::DeployModelRequest {
@@ -228,10 +257,10 @@ async fn main() {
         })
         .await
         .unwrap();
-    let rs = wait_ready(&mut admin, "r", 2).await;
+    let rs = wait_ready(admin, "r", 2).await;
     let direct_addr = rs[0].leader_address.clone();
-    let mut ca = InferenceClient::connect(a.clone()).await.unwrap();
-    let mut cb = InferenceClient::connect(b.clone()).await.unwrap();
+    let mut ca = InferenceClient::connect(a.to_string()).await.unwrap();
+    let mut cb = InferenceClient::connect(b.to_string()).await.unwrap();
     let mut w = WorkerClient::connect(format!("http://{direct_addr}")).await.unwrap();
     let mut via = Vec::new();
     let mut direct = Vec::new();
@@ -259,14 +288,10 @@ async fn main() {
             direct.push(d);
         }
     }
-    report.insert(
-        "routing".into(),
-        serde_json::json!({
-            "requests": args.requests,
-            "via_coordinators_ms": {"p50": percentile(&via, 0.5), "p90": percentile(&via, 0.9), "p99": percentile(&via, 0.99)},
-            "direct_to_worker_ms": {"p50": percentile(&direct, 0.5), "p90": percentile(&direct, 0.9), "p99": percentile(&direct, 0.99)},
-            "overhead_p50_ms": percentile(&via, 0.5) - percentile(&direct, 0.5),
-        }),
-    );
-    println!("{}", serde_json::Value::Object(report));
+    serde_json::json!({
+        "requests": args.requests,
+        "via_coordinators_ms": {"p50": percentile(&via, 0.5), "p90": percentile(&via, 0.9), "p99": percentile(&via, 0.99)},
+        "direct_to_worker_ms": {"p50": percentile(&direct, 0.5), "p90": percentile(&direct, 0.9), "p99": percentile(&direct, 0.99)},
+        "overhead_p50_ms": percentile(&via, 0.5) - percentile(&direct, 0.5),
+    })
 }
