@@ -18,10 +18,9 @@ mkdir -p "$out"
 start_server() {
   log=$out/serve.log
   "$STRATA" serve --model "$MODEL" --name m --listen 127.0.0.1:0 --kv-cache-memory 3GiB \
-    --max-num-seqs 32 --max-batched-tokens 512 "$@" 2>"$log" &
+    --max-num-seqs 32 --max-batched-tokens 512 "$@" >"$out/serve.ready" 2>"$log" &
   pid=$!
-  for _ in $(seq 600); do grep -q "listening on" "$log" && break; sleep 0.1; done
-  addr=http://$(grep -o "listening on [0-9.:]*" "$log" | awk '{print $3}')
+  addr=http://$(scripts/ready_address.sh "$out/serve.ready" $pid 60)
 }
 stop_server() { kill -TERM $pid; wait $pid || true; }
 trap 'kill $pid 2>/dev/null || true' EXIT

@@ -8,11 +8,11 @@ STRATA=${STRATA:-target/release/strata}
 N=${1:-1000}
 MODEL=tests/fixtures/models/llama_gqa
 log=$(mktemp)
-"$STRATA" serve --model "$MODEL" --name tiny --listen 127.0.0.1:0 2>"$log" &
+ready=$(mktemp)
+"$STRATA" serve --model "$MODEL" --name tiny --listen 127.0.0.1:0 >"$ready" 2>"$log" &
 pid=$!
-trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
-addr=$(grep -o "listening on [0-9.:]*" "$log" | awk '{print $3}')
+trap 'kill $pid 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
+addr=$(scripts/ready_address.sh "$ready" $pid 10)
 local_json=$(RUST_LOG=warn "$STRATA" model latency --model "$MODEL" --requests "$N")
 grpc_json=$(RUST_LOG=warn "$STRATA" model latency --endpoint "http://$addr" --model tiny --requests "$N")
 python3 - "$local_json" "$grpc_json" <<'PY'

@@ -6,15 +6,11 @@ set -euo pipefail
 bin=$1
 model=$2
 log=$(mktemp)
-"$bin" serve --model "$model" --name demo --listen 127.0.0.1:0 2>"$log" &
+ready=$(mktemp)
+"$bin" serve --model "$model" --name demo --listen 127.0.0.1:0 >"$ready" 2>"$log" &
 pid=$!
-trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 300); do
-  grep -q "listening on" "$log" && break
-  kill -0 $pid 2>/dev/null || { cat "$log" >&2; exit 1; }
-  sleep 0.1
-done
-addr=$(grep -o "listening on [0-9.:]*" "$log" | awk '{print $3}')
+trap 'kill $pid 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
+addr=$("$(dirname "$0")/ready_address.sh" "$ready" $pid 30) || { cat "$log" >&2; exit 1; }
 echo "strata serve is listening on $addr (model \"demo\" from $model)"
 for prompt in "Once upon a time" "The quick brown fox" "Strata serves"; do
   echo

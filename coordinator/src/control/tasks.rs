@@ -22,6 +22,21 @@ use tracing::{info, warn};
 use super::view::ClusterView;
 use crate::routing::clients::WorkerClients;
 
+/// How long a model's builds wait after `failures` failed loads in a row: 1 s, doubling,
+/// at most 60 s.
+pub fn load_backoff(failures: u32) -> Duration {
+    Duration::from_secs(1 << failures.saturating_sub(1).min(6)).min(Duration::from_secs(60))
+}
+
+/// Why a model's next build waits, `since` its last of `failures` failed loads; None once
+/// the backoff has passed.
+pub fn backoff_reason(failures: u32, since: Duration, why: &str) -> Option<String> {
+    (failures > 0 && since < load_backoff(failures)).then(|| {
+        let s = if failures == 1 { "" } else { "s" };
+        format!("backing off after {failures} failed load{s} (last: {why})")
+    })
+}
+
 /// An error from a worker call, naming the worker by its id.
 fn on_worker(w: &WorkerRecord, e: Error) -> Error {
     Error::Relayed { class: e.class(), message: format!("worker {}: {e}", w.id) }
@@ -192,18 +207,7 @@ impl Ctx {
     pub fn backoff(&self) -> HashMap<String, String> {
         let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         f.iter()
-            .filter_map(|(m, (n, at, why))| {
-                let wait = Duration::from_secs(1 << (n - 1).min(6)).min(Duration::from_secs(60));
-                (at.elapsed() < wait).then(|| {
-                    (
-                        m.clone(),
-                        format!(
-                            "backing off after {n} failed load{} (last: {why})",
-                            if *n == 1 { "" } else { "s" }
-                        ),
-                    )
-                })
-            })
+            .filter_map(|(m, (n, at, why))| backoff_reason(*n, at.elapsed(), why).map(|r| (m.clone(), r)))
             .collect()
     }
 
@@ -488,5 +492,29 @@ pub async fn release(ctx: Arc<Ctx>, worker: String, replica: String) {
     if let Ok(w) = ctx.worker(&worker) {
         info!(worker = %worker, replica = %replica, "releasing a leftover shard");
         ctx.unload(&w, &replica).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_backoff_doubles_to_a_minute() {
+        let secs: Vec<u64> = (1..=9).map(|n| load_backoff(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
+        assert_eq!(load_backoff(u32::MAX).as_secs(), 60);
+    }
+
+    #[test]
+    fn a_model_waits_only_while_its_backoff_runs() {
+        let r = backoff_reason(3, Duration::from_secs(2), "no such file").unwrap();
+        assert!(r.contains("3 failed loads") && r.contains("no such file"), "{r}");
+        assert!(backoff_reason(3, Duration::from_secs(4), "x").is_none(), "4 s have passed");
+        assert_eq!(
+            backoff_reason(1, Duration::ZERO, "x").unwrap(),
+            "backing off after 1 failed load (last: x)"
+        );
+        assert!(backoff_reason(0, Duration::ZERO, "x").is_none());
     }
 }

@@ -95,8 +95,31 @@ struct Run {
     failovers: usize,
 }
 
-fn retry_elsewhere(e: &Error) -> bool {
+/// Whether a replica's refusal sends the request to another replica (it is gone, or full).
+pub fn retry_elsewhere(e: &Error) -> bool {
     matches!(e.class(), ErrorClass::Unavailable | ErrorClass::Overloaded)
+}
+
+/// What a sequence's next event means for the request.
+#[derive(Debug)]
+pub enum Turn {
+    /// A token for the caller.
+    Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
+    /// The replica was lost mid-stream: resume elsewhere (if failovers remain).
+    Lost(Error),
+    /// The request itself failed: tell the caller.
+    Failed(Error),
+}
+
+/// The failover policy for one event: `Unavailable` and a stream that ends unfinished are
+/// the replica's fault (resume elsewhere); any other error is the request's.
+pub fn turn(event: Option<SeqEvent>, replica: &str) -> Turn {
+    match event {
+        Some(SeqEvent::Token { token, logprobs, finish }) => Turn::Token { token, logprobs, finish },
+        Some(SeqEvent::Failed(e)) if e.class() == ErrorClass::Unavailable => Turn::Lost(e),
+        Some(SeqEvent::Failed(e)) => Turn::Failed(e),
+        None => Turn::Lost(Error::Unavailable(format!("replica {replica} went away mid-stream"))),
+    }
 }
 
 impl Run {
@@ -182,8 +205,8 @@ impl Run {
                 },
                 None => events.next().await,
             };
-            let lost = match next {
-                Some(SeqEvent::Token { token, logprobs, finish }) => {
+            let lost = match turn(next, &replica) {
+                Turn::Token { token, logprobs, finish } => {
                     self.job.generated.push(token);
                     let chunk = token_chunk(text, token, logprobs, finish);
                     let last = !matches!(chunk, Ok(Chunk { finish: None, .. }));
@@ -192,12 +215,11 @@ impl Run {
                     }
                     continue;
                 }
-                Some(SeqEvent::Failed(e)) if e.class() == ErrorClass::Unavailable => e,
-                Some(SeqEvent::Failed(e)) => {
+                Turn::Lost(e) => e,
+                Turn::Failed(e) => {
                     let _ = tx.send(Err(e)).await;
                     return;
                 }
-                None => Error::Unavailable(format!("replica {replica} went away mid-stream")),
             };
             self.model.routes.report_failure(&replica);
             self.excluded.push(replica.clone());
@@ -245,4 +267,38 @@ fn token_chunk(
         chunk.text.push_str(&text.finish()?.text);
     }
     Ok(chunk)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lost_replicas_resume_and_bad_requests_fail() {
+        let token = SeqEvent::Token { token: 7, logprobs: None, finish: None };
+        assert!(matches!(turn(Some(token), "r"), Turn::Token { token: 7, .. }));
+        let gone = SeqEvent::Failed(Error::Unavailable("worker died".into()));
+        assert!(matches!(turn(Some(gone), "r"), Turn::Lost(_)));
+        match turn(None, "r9") {
+            Turn::Lost(e) => assert!(e.to_string().contains("r9"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        let bad = SeqEvent::Failed(Error::invalid("prompt", "too long"));
+        assert!(matches!(turn(Some(bad), "r"), Turn::Failed(_)));
+        let relayed =
+            SeqEvent::Failed(Error::Relayed { class: ErrorClass::Unavailable, message: "x".into() });
+        assert!(
+            matches!(turn(Some(relayed), "r"), Turn::Lost(_)),
+            "the class decides, wherever it came from"
+        );
+    }
+
+    #[test]
+    fn only_gone_or_full_replicas_are_retried_elsewhere() {
+        assert!(retry_elsewhere(&Error::Unavailable("x".into())));
+        assert!(retry_elsewhere(&Error::Overloaded("x".into())));
+        assert!(!retry_elsewhere(&Error::invalid("max_tokens", "x")));
+        assert!(!retry_elsewhere(&Error::DeadlineExceeded("x".into())));
+        assert!(!retry_elsewhere(&Error::Internal("x".into())));
+    }
 }

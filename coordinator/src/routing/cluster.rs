@@ -4,7 +4,7 @@
 //! Load is what this coordinator has outstanding on a replica, or what the replica last
 //! reported (`Stats`, polled by the catalog) when that is more — the report also counts
 //! other coordinators' requests. A replica a request just failed on is avoided for a few
-//! seconds, until the leader coordinator's verdict reaches the view.
+//! seconds ([`Suspects`]), until the leader coordinator's verdict reaches the view.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,11 +19,9 @@ use super::clients::WorkerClients;
 use strata_common::prefix::{block_hashes, DEFAULT_BLOCK_SIZE};
 
 use super::prefix::{prompt_key, select, Candidate, PrefixIndex};
+use super::suspects::Suspects;
 use super::{EventStream, Job, Replica, Routes};
 use crate::control::view::ClusterView;
-
-/// How long a replica a request failed on is avoided by this coordinator.
-const SUSPECT_FOR: Duration = Duration::from_secs(5);
 
 #[derive(Default)]
 struct ReplicaLoad {
@@ -38,7 +36,7 @@ pub struct ClusterRoutes {
     clients: Arc<WorkerClients>,
     loads: Mutex<HashMap<String, Arc<ReplicaLoad>>>,
     index: Mutex<PrefixIndex>,
-    suspects: Mutex<HashMap<String, Instant>>,
+    suspects: Mutex<Suspects>,
     /// The replicas' KV block size, as they report it (0 until one has).
     block_size: AtomicUsize,
 }
@@ -51,7 +49,7 @@ impl ClusterRoutes {
             clients,
             loads: Mutex::new(HashMap::new()),
             index: Mutex::new(PrefixIndex::new(1 << 16)),
-            suspects: Mutex::new(HashMap::new()),
+            suspects: Mutex::new(Suspects::default()),
             block_size: AtomicUsize::new(0),
         }
     }
@@ -93,12 +91,7 @@ impl ClusterRoutes {
 #[async_trait::async_trait]
 impl Routes for ClusterRoutes {
     fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
-        let now = Instant::now();
-        let suspects: Vec<String> = {
-            let mut s = self.suspects.lock().unwrap_or_else(|p| p.into_inner());
-            s.retain(|_, until| *until > now);
-            s.keys().cloned().collect()
-        };
+        let suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).current(Instant::now());
         let ready: Vec<(String, String)> = self
             .ready_replicas()
             .into_iter()
@@ -134,10 +127,7 @@ impl Routes for ClusterRoutes {
     }
 
     fn report_failure(&self, replica: &str) {
-        self.suspects
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(replica.to_string(), Instant::now() + SUSPECT_FOR);
+        self.suspects.lock().unwrap_or_else(|p| p.into_inner()).report(replica, Instant::now());
     }
 
     async fn wait_for_change(&self, limit: Duration) -> bool {
@@ -145,15 +135,8 @@ impl Routes for ClusterRoutes {
         rx.borrow_and_update();
         let deadline = tokio::time::Instant::now() + limit;
         // Suspicion expires too: wake up when it does, so a request can try again.
-        let wake = self
-            .suspects
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .min()
-            .map(|t| tokio::time::Instant::from_std(*t))
-            .unwrap_or(deadline)
-            .min(deadline);
+        let next = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).next_expiry();
+        let wake = next.map(tokio::time::Instant::from_std).unwrap_or(deadline).min(deadline);
         matches!(tokio::time::timeout_at(wake, rx.changed()).await, Ok(Ok(()))) || wake < deadline
     }
 

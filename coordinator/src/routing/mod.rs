@@ -24,6 +24,7 @@ pub mod clients;
 pub mod cluster;
 pub mod grpc_worker;
 pub mod prefix;
+pub mod suspects;
 
 pub use strata_common::worker_api::{EventStream, Job};
 
