@@ -17,7 +17,7 @@ use tracing::debug;
 
 use crate::backend::{Backend, BatchLayout, SeqSlice};
 use crate::dist::{kv_blocks, LocalExecutor, StepExecutor};
-use crate::kv::{BlockPool, DEFAULT_BLOCK_SIZE};
+use crate::kv::{BlockPool, BlockTable, DEFAULT_BLOCK_SIZE};
 use crate::logits::{LogitsWanted, StepLogits, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
@@ -260,7 +260,7 @@ impl Engine {
                 token_start: start,
                 num_tokens: item.end - item.start,
                 context_before: item.start,
-                block_table: seq.blocks.clone(),
+                block_table: seq.blocks.to_vec(),
             });
             if item.sample {
                 logit_rows.push(ids.len() - 1);
@@ -314,8 +314,9 @@ impl Engine {
     /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,
     /// benchmarks). Leaves no state behind.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
-        let pool = self.scheduler.pool_mut();
-        let mut blocks = Vec::new();
+        let pool = self.scheduler.pool();
+        // A scratch table: its blocks go back when it is dropped, whatever happens.
+        let mut blocks = BlockTable::default();
         pool.grow(&mut blocks, prompt.len())?;
         let layout = BatchLayout {
             positions: (0..prompt.len() as u32).collect(),
@@ -324,12 +325,12 @@ impl Engine {
                 token_start: 0,
                 num_tokens: prompt.len(),
                 context_before: 0,
-                block_table: blocks.clone(),
+                block_table: blocks.to_vec(),
             }],
             block_size: pool.block_size(),
         };
         let logits = self.exec.execute(prompt, &layout, &[prompt.len() - 1], LogitsWanted::Full);
-        self.scheduler.pool_mut().release(&mut blocks);
+        drop(blocks);
         logits?.into_full()
     }
 }

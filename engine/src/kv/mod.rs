@@ -13,16 +13,15 @@
 //! The backend owns the storage; this module only decides which block holds what.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use strata_common::{Error, Result};
 
 pub use strata_common::prefix::{chain_hash, BlockHash, DEFAULT_BLOCK_SIZE};
 
+/// The pool's bookkeeping, shared by the pool and every block table holding its blocks.
 #[derive(Debug)]
-pub struct BlockPool {
-    block_size: usize,
-    num_blocks: usize,
-    prefix_caching: bool,
+struct PoolState {
     /// Blocks holding nothing reusable.
     free: Vec<u32>,
     refs: Vec<u32>,
@@ -34,53 +33,59 @@ pub struct BlockPool {
     tick: u64,
 }
 
-impl BlockPool {
-    pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        Self::with_prefix_caching(num_blocks, block_size, false)
-    }
+type Shared = Arc<Mutex<PoolState>>;
 
-    pub fn with_prefix_caching(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
-        assert!(block_size > 0);
-        BlockPool {
-            block_size,
-            num_blocks,
-            prefix_caching,
-            // Reversed so blocks are handed out from 0 upwards.
-            free: (0..num_blocks as u32).rev().collect(),
-            refs: vec![0; num_blocks],
-            hash_of: vec![None; num_blocks],
-            cached: HashMap::new(),
-            evictable: BTreeMap::new(),
-            last_use: vec![0; num_blocks],
-            tick: 0,
+fn lock(state: &Shared) -> MutexGuard<'_, PoolState> {
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The KV blocks of one replica. Blocks are handed out in [`BlockTable`]s, which give
+/// them back when dropped or cleared: a sequence that ends any way at all (finished,
+/// cancelled, preempted, aborted, its request dropped) cannot leak cache.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    block_size: usize,
+    num_blocks: usize,
+    prefix_caching: bool,
+    state: Shared,
+}
+
+/// A sequence's KV blocks, in order. Dropping (or clearing) it lets go of every block;
+/// hashed blocks stay findable by prefix until evicted.
+#[derive(Debug, Default)]
+pub struct BlockTable {
+    blocks: Vec<u32>,
+    /// The pool the blocks came from (None while empty and never grown).
+    pool: Option<Shared>,
+}
+
+impl BlockTable {
+    /// Lets go of every block now.
+    pub fn clear(&mut self) {
+        if let Some(pool) = &self.pool {
+            if !self.blocks.is_empty() {
+                lock(pool).release(&mut self.blocks);
+            }
         }
     }
+}
 
-    pub fn block_size(&self) -> usize {
-        self.block_size
+impl std::ops::Deref for BlockTable {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.blocks
     }
+}
 
-    pub fn num_blocks(&self) -> usize {
-        self.num_blocks
+impl Drop for BlockTable {
+    fn drop(&mut self) {
+        self.clear();
     }
+}
 
-    pub fn prefix_caching(&self) -> bool {
-        self.prefix_caching
-    }
-
-    /// Blocks an allocation can take now (free plus evictable).
-    pub fn num_free(&self) -> usize {
+impl PoolState {
+    fn num_free(&self) -> usize {
         self.free.len() + self.evictable.len()
-    }
-
-    /// Unreferenced blocks that still hold a cached prefix.
-    pub fn num_cached_idle(&self) -> usize {
-        self.evictable.len()
-    }
-
-    /// Blocks needed to hold `positions` positions.
-    pub fn blocks_for(&self, positions: usize) -> usize {
-        positions.div_ceil(self.block_size)
     }
 
     fn take_one(&mut self) -> Option<u32> {
@@ -101,25 +106,7 @@ impl BlockPool {
         Some(block)
     }
 
-    /// Grows `table` so that it holds `positions` positions; all or nothing.
-    pub fn grow(&mut self, table: &mut Vec<u32>, positions: usize) -> Result<()> {
-        let need = self.blocks_for(positions).saturating_sub(table.len());
-        if need > self.num_free() {
-            return Err(Error::Overloaded(format!(
-                "KV cache full: need {need} more blocks, {} free of {}",
-                self.num_free(),
-                self.num_blocks
-            )));
-        }
-        for _ in 0..need {
-            let b = self.take_one().expect("checked above");
-            table.push(b);
-        }
-        Ok(())
-    }
-
-    /// Lets go of every block of `table`; hashed blocks stay findable until evicted.
-    pub fn release(&mut self, table: &mut Vec<u32>) {
+    fn release(&mut self, table: &mut Vec<u32>) {
         for b in table.drain(..) {
             let r = &mut self.refs[b as usize];
             debug_assert!(*r > 0, "block {b} released twice");
@@ -135,37 +122,110 @@ impl BlockPool {
             }
         }
     }
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_prefix_caching(num_blocks, block_size, false)
+    }
+
+    pub fn with_prefix_caching(num_blocks: usize, block_size: usize, prefix_caching: bool) -> Self {
+        assert!(block_size > 0);
+        let state = PoolState {
+            // Reversed so blocks are handed out from 0 upwards.
+            free: (0..num_blocks as u32).rev().collect(),
+            refs: vec![0; num_blocks],
+            hash_of: vec![None; num_blocks],
+            cached: HashMap::new(),
+            evictable: BTreeMap::new(),
+            last_use: vec![0; num_blocks],
+            tick: 0,
+        };
+        BlockPool { block_size, num_blocks, prefix_caching, state: Arc::new(Mutex::new(state)) }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching
+    }
+
+    /// Blocks an allocation can take now (free plus evictable).
+    pub fn num_free(&self) -> usize {
+        lock(&self.state).num_free()
+    }
+
+    /// Unreferenced blocks that still hold a cached prefix.
+    pub fn num_cached_idle(&self) -> usize {
+        lock(&self.state).evictable.len()
+    }
+
+    /// Blocks needed to hold `positions` positions.
+    pub fn blocks_for(&self, positions: usize) -> usize {
+        positions.div_ceil(self.block_size)
+    }
+
+    /// Grows `table` so that it holds `positions` positions; all or nothing.
+    pub fn grow(&self, table: &mut BlockTable, positions: usize) -> Result<()> {
+        let need = self.blocks_for(positions).saturating_sub(table.len());
+        let mut state = lock(&self.state);
+        if need > state.num_free() {
+            return Err(Error::Overloaded(format!(
+                "KV cache full: need {need} more blocks, {} free of {}",
+                state.num_free(),
+                self.num_blocks
+            )));
+        }
+        table.pool.get_or_insert_with(|| self.state.clone());
+        for _ in 0..need {
+            let b = state.take_one().expect("checked above");
+            table.blocks.push(b);
+        }
+        Ok(())
+    }
 
     /// Hashes of the full blocks of `tokens`, chained.
     pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
         strata_common::prefix::block_hashes(tokens, self.block_size)
     }
 
-    /// Takes a reference to the cached blocks holding the longest cached prefix of
-    /// `hashes`; returns them in order (empty when prefix caching is off).
-    pub fn acquire_prefix(&mut self, hashes: &[BlockHash]) -> Vec<u32> {
-        let mut blocks = Vec::new();
+    /// A table referencing the cached blocks that hold the longest cached prefix of
+    /// `hashes`, in order (empty when prefix caching is off).
+    pub fn acquire_prefix(&self, hashes: &[BlockHash]) -> BlockTable {
+        let mut table = BlockTable { blocks: Vec::new(), pool: Some(self.state.clone()) };
         if !self.prefix_caching {
-            return blocks;
+            return table;
         }
+        let mut state = lock(&self.state);
         for h in hashes {
-            let Some(&b) = self.cached.get(h) else { break };
-            if self.refs[b as usize] == 0 {
-                self.evictable.remove(&self.last_use[b as usize]);
+            let Some(&b) = state.cached.get(h) else { break };
+            if state.refs[b as usize] == 0 {
+                let tick = state.last_use[b as usize];
+                state.evictable.remove(&tick);
             }
-            self.refs[b as usize] += 1;
-            blocks.push(b);
+            state.refs[b as usize] += 1;
+            table.blocks.push(b);
         }
-        blocks
+        table
     }
 
     /// Records that `block` now holds the full block with hash `hash`.
-    pub fn register(&mut self, block: u32, hash: BlockHash) {
-        if !self.prefix_caching || self.hash_of[block as usize].is_some() {
+    pub fn register(&self, block: u32, hash: BlockHash) {
+        if !self.prefix_caching {
             return;
         }
-        self.hash_of[block as usize] = Some(hash);
-        self.cached.entry(hash).or_insert(block);
+        let mut state = lock(&self.state);
+        if state.hash_of[block as usize].is_some() {
+            return;
+        }
+        state.hash_of[block as usize] = Some(hash);
+        state.cached.entry(hash).or_insert(block);
     }
 
     /// The flat slot of position `pos` of a sequence with this block table.
@@ -174,29 +234,27 @@ impl BlockPool {
     }
 }
 
-/// The hash of a block holding `tokens` after a prefix whose last block hashed to `parent`
-/// (0 for the first block).
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn grow_and_release_return_every_block() {
-        let mut pool = BlockPool::new(4, 16);
-        let mut a = Vec::new();
+        let pool = BlockPool::new(4, 16);
+        let mut a = BlockTable::default();
         pool.grow(&mut a, 17).unwrap();
         assert_eq!(a.len(), 2);
         pool.grow(&mut a, 32).unwrap();
         assert_eq!(a.len(), 2, "32 positions still fit in two blocks");
-        let mut b = Vec::new();
+        let mut b = BlockTable::default();
         pool.grow(&mut b, 33).unwrap_err();
         assert!(b.is_empty(), "a failed grow takes nothing");
         pool.grow(&mut b, 20).unwrap();
         assert_eq!(pool.num_free(), 0);
-        pool.release(&mut a);
-        pool.release(&mut b);
+        a.clear();
+        assert!(a.is_empty());
+        drop(b); // dropping a table gives its blocks back
         assert_eq!(pool.num_free(), 4);
-        assert!(a.is_empty() && b.is_empty());
     }
 
     #[test]
@@ -220,40 +278,39 @@ mod tests {
 
     #[test]
     fn released_prefixes_are_reused_then_evicted_lru() {
-        let mut pool = BlockPool::with_prefix_caching(3, 2, true);
+        let pool = BlockPool::with_prefix_caching(3, 2, true);
         let hashes = pool.block_hashes(&[1, 2, 3, 4]);
-        let mut a = Vec::new();
+        let mut a = BlockTable::default();
         pool.grow(&mut a, 4).unwrap();
         pool.register(a[0], hashes[0]);
         pool.register(a[1], hashes[1]);
-        let blocks = a.clone();
-        pool.release(&mut a);
+        let blocks = a.to_vec();
+        drop(a);
         assert_eq!((pool.num_free(), pool.num_cached_idle()), (3, 2));
 
         // A sequence with the same first block shares it.
         let got = pool.acquire_prefix(&pool.block_hashes(&[1, 2, 9, 9]));
-        assert_eq!(got, vec![blocks[0]]);
+        assert_eq!(got.to_vec(), vec![blocks[0]]);
         assert_eq!(pool.num_cached_idle(), 1);
-        let mut shared = got;
-        pool.release(&mut shared);
+        drop(got);
 
         // Allocating everything evicts the cached blocks, least recently used first.
-        let mut c = Vec::new();
+        let mut c = BlockTable::default();
         pool.grow(&mut c, 6).unwrap();
         assert_eq!(pool.num_free(), 0);
         assert!(pool.acquire_prefix(&hashes).is_empty(), "evicted blocks are not found");
-        pool.release(&mut c);
+        drop(c);
         assert_eq!(pool.num_free(), 3);
     }
 
     #[test]
     fn disabled_prefix_caching_never_shares() {
-        let mut pool = BlockPool::new(2, 2);
+        let pool = BlockPool::new(2, 2);
         let h = pool.block_hashes(&[1, 2]);
-        let mut a = Vec::new();
+        let mut a = BlockTable::default();
         pool.grow(&mut a, 2).unwrap();
         pool.register(a[0], h[0]);
-        pool.release(&mut a);
+        drop(a);
         assert!(pool.acquire_prefix(&h).is_empty());
         assert_eq!(pool.num_free(), 2);
     }

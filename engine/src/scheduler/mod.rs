@@ -12,15 +12,16 @@
 //!    cache allow, reusing cached prefix blocks; a prompt longer than the budget is
 //!    prefilled in chunks across steps, so decodes keep flowing and no prompt starves.
 //!
-//! Blocks are owned by the [`BlockPool`]; every path that ends a sequence (finish,
-//! cancel, preemption) gives its blocks back.
+//! Blocks come from the [`BlockPool`] in a [`BlockTable`] that gives them back when
+//! dropped, so every path that ends a sequence (finish, cancel, abort) frees its cache
+//! by dropping it; preemption clears the table and keeps the sequence.
 
 use std::collections::VecDeque;
 
 use strata_common::Error;
 
 use crate::engine::SeqId;
-use crate::kv::{chain_hash, BlockHash, BlockPool};
+use crate::kv::{chain_hash, BlockHash, BlockPool, BlockTable};
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -44,14 +45,15 @@ pub struct SeqData {
     pub tokens: Vec<u32>,
     /// Tokens whose K and V are in the cache.
     pub computed: usize,
-    pub blocks: Vec<u32>,
+    /// Its KV blocks; given back to the pool when the sequence is dropped.
+    pub blocks: BlockTable,
     /// Hashes of this sequence's full blocks registered so far.
     hashes: Vec<BlockHash>,
 }
 
 impl SeqData {
     pub fn new(id: SeqId, prompt: Vec<u32>) -> Self {
-        SeqData { id, tokens: prompt, computed: 0, blocks: Vec::new(), hashes: Vec::new() }
+        SeqData { id, tokens: prompt, computed: 0, blocks: BlockTable::default(), hashes: Vec::new() }
     }
 }
 
@@ -112,10 +114,6 @@ impl Scheduler {
         &self.pool
     }
 
-    pub fn pool_mut(&mut self) -> &mut BlockPool {
-        &mut self.pool
-    }
-
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -143,15 +141,14 @@ impl Scheduler {
 
     /// Removes a sequence wherever it is and frees its blocks; false if unknown.
     pub fn remove(&mut self, id: SeqId) -> bool {
-        let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            self.running.remove(i)
+        // Dropping the sequence gives its blocks back.
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            drop(self.running.remove(i));
         } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
-            self.waiting.remove(i).expect("index from position")
+            drop(self.waiting.remove(i));
         } else {
             return false;
-        };
-        let mut blocks = seq.blocks;
-        self.pool.release(&mut blocks);
+        }
         true
     }
 
@@ -193,8 +190,7 @@ impl Scheduler {
             let newest = self.running.len() - 1;
             if newest == i && plan.seqs.is_empty() && i == 0 {
                 // Alone and still too big: the cache can never hold it.
-                let mut seq = self.running.remove(i);
-                self.pool.release(&mut seq.blocks);
+                let seq = self.running.remove(i); // dropped below: its blocks go back
                 let capacity = self.pool.num_blocks() * self.pool.block_size();
                 plan.aborted.push((
                     seq.id,
@@ -215,7 +211,7 @@ impl Scheduler {
 
     fn preempt(&mut self, mut seq: SeqData) {
         self.stats.preemptions += 1;
-        self.pool.release(&mut seq.blocks);
+        seq.blocks.clear();
         seq.computed = 0;
         seq.hashes.clear();
         self.waiting.push_front(seq);
@@ -237,7 +233,7 @@ impl Scheduler {
             let want = (seq.tokens.len() - seq.computed).min(budget);
             if self.pool.grow(&mut seq.blocks, seq.computed + want).is_err() {
                 // FIFO: nobody overtakes the head. Its cached prefix stays findable.
-                self.pool.release(&mut seq.blocks);
+                seq.blocks.clear();
                 seq.computed = 0;
                 seq.hashes.clear();
                 break;
