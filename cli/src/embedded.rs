@@ -105,7 +105,7 @@ async fn start_worker(
 async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Keys) -> anyhow::Result<()> {
     for m in &opts.models {
         let spec = ModelSpec {
-            name: m.name.clone(),
+            name: m.name.as_str().into(),
             model_dir: m.dir.to_string_lossy().into_owned(),
             dtype: String::new(),
             tp: m.par.tp as u32,
@@ -133,7 +133,7 @@ async fn wait_loaded(
         let v = view.borrow_and_update().clone();
         let mut all = true;
         for m in models {
-            for r in v.replicas.get(&m.name).into_iter().flat_map(|rs| rs.values()) {
+            for r in v.replicas.get(m.name.as_str()).into_iter().flat_map(|rs| rs.values()) {
                 if r.state == ReplicaState::Failed {
                     bail!("loading model {:?}: {}", m.name, r.reason);
                 }

@@ -8,6 +8,7 @@
 //!
 //! [`Keys`]: crate::registry::keys::Keys
 
+use crate::ids::{ModelName, ReplicaId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -39,8 +40,8 @@ pub enum ShardState {
 /// The replica rank a worker serves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Assignment {
-    pub replica: String,
-    pub model: String,
+    pub replica: ReplicaId,
+    pub model: ModelName,
     pub rank: u32,
     pub state: ShardState,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -50,7 +51,7 @@ pub struct Assignment {
 /// `<prefix>/workers/<id>`, written by the worker with its lease.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerRecord {
-    pub id: String,
+    pub id: WorkerId,
     /// worker.v1 address coordinators call ("host:port").
     pub address: String,
     pub capacity: Capacity,
@@ -77,7 +78,7 @@ pub struct EngineLimits {
 /// `<prefix>/models/<name>`: what an operator asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
-    pub name: String,
+    pub name: ModelName,
     /// HF model directory, as the workers see it.
     pub model_dir: String,
     /// "bf16", "f16", "f32", or empty for the checkpoint's own dtype.
@@ -168,15 +169,15 @@ impl ReplicaState {
 /// `<prefix>/replicas/<model>/<id>`, written by the leader coordinator.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaRecord {
-    pub id: String,
-    pub model: String,
+    pub id: ReplicaId,
+    pub model: ModelName,
     pub state: ReplicaState,
     /// Why it is in this state ("waiting for 2 free workers (1 free)", "rank 1 ...").
     #[serde(default)]
     pub reason: String,
     /// Worker id of each rank, in rank order; empty while pending.
     #[serde(default)]
-    pub workers: Vec<String>,
+    pub workers: Vec<WorkerId>,
     /// worker.v1 address of rank 0, where requests go.
     #[serde(default)]
     pub leader_address: String,

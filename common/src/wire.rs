@@ -12,6 +12,7 @@ use crate::cluster::{Assignment, EngineLimits, ShardState};
 use crate::device::DType;
 use crate::error::{Error, Result};
 use crate::events::{EngineStats, SeqEvent, TokenLogprobs};
+use crate::ids::ReplicaId;
 use crate::sampling::{FinishReason, SamplingParams};
 use crate::shard::Parallelism;
 use crate::worker_api::{Job, ModelFiles, ShardLoad, WorkerStatus};
@@ -87,7 +88,7 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
 }
 
 /// `(replica, job)` of a worker.v1 request.
-pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (String, Job) {
+pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (ReplicaId, Job) {
     let mut params = SamplingParams {
         max_new_tokens: r.max_tokens,
         ignore_eos: r.ignore_eos,
@@ -102,7 +103,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (String, Job) {
         generated: r.generated_token_ids,
         params,
     };
-    (r.replica_id, job)
+    (r.replica_id.into(), job)
 }
 
 /// One token event as a worker.v1 message (failures travel as the stream's status).
@@ -166,8 +167,8 @@ pub fn stats_from_pb(r: &wpb::StatsResponse) -> EngineStats {
 
 pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
     wpb::LoadShardRequest {
-        replica_id: l.replica.clone(),
-        model: l.model.clone(),
+        replica_id: l.replica.to_string(),
+        model: l.model.to_string(),
         model_dir: l.model_dir.clone(),
         dtype: l.dtype.map(|d| d.name().to_ascii_lowercase()).unwrap_or_default(),
         tp: l.par.tp as u32,
@@ -184,8 +185,8 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
 pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
     let dtype = if r.dtype.is_empty() { None } else { Some(DType::parse(&r.dtype)?) };
     Ok(ShardLoad {
-        replica: r.replica_id,
-        model: r.model,
+        replica: r.replica_id.into(),
+        model: r.model.into(),
         model_dir: r.model_dir,
         dtype,
         par: Parallelism { tp: r.tp as usize, pp: r.pp as usize },
@@ -201,8 +202,8 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
 
 pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {
     let shard = s.assignment.map(|a| wpb::Shard {
-        replica_id: a.replica,
-        model: a.model,
+        replica_id: a.replica.into(),
+        model: a.model.into(),
         rank: a.rank,
         state: match a.state {
             ShardState::Loading => wpb::ShardState::Loading,
@@ -212,7 +213,7 @@ pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {
         error: a.error,
     });
     wpb::StatusResponse {
-        worker_id: s.worker_id,
+        worker_id: s.worker_id.into(),
         shard,
         draining: s.draining,
         stats: Some(stats_to_pb(s.stats)),
@@ -225,8 +226,8 @@ pub fn status_from_pb(r: wpb::StatusResponse) -> Result<WorkerStatus> {
     let assignment = match r.shard {
         None => None,
         Some(s) => Some(Assignment {
-            replica: s.replica_id,
-            model: s.model,
+            replica: s.replica_id.into(),
+            model: s.model.into(),
             rank: s.rank,
             state: match wpb::ShardState::try_from(s.state) {
                 Ok(wpb::ShardState::Loading) => ShardState::Loading,
@@ -240,7 +241,7 @@ pub fn status_from_pb(r: wpb::StatusResponse) -> Result<WorkerStatus> {
         }),
     };
     Ok(WorkerStatus {
-        worker_id: r.worker_id,
+        worker_id: r.worker_id.into(),
         assignment,
         draining: r.draining,
         stats: r.stats.as_ref().map(stats_from_pb).unwrap_or_default(),

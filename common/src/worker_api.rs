@@ -15,6 +15,7 @@ use crate::cluster::{Assignment, EngineLimits};
 use crate::device::DType;
 use crate::error::Result;
 use crate::events::{EngineStats, SeqEvent};
+use crate::ids::{ModelName, ReplicaId, WorkerId};
 use crate::sampling::SamplingParams;
 use crate::shard::Parallelism;
 
@@ -35,8 +36,8 @@ pub type EventStream = BoxStream<'static, SeqEvent>;
 /// One rank of a replica for a worker to load.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardLoad {
-    pub replica: String,
-    pub model: String,
+    pub replica: ReplicaId,
+    pub model: ModelName,
     /// Model directory as the worker sees it.
     pub model_dir: String,
     /// Weight dtype; None keeps the checkpoint's.
@@ -51,7 +52,7 @@ pub struct ShardLoad {
 /// What a worker holds and how busy it is.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerStatus {
-    pub worker_id: String,
+    pub worker_id: WorkerId,
     pub assignment: Option<Assignment>,
     pub draining: bool,
     pub stats: EngineStats,
@@ -88,19 +89,19 @@ impl ModelFiles {
 #[async_trait::async_trait]
 pub trait WorkerApi: Send + Sync {
     /// Starts `job` on `replica`, which this worker must lead (rank 0).
-    async fn generate(&self, replica: &str, job: &Job) -> Result<EventStream>;
+    async fn generate(&self, replica: &ReplicaId, job: &Job) -> Result<EventStream>;
     /// The load of the replica this worker leads (zeros when it leads none).
     async fn stats(&self) -> Result<EngineStats>;
     /// Starts loading a shard; rank 0 answers its rendezvous address for the other ranks.
     async fn load_shard(&self, load: ShardLoad) -> Result<Option<String>>;
     /// Drops the shard of `replica`, if this worker holds it.
-    async fn unload_shard(&self, replica: &str) -> Result<()>;
+    async fn unload_shard(&self, replica: &ReplicaId) -> Result<()>;
     async fn status(&self) -> Result<WorkerStatus>;
     /// Proves a step still goes through every rank of `replica` within `limit`; answers
     /// how long it took.
-    async fn canary(&self, replica: &str, limit: Duration) -> Result<Duration>;
+    async fn canary(&self, replica: &ReplicaId, limit: Duration) -> Result<Duration>;
     /// Stops `replica` taking new sequences; running ones finish.
-    async fn drain(&self, replica: &str) -> Result<()>;
+    async fn drain(&self, replica: &ReplicaId) -> Result<()>;
     /// The small files of `model_dir` as this worker reads them.
     async fn model_files(&self, model_dir: &str) -> Result<ModelFiles>;
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use strata_common::worker_api::{EventStream, Job, ModelFiles, ShardLoad, WorkerApi, WorkerStatus};
-use strata_common::{EngineStats, Error, Result};
+use strata_common::{EngineStats, Error, ReplicaId, Result};
 use strata_engine::SequenceStream;
 
 use crate::agent::WorkerAgent;
@@ -24,7 +24,7 @@ pub struct InProcessWorker(pub Arc<WorkerAgent>);
 
 #[async_trait::async_trait]
 impl WorkerApi for InProcessWorker {
-    async fn generate(&self, replica: &str, job: &Job) -> Result<EventStream> {
+    async fn generate(&self, replica: &ReplicaId, job: &Job) -> Result<EventStream> {
         let engine = self.0.serving(replica)?;
         let seq = engine.submit_resumed(job.prompt.clone(), job.generated.clone(), job.params.clone())?;
         Ok(sequence_events(seq))
@@ -38,7 +38,7 @@ impl WorkerApi for InProcessWorker {
         self.0.load(load)
     }
 
-    async fn unload_shard(&self, replica: &str) -> Result<()> {
+    async fn unload_shard(&self, replica: &ReplicaId) -> Result<()> {
         // Dropping an engine joins nothing but may block briefly on the shutdown sends.
         let agent = self.0.clone();
         let replica = replica.to_string();
@@ -50,7 +50,7 @@ impl WorkerApi for InProcessWorker {
     async fn status(&self) -> Result<WorkerStatus> {
         let st = self.0.status();
         Ok(WorkerStatus {
-            worker_id: self.0.id().to_string(),
+            worker_id: self.0.id().into(),
             assignment: st.assignment,
             draining: st.draining,
             stats: st.stats,
@@ -59,7 +59,7 @@ impl WorkerApi for InProcessWorker {
         })
     }
 
-    async fn canary(&self, replica: &str, limit: Duration) -> Result<Duration> {
+    async fn canary(&self, replica: &ReplicaId, limit: Duration) -> Result<Duration> {
         let engine = self.0.leader(replica)?;
         let started = Instant::now();
         match tokio::time::timeout(limit, engine.canary()).await {
@@ -72,7 +72,7 @@ impl WorkerApi for InProcessWorker {
         }
     }
 
-    async fn drain(&self, replica: &str) -> Result<()> {
+    async fn drain(&self, replica: &ReplicaId) -> Result<()> {
         self.0.drain(replica)
     }
 

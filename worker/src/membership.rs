@@ -76,7 +76,7 @@ async fn run(
     let refresh = ann.keepalive.max(Duration::from_millis(50));
     let record = |agent: &WorkerAgent| {
         encode(&WorkerRecord {
-            id: agent.id().to_string(),
+            id: agent.id().into(),
             address: ann.address.clone(),
             capacity: ann.capacity.clone(),
             assignment: agent.status().assignment,

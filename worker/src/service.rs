@@ -73,7 +73,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<pb::UnloadShardRequest>,
     ) -> Result<Response<pb::UnloadShardResponse>, Status> {
-        self.worker.unload_shard(&request.into_inner().replica_id).await.map_err(to_status)?;
+        self.worker.unload_shard(&request.into_inner().replica_id.into()).await.map_err(to_status)?;
         Ok(Response::new(pb::UnloadShardResponse {}))
     }
 
@@ -91,12 +91,12 @@ impl Worker for WorkerService {
             0 => DEFAULT_CANARY_LIMIT,
             ms => Duration::from_millis(ms as u64),
         };
-        let took = self.worker.canary(&r.replica_id, limit).await.map_err(to_status)?;
+        let took = self.worker.canary(&r.replica_id.into(), limit).await.map_err(to_status)?;
         Ok(Response::new(pb::CanaryResponse { elapsed_ms: took.as_millis().min(u32::MAX as u128) as u32 }))
     }
 
     async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
-        self.worker.drain(&request.into_inner().replica_id).await.map_err(to_status)?;
+        self.worker.drain(&request.into_inner().replica_id.into()).await.map_err(to_status)?;
         Ok(Response::new(pb::DrainResponse {}))
     }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec, ReplicaState, ShardState};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
-use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan};
+use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WorkerId};
 use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_server::Admin;
 use tokio::sync::watch;
@@ -64,7 +64,7 @@ impl ClusterAdmin {
     fn status(&self, spec: &ModelSpec) -> pb::ModelStatus {
         let ready = self.view().ready_replicas(&spec.name).count();
         pb::ModelStatus {
-            name: spec.name.clone(),
+            name: spec.name.to_string(),
             model_dir: spec.model_dir.clone(),
             dtype: spec.dtype.clone(),
             tp: spec.tp,
@@ -116,7 +116,7 @@ impl Admin for ClusterAdmin {
         let r = request.into_inner();
         let limits = r.scheduler.unwrap_or_default();
         let mut spec = ModelSpec {
-            name: r.name,
+            name: r.name.into(),
             model_dir: r.model_dir,
             dtype: r.dtype.to_ascii_lowercase(),
             tp: r.tp.max(1),
@@ -190,15 +190,18 @@ impl Admin for ClusterAdmin {
         self.auth.check(&request)?;
         let name = request.into_inner().name;
         let view = self.view();
-        if !name.is_empty() && !view.models.contains_key(&name) && !view.replicas.contains_key(&name) {
+        if !name.is_empty()
+            && !view.models.contains_key(name.as_str())
+            && !view.replicas.contains_key(name.as_str())
+        {
             return Err(to_status(Error::NotFound(format!("model {name:?} is not deployed"))));
         }
         let mut replicas: Vec<pb::ReplicaStatus> = view
             .all_replicas()
             .filter(|r| name.is_empty() || r.model == name)
             .map(|r| pb::ReplicaStatus {
-                id: r.id.clone(),
-                model: r.model.clone(),
+                id: r.id.to_string(),
+                model: r.model.to_string(),
                 state: match r.state {
                     ReplicaState::Pending => pb::ReplicaState::Pending,
                     ReplicaState::Loading => pb::ReplicaState::Loading,
@@ -207,7 +210,7 @@ impl Admin for ClusterAdmin {
                     ReplicaState::Failed => pb::ReplicaState::Failed,
                 } as i32,
                 reason: r.reason.clone(),
-                workers: r.workers.clone(),
+                workers: r.workers.iter().map(WorkerId::to_string).collect(),
                 leader_address: r.leader_address.clone(),
                 generation: r.generation,
                 since_ms: r.since_ms,
@@ -236,12 +239,12 @@ impl Admin for ClusterAdmin {
             .workers
             .values()
             .map(|w| pb::WorkerStatus {
-                id: w.id.clone(),
+                id: w.id.to_string(),
                 address: w.address.clone(),
                 device_kind: w.capacity.device_kind.clone(),
                 device_count: w.capacity.device_count,
                 memory_bytes: w.capacity.memory_bytes,
-                replica: w.assignment.as_ref().map(|a| a.replica.clone()).unwrap_or_default(),
+                replica: w.assignment.as_ref().map(|a| a.replica.to_string()).unwrap_or_default(),
                 draining: view.drained.contains(&w.id),
                 rank: w.assignment.as_ref().map(|a| a.rank).unwrap_or(0),
                 shard_state: match w.assignment.as_ref().map(|a| a.state) {
@@ -271,7 +274,7 @@ impl Admin for ClusterAdmin {
             self.registry.delete(&key).await.map_err(to_status)?;
             info!(worker = %r.worker_id, "worker undrained");
         } else {
-            if !self.view().workers.contains_key(&r.worker_id) {
+            if !self.view().workers.contains_key(r.worker_id.as_str()) {
                 return Err(to_status(Error::NotFound(format!(
                     "worker {:?} is not registered",
                     r.worker_id

@@ -24,6 +24,7 @@ use strata_common::cluster::{now_ms, ReplicaRecord, ReplicaState};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{LeaseId, Registry};
 use strata_common::ErrorClass;
+use strata_common::{ReplicaId, WorkerId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
@@ -149,9 +150,9 @@ async fn keep_alive(registry: Arc<dyn Registry>, lease: LeaseId, every: Duration
 
 #[derive(Default)]
 struct Tasks {
-    busy: HashMap<String, JoinHandle<()>>,
-    monitors: HashMap<String, JoinHandle<()>>,
-    releasing: HashMap<String, JoinHandle<()>>,
+    busy: HashMap<ReplicaId, JoinHandle<()>>,
+    monitors: HashMap<ReplicaId, JoinHandle<()>>,
+    releasing: HashMap<WorkerId, JoinHandle<()>>,
 }
 
 impl Tasks {
@@ -192,12 +193,12 @@ async fn lead(
         if v.connected {
             let backoff = ctx.backoff();
             let inputs = Inputs {
-                busy: tasks.busy.keys().map(String::as_str).collect(),
-                monitored: tasks.monitors.keys().map(String::as_str).collect(),
+                busy: tasks.busy.keys().map(ReplicaId::as_str).collect(),
+                monitored: tasks.monitors.keys().map(ReplicaId::as_str).collect(),
                 backoff: backoff.iter().map(|(k, v)| (k.as_str(), v.clone())).collect(),
-                releasing: tasks.releasing.keys().map(String::as_str).collect::<HashSet<_>>(),
+                releasing: tasks.releasing.keys().map(WorkerId::as_str).collect::<HashSet<_>>(),
             };
-            let mut new_id = |model: &str| format!("{model}-{:08x}", rand::random::<u32>());
+            let mut new_id = |model: &str| ReplicaId::new(format!("{model}-{:08x}", rand::random::<u32>()));
             let actions = plan(&v, &inputs, &mut new_id);
             for a in actions {
                 execute(&ctx, &v, &mut tasks, a).await;

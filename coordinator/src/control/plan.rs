@@ -23,31 +23,32 @@
 use std::collections::{HashMap, HashSet};
 
 use strata_common::cluster::{ModelSpec, ReplicaRecord, ReplicaState, ShardState, WorkerRecord};
+use strata_common::{ModelName, ReplicaId, WorkerId};
 
 use super::view::ClusterView;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// A new replica record, pending.
-    CreatePending { model: String, id: String, generation: u64, reason: String },
+    CreatePending { model: ModelName, id: ReplicaId, generation: u64, reason: String },
     /// Give a pending (or new) replica its workers (rank order) and build it.
-    Assign { model: String, id: String, workers: Vec<String> },
+    Assign { model: ModelName, id: ReplicaId, workers: Vec<WorkerId> },
     /// A pending replica keeps waiting, for this reason.
-    Wait { model: String, id: String, reason: String },
+    Wait { model: ModelName, id: ReplicaId, reason: String },
     /// Go on building a loading replica (nobody is: e.g. a new leader took over).
-    Build { model: String, id: String },
+    Build { model: ModelName, id: ReplicaId },
     /// Watch a ready replica's health.
-    Monitor { model: String, id: String },
+    Monitor { model: ModelName, id: ReplicaId },
     /// No new requests; unload once in-flight ones finish.
-    Drain { model: String, id: String, reason: String },
+    Drain { model: ModelName, id: ReplicaId, reason: String },
     /// Mark failed and tear down.
-    Fail { model: String, id: String, reason: String },
+    Fail { model: ModelName, id: ReplicaId, reason: String },
     /// Unload a failed replica's ranks and forget it after the retention time.
-    Teardown { model: String, id: String },
+    Teardown { model: ModelName, id: ReplicaId },
     /// Forget a replica record (a pending replica no longer needed).
-    Delete { model: String, id: String },
+    Delete { model: ModelName, id: ReplicaId },
     /// Tell a worker to drop a shard of a replica that no longer exists.
-    Release { worker: String, replica: String },
+    Release { worker: WorkerId, replica: ReplicaId },
 }
 
 /// What the driver knows besides the view.
@@ -64,20 +65,20 @@ pub struct Inputs<'a> {
 }
 
 /// A fresh replica id for `model` (the driver supplies the randomness).
-pub type NewId<'a> = &'a mut dyn FnMut(&str) -> String;
+pub type NewId<'a> = &'a mut dyn FnMut(&str) -> ReplicaId;
 
 pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<Action> {
     let mut out = Vec::new();
     let mut free = free_workers(view);
     release_leftovers(view, inputs, &mut out);
-    let mut names: Vec<&String> = view.models.keys().chain(view.replicas.keys()).collect();
+    let mut names: Vec<&ModelName> = view.models.keys().chain(view.replicas.keys()).collect();
     names.sort();
     names.dedup();
     for name in names {
         plan_model(view, inputs, name, &mut free, new_id, &mut out);
     }
     // A replica being drained or failed needs no monitor.
-    let ending: HashSet<String> = out
+    let ending: HashSet<ReplicaId> = out
         .iter()
         .filter_map(|a| match a {
             Action::Drain { id, .. } | Action::Fail { id, .. } => Some(id.clone()),
@@ -94,7 +95,7 @@ fn free_workers(view: &ClusterView) -> Vec<&str> {
     let mut reserved: HashSet<&str> = HashSet::new();
     for r in view.all_replicas() {
         if r.state != ReplicaState::Failed {
-            reserved.extend(r.workers.iter().map(String::as_str));
+            reserved.extend(r.workers.iter().map(WorkerId::as_str));
         }
     }
     let mut free: Vec<&WorkerRecord> = view
@@ -125,7 +126,7 @@ fn release_leftovers(view: &ClusterView, inputs: &Inputs<'_>, out: &mut Vec<Acti
 
 /// One model's replicas, oldest first, and which of them a task is busy with.
 struct ModelState<'v> {
-    name: &'v str,
+    name: &'v ModelName,
     recs: Vec<&'v ReplicaRecord>,
     busy: HashSet<&'v str>,
     /// Ready replicas this plan fails (from the view's registrations).
@@ -141,7 +142,7 @@ impl ModelState<'_> {
 fn plan_model(
     view: &ClusterView,
     inputs: &Inputs<'_>,
-    name: &str,
+    name: &ModelName,
     free: &mut Vec<&str>,
     new_id: NewId<'_>,
     out: &mut Vec<Action>,
@@ -162,7 +163,7 @@ fn plan_model(
 
 /// Failures the view already shows, and work in progress that no task is doing.
 fn resume_work<'v>(view: &ClusterView, inputs: &Inputs<'_>, st: &mut ModelState<'v>, out: &mut Vec<Action>) {
-    let m = st.name.to_string();
+    let m = st.name.clone();
     let ready: Vec<&'v ReplicaRecord> =
         st.recs.iter().copied().filter(|r| r.state == ReplicaState::Ready && !st.busy(r)).collect();
     for r in ready {
@@ -188,7 +189,7 @@ fn resume_work<'v>(view: &ClusterView, inputs: &Inputs<'_>, st: &mut ModelState<
 /// An undeployed model: everything goes.
 fn undeployed(st: &ModelState<'_>, out: &mut Vec<Action>) {
     for r in st.recs.iter().filter(|r| !st.busy(r)) {
-        let (model, id) = (st.name.to_string(), r.id.clone());
+        let (model, id) = (st.name.clone(), r.id.clone());
         match r.state {
             ReplicaState::Pending => out.push(Action::Delete { model, id }),
             ReplicaState::Loading | ReplicaState::Ready if !st.failed_now.contains(r.id.as_str()) => {
@@ -216,7 +217,7 @@ fn move_off<'v>(
     let ready_kept = keep.iter().filter(|r| r.state == ReplicaState::Ready).count();
     for r in moving.iter().filter(|r| !st.busy(r)) {
         let why = if on_drained(r) { "a worker was drained" } else { "the model's spec changed" };
-        let (model, id) = (st.name.to_string(), r.id.clone());
+        let (model, id) = (st.name.clone(), r.id.clone());
         match r.state {
             ReplicaState::Pending => out.push(Action::Delete { model, id }),
             ReplicaState::Loading => out.push(Action::Drain { model, id, reason: why.into() }),
@@ -230,7 +231,7 @@ fn move_off<'v>(
 }
 
 /// A replica waiting for placement: (id, its current reason, whether its record exists).
-type ToPlace = (String, String, bool);
+type ToPlace = (ReplicaId, String, bool);
 
 /// Scales `keep` to the desired count: surplus goes (pending first, then loading, then the
 /// newest ready); a shortfall becomes new replicas to place. Returns what to place, oldest
@@ -259,7 +260,7 @@ fn resize(
     order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Loading && !st.busy(r)));
     order.extend(keep.iter().rev().filter(|r| r.state == ReplicaState::Ready));
     for r in order.into_iter().take(keep.len() - desired) {
-        let (model, id) = (st.name.to_string(), r.id.clone());
+        let (model, id) = (st.name.clone(), r.id.clone());
         if r.state == ReplicaState::Pending {
             to_place.retain(|p| p.0 != r.id);
             out.push(Action::Delete { model, id });
@@ -274,18 +275,18 @@ fn resize(
 fn place(
     spec: &ModelSpec,
     inputs: &Inputs<'_>,
-    name: &str,
+    name: &ModelName,
     to_place: Vec<ToPlace>,
     free: &mut Vec<&str>,
     out: &mut Vec<Action>,
 ) {
     let world = spec.world();
-    let m = name.to_string();
+    let m = name.clone();
     for (id, current, exists) in to_place {
-        let reason = match inputs.backoff.get(name) {
+        let reason = match inputs.backoff.get(name.as_str()) {
             Some(why) => why.clone(),
             None if free.len() >= world => {
-                let workers: Vec<String> = free.drain(..world).map(str::to_string).collect();
+                let workers: Vec<WorkerId> = free.drain(..world).map(WorkerId::from).collect();
                 out.push(Action::Assign { model: m.clone(), id, workers });
                 continue;
             }

@@ -15,7 +15,7 @@ use strata_common::cluster::{encode, now_ms, ReplicaRecord, ReplicaState, ShardS
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
-use strata_common::{DType, Error, Parallelism, Result};
+use strata_common::{DType, Error, ModelName, Parallelism, ReplicaId, Result, WorkerId};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -75,7 +75,7 @@ pub struct Writer {
     keys: Keys,
     guard: Guard,
     /// Writes the view may not show yet: (model, id) → record (None: deleted).
-    overlay: Mutex<HashMap<(String, String), Option<ReplicaRecord>>>,
+    overlay: Mutex<HashMap<(ModelName, ReplicaId), Option<ReplicaRecord>>>,
     lost: AtomicBool,
 }
 
@@ -108,13 +108,13 @@ impl Writer {
         Ok(())
     }
 
-    pub async fn delete(&self, model: &str, id: &str) -> Result<()> {
+    pub async fn delete(&self, model: &ModelName, id: &ReplicaId) -> Result<()> {
         self.commit(Op::Delete { key: self.keys.replica(model, id) }).await?;
-        self.lock().insert((model.to_string(), id.to_string()), None);
+        self.lock().insert((model.clone(), id.clone()), None);
         Ok(())
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), Option<ReplicaRecord>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(ModelName, ReplicaId), Option<ReplicaRecord>>> {
         self.overlay.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -153,9 +153,9 @@ pub struct Ctx {
     pub view: watch::Receiver<Arc<ClusterView>>,
     pub timings: Timings,
     /// Failed loads per model: (count, when the last one failed, its reason).
-    pub failures: Mutex<HashMap<String, (u32, Instant, String)>>,
+    pub failures: Mutex<HashMap<ModelName, (u32, Instant, String)>>,
     /// Every worker's last registered address, kept after its registration vanishes.
-    pub addresses: Mutex<HashMap<String, String>>,
+    pub addresses: Mutex<HashMap<WorkerId, String>>,
 }
 
 impl Ctx {
@@ -195,16 +195,16 @@ impl Ctx {
         }
     }
 
-    fn note_load_failure(&self, model: &str, reason: &str) {
+    fn note_load_failure(&self, model: &ModelName, reason: &str) {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        let e = f.entry(model.to_string()).or_insert((0, Instant::now(), String::new()));
+        let e = f.entry(model.clone()).or_insert((0, Instant::now(), String::new()));
         e.0 += 1;
         e.1 = Instant::now();
         e.2 = reason.to_string();
     }
 
     /// Models whose next build must wait, and why.
-    pub fn backoff(&self) -> HashMap<String, String> {
+    pub fn backoff(&self) -> HashMap<ModelName, String> {
         let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         f.iter()
             .filter_map(|(m, (n, at, why))| backoff_reason(*n, at.elapsed(), why).map(|r| (m.clone(), r)))
@@ -223,15 +223,15 @@ impl Ctx {
         self.clients.get(&w.address)?.status().await.map_err(|e| on_worker(w, e))
     }
 
-    async fn canary(&self, w0: &WorkerRecord, replica: &str) -> Result<Duration> {
+    async fn canary(&self, w0: &WorkerRecord, replica: &ReplicaId) -> Result<Duration> {
         let worker = self.clients.get(&w0.address)?;
         worker.canary(replica, self.timings.canary_timeout).await.map_err(|e| on_worker(w0, e))
     }
 
-    async fn unload(&self, w: &WorkerRecord, replica: &str) {
+    async fn unload(&self, w: &WorkerRecord, replica: &ReplicaId) {
         let Ok(worker) = self.clients.get(&w.address) else { return };
         if let Err(e) = worker.unload_shard(replica).await {
-            warn!(worker = %w.id, replica, error = %e, "unload failed (the worker may be gone)");
+            warn!(worker = %w.id, %replica, error = %e, "unload failed (the worker may be gone)");
         }
     }
 
@@ -247,7 +247,7 @@ impl Ctx {
 }
 
 /// Loads every rank, waits for rank 0's engine, runs the first canary, marks ready.
-pub async fn build(ctx: Arc<Ctx>, model: String, id: String) {
+pub async fn build(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
     let Some(rec) = ctx.record(&model, &id) else { return };
     match try_build(&ctx, &rec).await {
         Ok(reason) => {
@@ -306,7 +306,7 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
     }
     // Wait for rank 0's engine (it needs every other rank), watching for failures.
     let deadline = started + ctx.timings.load_timeout;
-    let mut unreachable: HashMap<String, Instant> = HashMap::new();
+    let mut unreachable: HashMap<WorkerId, Instant> = HashMap::new();
     // Small models load in milliseconds: poll quickly at first, then every 200 ms.
     let mut poll = Duration::from_millis(5);
     'wait: loop {
@@ -364,8 +364,8 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
 
 /// Canaries a ready replica every interval; a canary that fails or times out, or a rank
 /// whose worker vanished and does not answer, fails the replica.
-pub async fn monitor(ctx: Arc<Ctx>, model: String, id: String) {
-    let mut re_registering: Option<String> = None;
+pub async fn monitor(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
+    let mut re_registering: Option<WorkerId> = None;
     loop {
         tokio::time::sleep(ctx.timings.canary_interval).await;
         let view = ctx.view_now();
@@ -386,7 +386,7 @@ pub async fn monitor(ctx: Arc<Ctx>, model: String, id: String) {
             let probe = WorkerRecord { address: last, ..placeholder(w) };
             match ctx.status(&probe).await {
                 Ok(st) if st.assignment.as_ref().is_some_and(|s| s.replica == id) => {
-                    if re_registering.as_deref() != Some(w) {
+                    if re_registering.as_ref() != Some(w) {
                         info!(worker = %w, replica = %id, "worker's lease lapsed but it still serves this replica; waiting for it to register again");
                         re_registering = Some(w.clone());
                     }
@@ -434,9 +434,9 @@ fn last_known_address(ctx: &Ctx, rec: &ReplicaRecord, rank: usize) -> Option<Str
     ctx.known_address(&rec.workers[rank])
 }
 
-fn placeholder(id: &str) -> WorkerRecord {
+fn placeholder(id: &WorkerId) -> WorkerRecord {
     WorkerRecord {
-        id: id.to_string(),
+        id: id.clone(),
         address: String::new(),
         capacity: strata_common::cluster::Capacity {
             device_kind: String::new(),
@@ -449,7 +449,7 @@ fn placeholder(id: &str) -> WorkerRecord {
 }
 
 /// Stops new requests, waits for in-flight ones (bounded), unloads, forgets the replica.
-pub async fn drain(ctx: Arc<Ctx>, model: String, id: String) {
+pub async fn drain(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
     let Some(rec) = ctx.record(&model, &id) else { return };
     let view = ctx.view_now();
     if let Some(w0) = rec.workers.first().and_then(|w| view.workers.get(w)) {
@@ -473,7 +473,7 @@ pub async fn drain(ctx: Arc<Ctx>, model: String, id: String) {
 }
 
 /// Unloads a failed replica's ranks; forgets it once the retention time has passed.
-pub async fn teardown(ctx: Arc<Ctx>, model: String, id: String) {
+pub async fn teardown(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
     let Some(rec) = ctx.record(&model, &id) else { return };
     ctx.unload_all(&rec).await;
     let age = Duration::from_millis(now_ms().saturating_sub(rec.since_ms));
@@ -488,7 +488,7 @@ pub async fn teardown(ctx: Arc<Ctx>, model: String, id: String) {
 }
 
 /// Tells a worker to drop a shard of a replica that no longer exists.
-pub async fn release(ctx: Arc<Ctx>, worker: String, replica: String) {
+pub async fn release(ctx: Arc<Ctx>, worker: WorkerId, replica: ReplicaId) {
     if let Ok(w) = ctx.worker(&worker) {
         info!(worker = %worker, replica = %replica, "releasing a leftover shard");
         ctx.unload(&w, &replica).await;

@@ -14,16 +14,17 @@ use futures::StreamExt;
 use strata_common::cluster::{decode, ModelSpec, ReplicaRecord, ReplicaState, WorkerRecord};
 use strata_common::registry::keys::{KeyKind, Keys};
 use strata_common::registry::{Event, Listing, Registry};
+use strata_common::{ModelName, ReplicaId, WorkerId};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 #[derive(Debug, Clone, Default)]
 pub struct ClusterView {
-    pub models: BTreeMap<String, ModelSpec>,
+    pub models: BTreeMap<ModelName, ModelSpec>,
     /// By model, then replica id.
-    pub replicas: BTreeMap<String, BTreeMap<String, ReplicaRecord>>,
-    pub workers: BTreeMap<String, WorkerRecord>,
-    pub drained: BTreeSet<String>,
+    pub replicas: BTreeMap<ModelName, BTreeMap<ReplicaId, ReplicaRecord>>,
+    pub workers: BTreeMap<WorkerId, WorkerRecord>,
+    pub drained: BTreeSet<WorkerId>,
     /// The leader coordinator's id, when one holds the key.
     pub leader: Option<String>,
     pub revision: i64,
@@ -67,12 +68,12 @@ impl ClusterView {
             },
             KeyKind::Replica { model, .. } => match decode::<ReplicaRecord>(key, value) {
                 Ok(r) => {
-                    self.replicas.entry(model.to_string()).or_default().insert(r.id.clone(), r);
+                    self.replicas.entry(model.into()).or_default().insert(r.id.clone(), r);
                 }
                 Err(e) => bad(e),
             },
             KeyKind::Drain(w) => {
-                self.drained.insert(w.to_string());
+                self.drained.insert(w.into());
             }
             KeyKind::Leader => self.leader = Some(String::from_utf8_lossy(value).into_owned()),
         }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use strata_common::worker_api::ModelFiles;
-use strata_common::{Error, ErrorClass, ModelConfig, Result};
+use strata_common::{Error, ErrorClass, ModelConfig, ModelName, Result};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -147,10 +147,11 @@ impl ClusterCatalog {
     async fn refresh(&self) {
         let view = self.view.borrow().clone();
         let wanted: Vec<(String, String)> =
-            view.models.values().map(|m| (m.name.clone(), m.model_dir.clone())).collect();
+            view.models.values().map(|m| (m.name.to_string(), m.model_dir.clone())).collect();
         {
             let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-            entries.retain(|name, l| view.models.get(name).is_some_and(|m| m.model_dir == l.model_dir));
+            entries
+                .retain(|name, l| view.models.get(name.as_str()).is_some_and(|m| m.model_dir == l.model_dir));
         }
         for (name, dir) in wanted {
             if self.entries.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&name) {
@@ -191,7 +192,7 @@ impl Catalog for ClusterCatalog {
     fn get(&self, name: &str) -> Result<Arc<ModelEntry>> {
         let view = self.view.borrow().clone();
         if !view.models.contains_key(name) {
-            return Err(not_found(name, &view.models.keys().cloned().collect::<Vec<_>>()));
+            return Err(not_found(name, &view.models.keys().map(ModelName::to_string).collect::<Vec<_>>()));
         }
         if let Some(l) = self.entries.lock().unwrap_or_else(|p| p.into_inner()).get(name) {
             return Ok(l.entry.clone());

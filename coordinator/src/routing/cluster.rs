@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use strata_common::{EngineStats, Result};
+use strata_common::{EngineStats, ReplicaId, Result};
 use tokio::sync::watch;
 
 use super::clients::WorkerClients;
@@ -61,7 +61,7 @@ impl ClusterRoutes {
     /// Ready replicas: (id, rank 0's address).
     pub fn ready_replicas(&self) -> Vec<(String, String)> {
         let view = self.view.borrow().clone();
-        view.ready_replicas(&self.model).map(|r| (r.id.clone(), r.leader_address.clone())).collect()
+        view.ready_replicas(&self.model).map(|r| (r.id.to_string(), r.leader_address.clone())).collect()
     }
 
     /// Refreshes the reported load of each ready replica (called periodically).
@@ -193,7 +193,8 @@ impl Replica for RemoteReplica {
     async fn submit(&self, job: &Job) -> Result<EventStream> {
         self.load.outstanding.fetch_add(1, Ordering::Relaxed);
         let guard = Outstanding(self.load.clone());
-        let events = self.clients.get(&self.address)?.generate(&self.id, job).await?;
+        let replica = ReplicaId::new(self.id.as_str());
+        let events = self.clients.get(&self.address)?.generate(&replica, job).await?;
         // The load count is released when the caller drops the stream or it ends.
         Ok(futures::stream::unfold((events, Some(guard)), |(mut events, guard)| async move {
             let guard = guard?;

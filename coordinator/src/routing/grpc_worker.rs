@@ -13,7 +13,7 @@ use futures::StreamExt;
 use strata_common::status::from_status;
 use strata_common::wire;
 use strata_common::worker_api::{EventStream, Job, ModelFiles, ShardLoad, WorkerApi, WorkerStatus};
-use strata_common::{EngineStats, Error, Result, SeqEvent};
+use strata_common::{EngineStats, Error, ReplicaId, Result, SeqEvent};
 use strata_proto::worker::v1 as pb;
 use strata_proto::worker::v1::worker_client::WorkerClient;
 use tonic::transport::{Channel, Endpoint};
@@ -61,7 +61,7 @@ impl GrpcWorker {
 
 #[async_trait::async_trait]
 impl WorkerApi for GrpcWorker {
-    async fn generate(&self, replica: &str, job: &Job) -> Result<EventStream> {
+    async fn generate(&self, replica: &ReplicaId, job: &Job) -> Result<EventStream> {
         let peer = format!("replica {replica} at {}", self.address);
         let mut client = self.client.clone();
         let stream = client
@@ -111,7 +111,7 @@ impl WorkerApi for GrpcWorker {
         Ok((!rendezvous.is_empty()).then_some(rendezvous))
     }
 
-    async fn unload_shard(&self, replica: &str) -> Result<()> {
+    async fn unload_shard(&self, replica: &ReplicaId) -> Result<()> {
         let req = pb::UnloadShardRequest { replica_id: replica.to_string() };
         self.client
             .clone()
@@ -126,7 +126,7 @@ impl WorkerApi for GrpcWorker {
         wire::status_from_pb(r.map_err(|s| from_status(&s, &self.peer()))?.into_inner())
     }
 
-    async fn canary(&self, replica: &str, limit: Duration) -> Result<Duration> {
+    async fn canary(&self, replica: &ReplicaId, limit: Duration) -> Result<Duration> {
         let req = pb::CanaryRequest {
             replica_id: replica.to_string(),
             timeout_ms: limit.as_millis().min(u32::MAX as u128) as u32,
@@ -137,7 +137,7 @@ impl WorkerApi for GrpcWorker {
         ))
     }
 
-    async fn drain(&self, replica: &str) -> Result<()> {
+    async fn drain(&self, replica: &ReplicaId) -> Result<()> {
         let req = pb::DrainRequest { replica_id: replica.to_string() };
         self.client
             .clone()

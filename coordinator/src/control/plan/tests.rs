@@ -33,7 +33,7 @@ fn replica(model: &str, id: &str, state: ReplicaState, workers: &[&str], created
         model: model.into(),
         state,
         reason: String::new(),
-        workers: workers.iter().map(|w| w.to_string()).collect(),
+        workers: workers.iter().map(|w| WorkerId::from(*w)).collect(),
         leader_address: String::new(),
         generation: 1,
         since_ms: created,
@@ -49,7 +49,7 @@ impl V {
     }
     fn workers(mut self, ids: &[&str]) -> Self {
         for id in ids {
-            self.0.workers.insert(id.to_string(), worker(id));
+            self.0.workers.insert((*id).into(), worker(id));
         }
         self
     }
@@ -81,7 +81,7 @@ fn run(view: &ClusterView, inputs: &Inputs<'_>) -> Vec<Action> {
     let mut n = 0;
     plan(view, inputs, &mut |m: &str| {
         n += 1;
-        format!("{m}-new{n}")
+        format!("{m}-new{n}").into()
     })
 }
 
