@@ -192,17 +192,6 @@ impl ModelConfig {
     pub fn group_size(&self) -> usize {
         self.num_heads / self.num_kv_heads
     }
-
-    /// Total parameter count, used for roofline arithmetic.
-    pub fn num_parameters(&self) -> usize {
-        let h = self.hidden_size;
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
-        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
-        let embed = self.vocab_size * h;
-        let head = if self.tie_word_embeddings { 0 } else { embed };
-        self.num_layers * per_layer + embed + head + h
-    }
 }
 
 fn relabel(e: Error, path: &Path) -> Error {

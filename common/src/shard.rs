@@ -127,10 +127,6 @@ impl ShardPlan {
     pub fn stage_ranks(&self, stage: usize) -> Range<usize> {
         stage * self.par.tp..(stage + 1) * self.par.tp
     }
-
-    pub fn last_stage(&self) -> usize {
-        self.par.pp - 1
-    }
 }
 
 /// Part `i` of `n` contiguous parts of `len`; earlier parts take the remainder.

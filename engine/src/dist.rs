@@ -45,7 +45,7 @@ pub trait StepExecutor: Send {
 
 /// KV bytes per position on the rank that needs the most (all ranks allocate the same
 /// number of blocks, so the busiest rank decides).
-pub fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism) -> Result<usize> {
+fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism) -> Result<usize> {
     let plan = ShardPlan::new(config, par)?;
     Ok(plan
         .ranks
@@ -181,7 +181,7 @@ impl<B: Backend> Drop for LeaderExecutor<B> {
 }
 
 /// This rank's part of a step. Returns the logits (or picks) on the last stage's TP rank 0.
-pub fn run_rank_step<B: Backend>(
+fn run_rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
     comm: &mut dyn Communicator,

@@ -29,7 +29,7 @@ pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The CPU backend `opts` describe.
-pub fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
+fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
     CpuBackend::new().with_bf16_prefill(opts.bf16_prefill).with_weight_dtype(opts.weight_dtype)
 }
 

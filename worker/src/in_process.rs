@@ -85,7 +85,7 @@ impl WorkerApi for InProcessWorker {
 }
 
 /// The small files of a model directory; config.json and tokenizer.json must exist.
-pub fn read_model_files(dir: &Path) -> Result<ModelFiles> {
+fn read_model_files(dir: &Path) -> Result<ModelFiles> {
     let read = |name: &str, required: bool| -> Result<Vec<u8>> {
         let p = dir.join(name);
         match std::fs::read(&p) {

@@ -1,4 +1,4 @@
-//! `strata serve`: coordinator and in-process workers in one process.
+//! The coordinator's gRPC server, for `strata serve` and `strata coordinator` alike.
 //!
 //! Serves inference.v1, admin.v1, the standard gRPC health service and server reflection
 //! on one port. On SIGTERM (or Ctrl-C) it reports NOT_SERVING, stops accepting new

@@ -79,20 +79,3 @@ pub fn not_found(name: &str, served: &[String]) -> Error {
     }
     Error::NotFound(format!("model {name:?}; served: {}", served.join(", ")))
 }
-
-/// Index of the smallest load; the first on ties. `loads` must not be empty.
-pub fn least_loaded(loads: &[usize]) -> usize {
-    loads.iter().enumerate().min_by_key(|(i, l)| (**l, *i)).map(|(i, _)| i).unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::least_loaded;
-
-    #[test]
-    fn least_loaded_prefers_idle_then_first() {
-        assert_eq!(least_loaded(&[3, 1, 2]), 1);
-        assert_eq!(least_loaded(&[2, 0, 0]), 1);
-        assert_eq!(least_loaded(&[5]), 0);
-    }
-}

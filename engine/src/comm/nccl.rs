@@ -28,7 +28,7 @@ use crate::backend::cuda::driver::{probe, Library, DRIVER};
 pub const NCCL: Library = ("NCCL", &["libnccl.so.2", "libnccl.so"]);
 
 /// Opens each library cudarc will load for NCCL; an error names the first one missing.
-pub fn probe_libraries() -> Result<()> {
+fn probe_libraries() -> Result<()> {
     probe(&[DRIVER, NCCL])
 }
 

@@ -238,11 +238,6 @@ impl Checkpoint {
         }
         Ok(t.clone())
     }
-
-    /// Total bytes of all tensors (what a full load reads).
-    pub fn total_bytes(&self) -> usize {
-        self.tensors.values().map(|t| t.range.len()).sum()
-    }
 }
 
 fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
