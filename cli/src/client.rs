@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use anyhow::{anyhow, Context};
-use strata_common::FinishReason;
+use strata_common::{wire, FinishReason};
 use strata_proto::inference::v1 as pb;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 
@@ -21,16 +21,7 @@ pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
     pb::GenerateRequest {
         model: args.model.clone(),
         prompt: Some(prompt),
-        sampling: Some(pb::SamplingParams {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: Some(p.top_p),
-            min_p: p.min_p,
-            repetition_penalty: Some(p.repetition_penalty),
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            seed: p.seed,
-        }),
+        sampling: Some(wire::sampling_to_pb(&p)),
         max_tokens: Some(args.max_tokens),
         stop: p.stop,
         stop_token_ids: p.stop_token_ids,
@@ -40,12 +31,9 @@ pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
     }
 }
 
-fn finish_from_pb(v: i32) -> FinishReason {
-    match pb::FinishReason::try_from(v) {
-        Ok(pb::FinishReason::Stop) => FinishReason::Stop,
-        Ok(pb::FinishReason::Eos) => FinishReason::Eos,
-        _ => FinishReason::Length,
-    }
+/// The finish reason of a finished response: an unset or unknown value is an error.
+fn finish_from_pb(v: i32) -> anyhow::Result<FinishReason> {
+    wire::finish_from_pb(v)?.ok_or_else(|| anyhow!("the server's last message carries no finish_reason"))
 }
 
 fn logprobs_from_pb(l: Vec<pb::TokenLogprob>) -> Vec<LogprobEntry> {
@@ -89,7 +77,7 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
                 l.extend(logprobs_from_pb(msg.logprobs));
             }
             if msg.finish_reason != pb::FinishReason::Unspecified as i32 {
-                out.finish_reason = finish_from_pb(msg.finish_reason);
+                out.finish_reason = finish_from_pb(msg.finish_reason)?;
             }
         }
         if args.prompt.is_some() {
@@ -111,7 +99,7 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
             prompt_ids: r.prompt_token_ids,
             token_ids: r.token_ids,
             text: r.text,
-            finish_reason: finish_from_pb(r.finish_reason),
+            finish_reason: finish_from_pb(r.finish_reason)?,
             logprobs: want_logprobs.then(|| logprobs_from_pb(r.logprobs)),
         }
     };
