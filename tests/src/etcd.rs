@@ -37,15 +37,24 @@ fn free_port() -> u16 {
 }
 
 impl Etcd {
+    /// Starts etcd on free ports. etcd cannot take a listener handed over, so its ports are
+    /// found by binding port 0 and closing it; another process may take one in between, so
+    /// a start that fails is retried on new ports.
     pub fn start() -> Etcd {
-        let mut e = Etcd {
-            child: None,
-            client_port: free_port(),
-            peer_port: free_port(),
-            dir: tempfile::tempdir().expect("temporary etcd data directory"),
-        };
-        e.resume();
-        e
+        let mut last = String::new();
+        for _ in 0..3 {
+            let mut e = Etcd {
+                child: None,
+                client_port: free_port(),
+                peer_port: free_port(),
+                dir: tempfile::tempdir().expect("temporary etcd data directory"),
+            };
+            match e.try_resume() {
+                Ok(()) => return e,
+                Err(why) => last = why,
+            }
+        }
+        panic!("etcd did not start on free ports three times: {last}");
     }
 
     pub fn endpoint(&self) -> String {
@@ -62,6 +71,12 @@ impl Etcd {
 
     /// Starts the server again on the same ports and data, and waits until it answers.
     pub fn resume(&mut self) {
+        if let Err(why) = self.try_resume() {
+            panic!("{why}");
+        }
+    }
+
+    fn try_resume(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "etcd is already running");
         let client = format!("http://127.0.0.1:{}", self.client_port);
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
@@ -82,10 +97,10 @@ impl Etcd {
             .spawn()
             .expect("start etcd");
         self.child = Some(child);
-        self.wait_healthy(Duration::from_secs(20));
+        self.wait_healthy(Duration::from_secs(20))
     }
 
-    fn wait_healthy(&mut self, limit: Duration) {
+    fn wait_healthy(&mut self, limit: Duration) -> Result<(), String> {
         use std::io::{Read, Write};
         let deadline = Instant::now() + limit;
         loop {
@@ -95,13 +110,16 @@ impl Etcd {
                 let mut body = String::new();
                 let _ = s.read_to_string(&mut body);
                 if body.contains("\"health\":\"true\"") {
-                    return;
+                    return Ok(());
                 }
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
-                panic!("etcd exited ({status}): {}", self.log());
+                self.child = None;
+                return Err(format!("etcd exited ({status}): {}", self.log()));
             }
-            assert!(Instant::now() < deadline, "etcd did not become healthy: {}", self.log());
+            if Instant::now() >= deadline {
+                return Err(format!("etcd did not become healthy: {}", self.log()));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
