@@ -119,7 +119,7 @@ impl Routes for ClusterRoutes {
         let i = select(&candidates, index.best(&hashes, &candidates), prompt_key(prompt, block_size));
         index.record(&hashes, &ready[i].0);
         Some(Arc::new(RemoteReplica {
-            id: ready[i].0.clone(),
+            id: ReplicaId::new(ready[i].0.as_str()),
             address: ready[i].1.clone(),
             clients: self.clients.clone(),
             load: loads[i].clone(),
@@ -146,13 +146,17 @@ impl Routes for ClusterRoutes {
 
     async fn stats(&self) -> EngineStats {
         let ready = self.ready_replicas();
-        let mut all = Vec::with_capacity(ready.len());
-        for (id, address) in &ready {
-            let l = self.load(id);
-            let live = match self.clients.get(address) {
+        // Ask every replica at once; one that does not answer counts with its last report.
+        let live = futures::future::join_all(ready.iter().map(|(_, address)| async move {
+            match self.clients.get(address) {
                 Ok(worker) => worker.stats().await.ok(),
                 Err(_) => None,
-            };
+            }
+        }))
+        .await;
+        let mut all = Vec::with_capacity(ready.len());
+        for ((id, _), live) in ready.iter().zip(live) {
+            let l = self.load(id);
             let mut s = match live {
                 Some(s) => {
                     *l.reported.lock().unwrap_or_else(|p| p.into_inner()) = s;
@@ -169,7 +173,7 @@ impl Routes for ClusterRoutes {
 
 /// A replica's rank 0, through the `WorkerApi` seam.
 pub struct RemoteReplica {
-    id: String,
+    id: ReplicaId,
     address: String,
     clients: Arc<WorkerClients>,
     load: Arc<ReplicaLoad>,
@@ -193,8 +197,7 @@ impl Replica for RemoteReplica {
     async fn submit(&self, job: &Job) -> Result<EventStream> {
         self.load.outstanding.fetch_add(1, Ordering::Relaxed);
         let guard = Outstanding(self.load.clone());
-        let replica = ReplicaId::new(self.id.as_str());
-        let events = self.clients.get(&self.address)?.generate(&replica, job).await?;
+        let events = self.clients.get(&self.address)?.generate(&self.id, job).await?;
         // The load count is released when the caller drops the stream or it ends.
         Ok(futures::stream::unfold((events, Some(guard)), |(mut events, guard)| async move {
             let guard = guard?;
