@@ -11,3 +11,13 @@ pub fn available_memory() -> Option<u64> {
         .and_then(|n| n.parse::<u64>().ok())
         .map(|kib| kib * 1024)
 }
+
+/// This machine's host name ("worker" when it cannot tell).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "worker".into())
+}

@@ -47,15 +47,6 @@ pub struct WorkerOptions {
     pub drain_timeout: Duration,
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "worker".into())
-}
-
 /// Serves worker.v1, registers with a lease, and holds whatever shard the leader
 /// coordinator assigns, until SIGTERM.
 pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) -> anyhow::Result<()> {
@@ -69,7 +60,8 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         ),
         None => bound.to_string(),
     };
-    let id = opts.id.clone().unwrap_or_else(|| format!("{}-{}", hostname(), bound.port()));
+    let id =
+        opts.id.clone().unwrap_or_else(|| format!("{}-{}", strata_common::host::hostname(), bound.port()));
     if !strata_common::registry::keys::valid_name(&id) {
         anyhow::bail!("--id {id:?}: use letters, digits, '-', '_', '.' or ':'");
     }
