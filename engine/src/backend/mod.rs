@@ -13,6 +13,7 @@ pub mod cuda;
 
 use strata_common::Result;
 
+use crate::comm::Collectives;
 use crate::model::weights::HostTensor;
 
 pub use strata_common::Device;
@@ -143,4 +144,11 @@ pub trait Backend: Send + Sync + 'static {
     /// Runs `f` on the tensor's elements in host memory (a communicator's collective);
     /// device backends copy out and back.
     fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>;
+    /// Sums `x` in place across `group` through `comm`: the collective on a backend tensor,
+    /// which is what the model calls. This default goes through host memory; a device
+    /// backend whose communicator reduces device buffers (NCCL on the backend's stream)
+    /// overrides it and keeps the tensor on the device.
+    fn all_reduce(&self, x: &mut Self::Tensor, group: &[usize], comm: &mut dyn Collectives) -> Result<()> {
+        self.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
+    }
 }

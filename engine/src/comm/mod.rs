@@ -1,9 +1,10 @@
 //! Communication between the ranks of one replica, as two seams.
 //!
-//! - [`Collectives`]: what the model's math needs — `all_reduce_sum` after the
-//!   row-parallel matmuls, `all_gather` after the vocabulary-split LM head, over the group
-//!   of ranks they run in (a pipeline stage's TP group). On GPUs these belong on device
-//!   buffers ([`nccl::NcclComm`]); the model calls nothing else.
+//! - [`Collectives`]: what the model's math needs — an all-reduce after the row-parallel
+//!   matmuls, `all_gather` after the vocabulary-split LM head, over the group of ranks
+//!   they run in (a pipeline stage's TP group). The model reduces a backend tensor through
+//!   `Backend::all_reduce`, whose default goes through host memory; a device backend
+//!   overrides it to reduce device buffers (NCCL), so the model calls nothing else.
 //! - [`StepChannel`]: what the replica's plumbing needs — the leader's messages to every
 //!   rank ([`plan`]: KV cache size, step plans, shutdown) and the hidden states pipeline
 //!   stages pass on, as bytes.

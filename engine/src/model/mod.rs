@@ -312,8 +312,7 @@ impl<B: Backend> Model<B> {
         if self.shard.tp() == 1 {
             return Ok(());
         }
-        let group = &self.shard.tp_group;
-        self.backend.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
+        self.backend.all_reduce(x, &self.shard.tp_group, comm)
     }
 
     /// Several linear layers of the same input.
