@@ -63,7 +63,7 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         ignore_eos: true,
         ..Default::default()
     };
-    engine.add(u64::MAX, prompt[..16.min(prompt.len())].to_vec(), params)?;
+    engine.add(strata_engine::SeqId(u64::MAX), prompt[..16.min(prompt.len())].to_vec(), params)?;
     engine.step()?; // the prefill step
     let mut steps = Vec::new();
     let comm_start = engine.executor().comm_stats().map(|c| c.busy_ns).unwrap_or(0);
@@ -120,7 +120,7 @@ fn batched_decode_rate(engine: &mut Engine, batch: usize, steps: usize, vocab: u
         let prompt: Vec<u32> = (0..16u32).map(|i| (i * 31 + b as u32 * 7 + 5) % vocab).collect();
         let params =
             SamplingParams { max_new_tokens: steps as u32 + 1, ignore_eos: true, ..Default::default() };
-        engine.add(1_000_000 + b as u64, prompt, params)?;
+        engine.add(strata_engine::SeqId(1_000_000 + b as u64), prompt, params)?;
     }
     let mut times = Vec::new();
     while engine.has_work() {

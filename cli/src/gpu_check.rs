@@ -87,7 +87,11 @@ fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
 }
 
 fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
-    e.add(1, prompt.to_vec(), SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })?;
+    e.add(
+        strata_engine::SeqId(1),
+        prompt.to_vec(),
+        SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
+    )?;
     let mut out = Vec::new();
     while e.has_work() {
         out.extend(e.step()?.into_iter().map(|ev| ev.token));
@@ -230,7 +234,7 @@ fn decode(device: Device, model: &std::path::Path, tokens: usize, kv_cache_mib: 
     let bytes = e.executor().decode_bytes_per_token();
     let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
     e.add(
-        7,
+        strata_engine::SeqId(7),
         prompt,
         SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() },
     )?;

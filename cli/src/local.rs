@@ -96,7 +96,7 @@ impl LocalModel {
         }
         let want_logprobs = params.logprobs.is_some();
         let stop = params.stop.clone();
-        const SEQ: u64 = 0;
+        const SEQ: strata_engine::SeqId = strata_engine::SeqId(0);
         self.engine.add(SEQ, prompt_ids.clone(), params)?;
         let mut stream = self.tokenizer.as_ref().map(|t| TextStream::new(t, stop));
         let mut token_ids = Vec::new();

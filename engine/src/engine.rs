@@ -24,8 +24,15 @@ use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqData};
 
-/// Caller-chosen identifier of a sequence.
-pub type SeqId = u64;
+/// Caller-chosen identifier of a sequence within one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {

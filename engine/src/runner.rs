@@ -50,7 +50,7 @@ enum Command {
 }
 
 /// Sequence ids at and above this are the runner's own canaries.
-const CANARY_IDS: SeqId = 1 << 62;
+const CANARY_IDS: u64 = 1 << 62;
 
 #[derive(Default)]
 struct Shared {
@@ -150,7 +150,7 @@ impl EngineHandle {
                 self.limits.max_waiting
             )));
         }
-        let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+        let id = SeqId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
         let (events, rx) = tmpsc::unbounded_channel();
         if self.tx.send(Command::Submit { id, prompt, generated, params, events }).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
@@ -201,7 +201,7 @@ struct Runner {
     streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
     /// Canaries answered by the next step.
     canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
-    next_canary: SeqId,
+    next_canary: u64,
 }
 
 impl Runner {
@@ -226,27 +226,15 @@ impl Runner {
     fn handle(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, prompt, generated, params, events } => {
+                self.admit(id, prompt, generated, params, events);
+                // Counted as waiting (published) before it stops counting as queued, so a
+                // concurrent submission never sees it in neither and overfills the queue.
+                self.publish();
                 self.shared.queued.fetch_sub(1, Ordering::SeqCst);
-                if events.is_closed() {
-                    return;
-                }
-                if let Some(why) = self.broken() {
-                    let _ = events
-                        .send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
-                    return;
-                }
-                match self.engine.add_resumed(id, prompt, generated, params) {
-                    Ok(()) => {
-                        self.streams.insert(id, events);
-                    }
-                    Err(e) => {
-                        let _ = events.send(SeqEvent::Failed(e));
-                    }
-                }
             }
             Command::Cancel(id) => {
                 if self.engine.cancel(id) {
-                    debug!(seq = id, "cancelled");
+                    debug!(seq = %id, "cancelled");
                 }
                 self.streams.remove(&id);
             }
@@ -258,7 +246,7 @@ impl Runner {
                 self.canaries.push(reply);
                 if !self.engine.has_work() {
                     // One prompt token, one output token: the cheapest step through every rank.
-                    let id = self.next_canary;
+                    let id = SeqId(self.next_canary);
                     self.next_canary += 1;
                     let params = SamplingParams { max_new_tokens: 1, ignore_eos: true, ..Default::default() };
                     if let Err(e) = self.engine.add(id, vec![0], params) {
@@ -267,6 +255,32 @@ impl Runner {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    fn admit(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+        events: tmpsc::UnboundedSender<SeqEvent>,
+    ) {
+        if events.is_closed() {
+            return;
+        }
+        if let Some(why) = self.broken() {
+            let _ =
+                events.send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
+            return;
+        }
+        match self.engine.add_resumed(id, prompt, generated, params) {
+            Ok(()) => {
+                self.streams.insert(id, events);
+            }
+            Err(e) => {
+                let _ = events.send(SeqEvent::Failed(e));
             }
         }
     }
@@ -301,7 +315,7 @@ impl Runner {
                         // The caller went away: free the sequence now.
                         self.engine.cancel(ev.seq);
                         self.streams.remove(&ev.seq);
-                        debug!(seq = ev.seq, "caller gone, sequence cancelled");
+                        debug!(seq = %ev.seq, "caller gone, sequence cancelled");
                     }
                 }
             }
@@ -314,7 +328,7 @@ impl Runner {
                     let _ = c.send(Err(Error::Unavailable(format!("canary step failed: {e}"))));
                 }
                 // Canary sequences have no stream; drop them with the rest.
-                let canaries: Vec<SeqId> = (CANARY_IDS..self.next_canary).collect();
+                let canaries: Vec<SeqId> = (CANARY_IDS..self.next_canary).map(SeqId).collect();
                 for id in canaries {
                     self.engine.cancel(id);
                 }
@@ -329,7 +343,7 @@ impl Runner {
 
     fn publish(&self) {
         self.shared.running.store(self.engine.num_running() - self.engine.num_waiting(), Ordering::Relaxed);
-        self.shared.waiting.store(self.engine.num_waiting(), Ordering::Relaxed);
+        self.shared.waiting.store(self.engine.num_waiting(), Ordering::SeqCst);
         self.shared.kv_free.store(self.engine.free_blocks(), Ordering::Relaxed);
     }
 }

@@ -59,14 +59,14 @@ fn run_all(e: &mut Engine, reqs: &[Req]) -> Vec<Vec<u32>> {
     loop {
         for (i, r) in reqs.iter().enumerate() {
             if r.arrives == step {
-                e.add(i as u64, r.prompt.clone(), greedy(r.max_tokens)).unwrap();
+                e.add(strata_engine::SeqId(i as u64), r.prompt.clone(), greedy(r.max_tokens)).unwrap();
             }
         }
         if !e.has_work() && reqs.iter().all(|r| r.arrives <= step) {
             break;
         }
         for ev in e.step().unwrap() {
-            out[ev.seq as usize].push(ev.token);
+            out[ev.seq.0 as usize].push(ev.token);
         }
         assert!(e.take_aborted().is_empty());
         step += 1;
@@ -154,14 +154,16 @@ fn a_resumed_sequence_continues_exactly_where_it_stopped() {
     };
     for params in [greedy(24), sampled] {
         let mut e = engine(name, config(8 << 20, true));
-        e.add(0, prompt.clone(), params.clone()).unwrap();
+        e.add(strata_engine::SeqId(0), prompt.clone(), params.clone()).unwrap();
         let mut whole = Vec::new();
         while e.has_work() {
             whole.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
         }
         assert_eq!(whole.len(), 24);
         let mut other = engine(name, config(8 << 20, true));
-        other.add_resumed(1, prompt.clone(), whole[..9].to_vec(), params.clone()).unwrap();
+        other
+            .add_resumed(strata_engine::SeqId(1), prompt.clone(), whole[..9].to_vec(), params.clone())
+            .unwrap();
         let mut rest = Vec::new();
         let mut last_finish = None;
         while other.has_work() {
@@ -177,7 +179,8 @@ fn a_resumed_sequence_continues_exactly_where_it_stopped() {
             "max_tokens counts resumed tokens"
         );
         // Already at max_tokens: nothing to resume.
-        let e = other.add_resumed(2, prompt.clone(), whole.clone(), params).unwrap_err();
+        let e =
+            other.add_resumed(strata_engine::SeqId(2), prompt.clone(), whole.clone(), params).unwrap_err();
         assert!(e.to_string().contains("generated"), "{e}");
     }
 }
@@ -193,7 +196,7 @@ fn greedy_picks_equal_sampling_from_the_whole_logits() {
             let mut e = engine(name, config(16 << 20, true));
             for (i, r) in reqs.iter().take(8).enumerate() {
                 let params = SamplingParams { logprobs: Some(top), ..greedy(r.max_tokens) };
-                e.add(i as u64, r.prompt.clone(), params).unwrap();
+                e.add(strata_engine::SeqId(i as u64), r.prompt.clone(), params).unwrap();
             }
             let mut out = vec![Vec::new(); 8];
             while e.has_work() {
@@ -201,7 +204,7 @@ fn greedy_picks_equal_sampling_from_the_whole_logits() {
                     let lp = ev.logprobs.expect("logprobs were asked for");
                     assert_eq!(lp.token_id, ev.token);
                     assert_eq!(lp.top.len(), top as usize);
-                    out[ev.seq as usize].push((ev.token, lp.logprob));
+                    out[ev.seq.0 as usize].push((ev.token, lp.logprob));
                 }
             }
             out

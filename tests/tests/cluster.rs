@@ -61,7 +61,7 @@ fn reference(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); prompts.len()];
     for (i, p) in prompts.iter().enumerate() {
         e.add(
-            i as u64,
+            strata_engine::SeqId(i as u64),
             p.clone(),
             SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
         )
@@ -69,7 +69,7 @@ fn reference(dir: &Path, prompts: &[Vec<u32>], n: u32) -> Vec<Vec<u32>> {
     }
     while e.has_work() {
         for ev in e.step().unwrap() {
-            out[ev.seq as usize].push(ev.token);
+            out[ev.seq.0 as usize].push(ev.token);
         }
     }
     out

@@ -32,7 +32,7 @@ fn run(engine: &mut Engine, n: usize) -> Vec<Vec<u32>> {
     let mut out = vec![Vec::new(); n];
     while engine.num_running() > 0 {
         for e in engine.step().unwrap() {
-            out[e.seq as usize].push(e.token);
+            out[e.seq.0 as usize].push(e.token);
         }
     }
     out
@@ -58,7 +58,7 @@ fn greedy_tokens_and_logits_match_transformers() {
         assert!(diff <= LOGIT_TOL, "{name}: logits after {} tokens differ by {diff}", full.len());
         eprintln!("{name}: max |logit - HF| = {diff:.2e}");
 
-        e.add(0, prompt, greedy(want.len() as u32)).unwrap();
+        e.add(strata_engine::SeqId(0), prompt, greedy(want.len() as u32)).unwrap();
         let got = run(&mut e, 1).remove(0);
         assert_eq!(got, want, "{name}: greedy tokens differ from transformers");
         assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
@@ -75,16 +75,16 @@ fn batched_sequences_match_their_solo_runs() {
         let prompt = ids(&r["prompt_ids"]);
         let want = ids(&r["greedy_ids"]);
         let mut e = engine(&dir);
-        e.add(0, prompt.clone(), greedy(want.len() as u32)).unwrap();
-        e.add(1, prompt[..3].to_vec(), greedy(40)).unwrap();
+        e.add(strata_engine::SeqId(0), prompt.clone(), greedy(want.len() as u32)).unwrap();
+        e.add(strata_engine::SeqId(1), prompt[..3].to_vec(), greedy(40)).unwrap();
         let mut out = vec![Vec::new(); 3];
         let mut steps = 0;
         while e.num_running() > 0 {
             if steps == 5 {
-                e.add(2, prompt.iter().rev().copied().collect(), greedy(7)).unwrap();
+                e.add(strata_engine::SeqId(2), prompt.iter().rev().copied().collect(), greedy(7)).unwrap();
             }
             for ev in e.step().unwrap() {
-                out[ev.seq as usize].push(ev.token);
+                out[ev.seq.0 as usize].push(ev.token);
             }
             steps += 1;
         }

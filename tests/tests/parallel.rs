@@ -14,8 +14,12 @@ fn config() -> EngineConfig {
 }
 
 fn greedy_run(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
-    e.add(0, prompt.to_vec(), SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })
-        .unwrap();
+    e.add(
+        strata_engine::SeqId(0),
+        prompt.to_vec(),
+        SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
+    )
+    .unwrap();
     let mut out = Vec::new();
     while e.has_work() {
         out.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
@@ -138,7 +142,7 @@ mod processes {
             logprobs: Some(5),
             ..Default::default()
         };
-        e.add(0, prompt.to_vec(), params).unwrap();
+        e.add(strata_engine::SeqId(0), prompt.to_vec(), params).unwrap();
         let (mut tokens, mut tops) = (Vec::new(), Vec::new());
         while e.has_work() {
             for ev in e.step().unwrap() {

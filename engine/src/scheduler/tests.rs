@@ -30,16 +30,16 @@ fn step(s: &mut Scheduler) -> StepPlan {
 #[test]
 fn the_token_budget_is_respected_and_long_prompts_are_chunked() {
     let mut s = sched(8, 10, 64, 4, false);
-    s.add(SeqData::new(1, prompt(25, 0)));
-    s.add(SeqData::new(2, prompt(3, 100)));
+    s.add(SeqData::new(SeqId(1), prompt(25, 0)));
+    s.add(SeqData::new(SeqId(2), prompt(3, 100)));
     let p = step(&mut s);
-    assert_eq!(p.seqs, vec![Scheduled { id: 1, start: 0, end: 10, sample: false }]);
+    assert_eq!(p.seqs, vec![Scheduled { id: SeqId(1), start: 0, end: 10, sample: false }]);
     let p = step(&mut s);
-    assert_eq!(p.seqs, vec![Scheduled { id: 1, start: 10, end: 20, sample: false }]);
+    assert_eq!(p.seqs, vec![Scheduled { id: SeqId(1), start: 10, end: 20, sample: false }]);
     let p = step(&mut s);
     // The rest of seq 1's prompt, then seq 2 admitted with what the budget leaves.
-    assert_eq!(p.seqs[0], Scheduled { id: 1, start: 20, end: 25, sample: true });
-    assert_eq!(p.seqs[1], Scheduled { id: 2, start: 0, end: 3, sample: true });
+    assert_eq!(p.seqs[0], Scheduled { id: SeqId(1), start: 20, end: 25, sample: true });
+    assert_eq!(p.seqs[1], Scheduled { id: SeqId(2), start: 0, end: 3, sample: true });
     for _ in 0..5 {
         let p = step(&mut s);
         assert!(p.num_tokens() <= 10);
@@ -51,14 +51,14 @@ fn the_token_budget_is_respected_and_long_prompts_are_chunked() {
 fn admission_is_fifo_and_limited_by_max_num_seqs() {
     let mut s = sched(2, 100, 64, 4, false);
     for id in 1..=4 {
-        s.add(SeqData::new(id, prompt(5, id as u32 * 10)));
+        s.add(SeqData::new(SeqId(id), prompt(5, id as u32 * 10)));
     }
     let p = step(&mut s);
-    assert_eq!(p.seqs.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(p.seqs.iter().map(|x| x.id.0).collect::<Vec<_>>(), vec![1, 2]);
     assert_eq!(s.num_waiting(), 2);
-    s.remove(1);
+    s.remove(SeqId(1));
     let p = step(&mut s);
-    assert_eq!(p.seqs.iter().map(|x| x.id).collect::<Vec<_>>(), vec![2, 3], "3 before 4");
+    assert_eq!(p.seqs.iter().map(|x| x.id.0).collect::<Vec<_>>(), vec![2, 3], "3 before 4");
 }
 
 #[test]
@@ -66,48 +66,52 @@ fn a_long_prompt_at_the_head_is_not_overtaken() {
     // The cache holds the long prompt only once the short running one finishes; later
     // short prompts must not slip ahead of it (no starvation).
     let mut s = sched(8, 100, 6, 4, false); // 24 positions
-    s.add(SeqData::new(1, prompt(8, 0)));
+    s.add(SeqData::new(SeqId(1), prompt(8, 0)));
     step(&mut s);
-    s.add(SeqData::new(2, prompt(20, 100)));
-    s.add(SeqData::new(3, prompt(2, 200)));
+    s.add(SeqData::new(SeqId(2), prompt(20, 100)));
+    s.add(SeqData::new(SeqId(3), prompt(2, 200)));
     let p = step(&mut s);
     assert_eq!(
-        p.seqs.iter().map(|x| x.id).collect::<Vec<_>>(),
+        p.seqs.iter().map(|x| x.id.0).collect::<Vec<_>>(),
         vec![1],
         "2 does not fit yet and 3 waits behind it"
     );
-    s.remove(1);
+    s.remove(SeqId(1));
     let p = step(&mut s);
-    assert_eq!(p.seqs[0].id, 2);
+    assert_eq!(p.seqs[0].id.0, 2);
 }
 
 #[test]
 fn running_out_of_blocks_preempts_the_newest_and_recomputes_it() {
     let mut s = sched(8, 100, 4, 4, false); // 16 positions
-    s.add(SeqData::new(1, prompt(7, 0)));
-    s.add(SeqData::new(2, prompt(7, 50)));
+    s.add(SeqData::new(SeqId(1), prompt(7, 0)));
+    s.add(SeqData::new(SeqId(2), prompt(7, 50)));
     step(&mut s); // both prefill: 2 blocks each, pool full
     assert_eq!(s.pool().num_free(), 0);
     let p = step(&mut s); // both at 8 tokens: decode still fits in block 2
     assert!(p.preempted.is_empty());
     let p = step(&mut s); // seq 1 needs a third block: seq 2 is preempted
-    assert_eq!(p.preempted, vec![2]);
-    assert_eq!(p.seqs.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
-    let seq2 = s.seq(2).unwrap();
+    assert_eq!(p.preempted, vec![SeqId(2)]);
+    assert_eq!(p.seqs.iter().map(|x| x.id.0).collect::<Vec<_>>(), vec![1]);
+    let seq2 = s.seq(SeqId(2)).unwrap();
     assert_eq!(
         (seq2.computed, seq2.tokens.len(), seq2.blocks.len()),
         (0, 9, 0),
         "keeps its 2 generated tokens"
     );
-    s.remove(1);
+    s.remove(SeqId(1));
     let p = step(&mut s);
-    assert_eq!(p.seqs, vec![Scheduled { id: 2, start: 0, end: 9, sample: true }], "recomputed in one chunk");
+    assert_eq!(
+        p.seqs,
+        vec![Scheduled { id: SeqId(2), start: 0, end: 9, sample: true }],
+        "recomputed in one chunk"
+    );
 }
 
 #[test]
 fn a_sequence_bigger_than_the_cache_is_aborted_not_looped() {
     let mut s = sched(8, 100, 2, 4, false);
-    s.add(SeqData::new(1, prompt(8, 0)));
+    s.add(SeqData::new(SeqId(1), prompt(8, 0)));
     step(&mut s);
     let p = step(&mut s);
     assert_eq!(p.aborted.len(), 1);
@@ -121,18 +125,22 @@ fn cached_prefixes_skip_their_prefill() {
     let shared = prompt(12, 0);
     let mut a = shared.clone();
     a.extend([90, 91]);
-    s.add(SeqData::new(1, a));
+    s.add(SeqData::new(SeqId(1), a));
     step(&mut s);
-    s.remove(1);
+    s.remove(SeqId(1));
     let mut b = shared.clone();
     b.extend([80]);
-    s.add(SeqData::new(2, b));
+    s.add(SeqData::new(SeqId(2), b));
     let p = step(&mut s);
-    assert_eq!(p.seqs, vec![Scheduled { id: 2, start: 12, end: 13, sample: true }], "3 cached blocks reused");
+    assert_eq!(
+        p.seqs,
+        vec![Scheduled { id: SeqId(2), start: 12, end: 13, sample: true }],
+        "3 cached blocks reused"
+    );
     // A prompt that is entirely cached still computes its last token.
-    s.add(SeqData::new(3, shared.clone()));
+    s.add(SeqData::new(SeqId(3), shared.clone()));
     let p = step(&mut s);
-    let third = p.seqs.iter().find(|x| x.id == 3).unwrap();
+    let third = p.seqs.iter().find(|x| x.id == SeqId(3)).unwrap();
     assert_eq!((third.start, third.end), (8, 12));
 }
 
@@ -140,7 +148,7 @@ fn cached_prefixes_skip_their_prefill() {
 fn every_block_returns_after_finish_cancel_and_preemption() {
     let mut s = sched(4, 16, 8, 4, true);
     for id in 0..6 {
-        s.add(SeqData::new(id, prompt(5 + id as usize * 3, id as u32 * 7)));
+        s.add(SeqData::new(SeqId(id), prompt(5 + id as usize * 3, id as u32 * 7)));
     }
     for round in 0..30 {
         step(&mut s);
@@ -152,7 +160,7 @@ fn every_block_returns_after_finish_cancel_and_preemption() {
         }
     }
     for id in 0..6 {
-        s.remove(id);
+        s.remove(SeqId(id));
     }
     assert!(!s.has_work());
     assert_eq!(s.pool().num_free(), 8, "all blocks free or evictable");

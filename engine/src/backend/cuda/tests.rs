@@ -35,8 +35,12 @@ fn every_op_matches_the_cpu_backend() {
 }
 
 fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
-    e.add(0, prompt.to_vec(), SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() })
-        .unwrap();
+    e.add(
+        crate::SeqId(0),
+        prompt.to_vec(),
+        SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
+    )
+    .unwrap();
     let mut out = Vec::new();
     while e.has_work() {
         out.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
