@@ -218,7 +218,15 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let e = &self.engine;
         Device::parse(&e.device).map_err(|err| rename(err, "engine.device"))?;
-        parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
+        let kv = parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
+        if let Some(avail) = crate::host::available_memory() {
+            if kv as u64 > avail {
+                return Err(Error::invalid(
+                    "engine.kv_cache_memory",
+                    format!("{kv} bytes exceed the {avail} bytes of memory this machine has available"),
+                ));
+            }
+        }
         for (key, v) in [
             ("engine.block_size", e.block_size),
             ("engine.max_num_seqs", e.max_num_seqs),

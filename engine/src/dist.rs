@@ -70,6 +70,12 @@ pub fn kv_blocks(
             format!("{kv_cache_bytes} bytes hold no block of {per_block} bytes"),
         ));
     }
+    if n > u32::MAX as usize {
+        return Err(Error::invalid(
+            "kv_cache_memory",
+            format!("{n} blocks exceed the {} a cache can index", u32::MAX),
+        ));
+    }
     Ok(n)
 }
 

@@ -24,6 +24,24 @@ use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
 use crate::scheduler::{Scheduler, SchedulerConfig, SeqData};
 
+/// A KV cache in host memory must fit in what the machine has available: asking for more
+/// is an error naming the setting, never an allocation that aborts the process.
+fn check_kv_memory(config: &EngineConfig) -> Result<()> {
+    if config.backend.device != crate::backend::Device::Cpu {
+        return Ok(()); // device memory: the device's allocator answers with an error
+    }
+    match strata_common::host::available_memory() {
+        Some(avail) if config.kv_cache_bytes as u64 > avail => Err(Error::invalid(
+            "kv_cache_memory",
+            format!(
+                "{} bytes exceed the {avail} bytes of memory this machine has available",
+                config.kv_cache_bytes
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Caller-chosen identifier of a sequence within one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SeqId(pub u64);
@@ -109,6 +127,7 @@ impl Engine {
                 "max_num_seqs and max_batched_tokens must be at least 1",
             ));
         }
+        check_kv_memory(config)?;
         let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, config.block_size)?;
         exec.alloc_kv(num_blocks, config.block_size)?;
         debug!(num_blocks, block_size = config.block_size, "KV cache allocated");

@@ -48,6 +48,10 @@ fn bad_keys_and_values_are_named_with_their_flag() {
     let e = fails(&["serve", "--config", &zero, "--model", &model()], &[]);
     assert!(e.contains("engine.block_size") && e.contains("--block-size"), "{e}");
 
+    // More KV cache than the machine has: a validation error, not an aborted allocation.
+    let e = fails(&["serve", "--model", &model(), "--kv-cache-memory", "100000GiB"], &[]);
+    assert!(e.contains("engine.kv_cache_memory") && e.contains("available"), "{e}");
+
     let e = fails(&["serve", "--config", "/nonexistent/strata.toml", "--model", &model()], &[]);
     assert!(e.contains("/nonexistent/strata.toml"), "{e}");
 

@@ -408,3 +408,40 @@ async fn the_embedded_cluster_answers_the_admin_api() {
     let e = client(&server).await.generate(request("q", prompt, 4)).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deployment_asking_for_more_memory_than_there_is_fails_and_the_server_lives() {
+    use strata_proto::admin::v1 as apb;
+    use strata_proto::admin::v1::admin_client::AdminClient;
+    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "m", "--spare-workers", "1"]);
+    let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
+    let huge = apb::DeployModelRequest {
+        name: "huge".into(),
+        model_dir: fixture("llama_gqa"),
+        tp: 1,
+        pp: 1,
+        replicas: 1,
+        scheduler: Some(apb::SchedulerLimits { kv_cache_bytes: 1 << 50, ..Default::default() }),
+        ..Default::default()
+    };
+    admin.deploy_model(huge).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let failed = loop {
+        let rs = admin
+            .list_replicas(apb::ListReplicasRequest { name: "huge".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .replicas;
+        if let Some(r) = rs.into_iter().find(|r| r.reason.contains("kv_cache_memory")) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "no replica failed for its KV cache size");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(failed.reason.contains("available"), "{}", failed.reason);
+    // The process and its other model are unharmed.
+    let r = reference(&fixtures_dir().join("llama_gqa"));
+    let got = client(&server).await.generate(request("m", ids(&r["prompt_ids"]), 8)).await.unwrap();
+    assert_eq!(got.into_inner().token_ids, ids(&r["greedy_ids"])[..8]);
+}

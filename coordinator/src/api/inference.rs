@@ -79,7 +79,8 @@ pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
         _ => return None,
     };
     let margin = (d / 20).min(Duration::from_millis(20));
-    Some(tokio::time::Instant::now() + d - margin)
+    // A deadline too far away to represent is no deadline (never a panic on overflow).
+    tokio::time::Instant::now().checked_add(d - margin)
 }
 
 impl InferenceService {
@@ -210,5 +211,27 @@ impl Inference for InferenceService {
             });
         }
         Ok(Response::new(pb::ListModelsResponse { models }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_timeout(v: &str) -> Request<()> {
+        let mut r = Request::new(());
+        r.metadata_mut().insert("grpc-timeout", v.parse().unwrap());
+        r
+    }
+
+    #[tokio::test]
+    async fn grpc_timeouts_parse_and_absurd_ones_are_no_deadline() {
+        let now = tokio::time::Instant::now();
+        let d = deadline(&with_timeout("2S")).unwrap();
+        assert!(d > now + Duration::from_millis(1900) && d <= now + Duration::from_secs(3));
+        assert_eq!(deadline(&with_timeout(&format!("{}H", u64::MAX))), None, "overflow is no deadline");
+        assert_eq!(deadline(&with_timeout("5X")), None, "unknown unit");
+        assert_eq!(deadline(&with_timeout("S")), None, "no digits");
+        assert_eq!(deadline(&Request::new(())), None);
     }
 }

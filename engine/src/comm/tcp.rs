@@ -36,15 +36,36 @@ fn io_err(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> Error 
     move |e| Error::Unavailable(format!("{what}: {e}"))
 }
 
+/// Largest hello or address table during set-up: a stranger's first bytes never buy more.
+const MAX_HANDSHAKE: usize = 64 << 10;
+/// Largest frame between joined ranks (a step's activations or logits are far smaller).
+const MAX_FRAME: usize = 1 << 31;
+
+fn too_long(len: usize, max: usize) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidData,
+        format!("a frame of {len} bytes exceeds the {max}-byte limit"),
+    )
+}
+
+/// A frame's announced length, refused when it exceeds `max` (before anything is allocated).
+fn frame_len(header: [u8; 8], max: usize) -> std::io::Result<usize> {
+    let len = u64::from_le_bytes(header);
+    match usize::try_from(len) {
+        Ok(len) if len <= max => Ok(len),
+        _ => Err(too_long(usize::try_from(len).unwrap_or(usize::MAX), max)),
+    }
+}
+
 fn write_frame(s: &mut &TcpStream, data: &[u8]) -> std::io::Result<()> {
     s.write_all(&(data.len() as u64).to_le_bytes())?;
     s.write_all(data)
 }
 
-fn read_frame(s: &mut &TcpStream) -> std::io::Result<Vec<u8>> {
+fn read_frame(s: &mut &TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 8];
     s.read_exact(&mut len)?;
-    let len = u64::from_le_bytes(len) as usize;
+    let len = frame_len(len, max)?;
     let mut buf = vec![0u8; len];
     s.read_exact(&mut buf)?;
     Ok(buf)
@@ -121,7 +142,10 @@ impl TcpComm {
                         cfg.rendezvous, cfg.setup_timeout
                     )));
                 };
-                let hello = read_frame(&mut &s).map_err(io_err("rendezvous hello"))?;
+                // Whoever connected gets until the set-up deadline to say who it is.
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                s.set_read_timeout(Some(left)).map_err(io_err("timeout"))?;
+                let hello = read_frame(&mut &s, MAX_HANDSHAKE).map_err(io_err("rendezvous hello"))?;
                 let text = String::from_utf8_lossy(&hello).to_string();
                 let (r, addr) =
                     text.split_once(' ').ok_or_else(|| Error::Unavailable(format!("bad hello {text:?}")))?;
@@ -149,7 +173,8 @@ impl TcpComm {
                 deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)),
             ))
             .map_err(io_err("timeout"))?;
-            let table = read_frame(&mut &s).map_err(io_err("waiting for the other ranks (address table)"))?;
+            let table = read_frame(&mut &s, MAX_HANDSHAKE)
+                .map_err(io_err("waiting for the other ranks (address table)"))?;
             let table: Vec<String> = String::from_utf8_lossy(&table).lines().map(str::to_owned).collect();
             peers[0] = Some(s);
             for (j, addr) in table.iter().enumerate().take(rank).skip(1) {
@@ -166,7 +191,9 @@ impl TcpComm {
                         "ranks {missing:?} never connected to rank {rank}"
                     )));
                 };
-                let hello = read_frame(&mut &s).map_err(io_err("peer hello"))?;
+                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+                s.set_read_timeout(Some(left)).map_err(io_err("timeout"))?;
+                let hello = read_frame(&mut &s, MAX_HANDSHAKE).map_err(io_err("peer hello"))?;
                 let j: usize = String::from_utf8_lossy(&hello)
                     .parse()
                     .map_err(|_| Error::Unavailable("bad peer hello".into()))?;
@@ -221,7 +248,7 @@ impl TcpComm {
         if let Err(e) = rx.read_exact(&mut len) {
             return Err(recv_err(e));
         }
-        got.resize(u64::from_le_bytes(len) as usize, 0);
+        got.resize(frame_len(len, MAX_FRAME).map_err(io_err(format!("rank {rank} ← {from}")))?, 0);
         let set = |nb: bool| -> std::io::Result<()> {
             tx.set_nonblocking(nb)?;
             rx.set_nonblocking(nb)
@@ -367,8 +394,8 @@ impl StepChannel for TcpComm {
                     write_frame(&mut c.peer(r)?, data).map_err(io_err(format!("broadcast to rank {r}")))?;
                 }
             } else {
-                *data =
-                    read_frame(&mut c.peer(root)?).map_err(io_err(format!("broadcast from rank {root}")))?;
+                *data = read_frame(&mut c.peer(root)?, MAX_FRAME)
+                    .map_err(io_err(format!("broadcast from rank {root}")))?;
             }
             Ok(())
         })
@@ -380,7 +407,9 @@ impl StepChannel for TcpComm {
         })
     }
     fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.timed(|c| read_frame(&mut c.peer(from)?).map_err(io_err(format!("receive from rank {from}"))))
+        self.timed(|c| {
+            read_frame(&mut c.peer(from)?, MAX_FRAME).map_err(io_err(format!("receive from rank {from}")))
+        })
     }
     fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
         let err = io_err(format!("waiting for rank {from}"));
@@ -399,7 +428,8 @@ impl StepChannel for TcpComm {
             let mut len = [0u8; 8];
             len[0] = first[0];
             len[1..].copy_from_slice(&rest);
-            let mut buf = vec![0u8; u64::from_le_bytes(len) as usize];
+            let mut buf =
+                vec![0u8; frame_len(len, MAX_FRAME).map_err(io_err(format!("receive from rank {from}")))?];
             (&mut s).read_exact(&mut buf).map_err(io_err(format!("receive from rank {from}")))?;
             Ok(buf)
         })
@@ -439,6 +469,47 @@ mod tests {
 
     fn loopback(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
         Ok(boxed(local_group(world, Duration::from_secs(10))?))
+    }
+
+    /// Rank 0 of a two-rank group waiting at a rendezvous that a stranger reaches first
+    /// with `bytes`: set-up fails with an error, never a panic or an allocation the bytes
+    /// asked for.
+    fn stranger_sends(bytes: &'static [u8]) -> Error {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cfg = TcpCommConfig {
+            rank: 0,
+            world: 2,
+            rendezvous: addr,
+            setup_timeout: Duration::from_secs(2),
+            recv_timeout: Duration::from_secs(2),
+        };
+        let rank0 = std::thread::spawn(move || TcpComm::connect(&cfg, Some(listener)).map(|_| ()));
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        let err = rank0.join().expect("rank 0 did not panic").unwrap_err();
+        drop(s);
+        err
+    }
+
+    #[test]
+    fn hostile_rendezvous_bytes_are_errors() {
+        for bytes in [&[0xffu8; 8][..], &[0, 0, 0, 0, 0, 0, 0, 0x40], &[0, 0, 0, 0, 0, 0, 1, 0]] {
+            let e = stranger_sends(bytes).to_string();
+            assert!(e.contains("exceeds") && e.contains("rendezvous hello"), "{bytes:?}: {e}");
+        }
+        let e = stranger_sends(b"\x05\0\0\0\0\0\0\0hello").to_string();
+        assert!(e.contains("bad hello"), "{e}");
+        // A stranger that connects and says nothing holds set-up only until its deadline.
+        let e = stranger_sends(b"").to_string();
+        assert!(e.contains("rendezvous hello"), "{e}");
+    }
+
+    #[test]
+    fn frame_lengths_are_bounded_before_allocation() {
+        assert_eq!(frame_len(16u64.to_le_bytes(), 16).unwrap(), 16);
+        assert!(frame_len(17u64.to_le_bytes(), 16).is_err());
+        assert!(frame_len(u64::MAX.to_le_bytes(), MAX_FRAME).is_err());
     }
 
     #[test]
