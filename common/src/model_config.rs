@@ -159,8 +159,8 @@ impl ModelConfig {
             head_dim,
             vocab_size,
             max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
-            rms_norm_eps: opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6),
-            rope_theta,
+            rms_norm_eps: positive("rms_norm_eps", opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6))?,
+            rope_theta: positive("rope_theta", rope_theta)?,
             rope_scaling,
             tie_word_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
             qkv_bias,
@@ -211,22 +211,41 @@ fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
     let kind =
         rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
     let num = |key: &str| -> Result<f64> {
-        rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
+        let v = rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
             Error::invalid(format!("rope_scaling.{key}"), format!("required for rope_type {kind:?}"))
-        })
+        })?;
+        positive(&format!("rope_scaling.{key}"), v)
     };
     match kind {
         "default" => Ok(RopeScaling::None),
         "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")?,
-        }),
+        "llama3" => {
+            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            if high <= low {
+                return Err(Error::invalid(
+                    "rope_scaling.high_freq_factor",
+                    format!("{high} must exceed low_freq_factor ({low})"),
+                ));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            })
+        }
         other => Err(Error::Unsupported(format!(
             "rope_scaling type {other:?} (supported: default, linear, llama3)"
         ))),
+    }
+}
+
+/// `v` when it is a positive, finite number; otherwise an error naming `key`.
+fn positive(key: &str, v: f64) -> Result<f64> {
+    if v.is_finite() && v > 0.0 {
+        Ok(v)
+    } else {
+        Err(Error::invalid(key, format!("{v} must be a positive number")))
     }
 }
 
@@ -416,5 +435,24 @@ mod tests {
     fn qwen2_has_qkv_bias() {
         let c = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "Qwen2ForCausalLM")).unwrap();
         assert!(c.qkv_bias && !c.o_bias);
+    }
+
+    #[test]
+    fn numbers_outside_their_domain_are_named() {
+        let base = r#""architectures":["LlamaForCausalLM"],"hidden_size":8,"num_attention_heads":2,"intermediate_size":16,"num_hidden_layers":1,"vocab_size":10"#;
+        for (extra, key) in [
+            (r#""rms_norm_eps":0"#, "rms_norm_eps"),
+            (r#""rms_norm_eps":-1e-6"#, "rms_norm_eps"),
+            (r#""rope_theta":0"#, "rope_theta"),
+            (r#""rope_scaling":{"rope_type":"linear","factor":0}"#, "rope_scaling.factor"),
+            (
+                r#""rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":4,"original_max_position_embeddings":8192}"#,
+                "rope_scaling.high_freq_factor",
+            ),
+        ] {
+            let e = ModelConfig::from_json_str(&format!("{{{base},{extra}}}")).unwrap_err().to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+        ModelConfig::from_json_str(&format!("{{{base}}}")).unwrap();
     }
 }

@@ -3,6 +3,22 @@
 use crate::{Error, ErrorClass};
 use tonic::{Code, Status};
 
+/// Longest message a status carries: an error that echoes a caller's oversized input (a
+/// 10 kB model name) is cut, so the reply stays well under HTTP/2 header limits.
+pub const MAX_STATUS_MESSAGE: usize = 1024;
+
+fn bounded(mut message: String) -> String {
+    if message.len() > MAX_STATUS_MESSAGE {
+        let mut cut = MAX_STATUS_MESSAGE;
+        while !message.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        message.truncate(cut);
+        message.push_str("… (truncated)");
+    }
+    message
+}
+
 pub fn to_status(e: Error) -> Status {
     let code = match e.class() {
         ErrorClass::InvalidInput => Code::InvalidArgument,
@@ -15,7 +31,7 @@ pub fn to_status(e: Error) -> Status {
         ErrorClass::PermissionDenied => Code::PermissionDenied,
         ErrorClass::Internal => Code::Internal,
     };
-    Status::new(code, e.to_string())
+    Status::new(code, bounded(e.to_string()))
 }
 
 /// A status another Strata process answered with, as an error of the same class.
@@ -33,4 +49,18 @@ pub fn from_status(s: &Status, peer: &str) -> Error {
         Code::Unavailable | Code::Cancelled | Code::Unknown | Code::Ok => ErrorClass::Unavailable,
     };
     Error::Relayed { class, message: format!("{peer}: {}", s.message()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_messages_are_cut_and_keep_their_class() {
+        let s = to_status(Error::invalid("model", "é".repeat(5000)));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(s.message().len() <= MAX_STATUS_MESSAGE + 20, "{}", s.message().len());
+        assert!(s.message().starts_with("invalid model") && s.message().ends_with("(truncated)"));
+        assert_eq!(to_status(Error::NotFound("m".into())).message(), "not found: m");
+    }
 }

@@ -242,6 +242,22 @@ async fn health_and_reflection_are_served() {
     for want in ["strata.inference.v1.Inference", "strata.admin.v1.Admin", "grpc.health.v1.Health"] {
         assert!(names.iter().any(|n| n == want), "{want} missing from {names:?}");
     }
+    // The same through v1alpha, which many clients still speak.
+    use tonic_reflection::pb::v1alpha as alpha;
+    let channel = Channel::from_shared(server.endpoint()).unwrap().connect().await.unwrap();
+    let mut refl = alpha::server_reflection_client::ServerReflectionClient::new(channel);
+    let req = alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(alpha::server_reflection_request::MessageRequest::ListServices(String::new())),
+    };
+    let mut resp = refl.server_reflection_info(tokio_stream::iter(vec![req])).await.unwrap().into_inner();
+    let msg = resp.message().await.unwrap().unwrap();
+    let Some(alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        msg.message_response
+    else {
+        panic!("{msg:?}")
+    };
+    assert!(list.service.iter().any(|s| s.name == "strata.inference.v1.Inference"), "{:?}", list.service);
 }
 
 #[tokio::test(flavor = "multi_thread")]

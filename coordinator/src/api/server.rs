@@ -1,6 +1,7 @@
 //! The coordinator's gRPC server, for `strata serve` and `strata coordinator` alike.
 //!
 //! Serves inference.v1, admin.v1, the standard gRPC health service and server reflection
+//! (v1 and v1alpha)
 //! on one port. On SIGTERM (or Ctrl-C) it reports NOT_SERVING, stops accepting new
 //! calls, lets in-flight calls and streams finish for up to the drain timeout, and
 //! returns so the process exits 0.
@@ -67,16 +68,22 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<InferenceServer<InferenceService>>().await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(strata_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .context("building the reflection service")?;
+    // Reflection in both versions: many clients (Python's official one among them) speak
+    // only v1alpha.
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(strata_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder().build_v1().context("building the reflection service")?;
+    let reflection_alpha =
+        reflection_builder().build_v1alpha().context("building the v1alpha reflection service")?;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(InferenceServer::new(InferenceService::new(models, opts.route, opts.client_auth)))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
