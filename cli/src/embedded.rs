@@ -24,7 +24,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tracing::info;
 
 use strata_coordinator::api::admin::ClusterAdmin;
-use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
+use strata_coordinator::api::auth::AdminAuth;
 use strata_coordinator::api::server::{serve, ServeOptions};
 use strata_coordinator::control::leader::{Election, LeaderConfig};
 use strata_coordinator::control::tasks::Timings;
@@ -55,6 +55,8 @@ pub struct EmbeddedOptions {
     pub agent: AgentConfig,
     pub limits: EngineLimits,
     pub serve: ServeOptions,
+    /// Who may call the admin API.
+    pub admin_auth: AdminAuth,
     pub timings: Timings,
 }
 
@@ -183,7 +185,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         keys.clone(),
         watcher.subscribe(),
         catalog.clone(),
-        AdminAuth::new(None, &ClientAuth::open()).map_err(|e| anyhow::anyhow!("{e}"))?,
+        opts.admin_auth.clone(),
     );
     let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
     election.resign().await;

@@ -8,7 +8,7 @@ use clap::Args;
 use strata_common::config::{Config, ServedModel};
 use strata_common::ready::Announcement;
 use strata_common::Parallelism;
-use strata_coordinator::api::auth::ClientAuth;
+use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
 use strata_coordinator::api::server::{Role, ServeOptions};
 use strata_coordinator::control::tasks::Timings;
 use strata_coordinator::request::generation::RouteLimits;
@@ -49,6 +49,14 @@ pub struct ServeArgs {
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
+    /// Token admin calls must bear; without one, admin calls are accepted from loopback only
+    /// (coordinator.admin_token).
+    #[arg(long, env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Client API keys inference calls must bear (repeatable); none: inference is open
+    /// (coordinator.api_keys).
+    #[arg(long = "api-key", env = "STRATA_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Vec<String>,
     /// In-process workers beyond what the --model flags need, for models deployed at run
     /// time through the admin API [default: 0].
     #[arg(long, env = "STRATA_SPARE_WORKERS")]
@@ -82,6 +90,13 @@ impl ServeArgs {
         set(&mut s.drain_timeout_s, &self.drain_timeout);
         set(&mut s.spare_workers, &self.spare_workers);
         self.engine.apply(&mut cfg.engine);
+        // serve's coordinator checks credentials as `strata coordinator` does.
+        if self.admin_token.is_some() {
+            cfg.coordinator.admin_token = self.admin_token.clone();
+        }
+        if !self.api_keys.is_empty() {
+            cfg.coordinator.api_keys = self.api_keys.clone();
+        }
         Ok(())
     }
 }
@@ -116,11 +131,14 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let par = Parallelism { tp: s.tp, pp: s.pp };
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
+    let client_auth = ClientAuth::with_keys(cfg.coordinator.api_keys.clone());
+    let admin_auth =
+        AdminAuth::new(cfg.coordinator.admin_token.clone(), &client_auth).context("--admin-token")?;
     let opts = ServeOptions {
         listen: s.listen,
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
         route: RouteLimits::default(),
-        client_auth: ClientAuth::open(),
+        client_auth,
         role: Role::Serve,
         id: "serve".into(),
     };
@@ -163,6 +181,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         },
         limits: strata_common::cluster::EngineLimits::default(),
         serve: opts,
+        admin_auth,
         timings: Timings::default(),
     };
     rt.block_on(crate::embedded::run_embedded(embedded))

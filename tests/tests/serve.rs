@@ -461,3 +461,29 @@ async fn a_deployment_asking_for_more_memory_than_there_is_fails_and_the_server_
     let got = client(&server).await.generate(request("m", ids(&r["prompt_ids"]), 8)).await.unwrap();
     assert_eq!(got.into_inner().token_ids, ids(&r["greedy_ids"])[..8]);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_checks_api_keys_and_the_admin_token_like_a_coordinator() {
+    use strata_proto::admin::v1 as apb;
+    use strata_proto::admin::v1::admin_client::AdminClient;
+    fn with<T>(token: &str, req: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(req);
+        r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
+    }
+    let server = Server::start_with_env(
+        &["--model", &fixture("llama_gqa"), "--name", "m", "--api-key", "k1"],
+        &[("STRATA_ADMIN_TOKEN", "adm")],
+    );
+    let mut c = client(&server).await;
+    let e = c.list_models(pb::ListModelsRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    let e = c.list_models(with("nope", pb::ListModelsRequest {})).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    let models = c.list_models(with("k1", pb::ListModelsRequest {})).await.unwrap().into_inner().models;
+    assert_eq!(models[0].name, "m");
+    let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
+    let e = admin.list_workers(with("k1", apb::ListWorkersRequest {})).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "a client key is not the admin token: {e:?}");
+    assert!(admin.list_workers(with("adm", apb::ListWorkersRequest {})).await.is_ok());
+}
