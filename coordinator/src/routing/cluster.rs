@@ -64,17 +64,37 @@ impl ClusterRoutes {
         view.ready_replicas(&self.model).map(|r| (r.id.to_string(), r.leader_address.clone())).collect()
     }
 
+    /// Asks every replica in `ready` for its load at once and records the answers (and the
+    /// block size they report); returns each one's load, its last report when it does not
+    /// answer.
+    async fn refresh(&self, ready: &[(String, String)]) -> Vec<EngineStats> {
+        let live = futures::future::join_all(ready.iter().map(|(_, address)| async move {
+            match self.clients.get(address) {
+                Ok(worker) => worker.stats().await.ok(),
+                Err(_) => None,
+            }
+        }))
+        .await;
+        ready
+            .iter()
+            .zip(live)
+            .map(|((id, _), live)| {
+                let load = self.load(id);
+                let mut reported = load.reported.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(s) = live {
+                    if s.block_size > 0 {
+                        self.block_size.store(s.block_size, Ordering::Relaxed);
+                    }
+                    *reported = s;
+                }
+                *reported
+            })
+            .collect()
+    }
+
     /// Refreshes the reported load of each ready replica (called periodically).
     pub async fn poll_stats(&self) {
-        for (id, address) in self.ready_replicas() {
-            let Ok(worker) = self.clients.get(&address) else { continue };
-            if let Ok(stats) = worker.stats().await {
-                if stats.block_size > 0 {
-                    self.block_size.store(stats.block_size, Ordering::Relaxed);
-                }
-                *self.load(&id).reported.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-            }
-        }
+        self.refresh(&self.ready_replicas()).await;
         // Forget replicas that left.
         let ready: Vec<String> = self.ready_replicas().into_iter().map(|r| r.0).collect();
         let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,28 +166,11 @@ impl Routes for ClusterRoutes {
 
     async fn stats(&self) -> EngineStats {
         let ready = self.ready_replicas();
-        // Ask every replica at once; one that does not answer counts with its last report.
-        let live = futures::future::join_all(ready.iter().map(|(_, address)| async move {
-            match self.clients.get(address) {
-                Ok(worker) => worker.stats().await.ok(),
-                Err(_) => None,
-            }
+        let reports = self.refresh(&ready).await;
+        EngineStats::sum(ready.iter().zip(reports).map(|((id, _), mut s)| {
+            s.running = s.running.max(self.load(id).outstanding.load(Ordering::Relaxed));
+            s
         }))
-        .await;
-        let mut all = Vec::with_capacity(ready.len());
-        for ((id, _), live) in ready.iter().zip(live) {
-            let l = self.load(id);
-            let mut s = match live {
-                Some(s) => {
-                    *l.reported.lock().unwrap_or_else(|p| p.into_inner()) = s;
-                    s
-                }
-                None => *l.reported.lock().unwrap_or_else(|p| p.into_inner()),
-            };
-            s.running = s.running.max(l.outstanding.load(Ordering::Relaxed));
-            all.push(s);
-        }
-        EngineStats::sum(all)
     }
 }
 
