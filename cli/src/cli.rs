@@ -45,6 +45,11 @@ pub enum Command {
         #[arg(long, default_value_t = 7)]
         repeats: usize,
     },
+    /// Cluster certificates: a development CA and per-role certificates.
+    Cert {
+        #[command(subcommand)]
+        command: crate::cert_cli::CertCommand,
+    },
     /// Model tools.
     Model {
         #[command(subcommand)]
@@ -287,6 +292,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::Cert { command } => crate::cert_cli::run(command),
         Command::Model { command } => match command {
             ModelCommand::Random(args) => random_model(args),
             ModelCommand::Bench(args) => bench_model(args),

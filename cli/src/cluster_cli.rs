@@ -15,7 +15,10 @@ use strata_coordinator::request::generation::RouteLimits;
 use strata_worker::agent::AgentConfig;
 use strata_worker::process::{run_worker, WorkerOptions};
 
+use strata_common::tls::Role;
+
 use crate::config_args::{connect, engine_config, lease_timings, set, ConfigArg, EngineArgs, RegistryArgs};
+use crate::security_args::{cluster_tls, SecurityArgs};
 
 #[derive(Args, Debug)]
 pub struct CoordinatorArgs {
@@ -23,6 +26,8 @@ pub struct CoordinatorArgs {
     pub config: ConfigArg,
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Address to serve inference.v1 and admin.v1 on; port 0 picks a free port
     /// [default: 127.0.0.1:50051].
     #[arg(long, env = "STRATA_LISTEN")]
@@ -63,6 +68,7 @@ pub struct CoordinatorArgs {
 impl CoordinatorArgs {
     fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         self.registry.apply(&mut cfg.registry);
+        self.security.apply(&mut cfg.security);
         let c = &mut cfg.coordinator;
         set(&mut c.listen, &self.listen);
         if self.id.is_some() {
@@ -102,6 +108,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         format!("coordinator-{}-{:06x}", c.listen.port(), rand::random::<u32>() & 0xff_ffff)
     });
     let (lease_ttl, keepalive) = lease_timings(&cfg.registry)?;
+    let tls = cluster_tls(&cfg.security, c.listen, Role::Coordinator)?;
     let opts = CoordinatorOptions {
         keys: Keys::new(&cfg.registry.prefix),
         listen: c.listen,
@@ -110,6 +117,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         client_auth,
         admin_auth,
         drain_timeout: secs(c.drain_timeout_s),
+        tls,
     };
     rt.block_on(async move {
         let (registry, _) = connect(&cfg.registry).await?;
@@ -124,6 +132,8 @@ pub struct WorkerArgs {
     /// Cluster mode: register in etcd and hold the shards the leader coordinator assigns.
     #[command(flatten)]
     pub registry: RegistryArgs,
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// Cluster mode: address to serve worker.v1 on; port 0 picks a free port
     /// [default: 127.0.0.1:0].
     #[arg(long, env = "STRATA_LISTEN")]
@@ -153,11 +163,15 @@ pub struct WorkerArgs {
     /// Static mode: the leader's rendezvous address (`strata serve --worker-rendezvous`).
     #[arg(long, conflicts_with = "etcd")]
     pub rendezvous: Option<std::net::SocketAddr>,
+    /// Static mode: the secret the leader's rendezvous expects (its --rendezvous-secret).
+    #[arg(long, env = "STRATA_RENDEZVOUS_SECRET", hide_env_values = true, conflicts_with = "etcd")]
+    pub rendezvous_secret: Option<String>,
 }
 
 impl WorkerArgs {
     fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         self.registry.apply(&mut cfg.registry);
+        self.security.apply(&mut cfg.security);
         self.engine.apply(&mut cfg.engine);
         let w = &mut cfg.worker;
         set(&mut w.listen, &self.listen);
@@ -185,13 +199,23 @@ pub fn worker(
             );
         };
         let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
-        strata_engine::replica::run_worker_rank(model, par, rank, rendezvous, &engine.backend, || {})
-            .with_context(|| format!("worker rank {rank}"))?;
+        let secret = crate::rendezvous::secret(args.rendezvous_secret.as_deref(), rendezvous)?;
+        strata_engine::replica::run_worker_rank(
+            model,
+            par,
+            rank,
+            rendezvous,
+            &secret,
+            &engine.backend,
+            || {},
+        )
+        .with_context(|| format!("worker rank {rank}"))?;
         tracing::info!("leader shut the replica down; exiting");
         return Ok(());
     }
     let w = &cfg.worker;
     let (lease_ttl, keepalive) = lease_timings(&cfg.registry)?;
+    let tls = cluster_tls(&cfg.security, w.listen, Role::Worker)?;
     let opts = WorkerOptions {
         keys: Keys::new(&cfg.registry.prefix),
         listen: w.listen,
@@ -208,6 +232,7 @@ pub fn worker(
             runner,
         },
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
+        tls,
     };
     rt()?.block_on(async move {
         let (registry, _) = connect(&cfg.registry).await?;

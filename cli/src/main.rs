@@ -10,6 +10,7 @@ use tracing_subscriber::EnvFilter;
 
 mod admin_cli;
 mod bench;
+mod cert_cli;
 mod cli;
 mod client;
 mod cluster_cli;
@@ -22,6 +23,7 @@ mod latency_bench;
 mod local;
 mod model_tools;
 mod rendezvous;
+mod security_args;
 mod serve_cli;
 mod unimplemented_admin;
 

@@ -21,12 +21,25 @@ use tracing::info;
 
 use crate::unimplemented_admin::EmbeddedAdmin;
 
+/// The group secret of a static replica: the one given, or none on loopback.
+pub fn secret(given: Option<&str>, rendezvous: std::net::SocketAddr) -> anyhow::Result<Vec<u8>> {
+    match given {
+        Some(s) if s.len() < 16 => anyhow::bail!("--rendezvous-secret: use at least 16 characters"),
+        Some(s) => Ok(s.as_bytes().to_vec()),
+        None if rendezvous.ip().is_loopback() => Ok(Vec::new()),
+        None => anyhow::bail!(
+            "the rendezvous {rendezvous} is reachable from other machines: give every rank the same --rendezvous-secret (or STRATA_RENDEZVOUS_SECRET), at least 16 characters"
+        ),
+    }
+}
+
 /// Everything static mode runs with.
 pub struct StaticReplica<'a> {
     pub name: &'a str,
     pub dir: &'a Path,
     pub par: Parallelism,
     pub listener: std::net::TcpListener,
+    pub secret: Vec<u8>,
     pub engine: &'a EngineConfig,
     pub limits: &'a RunnerLimits,
 }
@@ -47,7 +60,7 @@ fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
     let config = ModelConfig::from_dir(r.dir)?;
     ShardPlan::new(&config, r.par)?; // rejects impossible splits before loading anything
     info!(model = r.name, tp = r.par.tp, pp = r.par.pp, dir = %r.dir.display(), "loading replica");
-    let engine = leader_with_external_ranks(r.dir, r.par, r.engine, r.listener)?;
+    let engine = leader_with_external_ranks(r.dir, r.par, r.engine, r.listener, &r.secret)?;
     let id = format!("{}-0", r.name);
     let handle = EngineHandle::spawn(engine, r.limits.clone(), &id)?;
     Ok(ModelEntry {

@@ -46,6 +46,10 @@ pub struct ServeArgs {
     /// processes, instead of running them as threads (one model, one replica).
     #[arg(long)]
     pub worker_rendezvous: Option<std::net::SocketAddr>,
+    /// The secret every rank proves at --worker-rendezvous (the same on each `strata
+    /// worker --rank`); required unless the rendezvous is on loopback.
+    #[arg(long, env = "STRATA_RENDEZVOUS_SECRET", hide_env_values = true)]
+    pub rendezvous_secret: Option<String>,
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
@@ -147,6 +151,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         if s.models.len() != 1 || s.replicas != 1 || par.world() == 1 {
             bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
         }
+        let secret = crate::rendezvous::secret(args.rendezvous_secret.as_deref(), addr)?;
         let listener =
             std::net::TcpListener::bind(addr).with_context(|| format!("--worker-rendezvous {addr}"))?;
         let address = listener.local_addr()?.to_string();
@@ -158,6 +163,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             dir: &s.models[0].path,
             par,
             listener,
+            secret,
             engine: &engine,
             limits: &limits,
         };

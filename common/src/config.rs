@@ -26,6 +26,41 @@ pub struct Config {
     pub serve: ServeSettings,
     pub coordinator: CoordinatorSettings,
     pub worker: WorkerSettings,
+    /// Who is inside the cluster, and which model files a deployment may name.
+    pub security: SecuritySettings,
+}
+
+/// Cluster credentials and the model roots (`[security]`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecuritySettings {
+    /// This process's certificate (PEM) from the cluster CA; its DNS names carry its role
+    /// (`strata-coordinator` or `strata-worker`).
+    pub cluster_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    pub cluster_key: Option<PathBuf>,
+    /// The cluster CA certificate (PEM): peers must present a certificate it signed.
+    pub cluster_ca: Option<PathBuf>,
+    /// Run a cluster role on a non-loopback address without cluster credentials
+    /// (anyone who can reach it is trusted). Logged as a warning at every start.
+    pub insecure: bool,
+    /// Directories deployments may load models from (absolute). Empty: any absolute path
+    /// (logged as a warning in cluster mode).
+    pub model_roots: Vec<PathBuf>,
+}
+
+impl SecuritySettings {
+    /// The cluster credentials: all three files, or none.
+    pub fn credentials(&self) -> Result<Option<(PathBuf, PathBuf, PathBuf)>> {
+        match (&self.cluster_cert, &self.cluster_key, &self.cluster_ca) {
+            (Some(c), Some(k), Some(a)) => Ok(Some((c.clone(), k.clone(), a.clone()))),
+            (None, None, None) => Ok(None),
+            _ => Err(Error::invalid(
+                "security.cluster_cert",
+                "give the cluster certificate, its key and the cluster CA together (or none of them)",
+            )),
+        }
+    }
 }
 
 /// Engine settings shared by `serve` and `worker` (a deployment may override the limits).
@@ -264,6 +299,15 @@ impl Config {
             ("worker.drain_timeout_s", self.worker.drain_timeout_s, 0.0),
         ] {
             seconds(key, v, min)?;
+        }
+        self.security.credentials()?;
+        for root in &self.security.model_roots {
+            if !root.is_absolute() {
+                return Err(Error::invalid(
+                    "security.model_roots",
+                    format!("{}: a model root must be an absolute path", root.display()),
+                ));
+            }
         }
         Ok(())
     }

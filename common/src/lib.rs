@@ -25,6 +25,8 @@ pub mod stats;
 #[cfg(feature = "grpc")]
 pub mod status;
 #[cfg(feature = "grpc")]
+pub mod tls;
+#[cfg(feature = "grpc")]
 pub mod wire;
 pub mod worker_api;
 

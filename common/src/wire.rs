@@ -178,12 +178,16 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
         max_num_seqs: l.limits.max_num_seqs,
         max_batched_tokens: l.limits.max_batched_tokens,
         kv_cache_bytes: l.limits.kv_cache_bytes,
+        group_secret: l.group_secret.clone(),
     }
 }
 
 /// A load request off the wire; a dtype this build does not know is an error naming it.
 pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
     let dtype = if r.dtype.is_empty() { None } else { Some(DType::parse(&r.dtype)?) };
+    if !r.group_secret.is_empty() && !crate::worker_api::GROUP_SECRET_BYTES.contains(&r.group_secret.len()) {
+        return Err(Error::invalid("group_secret", "must be 16 to 64 bytes"));
+    }
     Ok(ShardLoad {
         replica: r.replica_id.into(),
         model: r.model.into(),
@@ -197,6 +201,7 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
             max_batched_tokens: r.max_batched_tokens,
             kv_cache_bytes: r.kv_cache_bytes,
         },
+        group_secret: r.group_secret,
     })
 }
 

@@ -47,7 +47,12 @@ pub struct ShardLoad {
     /// Rank 0's rendezvous address (ranks > 0 only).
     pub rendezvous: Option<String>,
     pub limits: EngineLimits,
+    /// The replica's group secret, the same for every rank (see `LoadShardRequest`).
+    pub group_secret: Vec<u8>,
 }
+
+/// Bounds of a group secret on the wire.
+pub const GROUP_SECRET_BYTES: std::ops::RangeInclusive<usize> = 16..=64;
 
 /// What a worker holds and how busy it is.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
+use strata_common::tls::ClusterTls;
 use tracing::info;
 
 use crate::api::admin::ClusterAdmin;
@@ -28,13 +29,15 @@ pub struct CoordinatorOptions {
     pub admin_auth: AdminAuth,
     /// SIGTERM: how long in-flight calls get to finish.
     pub drain_timeout: Duration,
+    /// Cluster credentials: workers are dialled over mutual TLS as a coordinator.
+    pub tls: Option<ClusterTls>,
 }
 
 /// Routes inference traffic from the registry's view, serves the admin API, and
 /// campaigns for leadership (reconciling while it leads) until SIGTERM.
 pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptions) -> anyhow::Result<()> {
     let watcher = Watcher::start(registry.clone(), opts.keys.clone());
-    let clients = Arc::new(WorkerClients::new());
+    let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
     let election = Election::start(
         registry.clone(),

@@ -156,12 +156,13 @@ where
 }
 
 /// The leader of a replica whose other ranks are worker processes joining at
-/// `rendezvous` (already bound by the caller, so port 0 works).
+/// `rendezvous` (already bound by the caller, so port 0 works) and proving `secret`.
 pub fn leader_with_external_ranks(
     dir: &Path,
     par: Parallelism,
     config: &EngineConfig,
     rendezvous: TcpListener,
+    secret: &[u8],
 ) -> Result<Engine> {
     let addr = rendezvous.local_addr().map_err(|e| Error::Internal(format!("rendezvous address: {e}")))?;
     info!(%addr, world = par.world(), "waiting for worker ranks at the rendezvous");
@@ -171,6 +172,7 @@ pub fn leader_with_external_ranks(
         rendezvous: addr,
         setup_timeout: SETUP_TIMEOUT,
         recv_timeout: STEP_TIMEOUT,
+        secret: secret.to_vec(),
     };
     with_backend!(config.backend, |make| {
         let comm = communicator(TcpComm::connect(&cfg, Some(rendezvous))?, config.backend.device, par)?;
@@ -187,6 +189,7 @@ pub fn run_worker_rank(
     par: Parallelism,
     rank: usize,
     rendezvous: SocketAddr,
+    secret: &[u8],
     opts: &BackendOptions,
     joined: impl FnOnce(),
 ) -> Result<()> {
@@ -199,6 +202,7 @@ pub fn run_worker_rank(
         rendezvous,
         setup_timeout: SETUP_TIMEOUT,
         recv_timeout: STEP_TIMEOUT,
+        secret: secret.to_vec(),
     };
     with_backend!(opts, |make| {
         let comm = communicator(TcpComm::connect(&cfg, None)?, opts.device, par)?;

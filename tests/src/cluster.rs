@@ -1,5 +1,8 @@
 //! Real cluster processes for tests: `strata coordinator` and `strata worker --etcd`
 //! against a real etcd, each on free loopback ports, logs captured, killed when dropped.
+//!
+//! Clusters run with mutual TLS, as production does: each test cluster gets its own CA
+//! and per-role certificates from `strata cert dev`.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -83,9 +86,68 @@ impl Default for Timing {
     }
 }
 
+/// A CA and one certificate per role, made by `strata cert dev`.
+pub struct Certs {
+    pub dir: tempfile::TempDir,
+}
+
+impl Certs {
+    pub fn new() -> Certs {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let out = Command::new(strata_bin())
+            .args(["cert", "dev", "--out"])
+            .arg(dir.path())
+            .output()
+            .expect("run strata cert dev");
+        assert!(out.status.success(), "strata cert dev: {}", String::from_utf8_lossy(&out.stderr));
+        Certs { dir }
+    }
+
+    pub fn path(&self, file: &str) -> String {
+        self.dir.path().join(file).to_string_lossy().to_string()
+    }
+
+    /// The flags giving a process of `role` ("coordinator" or "worker") its credentials.
+    pub fn flags(&self, role: &str) -> Vec<String> {
+        vec![
+            "--cluster-cert".into(),
+            self.path(&format!("{role}.crt")),
+            "--cluster-key".into(),
+            self.path(&format!("{role}.key")),
+            "--cluster-ca".into(),
+            self.path("ca.crt"),
+        ]
+    }
+
+    /// A worker.v1 channel to `address` presenting the certificate of `role` and
+    /// expecting a worker.
+    pub async fn channel(&self, address: &str, role: &str) -> Result<tonic::transport::Channel, String> {
+        use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+        let read = |f: &str| std::fs::read(self.path(f)).expect("read a certificate file");
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(read("ca.crt")))
+            .identity(Identity::from_pem(read(&format!("{role}.crt")), read(&format!("{role}.key"))))
+            .domain_name("strata-worker");
+        let endpoint = Endpoint::from_shared(format!("https://{address}"))
+            .map_err(|e| e.to_string())?
+            .tls_config(tls)
+            .map_err(|e| e.to_string())?;
+        endpoint.connect().await.map_err(|e| format!("{e:?}"))
+    }
+}
+
+impl Default for Certs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// etcd, coordinators and workers of one test.
 pub struct Cluster {
     pub etcd: Etcd,
+    pub certs: Certs,
+    /// Whether processes get their cluster credentials (true unless started plain).
+    pub tls: bool,
     pub coordinators: Vec<Proc>,
     pub workers: Vec<Proc>,
     pub timing: Timing,
@@ -95,8 +157,15 @@ pub struct Cluster {
 impl Cluster {
     pub fn start(coordinators: usize, workers: usize, timing: Timing) -> Cluster {
         let etcd = Etcd::start();
-        let mut c =
-            Cluster { etcd, coordinators: Vec::new(), workers: Vec::new(), timing, prefix: "/strata".into() };
+        let mut c = Cluster {
+            etcd,
+            certs: Certs::new(),
+            tls: std::env::var("STRATA_TEST_PLAIN_CLUSTER").is_err(),
+            coordinators: Vec::new(),
+            workers: Vec::new(),
+            timing,
+            prefix: "/strata".into(),
+        };
         for _ in 0..coordinators {
             c.add_coordinator(&[]);
         }
@@ -125,6 +194,9 @@ impl Cluster {
         args.extend(["--canary-interval".into(), self.timing.canary_interval.to_string()]);
         args.extend(["--canary-timeout".into(), self.timing.canary_timeout.to_string()]);
         args.extend(["--failed-retention".into(), "3".into(), "--route-wait".into(), "30".into()]);
+        if self.tls {
+            args.extend(self.certs.flags("coordinator"));
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         self.coordinators.push(Proc::start(&format!("coordinator c{n}"), &args, None));
         self.coordinators.last().unwrap()
@@ -136,6 +208,9 @@ impl Cluster {
         let mut args = vec!["worker".to_string(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(self.common());
         args.extend(["--id".into(), format!("w{n}"), "--kv-cache-memory".into(), "64MiB".into()]);
+        if self.tls {
+            args.extend(self.certs.flags("worker"));
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         self.workers.push(Proc::start(&format!("worker w{n}"), &args, cwd));
         self.workers.last().unwrap()
@@ -176,10 +251,28 @@ impl Cluster {
         .await
     }
 
+    /// A worker.v1 channel to worker `id`, as a coordinator.
+    pub async fn worker_channel(&self, id: &str) -> tonic::transport::Channel {
+        self.channel(&self.worker(id).addr).await
+    }
+
+    /// A worker.v1 channel to the worker at `address`, as a coordinator.
+    pub async fn channel(&self, address: &str) -> tonic::transport::Channel {
+        if !self.tls {
+            let endpoint = format!("http://{address}");
+            return tonic::transport::Endpoint::from_shared(endpoint)
+                .unwrap()
+                .connect()
+                .await
+                .expect("connect");
+        }
+        self.certs.channel(address, "coordinator").await.expect("connect to the worker")
+    }
+
     /// A worker's own status over worker.v1 (shard loads, sequences served).
     pub async fn worker_status(&self, id: &str) -> strata_proto::worker::v1::StatusResponse {
         use strata_proto::worker::v1::worker_client::WorkerClient;
-        let mut c = WorkerClient::connect(self.worker(id).endpoint()).await.expect("connect to the worker");
+        let mut c = WorkerClient::new(self.worker_channel(id).await);
         c.status(strata_proto::worker::v1::StatusRequest {}).await.expect("worker status").into_inner()
     }
 }

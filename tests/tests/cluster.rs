@@ -129,8 +129,8 @@ async fn wait_ready(endpoint: &str, model: &str, n: usize, limit: Duration) -> V
 }
 
 /// Running sequences on a worker (its engine, if it leads a replica).
-async fn worker_running(address: &str) -> u32 {
-    let Ok(mut c) = WorkerClient::connect(format!("http://{address}")).await else { return 0 };
+async fn worker_running(cluster: &Cluster, address: &str) -> u32 {
+    let mut c = WorkerClient::new(cluster.channel(address).await);
     c.stats(wpb::StatsRequest {}).await.map(|r| r.into_inner().running_sequences).unwrap_or(0)
 }
 
@@ -288,7 +288,7 @@ async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
     let victim = eventually("a busy worker", Duration::from_secs(20), || async {
         for r in &rs {
             let id = &r.workers[0];
-            if worker_running(&by_id[id]).await > 0 {
+            if worker_running(&cluster, &by_id[id]).await > 0 {
                 return Some(id.clone());
             }
         }
@@ -300,7 +300,7 @@ async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
         (received.load(Ordering::SeqCst) >= 8 * 4).then_some(())
     })
     .await;
-    assert!(worker_running(&by_id[&victim]).await > 0, "the victim still has sequences to lose");
+    assert!(worker_running(&cluster, &by_id[&victim]).await > 0, "the victim still has sequences to lose");
     cluster.worker_mut(&victim).kill();
     let killed = Instant::now();
     for (i, (h, want)) in streams.into_iter().zip(&want).enumerate() {
@@ -334,7 +334,7 @@ async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
         workers(&a).await.into_iter().map(|w| (w.id.clone(), w.address.clone())).collect();
     let busy = eventually("a busy replica", Duration::from_secs(20), || async {
         for r in &rs {
-            if worker_running(&by_id[&r.workers[0]]).await > 0 {
+            if worker_running(&cluster, &by_id[&r.workers[0]]).await > 0 {
                 return Some(r.clone());
             }
         }
@@ -597,7 +597,7 @@ async fn deadlines_auth_and_bad_requests_get_clear_statuses() {
     assert!(matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled), "{e:?}");
     let leader = workers_with(&a, "s3cret").await.into_iter().find(|w| w.id == rs[0].workers[0]).unwrap();
     eventually("the worker to drop the expired sequences", Duration::from_secs(5), || async {
-        (worker_running(&leader.address).await == 0).then_some(())
+        (worker_running(&cluster, &leader.address).await == 0).then_some(())
     })
     .await;
 }

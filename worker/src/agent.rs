@@ -180,7 +180,7 @@ impl WorkerAgent {
                 engine.kv_cache_bytes = usize::try_from(limits.kv_cache_bytes).unwrap_or(usize::MAX);
             }
             let built = match listener {
-                Some(l) => leader_with_external_ranks(&dir, req.par, &engine, l),
+                Some(l) => leader_with_external_ranks(&dir, req.par, &engine, l, &req.group_secret),
                 None => local_replica(&dir, Parallelism::NONE, &engine),
             };
             let slot = match built.and_then(|e| EngineHandle::spawn(e, self.cfg.runner.clone(), &req.replica))
@@ -204,7 +204,7 @@ impl WorkerAgent {
             return self.set(epoch, Slot::Failed(format!("bad rendezvous address {:?}", req.rendezvous)));
         };
         let joined = || self.set(epoch, Slot::Follower);
-        match run_worker_rank(&dir, req.par, req.rank, addr, &backend, joined) {
+        match run_worker_rank(&dir, req.par, req.rank, addr, &req.group_secret, &backend, joined) {
             Ok(()) => {
                 info!(replica = %req.replica, rank = req.rank, "rank 0 shut the replica down");
                 self.clear(epoch);

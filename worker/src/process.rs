@@ -15,7 +15,10 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
+use strata_common::tls::ClusterTls;
+
 use crate::agent::{AgentConfig, WorkerAgent};
+use crate::gate::RoleGateLayer;
 use crate::in_process::InProcessWorker;
 use crate::membership::{Announcement, Membership};
 use crate::service::WorkerService;
@@ -24,6 +27,10 @@ use crate::service::WorkerService;
 pub const MAX_REQUEST_BYTES: usize = 64 << 20;
 /// Largest worker.v1 response (tokenizer.json of a large vocabulary is several MiB).
 pub const MAX_RESPONSE_BYTES: usize = 256 << 20;
+
+/// Most concurrent calls on one connection (a coordinator multiplexes all its streams
+/// to a worker over one).
+pub const MAX_CONCURRENT_STREAMS: u32 = 4096;
 
 /// worker.v1 for `agent`, with the message limits every worker uses.
 pub fn worker_server(agent: Arc<WorkerAgent>) -> WorkerServer<WorkerService> {
@@ -45,6 +52,9 @@ pub struct WorkerOptions {
     pub agent: AgentConfig,
     /// SIGTERM: how long in-flight sequences get to finish.
     pub drain_timeout: Duration,
+    /// Cluster credentials: worker.v1 then accepts only clients with a certificate from
+    /// the cluster CA, and only coordinators may drive it. None: every caller is trusted.
+    pub tls: Option<ClusterTls>,
 }
 
 /// Serves worker.v1, registers with a lease, and holds whatever shard the leader
@@ -81,7 +91,15 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<WorkerServer<WorkerService>>().await;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut builder =
+        tonic::transport::Server::builder().max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS));
+    if let Some(tls) = &opts.tls {
+        builder = builder.tls_config(tls.server()).context("cluster TLS")?;
+    } else {
+        warn!("worker.v1 accepts calls from anyone who can reach {bound}: no cluster credentials");
+    }
+    let server = builder
+        .layer(RoleGateLayer)
         .add_service(health)
         .add_service(worker_server(agent.clone()))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {

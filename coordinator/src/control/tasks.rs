@@ -285,7 +285,12 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
     let workers: Vec<WorkerRecord> = rec.workers.iter().map(|w| ctx.worker(w)).collect::<Result<_>>()?;
     let started = Instant::now();
     let dtype = if spec.dtype.is_empty() { None } else { Some(DType::parse(&spec.dtype)?) };
+    // A fresh group secret per load: only the ranks assigned here can join its rendezvous.
+    let mut group_secret = vec![0u8; 32];
+    rand::TryRngCore::try_fill_bytes(&mut rand::rngs::OsRng, &mut group_secret)
+        .map_err(|e| Error::Internal(format!("no randomness for a group secret: {e}")))?;
     let request = |rank: usize, rendezvous: Option<String>| ShardLoad {
+        group_secret: group_secret.clone(),
         replica: rec.id.clone(),
         model: rec.model.clone(),
         model_dir: spec.model_dir.clone(),

@@ -16,7 +16,7 @@ use strata_common::worker_api::{EventStream, Job, ModelFiles, ShardLoad, WorkerA
 use strata_common::{EngineStats, Error, ReplicaId, Result, SeqEvent};
 use strata_proto::worker::v1 as pb;
 use strata_proto::worker::v1::worker_client::WorkerClient;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// tokenizer.json of a large vocabulary is several MiB.
@@ -40,9 +40,17 @@ fn request<T>(message: T, timeout: Duration) -> tonic::Request<T> {
 
 impl GrpcWorker {
     /// A client for the worker at `address` ("host:port"); nothing connects until a call.
-    pub fn connect_lazy(address: &str) -> Result<Self> {
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| Error::Internal(format!("worker address {address:?}: {e}")))?
+    /// With `tls`, the connection is mutual TLS and the worker must prove its role.
+    pub fn connect_lazy(address: &str, tls: Option<&ClientTlsConfig>) -> Result<Self> {
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{address}"))
+            .map_err(|e| Error::Internal(format!("worker address {address:?}: {e}")))?;
+        if let Some(tls) = tls {
+            endpoint = endpoint
+                .tls_config(tls.clone())
+                .map_err(|e| Error::Internal(format!("cluster TLS for {address}: {e}")))?;
+        }
+        let endpoint = endpoint
             .connect_timeout(CONNECT_TIMEOUT)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))

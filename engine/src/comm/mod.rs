@@ -15,6 +15,7 @@
 //! is bootstrapped from. [`contract`] holds the checks every implementation must pass.
 
 pub mod contract;
+pub mod handshake;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod plan;

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use strata_common::{Error, Result};
 
-use super::{bytes_f32, f32_bytes, Collectives, CommStats, StepChannel};
+use super::{bytes_f32, f32_bytes, handshake, Collectives, CommStats, StepChannel};
 
 pub struct TcpComm {
     rank: usize,
@@ -57,12 +57,12 @@ fn frame_len(header: [u8; 8], max: usize) -> std::io::Result<usize> {
     }
 }
 
-fn write_frame(s: &mut &TcpStream, data: &[u8]) -> std::io::Result<()> {
+pub(super) fn write_frame(s: &mut &TcpStream, data: &[u8]) -> std::io::Result<()> {
     s.write_all(&(data.len() as u64).to_le_bytes())?;
     s.write_all(data)
 }
 
-fn read_frame(s: &mut &TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
+pub(super) fn read_frame(s: &mut &TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 8];
     s.read_exact(&mut len)?;
     let len = frame_len(len, max)?;
@@ -114,6 +114,131 @@ pub struct TcpCommConfig {
     pub setup_timeout: Duration,
     /// A receive that waits longer than this fails (a live but stuck peer).
     pub recv_timeout: Duration,
+    /// The replica's group secret: every set-up connection proves it ([`handshake`]).
+    pub secret: Vec<u8>,
+}
+
+/// How long one set-up connection may take to prove itself: a silent stranger delays
+/// set-up by at most this, then is dropped.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Accepts connections on `listener` until `admit` has taken `count` of them (false: the
+/// deadline passed first). Each must pass the handshake; a stranger, a failed proof or a
+/// hello `admit` refuses is logged and dropped, and set-up goes on.
+fn accept_members(
+    listener: &TcpListener,
+    deadline: Instant,
+    secret: &[u8],
+    count: usize,
+    mut admit: impl FnMut(&[u8], TcpStream) -> std::result::Result<(), String>,
+) -> std::io::Result<bool> {
+    let mut admitted = 0;
+    while admitted < count {
+        let Some(s) = accept_before(listener, deadline)? else { return Ok(false) };
+        let left = deadline.saturating_duration_since(Instant::now());
+        s.set_read_timeout(Some(left.clamp(Duration::from_millis(1), HELLO_TIMEOUT)))?;
+        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let admitted_now = match handshake::accept(&s, secret) {
+            Ok(hello) => admit(&hello, s),
+            Err(e) => Err(e.to_string()),
+        };
+        match admitted_now {
+            Ok(()) => admitted += 1,
+            Err(why) => tracing::warn!(%peer, "refused a set-up connection: {why}"),
+        }
+    }
+    Ok(true)
+}
+
+/// Rank 0: admits every other rank at the rendezvous and sends them the address table.
+fn gather(
+    cfg: &TcpCommConfig,
+    listener: Option<TcpListener>,
+    deadline: Instant,
+    peers: &mut [Option<TcpStream>],
+) -> Result<()> {
+    let world = cfg.world;
+    let listener = match listener {
+        Some(l) => l,
+        None => TcpListener::bind(cfg.rendezvous)
+            .map_err(io_err(format!("bind rendezvous {}", cfg.rendezvous)))?,
+    };
+    let mut table = vec![String::new(); world];
+    table[0] = cfg.rendezvous.to_string();
+    let complete = accept_members(&listener, deadline, &cfg.secret, world - 1, |hello, s| {
+        let text = std::str::from_utf8(hello).map_err(|_| "a hello that is not UTF-8".to_string())?;
+        let bad = || format!("bad hello {text:?}");
+        let (r, addr) = text.split_once(' ').ok_or_else(bad)?;
+        let r: usize = r.parse().map_err(|_| bad())?;
+        addr.parse::<SocketAddr>().map_err(|_| bad())?;
+        if r == 0 || r >= world || peers[r].is_some() {
+            return Err(format!("rank {r} announced twice or out of range (world {world})"));
+        }
+        table[r] = addr.to_string();
+        peers[r] = Some(s);
+        Ok(())
+    })
+    .map_err(io_err("rendezvous accept"))?;
+    if !complete {
+        let missing: Vec<usize> = (1..world).filter(|r| peers[*r].is_none()).collect();
+        return Err(Error::Unavailable(format!(
+            "ranks {missing:?} never arrived at rendezvous {} within {:?}",
+            cfg.rendezvous, cfg.setup_timeout
+        )));
+    }
+    let table = table.join("\n");
+    for s in peers.iter().flatten() {
+        write_frame(&mut &*s, table.as_bytes()).map_err(io_err("send address table"))?;
+    }
+    Ok(())
+}
+
+/// Rank > 0: joins at the rendezvous, then links to every other rank (dialling lower
+/// ranks, admitting higher ones).
+fn join_group(cfg: &TcpCommConfig, deadline: Instant, peers: &mut [Option<TcpStream>]) -> Result<()> {
+    let (rank, world) = (cfg.rank, cfg.world);
+    let listener = TcpListener::bind((cfg.rendezvous.ip(), 0)).map_err(io_err("bind peer listener"))?;
+    let my_addr = listener.local_addr().map_err(io_err("peer listener address"))?;
+    let s = connect_before(cfg.rendezvous, deadline)
+        .map_err(io_err(format!("rank {rank}: rendezvous {} unreachable", cfg.rendezvous)))?;
+    let left = || deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left())).map_err(io_err("timeout"))?;
+    handshake::join(&s, &cfg.secret, format!("{rank} {my_addr}").as_bytes())
+        .map_err(io_err(format!("rank {rank}: joining at rendezvous {}", cfg.rendezvous)))?;
+    s.set_read_timeout(Some(left())).map_err(io_err("timeout"))?;
+    let table =
+        read_frame(&mut &s, MAX_HANDSHAKE).map_err(io_err("waiting for the other ranks (address table)"))?;
+    let table: Vec<String> = String::from_utf8_lossy(&table).lines().map(str::to_owned).collect();
+    if table.len() != world {
+        return Err(Error::Unavailable(format!("an address table of {} ranks (world {world})", table.len())));
+    }
+    peers[0] = Some(s);
+    for (j, addr) in table.iter().enumerate().take(rank).skip(1) {
+        let addr: SocketAddr =
+            addr.parse().map_err(|_| Error::Unavailable(format!("bad address {addr:?}")))?;
+        let s = connect_before(addr, deadline).map_err(io_err(format!("connect to rank {j}")))?;
+        s.set_read_timeout(Some(left())).map_err(io_err("timeout"))?;
+        handshake::join(&s, &cfg.secret, rank.to_string().as_bytes())
+            .map_err(io_err(format!("joining rank {j}")))?;
+        peers[j] = Some(s);
+    }
+    let complete = accept_members(&listener, deadline, &cfg.secret, world - 1 - rank, |hello, s| {
+        let j: usize = std::str::from_utf8(hello)
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .ok_or_else(|| "bad peer hello".to_string())?;
+        if j <= rank || j >= world || peers[j].is_some() {
+            return Err(format!("unexpected peer {j}"));
+        }
+        peers[j] = Some(s);
+        Ok(())
+    })
+    .map_err(io_err("peer accept"))?;
+    if !complete {
+        let missing: Vec<usize> = (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
+        return Err(Error::Unavailable(format!("ranks {missing:?} never connected to rank {rank}")));
+    }
+    Ok(())
 }
 
 impl TcpComm {
@@ -121,87 +246,14 @@ impl TcpComm {
     /// (so callers can bind port 0 and hand the address out); other ranks pass None.
     pub fn connect(cfg: &TcpCommConfig, rendezvous_listener: Option<TcpListener>) -> Result<Self> {
         let deadline = Instant::now() + cfg.setup_timeout;
-        let (rank, world) = (cfg.rank, cfg.world);
-        let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
-        if world == 1 {
+        let mut peers: Vec<Option<TcpStream>> = (0..cfg.world).map(|_| None).collect();
+        if cfg.world == 1 {
             return Ok(Self::from_peers(cfg, peers));
         }
-        if rank == 0 {
-            let listener = match rendezvous_listener {
-                Some(l) => l,
-                None => TcpListener::bind(cfg.rendezvous)
-                    .map_err(io_err(format!("bind rendezvous {}", cfg.rendezvous)))?,
-            };
-            let mut table = vec![String::new(); world];
-            table[0] = cfg.rendezvous.to_string();
-            for _ in 1..world {
-                let Some(s) = accept_before(&listener, deadline).map_err(io_err("rendezvous accept"))? else {
-                    let missing: Vec<usize> = (1..world).filter(|r| peers[*r].is_none()).collect();
-                    return Err(Error::Unavailable(format!(
-                        "ranks {missing:?} never arrived at rendezvous {} within {:?}",
-                        cfg.rendezvous, cfg.setup_timeout
-                    )));
-                };
-                // Whoever connected gets until the set-up deadline to say who it is.
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                s.set_read_timeout(Some(left)).map_err(io_err("timeout"))?;
-                let hello = read_frame(&mut &s, MAX_HANDSHAKE).map_err(io_err("rendezvous hello"))?;
-                let text = String::from_utf8_lossy(&hello).to_string();
-                let (r, addr) =
-                    text.split_once(' ').ok_or_else(|| Error::Unavailable(format!("bad hello {text:?}")))?;
-                let r: usize = r.parse().map_err(|_| Error::Unavailable(format!("bad hello {text:?}")))?;
-                if r == 0 || r >= world || peers[r].is_some() {
-                    return Err(Error::Unavailable(format!(
-                        "rank {r} announced twice or out of range (world {world})"
-                    )));
-                }
-                table[r] = addr.to_string();
-                peers[r] = Some(s);
-            }
-            let table = table.join("\n");
-            for s in peers.iter().flatten() {
-                write_frame(&mut &*s, table.as_bytes()).map_err(io_err("send address table"))?;
-            }
+        if cfg.rank == 0 {
+            gather(cfg, rendezvous_listener, deadline, &mut peers)?;
         } else {
-            let listener =
-                TcpListener::bind((cfg.rendezvous.ip(), 0)).map_err(io_err("bind peer listener"))?;
-            let my_addr = listener.local_addr().map_err(io_err("peer listener address"))?;
-            let s = connect_before(cfg.rendezvous, deadline)
-                .map_err(io_err(format!("rank {rank}: rendezvous {} unreachable", cfg.rendezvous)))?;
-            write_frame(&mut &s, format!("{rank} {my_addr}").as_bytes()).map_err(io_err("send hello"))?;
-            s.set_read_timeout(Some(
-                deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)),
-            ))
-            .map_err(io_err("timeout"))?;
-            let table = read_frame(&mut &s, MAX_HANDSHAKE)
-                .map_err(io_err("waiting for the other ranks (address table)"))?;
-            let table: Vec<String> = String::from_utf8_lossy(&table).lines().map(str::to_owned).collect();
-            peers[0] = Some(s);
-            for (j, addr) in table.iter().enumerate().take(rank).skip(1) {
-                let addr: SocketAddr =
-                    addr.parse().map_err(|_| Error::Unavailable(format!("bad address {addr:?}")))?;
-                let s = connect_before(addr, deadline).map_err(io_err(format!("connect to rank {j}")))?;
-                write_frame(&mut &s, rank.to_string().as_bytes()).map_err(io_err("peer hello"))?;
-                peers[j] = Some(s);
-            }
-            for _ in rank + 1..world {
-                let Some(s) = accept_before(&listener, deadline).map_err(io_err("peer accept"))? else {
-                    let missing: Vec<usize> = (rank + 1..world).filter(|r| peers[*r].is_none()).collect();
-                    return Err(Error::Unavailable(format!(
-                        "ranks {missing:?} never connected to rank {rank}"
-                    )));
-                };
-                let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                s.set_read_timeout(Some(left)).map_err(io_err("timeout"))?;
-                let hello = read_frame(&mut &s, MAX_HANDSHAKE).map_err(io_err("peer hello"))?;
-                let j: usize = String::from_utf8_lossy(&hello)
-                    .parse()
-                    .map_err(|_| Error::Unavailable("bad peer hello".into()))?;
-                if j <= rank || j >= world {
-                    return Err(Error::Unavailable(format!("unexpected peer {j}")));
-                }
-                peers[j] = Some(s);
-            }
+            join_group(cfg, deadline, &mut peers)?;
         }
         for s in peers.iter().flatten() {
             s.set_nodelay(true).map_err(io_err("nodelay"))?;
@@ -441,6 +493,7 @@ pub fn local_group(world: usize, timeout: Duration) -> Result<Vec<TcpComm>> {
     let listener = TcpListener::bind("127.0.0.1:0").map_err(io_err("bind loopback rendezvous"))?;
     let rendezvous = listener.local_addr().map_err(io_err("rendezvous address"))?;
     let mut listener = Some(listener);
+    let secret = handshake::new_secret().map_err(io_err("group secret"))?;
     let handles: Vec<_> = (0..world)
         .map(|rank| {
             let cfg = TcpCommConfig {
@@ -449,6 +502,7 @@ pub fn local_group(world: usize, timeout: Duration) -> Result<Vec<TcpComm>> {
                 rendezvous,
                 setup_timeout: timeout,
                 recv_timeout: Duration::from_secs(300),
+                secret: secret.clone(),
             };
             let l = if rank == 0 { listener.take() } else { None };
             std::thread::spawn(move || TcpComm::connect(&cfg, l))
@@ -461,164 +515,5 @@ pub fn local_group(world: usize, timeout: Duration) -> Result<Vec<TcpComm>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    use crate::comm::contract::boxed;
-    use crate::comm::Communicator;
-
-    fn loopback(world: usize) -> Result<Vec<Box<dyn Communicator>>> {
-        Ok(boxed(local_group(world, Duration::from_secs(10))?))
-    }
-
-    /// Rank 0 of a two-rank group waiting at a rendezvous that a stranger reaches first
-    /// with `bytes`: set-up fails with an error, never a panic or an allocation the bytes
-    /// asked for.
-    fn stranger_sends(bytes: &'static [u8]) -> Error {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let cfg = TcpCommConfig {
-            rank: 0,
-            world: 2,
-            rendezvous: addr,
-            setup_timeout: Duration::from_secs(2),
-            recv_timeout: Duration::from_secs(2),
-        };
-        let rank0 = std::thread::spawn(move || TcpComm::connect(&cfg, Some(listener)).map(|_| ()));
-        let mut s = TcpStream::connect(addr).unwrap();
-        s.write_all(bytes).unwrap();
-        let err = rank0.join().expect("rank 0 did not panic").unwrap_err();
-        drop(s);
-        err
-    }
-
-    #[test]
-    fn hostile_rendezvous_bytes_are_errors() {
-        for bytes in [&[0xffu8; 8][..], &[0, 0, 0, 0, 0, 0, 0, 0x40], &[0, 0, 0, 0, 0, 0, 1, 0]] {
-            let e = stranger_sends(bytes).to_string();
-            assert!(e.contains("exceeds") && e.contains("rendezvous hello"), "{bytes:?}: {e}");
-        }
-        let e = stranger_sends(b"\x05\0\0\0\0\0\0\0hello").to_string();
-        assert!(e.contains("bad hello"), "{e}");
-        // A stranger that connects and says nothing holds set-up only until its deadline.
-        let e = stranger_sends(b"").to_string();
-        assert!(e.contains("rendezvous hello"), "{e}");
-    }
-
-    #[test]
-    fn frame_lengths_are_bounded_before_allocation() {
-        assert_eq!(frame_len(16u64.to_le_bytes(), 16).unwrap(), 16);
-        assert!(frame_len(17u64.to_le_bytes(), 16).is_err());
-        assert!(frame_len(u64::MAX.to_le_bytes(), MAX_FRAME).is_err());
-    }
-
-    #[test]
-    fn keeps_the_communicator_contract() {
-        // The same checks `strata gpu-check comm` runs over NCCL.
-        for world in [1usize, 2, 3, 4] {
-            for (check, result) in crate::comm::contract::run_all(world, loopback) {
-                result.unwrap_or_else(|e| panic!("world {world}, {check}: {e}"));
-            }
-        }
-    }
-
-    #[test]
-    fn a_wrong_sum_is_caught_by_the_contract() {
-        // The contract's checks can fail: a communicator that skips the reduction.
-        struct Lazy(TcpComm);
-        impl Collectives for Lazy {
-            fn rank(&self) -> usize {
-                self.0.rank()
-            }
-            fn world(&self) -> usize {
-                self.0.world()
-            }
-            fn all_reduce_sum(&mut self, _group: &[usize], _data: &mut [f32]) -> Result<()> {
-                Ok(())
-            }
-            fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
-                self.0.all_gather(group, local)
-            }
-            fn barrier(&mut self, group: &[usize]) -> Result<()> {
-                self.0.barrier(group)
-            }
-            fn stats(&self) -> CommStats {
-                self.0.stats()
-            }
-        }
-
-        impl StepChannel for Lazy {
-            fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
-                self.0.broadcast(group, root, data)
-            }
-            fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
-                self.0.send(to, data)
-            }
-            fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-                self.0.recv(from)
-            }
-        }
-        let lazy = |world| -> Result<Vec<Box<dyn Communicator>>> {
-            Ok(boxed(local_group(world, Duration::from_secs(10))?.into_iter().map(Lazy).collect()))
-        };
-        let e = crate::comm::contract::all_reduce_sums(lazy(2).unwrap(), 7).unwrap_err();
-        assert!(e.to_string().contains("rank 0"), "{e}");
-        let e = crate::comm::contract::subgroups_gathers_broadcasts_and_sends(lazy(4).unwrap()).unwrap_err();
-        assert!(e.to_string().contains("all_reduce_sum over [0, 1]"), "{e}");
-    }
-
-    #[test]
-    fn a_missing_rank_fails_setup_with_its_number() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let rendezvous = listener.local_addr().unwrap();
-        let cfg = move |rank| TcpCommConfig {
-            rank,
-            world: 3,
-            rendezvous,
-            setup_timeout: Duration::from_millis(300),
-            recv_timeout: Duration::from_secs(1),
-        };
-        let one = std::thread::spawn(move || TcpComm::connect(&cfg(1), None).map(|_| ()));
-        let e = TcpComm::connect(&cfg(0), Some(listener)).err().expect("rank 2 never comes");
-        assert!(e.to_string().contains("[2]"), "{e}");
-        assert!(one.join().unwrap().is_err());
-    }
-
-    #[test]
-    fn an_idle_wait_outlasts_the_receive_timeout_and_ends_when_the_peer_goes() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let rendezvous = listener.local_addr().unwrap();
-        let cfg = move |rank| TcpCommConfig {
-            rank,
-            world: 2,
-            rendezvous,
-            setup_timeout: Duration::from_secs(10),
-            recv_timeout: Duration::from_millis(100),
-        };
-        let leader = std::thread::spawn(move || {
-            let mut c = TcpComm::connect(&cfg(0), Some(listener)).unwrap();
-            std::thread::sleep(Duration::from_millis(400)); // idle for 4 receive timeouts
-            c.send(1, b"step").unwrap();
-            std::thread::sleep(Duration::from_millis(200));
-            drop(c); // the leader goes away
-        });
-        let mut f = TcpComm::connect(&cfg(1), None).unwrap();
-        assert_eq!(f.recv_idle(0).unwrap(), b"step");
-        let t = Instant::now();
-        let e = f.recv_idle(0).unwrap_err();
-        assert!(matches!(e, Error::Unavailable(_)), "{e}");
-        assert!(t.elapsed() < Duration::from_secs(2));
-        leader.join().unwrap();
-    }
-
-    #[test]
-    fn a_dead_peer_fails_the_collective() {
-        let mut comms = local_group(2, Duration::from_secs(10)).unwrap();
-        drop(comms.pop());
-        let mut c = comms.pop().unwrap();
-        let t = Instant::now();
-        let e = c.all_reduce_sum(&[0, 1], &mut [1.0; 4]).unwrap_err();
-        assert!(t.elapsed() < Duration::from_secs(2));
-        assert!(matches!(e, Error::Unavailable(_)), "{e}");
-    }
-}
+#[path = "tcp_tests.rs"]
+mod tests;

@@ -12,7 +12,9 @@
 //!
 //! `cargo run --release -p strata-tests --bin cluster-bench -- --model DIR [--model DIR2]
 //!  [--stream-model DIR] [--repeats 5] [--requests 500]` (needs target/release/strata:
-//! set STRATA_BIN). Prints a JSON report on stdout, progress on stderr.
+//! set STRATA_BIN). Prints a JSON report on stdout, progress on stderr. The cluster runs
+//! with mutual TLS, as the tests do; `STRATA_TEST_PLAIN_CLUSTER=1` runs it without, to
+//! measure what TLS costs.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -99,7 +101,7 @@ async fn main() {
     let mut admin = AdminClient::connect(a.clone()).await.unwrap();
     report.insert("scale".into(), scale_latency(&args, &mut admin, workers).await);
     report.insert("failover".into(), failover(&args, &mut cluster, &mut admin).await);
-    report.insert("routing".into(), routing(&args, &mut admin, &a, &b).await);
+    report.insert("routing".into(), routing(&args, &cluster, &mut admin, &a, &b).await);
     println!("{}", serde_json::Value::Object(report));
 }
 
@@ -215,7 +217,7 @@ async fn failover(args: &Args, cluster: &mut Cluster, admin: &mut Admin) -> serd
         // The busier leader.
         let mut victim = rs[0].workers[0].clone();
         for r in &rs {
-            let mut c = WorkerClient::connect(format!("http://{}", addr(&r.workers[0]))).await.unwrap();
+            let mut c = WorkerClient::new(cluster.channel(&addr(&r.workers[0])).await);
             if c.stats(wpb::StatsRequest {}).await.unwrap().into_inner().running_sequences > 0 {
                 victim = r.workers[0].clone();
                 break;
@@ -244,7 +246,7 @@ async fn failover(args: &Args, cluster: &mut Cluster, admin: &mut Admin) -> serd
 }
 
 /// 3. Routing overhead: through a coordinator vs straight to rank 0, on the first model.
-async fn routing(args: &Args, admin: &mut Admin, a: &str, b: &str) -> serde_json::Value {
+async fn routing(args: &Args, cluster: &Cluster, admin: &mut Admin, a: &str, b: &str) -> serde_json::Value {
     admin.undeploy_model(apb::UndeployModelRequest { name: "s".into() }).await.unwrap();
     admin
         .deploy_model(apb::DeployModelRequest {
@@ -261,7 +263,7 @@ async fn routing(args: &Args, admin: &mut Admin, a: &str, b: &str) -> serde_json
     let direct_addr = rs[0].leader_address.clone();
     let mut ca = InferenceClient::connect(a.to_string()).await.unwrap();
     let mut cb = InferenceClient::connect(b.to_string()).await.unwrap();
-    let mut w = WorkerClient::connect(format!("http://{direct_addr}")).await.unwrap();
+    let mut w = WorkerClient::new(cluster.channel(&direct_addr).await);
     let mut via = Vec::new();
     let mut direct = Vec::new();
     for i in 0..args.requests + 20 {
