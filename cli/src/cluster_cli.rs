@@ -15,6 +15,7 @@ use strata_coordinator::request::generation::RouteLimits;
 use strata_worker::agent::AgentConfig;
 use strata_worker::process::{run_worker, WorkerOptions};
 
+use strata_common::model_roots::ModelRoots;
 use strata_common::tls::Role;
 
 use crate::config_args::{connect, engine_config, lease_timings, set, ConfigArg, EngineArgs, RegistryArgs};
@@ -118,6 +119,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         admin_auth,
         drain_timeout: secs(c.drain_timeout_s),
         tls,
+        model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
     };
     rt.block_on(async move {
         let (registry, _) = connect(&cfg.registry).await?;
@@ -230,6 +232,7 @@ pub fn worker(
             backend: engine.backend.clone(),
             engine,
             runner,
+            model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
         },
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
         tls,

@@ -58,6 +58,8 @@ pub struct EmbeddedOptions {
     /// Who may call the admin API.
     pub admin_auth: AdminAuth,
     pub timings: Timings,
+    /// Where admin deployments may load models from.
+    pub model_roots: strata_common::model_roots::ModelRoots,
 }
 
 const LEASE_TTL: Duration = Duration::from_secs(5);
@@ -186,7 +188,8 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         watcher.subscribe(),
         catalog.clone(),
         opts.admin_auth.clone(),
-    );
+    )
+    .with_model_roots(opts.model_roots.clone());
     let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
     election.resign().await;
     for w in workers {

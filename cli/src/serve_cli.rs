@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Args;
 use strata_common::config::{Config, ServedModel};
+use strata_common::model_roots::ModelRoots;
 use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
@@ -50,6 +51,10 @@ pub struct ServeArgs {
     /// worker --rank`); required unless the rendezvous is on loopback.
     #[arg(long, env = "STRATA_RENDEZVOUS_SECRET", hide_env_values = true)]
     pub rendezvous_secret: Option<String>,
+    /// A directory admin deployments may load models from (repeatable; absolute); the
+    /// --model directories are always allowed (security.model_roots).
+    #[arg(long = "model-root", env = "STRATA_MODEL_ROOTS", value_delimiter = ',')]
+    pub model_roots: Vec<std::path::PathBuf>,
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
@@ -100,6 +105,9 @@ impl ServeArgs {
         }
         if !self.api_keys.is_empty() {
             cfg.coordinator.api_keys = self.api_keys.clone();
+        }
+        if !self.model_roots.is_empty() {
+            cfg.security.model_roots = self.model_roots.clone();
         }
         Ok(())
     }
@@ -169,11 +177,14 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         };
         return crate::rendezvous::run(replica, opts, rt);
     }
-    let models = names
-        .into_iter()
-        .zip(&s.models)
-        .map(|(name, m)| EmbeddedModel { name, dir: m.path.clone(), par, replicas: s.replicas })
-        .collect();
+    // Absolute, so every worker reads the same directory whatever its working directory.
+    let mut roots = ModelRoots::new(cfg.security.model_roots.clone());
+    let mut models = Vec::with_capacity(names.len());
+    for (name, m) in names.into_iter().zip(&s.models) {
+        let dir = m.path.canonicalize().with_context(|| format!("--model {}", m.path.display()))?;
+        roots = roots.with(dir.clone());
+        models.push(EmbeddedModel { name, dir, par, replicas: s.replicas });
+    }
     let embedded = EmbeddedOptions {
         models,
         spare_workers: s.spare_workers,
@@ -184,10 +195,12 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             backend: engine.backend.clone(),
             engine,
             runner: limits,
+            model_roots: roots.clone(),
         },
         limits: strata_common::cluster::EngineLimits::default(),
         serve: opts,
         admin_auth,
+        model_roots: roots,
         timings: Timings::default(),
     };
     rt.block_on(crate::embedded::run_embedded(embedded))

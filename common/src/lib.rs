@@ -15,6 +15,7 @@ pub mod events;
 pub mod host;
 pub mod ids;
 pub mod model_config;
+pub mod model_roots;
 pub mod prefix;
 pub mod ready;
 pub mod registry;

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_common::tls::ClusterTls;
@@ -31,6 +32,8 @@ pub struct CoordinatorOptions {
     pub drain_timeout: Duration,
     /// Cluster credentials: workers are dialled over mutual TLS as a coordinator.
     pub tls: Option<ClusterTls>,
+    /// Where deployments may load models from.
+    pub model_roots: ModelRoots,
 }
 
 /// Routes inference traffic from the registry's view, serves the admin API, and
@@ -53,7 +56,13 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
         watcher.subscribe(),
         catalog.clone(),
         opts.admin_auth,
-    );
+    )
+    .with_model_roots(opts.model_roots.clone());
+    if opts.model_roots.is_open() {
+        tracing::warn!(
+            "no --model-root: deployments may load models from any absolute path the workers can read"
+        );
+    }
     info!(id = %opts.leader.id, registry = registry.kind(), prefix = opts.keys.prefix(), "coordinator starting");
     let served = serve(
         catalog,

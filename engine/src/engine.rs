@@ -93,11 +93,15 @@ struct SeqMeta {
     generated: u32,
 }
 
-/// A sequence removed because it cannot run (the cache can never hold it).
+/// A sequence removed because it cannot run: the cache can never hold it, or the model
+/// produced non-finite logits for it.
 #[derive(Debug)]
 pub struct Aborted {
     pub seq: SeqId,
     pub error: Error,
+    /// The model's numbers failed (NaN or infinite logits): a broken model, not a request
+    /// too large; canaries fail on it.
+    pub non_finite: bool,
 }
 
 pub struct Engine {
@@ -262,7 +266,7 @@ impl Engine {
         let mut plan = self.scheduler.schedule();
         for (seq, error) in plan.aborted.drain(..) {
             self.meta.remove(&seq);
-            self.aborted.push(Aborted { seq, error });
+            self.aborted.push(Aborted { seq, error, non_finite: false });
         }
         if !plan.preempted.is_empty() {
             debug!(preempted = ?plan.preempted, "KV cache full: preempted for recompute");
@@ -308,7 +312,18 @@ impl Engine {
         let max_context = self.max_context();
         let mut events = Vec::with_capacity(logit_rows.len());
         let mut sampled = Vec::with_capacity(logit_rows.len());
+        let mut non_finite = Vec::new();
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
+            let finite = match &logits {
+                StepLogits::Full(l) => l[row * vocab..(row + 1) * vocab].iter().all(|x| x.is_finite()),
+                StepLogits::Greedy(p) => p[row].logit.is_finite() && p[row].log_z.is_finite(),
+            };
+            if !finite {
+                // NaN weights or an out-of-domain config: never emit a token from it.
+                non_finite.push(item.id);
+                sampled.push((item.id, 0));
+                continue;
+            }
             let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
             let (token, logprobs) = match &logits {
                 StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
@@ -333,6 +348,13 @@ impl Engine {
             if e.finish.is_some() {
                 self.cancel(e.seq);
             }
+        }
+        for seq in non_finite {
+            self.cancel(seq);
+            let error = Error::Internal(
+                "the model produced non-finite logits (NaN or infinity): its weights or config.json are broken".into(),
+            );
+            self.aborted.push(Aborted { seq, error, non_finite: true });
         }
         Ok(events)
     }

@@ -291,7 +291,9 @@ impl Runner {
 
     fn step(&mut self) {
         let result = self.engine.step();
+        let mut non_finite = false;
         for a in self.engine.take_aborted() {
+            non_finite |= a.non_finite;
             if let Some(events) = self.streams.remove(&a.seq) {
                 let _ = events.send(SeqEvent::Failed(a.error));
             }
@@ -299,7 +301,11 @@ impl Runner {
         match result {
             Ok(events) => {
                 for c in self.canaries.drain(..) {
-                    let _ = c.send(Ok(()));
+                    let verdict = match non_finite {
+                        true => Err(Error::Unavailable("the step produced non-finite logits".into())),
+                        false => Ok(()),
+                    };
+                    let _ = c.send(verdict);
                 }
                 for ev in events {
                     let Some(stream) = self.streams.get(&ev.seq) else { continue };

@@ -617,15 +617,17 @@ async fn workers_with(endpoint: &str, token: &str) -> Vec<apb::WorkerStatus> {
 #[tokio::test(flavor = "multi_thread")]
 async fn draining_a_worker_moves_its_replica_first_and_coordinators_fetch_model_files() {
     let _g = SERIAL.lock().await;
-    // The workers see the model under a relative path the coordinator cannot resolve,
-    // so the coordinator asks a worker for config.json and tokenizer.json.
+    // The workers see the model at a path the coordinator cannot read, as on separate
+    // machines, so the coordinator asks a worker for config.json and tokenizer.json.
+    // `/proc/self/cwd/gqa` is absolute yet names a different directory in each process:
+    // the workers' working directory holds `gqa`, the coordinator's does not.
     let root = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(fixtures_dir().join("llama_gqa"), root.path().join("gqa")).unwrap();
     let mut cluster = Cluster::start(1, 0, Timing::default());
     cluster.add_worker(&[], Some(root.path()));
     cluster.add_worker(&[], Some(root.path()));
     let a = cluster.coordinators[0].endpoint();
-    admin(&a).await.deploy_model(deploy_req("gqa", "gqa", 1, 1)).await.unwrap();
+    admin(&a).await.deploy_model(deploy_req("gqa", "/proc/self/cwd/gqa", 1, 1)).await.unwrap();
     let before = wait_ready(&a, "gqa", 1, Duration::from_secs(30)).await;
     let want = reference(&fixtures_dir().join("llama_gqa"), &[vec![4, 4, 4]], 8);
     let got = eventually("the tokenizer fetched from a worker", Duration::from_secs(10), || async {

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use strata_common::cluster::{Assignment, ShardState};
+use strata_common::model_roots::ModelRoots;
 use strata_common::worker_api::ShardLoad;
 use strata_common::{EngineStats, Error, Parallelism, Result};
 use strata_engine::backend::BackendOptions;
@@ -38,6 +39,8 @@ pub struct AgentConfig {
     /// Engine settings a deployment does not override.
     pub engine: EngineConfig,
     pub runner: RunnerLimits,
+    /// Directories a shard may be loaded from (and model files read from).
+    pub model_roots: ModelRoots,
 }
 
 enum Slot {
@@ -115,7 +118,7 @@ impl WorkerAgent {
     /// Starts loading `req`; returns rank 0's rendezvous address. Idempotent for the shard
     /// already held; refuses another while one is held.
     pub fn load(self: &Arc<Self>, req: ShardLoad) -> Result<Option<String>> {
-        validate(&req)?;
+        validate(&req, &self.cfg.model_roots)?;
         let mut inner = self.lock();
         if let Some(h) = &inner.held {
             if h.request == req && !matches!(h.slot, Slot::Failed(_)) {
@@ -254,6 +257,11 @@ impl WorkerAgent {
         }
     }
 
+    /// Whether the replica this worker leads takes no new requests.
+    pub fn draining(&self) -> bool {
+        self.lock().draining
+    }
+
     /// Stops taking new requests for `replica` (rank 0).
     pub fn drain(&self, replica: &str) -> Result<()> {
         self.leader(replica)?;
@@ -330,13 +338,11 @@ impl WorkerAgent {
     }
 }
 
-fn validate(req: &ShardLoad) -> Result<()> {
+fn validate(req: &ShardLoad, roots: &ModelRoots) -> Result<()> {
     if req.replica.is_empty() {
         return Err(Error::invalid("replica_id", "must not be empty"));
     }
-    if req.model_dir.is_empty() {
-        return Err(Error::invalid("model_dir", "must not be empty"));
-    }
+    roots.check(&req.model_dir)?;
     if req.par.tp == 0 || req.par.pp == 0 {
         return Err(Error::invalid("tp", "tp and pp must be at least 1"));
     }

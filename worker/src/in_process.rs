@@ -61,6 +61,11 @@ impl WorkerApi for InProcessWorker {
 
     async fn canary(&self, replica: &ReplicaId, limit: Duration) -> Result<Duration> {
         let engine = self.0.leader(replica)?;
+        if self.0.draining() {
+            // A drained replica takes no requests, so it is not healthy: the leader
+            // replaces it unless it is draining the replica itself.
+            return Err(Error::Unavailable(format!("replica {replica} is draining and takes no requests")));
+        }
         let started = Instant::now();
         match tokio::time::timeout(limit, engine.canary()).await {
             Ok(Ok(())) => Ok(started.elapsed()),
@@ -77,18 +82,35 @@ impl WorkerApi for InProcessWorker {
     }
 
     async fn model_files(&self, model_dir: &str) -> Result<ModelFiles> {
-        let dir = model_dir.to_string();
-        tokio::task::spawn_blocking(move || read_model_files(Path::new(&dir)))
+        let dir = self.0.config().model_roots.check(model_dir)?;
+        tokio::task::spawn_blocking(move || read_model_files(&dir))
             .await
             .map_err(|e| Error::Internal(format!("model files: {e}")))?
     }
 }
 
-/// The small files of a model directory; config.json and tokenizer.json must exist.
+/// Largest model file served: tokenizer.json of a large vocabulary is tens of MiB; the
+/// others are a few KiB.
+const MAX_MODEL_FILE: u64 = 128 << 20;
+
+/// The small files of a model directory — these four names only, regular files only;
+/// config.json and tokenizer.json must exist.
 fn read_model_files(dir: &Path) -> Result<ModelFiles> {
     let read = |name: &str, required: bool| -> Result<Vec<u8>> {
         let p = dir.join(name);
-        match std::fs::read(&p) {
+        let opened = std::fs::File::open(&p).and_then(|f| {
+            let meta = f.metadata()?;
+            if !meta.is_file() || meta.len() > MAX_MODEL_FILE {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("not a regular file of at most {MAX_MODEL_FILE} bytes"),
+                ));
+            }
+            let mut bytes = Vec::with_capacity(meta.len() as usize);
+            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_MODEL_FILE), &mut bytes)?;
+            Ok(bytes)
+        });
+        match opened {
             Ok(b) => Ok(b),
             Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
             Err(e) => Err(Error::model_file(&p, format!("cannot read: {e}"))),

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec, ReplicaState, ShardState};
+use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WorkerId};
@@ -32,6 +33,8 @@ pub struct ClusterAdmin {
     view: watch::Receiver<Arc<ClusterView>>,
     catalog: Arc<ClusterCatalog>,
     auth: AdminAuth,
+    /// Where deployments may load models from.
+    model_roots: ModelRoots,
 }
 
 impl ClusterAdmin {
@@ -43,7 +46,13 @@ impl ClusterAdmin {
         catalog: Arc<ClusterCatalog>,
         auth: AdminAuth,
     ) -> Self {
-        ClusterAdmin { id, registry, keys, view, catalog, auth }
+        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots: ModelRoots::default() }
+    }
+
+    /// Deployments must name a directory under one of `roots` (none: any absolute path).
+    pub fn with_model_roots(mut self, roots: ModelRoots) -> Self {
+        self.model_roots = roots;
+        self
     }
 
     fn view(&self) -> Arc<ClusterView> {
@@ -114,6 +123,7 @@ impl Admin for ClusterAdmin {
     ) -> Result<Response<pb::DeployModelResponse>, Status> {
         self.auth.check(&request)?;
         let r = request.into_inner();
+        self.model_roots.check(&r.model_dir).map_err(to_status)?;
         let limits = r.scheduler.unwrap_or_default();
         let mut spec = ModelSpec {
             name: r.name.into(),

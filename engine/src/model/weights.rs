@@ -240,6 +240,9 @@ impl Checkpoint {
     }
 }
 
+/// Largest safetensors header read (the format's own limit).
+const MAX_HEADER: u64 = 100_000_000;
+
 fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
     let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
     // SAFETY: the mapping is read-only; a checkpoint modified while being served is
@@ -248,7 +251,14 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
     if map.len() < 8 {
         return Err(Error::model_file(path, "truncated: shorter than the 8-byte header length"));
     }
-    let header_len = u64::from_le_bytes(map[..8].try_into().unwrap_or_default()) as usize;
+    let header_len = u64::from_le_bytes(map[..8].try_into().unwrap_or_default());
+    if header_len > MAX_HEADER {
+        return Err(Error::model_file(
+            path,
+            format!("a header of {header_len} bytes exceeds the {MAX_HEADER}-byte limit"),
+        ));
+    }
+    let header_len = header_len as usize;
     if header_len > map.len() - 8 {
         return Err(Error::model_file(
             path,
@@ -270,47 +280,129 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
         }
         let info: safetensors::tensor::TensorInfo = serde_json::from_value(info.clone())
             .map_err(|e| Error::model_file(path, format!("tensor {name:?}: bad header entry: {e}")))?;
-        let dtype = match info.dtype {
-            safetensors::Dtype::F32 => DType::F32,
-            safetensors::Dtype::F16 => DType::F16,
-            safetensors::Dtype::BF16 => DType::BF16,
-            other => {
-                return Err(Error::model_file(
-                    path,
-                    format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16"),
-                ))
-            }
-        };
-        let (begin, end) = info.data_offsets;
-        let numel: usize = info.shape.iter().product();
-        if end < begin || end - begin != numel * dtype.size() {
-            return Err(Error::model_file(
-                path,
-                format!(
-                    "tensor {name:?}: data_offsets {begin}..{end} do not hold shape {:?} of {}",
-                    info.shape,
-                    dtype.name()
-                ),
-            ));
-        }
-        if data_start + end > map.len() {
-            return Err(Error::model_file(
-                path,
-                format!(
-                    "truncated: tensor {name:?} ends at byte {} but the file has {}",
-                    data_start + end,
-                    map.len()
-                ),
-            ));
-        }
+        let (dtype, range) = tensor_extent(path, name, &info, map.len() - data_start)?;
         out.push(HostTensor {
             name: name.clone(),
             dtype,
             shape: info.shape,
             file: file.clone(),
             source: Source::Mapped(map.clone()),
-            range: data_start + begin..data_start + end,
+            range: data_start + range.start..data_start + range.end,
         });
     }
+    // Two tensors sharing bytes would alias weights a checkpoint writer never meant to.
+    let mut extents: Vec<(&str, std::ops::Range<usize>)> =
+        out.iter().map(|t| (t.name.as_str(), t.range.clone())).collect();
+    extents.sort_by_key(|(_, r)| (r.start, r.end));
+    for pair in extents.windows(2) {
+        if pair[1].1.start < pair[0].1.end {
+            return Err(Error::model_file(
+                path,
+                format!("tensors {:?} and {:?} overlap in the file", pair[0].0, pair[1].0),
+            ));
+        }
+    }
     Ok(out)
+}
+
+/// A header entry's dtype and byte range within the data section (`data_len` bytes),
+/// with every product and sum checked: a hostile header is an error, never an overflow.
+fn tensor_extent(
+    path: &Path,
+    name: &str,
+    info: &safetensors::tensor::TensorInfo,
+    data_len: usize,
+) -> Result<(DType, std::ops::Range<usize>)> {
+    let dtype = match info.dtype {
+        safetensors::Dtype::F32 => DType::F32,
+        safetensors::Dtype::F16 => DType::F16,
+        safetensors::Dtype::BF16 => DType::BF16,
+        other => {
+            return Err(Error::model_file(
+                path,
+                format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16"),
+            ))
+        }
+    };
+    let (begin, end) = info.data_offsets;
+    let bytes = info.shape.iter().try_fold(dtype.size(), |n, d| n.checked_mul(*d)).ok_or_else(|| {
+        Error::model_file(path, format!("tensor {name:?}: shape {:?} is too large", info.shape))
+    })?;
+    if end < begin || end - begin != bytes {
+        return Err(Error::model_file(
+            path,
+            format!(
+                "tensor {name:?}: data_offsets {begin}..{end} do not hold shape {:?} of {}",
+                info.shape,
+                dtype.name()
+            ),
+        ));
+    }
+    if end > data_len {
+        return Err(Error::model_file(
+            path,
+            format!("truncated: tensor {name:?} ends at data byte {end} but the data section has {data_len}"),
+        ));
+    }
+    Ok((dtype, begin..end))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// A safetensors file: the 8-byte length, `header`, then `data` bytes.
+    fn file(dir: &Path, header: &[u8], data: usize) -> PathBuf {
+        let p = dir.join("m.safetensors");
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header);
+        bytes.resize(bytes.len() + data, 0);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    fn error(header: &str, data: usize) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        read_file(&file(dir.path(), header.as_bytes(), data)).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn overlapping_and_oversized_tensors_are_refused() {
+        let e = error(
+            r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[8,24]}}"#,
+            24,
+        );
+        assert!(e.contains("overlap"), "{e}");
+        let e =
+            error(r#"{"a":{"dtype":"F32","shape":[1099511627776,1099511627776],"data_offsets":[0,16]}}"#, 16);
+        assert!(e.contains("too large"), "{e}");
+        let e = error(r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#, 8);
+        assert!(e.contains("truncated"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.safetensors");
+        std::fs::write(&p, [0xff; 16]).unwrap();
+        assert!(read_file(&p).unwrap_err().to_string().contains("limit"));
+    }
+
+    #[test]
+    fn mutated_headers_never_panic() {
+        let good = br#"{"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},"b":{"dtype":"BF16","shape":[4],"data_offsets":[16,24]}}"#;
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(read_file(&file(dir.path(), good, 24)).unwrap().len(), 2);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for _ in 0..2000 {
+            let mut header = good.to_vec();
+            for _ in 0..rng.random_range(1..4) {
+                let i = rng.random_range(0..header.len());
+                header[i] = match rng.random_range(0..3) {
+                    0 => rng.random(),
+                    1 => b"0123456789"[rng.random_range(0..10)],
+                    _ => b'9',
+                };
+            }
+            let p = file(dir.path(), &header, rng.random_range(0..64));
+            let _ = read_file(&p); // an error or tensors, never a panic
+        }
+    }
 }
