@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::shard::Parallelism;
 
 /// What a worker offers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
     /// "cpu" or "cuda".
     pub device_kind: String,
@@ -262,5 +262,78 @@ mod tests {
         assert_eq!(decode::<WorkerRecord>("k", &encode(&w)).unwrap(), w);
         let e = decode::<WorkerRecord>("/strata/workers/w1", b"{").unwrap_err().to_string();
         assert!(e.contains("/strata/workers/w1"), "{e}");
+    }
+}
+
+/// Longest address a record may carry ("host:port").
+const MAX_ADDRESS: usize = 256;
+/// Most ranks a replica may have (as `ModelSpec::validate` allows).
+const MAX_RANKS: usize = 1024;
+
+fn check_address(field: &str, address: &str) -> Result<()> {
+    let port = address.rsplit_once(':').and_then(|(host, port)| (!host.is_empty()).then_some(port));
+    if address.len() > MAX_ADDRESS || port.and_then(|p| p.parse::<u16>().ok()).is_none() {
+        let shown: String = address.chars().take(64).collect();
+        return Err(Error::invalid(field, format!("{shown:?} is not a host:port address")));
+    }
+    Ok(())
+}
+
+/// Checks on records read back from the registry: anyone who can write to it could have
+/// written anything, so a record is used only if it is well-formed and filed under its
+/// own key.
+impl WorkerRecord {
+    pub fn check(&self, key_id: &str) -> Result<()> {
+        if self.id.as_str() != key_id {
+            return Err(Error::invalid(
+                "id",
+                format!("{:?} is filed under workers/{key_id}", self.id.as_str()),
+            ));
+        }
+        check_address("address", &self.address)?;
+        if let Some(a) = &self.assignment {
+            if a.rank as usize >= MAX_RANKS {
+                return Err(Error::invalid("assignment.rank", format!("{} is out of range", a.rank)));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ModelSpec {
+    /// [`ModelSpec::validate`], and the name matches the key.
+    pub fn check(&self, key_name: &str) -> Result<()> {
+        if self.name.as_str() != key_name {
+            return Err(Error::invalid(
+                "name",
+                format!("{:?} is filed under models/{key_name}", self.name.as_str()),
+            ));
+        }
+        self.validate()
+    }
+}
+
+impl ReplicaRecord {
+    pub fn check(&self, key_model: &str, key_id: &str) -> Result<()> {
+        if self.id.as_str() != key_id || self.model.as_str() != key_model {
+            return Err(Error::invalid(
+                "id",
+                format!(
+                    "replica {}/{} is filed under {key_model}/{key_id}",
+                    self.model.as_str(),
+                    self.id.as_str()
+                ),
+            ));
+        }
+        if self.workers.len() > MAX_RANKS {
+            return Err(Error::invalid(
+                "workers",
+                format!("{} ranks is more than {MAX_RANKS}", self.workers.len()),
+            ));
+        }
+        if !self.leader_address.is_empty() {
+            check_address("leader_address", &self.leader_address)?;
+        }
+        Ok(())
     }
 }

@@ -241,3 +241,41 @@ fn a_static_rendezvous_refuses_a_rank_without_the_secret() {
     let _ = good.kill();
     let _ = good.wait();
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_leader_distrusts_what_it_reads_from_the_registry() {
+    use strata_common::registry::etcd::EtcdRegistry;
+    use strata_common::registry::keys::Keys;
+    use strata_common::registry::Registry;
+    let _g = SERIAL.lock().await;
+    let mut cluster = Cluster::start(0, 1, Timing::default());
+    let reg = EtcdRegistry::connect(&[cluster.etcd.endpoint()]).await.unwrap();
+    let keys = Keys::new(&cluster.prefix);
+    // A leader key no lease keeps alive, a model asking for 2^32 − 1 replicas, one with
+    // tp 0, and a worker record filed under another worker's key with a bad address.
+    reg.put(&keys.leader(), b"ghost".to_vec(), None).await.unwrap();
+    let model = |name: &str, tp: u32, replicas: u64| {
+        format!(r#"{{"name":"{name}","model_dir":"{}","tp":{tp},"pp":1,"replicas":{replicas}}}"#, gqa())
+            .into_bytes()
+    };
+    reg.put(&keys.model("huge"), model("huge", 1, u32::MAX as u64), None).await.unwrap();
+    reg.put(&keys.model("zero"), model("zero", 0, 1), None).await.unwrap();
+    let w0 = reg.get(&keys.worker("w0")).await.unwrap().expect("w0 registered");
+    let forged = String::from_utf8(w0.value).unwrap().replace(&cluster.workers[0].addr, "nowhere");
+    reg.put(&keys.worker("w9"), forged.into_bytes(), None).await.unwrap();
+
+    cluster.add_coordinator(&[]);
+    assert_eq!(
+        cluster.leader(Duration::from_secs(20)).await,
+        0,
+        "the coordinator removed the stale key and leads"
+    );
+    let a = cluster.coordinators[0].endpoint();
+    AdminClient::connect(a.clone()).await.unwrap().deploy_model(deploy("gqa", &gqa())).await.unwrap();
+    eventually("a ready replica beside the bogus records", Duration::from_secs(30), || async {
+        (ready_replicas(&a, "gqa").await == 1).then_some(())
+    })
+    .await;
+    assert!(generate_works(&a).await);
+    assert!(cluster.coordinators[0].running(), "the leader is alive");
+}

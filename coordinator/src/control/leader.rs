@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use strata_common::cluster::{now_ms, ReplicaRecord, ReplicaState};
 use strata_common::registry::keys::Keys;
-use strata_common::registry::{LeaseId, Registry};
+use strata_common::registry::{Guard, LeaseId, Op, Registry};
 use strata_common::ErrorClass;
 use strata_common::{ReplicaId, WorkerId};
 use tokio::sync::watch;
@@ -103,9 +103,18 @@ async fn campaign(
         while !lapsed.load(Ordering::SeqCst) {
             let won = match registry.create(&keys.leader(), cfg.id.as_bytes().to_vec(), Some(lease)).await {
                 Ok(true) => true,
-                Ok(false) => {
-                    matches!(registry.get(&keys.leader()).await, Ok(Some(e)) if e.value == cfg.id.as_bytes())
-                }
+                Ok(false) => match registry.get(&keys.leader()).await {
+                    Ok(Some(e)) if e.value == cfg.id.as_bytes() => true,
+                    Ok(Some(e)) if e.lease.is_none() => {
+                        // A leader key no lease keeps alive would stop elections forever:
+                        // nobody wrote it by campaigning. Remove it (if unchanged) and run.
+                        warn!(holder = %String::from_utf8_lossy(&e.value), "removing a leader key without a lease");
+                        let guard = Guard { key: keys.leader(), value: e.value };
+                        let _ = registry.commit_if(&guard, vec![Op::Delete { key: keys.leader() }]).await;
+                        false
+                    }
+                    _ => false,
+                },
                 Err(_) => false,
             };
             if won {

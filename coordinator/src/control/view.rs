@@ -52,30 +52,54 @@ impl ClusterView {
 
     fn put(&mut self, keys: &Keys, key: &str, value: &[u8]) {
         let Some(kind) = keys.parse(key) else { return };
-        let bad = |e: strata_common::Error| warn!(error = %e, "ignoring a malformed registry value");
+        // A record that does not parse, breaks a range, or is filed under another key is
+        // ignored (and whatever it replaced is forgotten): the leader acts only on records
+        // it can trust.
+        let bad = |e: strata_common::Error| warn!(key, error = %e, "ignoring a malformed registry record");
         match kind {
-            KeyKind::Worker(_) => match decode::<WorkerRecord>(key, value) {
-                Ok(w) => {
-                    self.workers.insert(w.id.clone(), w);
+            KeyKind::Worker(id) => {
+                let w = decode::<WorkerRecord>(key, value).and_then(|w| w.check(id).map(|()| w));
+                match w {
+                    Ok(w) => {
+                        self.workers.insert(w.id.clone(), w);
+                    }
+                    Err(e) => {
+                        self.workers.remove(id);
+                        bad(e)
+                    }
                 }
-                Err(e) => bad(e),
-            },
-            KeyKind::Model(_) => match decode::<ModelSpec>(key, value) {
-                Ok(m) => {
-                    self.models.insert(m.name.clone(), m);
+            }
+            KeyKind::Model(name) => {
+                match decode::<ModelSpec>(key, value).and_then(|m| m.check(name).map(|()| m)) {
+                    Ok(m) => {
+                        self.models.insert(m.name.clone(), m);
+                    }
+                    Err(e) => {
+                        self.models.remove(name);
+                        bad(e)
+                    }
                 }
-                Err(e) => bad(e),
-            },
-            KeyKind::Replica { model, .. } => match decode::<ReplicaRecord>(key, value) {
-                Ok(r) => {
-                    self.replicas.entry(model.into()).or_default().insert(r.id.clone(), r);
+            }
+            KeyKind::Replica { model, id } => {
+                let r = decode::<ReplicaRecord>(key, value).and_then(|r| r.check(model, id).map(|()| r));
+                match r {
+                    Ok(r) => {
+                        self.replicas.entry(model.into()).or_default().insert(r.id.clone(), r);
+                    }
+                    Err(e) => {
+                        if let Some(rs) = self.replicas.get_mut(model) {
+                            rs.remove(id);
+                        }
+                        bad(e)
+                    }
                 }
-                Err(e) => bad(e),
-            },
+            }
             KeyKind::Drain(w) => {
                 self.drained.insert(w.into());
             }
-            KeyKind::Leader => self.leader = Some(String::from_utf8_lossy(value).into_owned()),
+            KeyKind::Leader => {
+                self.leader = Some(String::from_utf8_lossy(&value[..value.len().min(256)]).into_owned())
+            }
         }
     }
 
@@ -238,5 +262,59 @@ mod tests {
         v.apply(&k, &Event::Delete { key: k.replica("m", "m-1"), mod_revision: 7 });
         v.apply(&k, &Event::Delete { key: k.leader(), mod_revision: 8 });
         assert!(v.replicas.is_empty() && v.leader.is_none());
+    }
+
+    #[test]
+    fn records_out_of_range_or_under_another_key_are_ignored() {
+        use strata_common::cluster::{Capacity, EngineLimits, ModelSpec, WorkerRecord};
+        let k = Keys::new("/s");
+        let mut v = ClusterView::default();
+        let spec = |name: &str, tp: u32, replicas: u32| ModelSpec {
+            name: name.into(),
+            model_dir: "/m".into(),
+            dtype: String::new(),
+            tp,
+            pp: 1,
+            replicas,
+            limits: EngineLimits::default(),
+            generation: 1,
+        };
+        v.apply(&k, &put(k.model("huge"), encode(&spec("huge", 1, u32::MAX)), 1));
+        v.apply(&k, &put(k.model("zero"), encode(&spec("zero", 0, 1)), 2));
+        v.apply(&k, &put(k.model("alias"), encode(&spec("other", 1, 1)), 3));
+        v.apply(&k, &put(k.model("ok"), encode(&spec("ok", 1, 2)), 4));
+        assert_eq!(v.models.keys().map(|m| m.as_str()).collect::<Vec<_>>(), ["ok"]);
+        let worker = |id: &str, address: &str| WorkerRecord {
+            id: id.into(),
+            address: address.into(),
+            capacity: Capacity::default(),
+            assignment: None,
+            started_ms: 0,
+        };
+        v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", "127.0.0.1:7000")), 5));
+        // A record under w1's key naming w2, then one with an unusable address: neither is
+        // used, and w1's good record is forgotten rather than kept stale.
+        v.apply(&k, &put(k.worker("w2"), encode(&worker("w1", "127.0.0.1:1")), 6));
+        assert_eq!(v.workers.len(), 1);
+        v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", "no port here")), 7));
+        assert!(v.workers.is_empty());
+    }
+
+    #[test]
+    fn random_record_bytes_never_panic_the_view() {
+        use rand::{Rng, SeedableRng};
+        let k = Keys::new("/s");
+        let mut v = ClusterView::default();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let keys = [k.worker("w"), k.model("m"), k.replica("m", "r"), k.leader(), k.drain("w")];
+        let samples = [&br#"{"id":"w","address":"a:1","capacity":{"device_kind":"cpu","device_count":1,"memory_bytes":1},"started_ms":0}"#[..], br#"{"name":"m","model_dir":"/m","tp":1,"pp":1,"replicas":1}"#];
+        for i in 0..3000 {
+            let mut bytes = samples[i % 2].to_vec();
+            for _ in 0..rng.random_range(0..4) {
+                let at = rng.random_range(0..bytes.len());
+                bytes[at] = rng.random();
+            }
+            v.apply(&k, &put(keys[i % keys.len()].clone(), bytes, i as i64));
+        }
     }
 }
