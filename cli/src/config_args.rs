@@ -117,7 +117,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
             weight_dtype: None,
         },
     };
-    Ok((engine, RunnerLimits { max_waiting: e.max_waiting }))
+    Ok((engine, RunnerLimits { max_waiting: e.max_waiting, ..Default::default() }))
 }
 
 /// Where the cluster's state lives ([registry] in the config).

@@ -157,6 +157,11 @@ impl Engine {
     }
 
     /// Sequences admitted or queued and not yet finished.
+    /// Most sequences running at once.
+    pub fn max_num_seqs(&self) -> usize {
+        self.scheduler.config().max_num_seqs
+    }
+
     pub fn num_running(&self) -> usize {
         self.scheduler.num_running() + self.scheduler.num_waiting()
     }

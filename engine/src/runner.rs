@@ -29,11 +29,15 @@ use crate::engine::{Engine, SeqId};
 pub struct RunnerLimits {
     /// Most requests waiting to start; beyond it submissions are refused.
     pub max_waiting: usize,
+    /// Events a sequence's stream holds for a caller that reads slower than the engine
+    /// generates (HTTP/2 flow control holds more in transit). A caller that leaves this
+    /// many unread has its sequence cancelled, with one slot kept for the error that says so.
+    pub stream_buffer: usize,
 }
 
 impl Default for RunnerLimits {
     fn default() -> Self {
-        RunnerLimits { max_waiting: 256 }
+        RunnerLimits { max_waiting: 256, stream_buffer: STREAM_BUFFER }
     }
 }
 
@@ -43,7 +47,7 @@ enum Command {
         prompt: Vec<u32>,
         generated: Vec<u32>,
         params: SamplingParams,
-        events: tmpsc::UnboundedSender<SeqEvent>,
+        events: tmpsc::Sender<SeqEvent>,
     },
     Cancel(SeqId),
     Canary(tokio::sync::oneshot::Sender<Result<()>>),
@@ -51,6 +55,9 @@ enum Command {
 
 /// Sequence ids at and above this are the runner's own canaries.
 const CANARY_IDS: u64 = 1 << 62;
+
+/// The default [`RunnerLimits::stream_buffer`].
+pub const STREAM_BUFFER: usize = 1024;
 
 #[derive(Default)]
 struct Shared {
@@ -63,6 +70,11 @@ struct Shared {
     kv_total: AtomicUsize,
     block_size: AtomicUsize,
     next_id: AtomicU64,
+    /// Sequence streams not yet dropped: running, waiting, or finished but not read to
+    /// the end (their events still held here).
+    open: AtomicUsize,
+    /// Most open streams: running slots plus the waiting queue.
+    max_open: AtomicUsize,
     /// Set once a step failed for lack of a rank; the replica cannot serve again.
     broken: std::sync::Mutex<Option<String>>,
 }
@@ -78,9 +90,10 @@ pub struct EngineHandle {
 /// Tokens of one sequence, in order; cancels the sequence when dropped.
 pub struct SequenceStream {
     id: SeqId,
-    rx: tmpsc::UnboundedReceiver<SeqEvent>,
+    rx: tmpsc::Receiver<SeqEvent>,
     tx: mpsc::Sender<Command>,
     done: bool,
+    shared: Arc<Shared>,
 }
 
 impl SequenceStream {
@@ -97,6 +110,7 @@ impl SequenceStream {
 
 impl Drop for SequenceStream {
     fn drop(&mut self) {
+        self.shared.open.fetch_sub(1, Ordering::SeqCst);
         if !self.done {
             let _ = self.tx.send(Command::Cancel(self.id));
         }
@@ -111,6 +125,7 @@ impl EngineHandle {
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
         shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
         shared.block_size.store(engine.block_size(), Ordering::Relaxed);
+        shared.max_open.store(engine.max_num_seqs() + limits.max_waiting, Ordering::Relaxed);
         let runner = Runner {
             engine,
             rx,
@@ -150,13 +165,25 @@ impl EngineHandle {
                 self.limits.max_waiting
             )));
         }
+        // Finished streams nobody has read count too: their events are held here.
+        let open = self.shared.open.fetch_add(1, Ordering::SeqCst);
+        let max_open = self.shared.max_open.load(Ordering::Relaxed);
+        if open >= max_open {
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            self.shared.open.fetch_sub(1, Ordering::SeqCst);
+            return Err(Error::Overloaded(format!(
+                "{open} sequence streams are open (running, waiting, or finished but not read to the end; limit {max_open})"
+            )));
+        }
         let id = SeqId(self.shared.next_id.fetch_add(1, Ordering::Relaxed));
-        let (events, rx) = tmpsc::unbounded_channel();
+        let (events, rx) = tmpsc::channel(self.limits.stream_buffer.max(2));
+        // From here the stream owns the open slot (dropping it gives the slot back).
+        let stream = SequenceStream { id, rx, tx: self.tx.clone(), done: false, shared: self.shared.clone() };
         if self.tx.send(Command::Submit { id, prompt, generated, params, events }).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
-        Ok(SequenceStream { id, rx, tx: self.tx.clone(), done: false })
+        Ok(stream)
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -198,7 +225,7 @@ struct Runner {
     rx: mpsc::Receiver<Command>,
     shared: Arc<Shared>,
     /// Event senders of the engine's sequences.
-    streams: HashMap<SeqId, tmpsc::UnboundedSender<SeqEvent>>,
+    streams: HashMap<SeqId, tmpsc::Sender<SeqEvent>>,
     /// Canaries answered by the next step.
     canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
     next_canary: u64,
@@ -265,14 +292,14 @@ impl Runner {
         prompt: Vec<u32>,
         generated: Vec<u32>,
         params: SamplingParams,
-        events: tmpsc::UnboundedSender<SeqEvent>,
+        events: tmpsc::Sender<SeqEvent>,
     ) {
         if events.is_closed() {
             return;
         }
         if let Some(why) = self.broken() {
-            let _ =
-                events.send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
+            let _ = events
+                .try_send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
             return;
         }
         match self.engine.add_resumed(id, prompt, generated, params) {
@@ -280,8 +307,37 @@ impl Runner {
                 self.streams.insert(id, events);
             }
             Err(e) => {
-                let _ = events.send(SeqEvent::Failed(e));
+                let _ = events.try_send(SeqEvent::Failed(e));
             }
+        }
+    }
+
+    /// Hands a token to its sequence's stream. A caller gone, or one that has left its
+    /// stream buffer unread, has its sequence cancelled (the latter told why in
+    /// the slot kept for it): a client that never reads holds a bounded buffer, not a
+    /// sequence generating into memory.
+    fn deliver(&mut self, ev: crate::engine::StepEvent) {
+        let Some(stream) = self.streams.get(&ev.seq) else { return };
+        let finished = ev.finish.is_some();
+        if !finished && stream.capacity() <= 1 && !stream.is_closed() {
+            let _ = stream.try_send(SeqEvent::Failed(Error::Overloaded(format!(
+                "the caller left {} tokens unread; the sequence was cancelled",
+                stream.max_capacity() - 1
+            ))));
+            self.engine.cancel(ev.seq);
+            self.streams.remove(&ev.seq);
+            debug!(seq = %ev.seq, "caller not reading, sequence cancelled");
+            return;
+        }
+        let sent =
+            stream.try_send(SeqEvent::Token { token: ev.token, logprobs: ev.logprobs, finish: ev.finish });
+        if finished {
+            self.streams.remove(&ev.seq);
+        } else if sent.is_err() {
+            // The caller went away: free the sequence now.
+            self.engine.cancel(ev.seq);
+            self.streams.remove(&ev.seq);
+            debug!(seq = %ev.seq, "caller gone, sequence cancelled");
         }
     }
 
@@ -295,7 +351,7 @@ impl Runner {
         for a in self.engine.take_aborted() {
             non_finite |= a.non_finite;
             if let Some(events) = self.streams.remove(&a.seq) {
-                let _ = events.send(SeqEvent::Failed(a.error));
+                let _ = events.try_send(SeqEvent::Failed(a.error));
             }
         }
         match result {
@@ -308,21 +364,7 @@ impl Runner {
                     let _ = c.send(verdict);
                 }
                 for ev in events {
-                    let Some(stream) = self.streams.get(&ev.seq) else { continue };
-                    let finished = ev.finish.is_some();
-                    let sent = stream.send(SeqEvent::Token {
-                        token: ev.token,
-                        logprobs: ev.logprobs,
-                        finish: ev.finish,
-                    });
-                    if finished {
-                        self.streams.remove(&ev.seq);
-                    } else if sent.is_err() {
-                        // The caller went away: free the sequence now.
-                        self.engine.cancel(ev.seq);
-                        self.streams.remove(&ev.seq);
-                        debug!(seq = %ev.seq, "caller gone, sequence cancelled");
-                    }
+                    self.deliver(ev);
                 }
             }
             Err(e) => {
@@ -340,8 +382,8 @@ impl Runner {
                 }
                 for (id, events) in self.streams.drain() {
                     self.engine.cancel(id);
-                    let _ =
-                        events.send(SeqEvent::Failed(Error::Unavailable(format!("engine step failed: {e}"))));
+                    let _ = events
+                        .try_send(SeqEvent::Failed(Error::Unavailable(format!("engine step failed: {e}"))));
                 }
             }
         }

@@ -24,6 +24,10 @@ use super::inference::InferenceService;
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
 
+/// Most concurrent calls a client may have open on one connection (advertised in the
+/// HTTP/2 settings); admission limits bound the work behind them.
+pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
+
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub drain_timeout: Duration,
@@ -81,6 +85,9 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)

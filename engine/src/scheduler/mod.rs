@@ -100,6 +100,10 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
     pub fn new(config: SchedulerConfig, pool: BlockPool) -> Self {
         Scheduler {
             stats: SchedulerStats::default(),
