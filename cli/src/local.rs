@@ -87,7 +87,8 @@ impl LocalModel {
                 if t.is_empty() {
                     return Err(Error::invalid("prompt", "must not be empty"));
                 }
-                self.tokenizer("prompt")?.encode(&t)?
+                let context = self.engine.max_context();
+                self.tokenizer("prompt")?.encode(&t, context)?
             }
             Prompt::Ids(ids) => ids,
         };

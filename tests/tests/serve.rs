@@ -142,6 +142,8 @@ async fn errors_map_to_status_codes_naming_the_field() {
         (request("m", vec![1; 600], 4), Code::InvalidArgument, "context"),
         (request("m", vec![1, 100000], 4), Code::InvalidArgument, "token_ids"),
         (pb::GenerateRequest { logprobs: Some(50), ..ok() }, Code::InvalidArgument, "logprobs"),
+        // 3.5 MB of text: refused by its size, before any tokenizing.
+        (text_request("m", &"lorem ipsum ".repeat(300_000), 4), Code::InvalidArgument, "cannot fit"),
     ];
     for (req, code, word) in cases {
         for streaming in [false, true] {

@@ -103,7 +103,12 @@ impl InferenceService {
         deadline: Option<tokio::time::Instant>,
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
         let model = self.models.get(&req.model).map_err(to_status)?;
-        let admitted = admit(&request_from_pb(req), &model).map_err(|e| to_status(api_field_names(e)))?;
+        // Tokenizing a long prompt takes milliseconds to seconds: never on the runtime.
+        let (request, entry) = (request_from_pb(req), model.clone());
+        let admitted = tokio::task::spawn_blocking(move || admit(&request, &entry))
+            .await
+            .map_err(|e| Status::internal(format!("admission: {e}")))?
+            .map_err(|e| to_status(api_field_names(e)))?;
         let prompt_ids = admitted.prompt_ids.clone();
         let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)
             .await
@@ -186,7 +191,13 @@ impl Inference for InferenceService {
         self.auth.check(&request)?;
         let req = request.into_inner();
         let model = self.models.get(&req.model).map_err(to_status)?;
-        let token_ids = model.tokenizer.encode(&req.text).map_err(to_status)?;
+        let text = req.text;
+        let token_ids = tokio::task::spawn_blocking(move || {
+            model.tokenizer.encode(&text, model.config.max_position_embeddings.max(1 << 20))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("tokenize: {e}")))?
+        .map_err(to_status)?;
         Ok(Response::new(pb::TokenizeResponse { token_ids }))
     }
 

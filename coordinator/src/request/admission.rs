@@ -46,7 +46,7 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
             if t.is_empty() {
                 return Err(Error::invalid("prompt.text", "must not be empty"));
             }
-            model.tokenizer.encode(t)?
+            model.tokenizer.encode(t, model.config.max_position_embeddings)?
         }
         Some(Prompt::TokenIds(ids)) => {
             if ids.is_empty() {

@@ -159,7 +159,7 @@ mod tests {
     fn deltas_never_split_characters_and_add_up_to_the_text() {
         let tok = tokenizer();
         let text = "Café naïve 日本語 🙂 fox";
-        let ids = tok.encode(text).unwrap();
+        let ids = tok.encode(text, 4096).unwrap();
         assert!(ids.len() > text.chars().count() / 2, "multi-byte characters span tokens");
         let (deltas, full, stopped) = stream_all(&tok, &ids, &[]);
         assert!(!stopped);
@@ -173,7 +173,7 @@ mod tests {
     #[test]
     fn stop_strings_cut_and_are_never_streamed() {
         let tok = tokenizer();
-        let ids = tok.encode("The quick brown fox jumps").unwrap();
+        let ids = tok.encode("The quick brown fox jumps", 4096).unwrap();
         let (deltas, full, stopped) = stream_all(&tok, &ids, &["brown", "zzz"]);
         assert!(stopped);
         assert_eq!(full, "The quick ");

@@ -8,6 +8,9 @@ use strata_common::{Error, Result};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Bytes of the longest token's text: a text longer than `n ×` this cannot be fewer
+    /// than `n` tokens, so an over-long prompt is refused before any tokenizing.
+    longest_token: usize,
 }
 
 impl Tokenizer {
@@ -18,20 +21,83 @@ impl Tokenizer {
         }
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
-        Ok(Tokenizer { inner })
+        let longest_token = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        Ok(Tokenizer { inner, longest_token })
+    }
+
+    /// Most bytes of text that could still be at most `tokens` tokens.
+    pub fn max_text_bytes(&self, tokens: usize) -> usize {
+        // Normalizers may drop characters; the margin keeps the bound on the safe side.
+        tokens.saturating_mul(self.longest_token).saturating_mul(2).max(4096)
     }
 
     /// Token ids of `text`, with the special tokens the tokenizer's template adds (BOS).
-    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| Error::invalid("prompt", format!("cannot tokenize: {e}")))?;
+    /// Text longer than `max_tokens` tokens could ever be is refused before tokenizing.
+    /// Blocks for as long as tokenizing takes: call it off the async runtime.
+    pub fn encode(&self, text: &str, max_tokens: usize) -> Result<Vec<u32>> {
+        let limit = self.max_text_bytes(max_tokens);
+        if text.len() > limit {
+            return Err(Error::invalid(
+                "prompt",
+                format!(
+                    "{} bytes of text cannot fit in {max_tokens} tokens (at most {limit} bytes)",
+                    text.len()
+                ),
+            ));
+        }
+        // A tokenizer.json whose pre-tokenizer regex backtracks can panic inside the
+        // tokenizers crate ("retry-limit-in-match over"): that is this text's error.
+        let encoded =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.inner.encode(text, true)))
+                .map_err(|_| {
+                    Error::invalid(
+                        "prompt",
+                        "the model's tokenizer gave up on this text (its pattern matching hit a limit)",
+                    )
+                })?;
+        let enc = encoded.map_err(|e| Error::invalid("prompt", format!("cannot tokenize: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(|e| Error::Internal(format!("cannot detokenize: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use strata_common::ErrorClass;
+
+    /// A word-level tokenizer whose pre-tokenizer splits on `pattern`.
+    fn tokenizer(pattern: &str) -> (tempfile::TempDir, Tokenizer) {
+        let dir = tempfile::tempdir().unwrap();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+            "pre_tokenizer": {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1, "b": 2}, "unk_token": "[UNK]"}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        (dir, t)
+    }
+
+    #[test]
+    fn a_backtracking_pattern_is_an_error_not_a_panic() {
+        let (_d, t) = tokenizer("(a+)+b");
+        let text = "a".repeat(30) + "!";
+        let e = t.encode(&text, 1 << 20).unwrap_err();
+        assert_eq!(e.class(), ErrorClass::InvalidInput, "{e}");
+        assert!(t.encode("a b", 16).is_ok());
+    }
+
+    #[test]
+    fn text_too_long_for_the_context_is_refused_before_tokenizing() {
+        let (_d, t) = tokenizer(" ");
+        let e = t.encode(&"a ".repeat(1 << 20), 128).unwrap_err();
+        assert!(e.to_string().contains("cannot fit in 128 tokens"), "{e}");
     }
 }
