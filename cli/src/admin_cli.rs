@@ -65,6 +65,11 @@ pub enum AdminCommand {
     },
     /// Deployed models.
     Models,
+    /// The audit log of admin actions, newest first.
+    Audit {
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
     /// Replicas and their state (pending, loading, ready, draining, failed).
     Replicas {
         #[arg(long)]
@@ -220,6 +225,27 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 println!("worker {worker} takes placements again");
             } else {
                 println!("worker {worker} drained: its replica moves elsewhere");
+            }
+        }
+        AdminCommand::Audit { limit } => {
+            let r = c
+                .list_audit(request(t, pb::ListAuditRequest { limit })?)
+                .await
+                .map_err(status_error)?
+                .into_inner();
+            for e in r.entries {
+                if j {
+                    println!(
+                        "{}",
+                        json!({ "at_ms": e.at_ms, "coordinator": e.coordinator, "caller": e.caller, "action": e.action,
+                                "target": e.target, "detail": e.detail, "outcome": e.outcome })
+                    );
+                } else {
+                    println!(
+                        "{} {} {} {} {} [{}] {}",
+                        e.at_ms, e.coordinator, e.caller, e.action, e.target, e.detail, e.outcome
+                    );
+                }
             }
         }
         AdminCommand::Leader => {

@@ -66,4 +66,10 @@ impl Admin for EmbeddedAdmin {
     ) -> Result<Response<pb::GetLeaderResponse>, Status> {
         cluster_only("GetLeader")
     }
+    async fn list_audit(
+        &self,
+        _: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        cluster_only("ListAudit")
+    }
 }

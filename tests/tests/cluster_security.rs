@@ -40,8 +40,17 @@ fn deploy(name: &str, dir: &str) -> apb::DeployModelRequest {
 }
 
 async fn ready_replicas(endpoint: &str, model: &str) -> usize {
+    ready_replicas_with(endpoint, model, None).await
+}
+
+async fn ready_replicas_with(endpoint: &str, model: &str, token: Option<&str>) -> usize {
     let Ok(mut admin) = AdminClient::connect(endpoint.to_string()).await else { return 0 };
-    let Ok(r) = admin.list_replicas(apb::ListReplicasRequest { name: model.into() }).await else { return 0 };
+    let req = apb::ListReplicasRequest { name: model.into() };
+    let req = match token {
+        Some(t) => bearing(t, req),
+        None => tonic::Request::new(req),
+    };
+    let Ok(r) = admin.list_replicas(req).await else { return 0 };
     r.into_inner().replicas.iter().filter(|r| r.state == apb::ReplicaState::Ready as i32).count()
 }
 
@@ -167,8 +176,14 @@ async fn cluster_roles_beyond_loopback_need_credentials_or_insecure() {
     let _ = child.wait();
 }
 
+fn bearing<T>(token: &str, req: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(req);
+    r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    r
+}
+
 #[tokio::test(flavor = "multi_thread")]
-async fn deployments_stay_under_the_model_roots() {
+async fn deployments_stay_under_the_model_roots_and_every_admin_action_is_audited() {
     let _g = SERIAL.lock().await;
     let root = tempfile::tempdir().unwrap();
     let model = root.path().join("gqa");
@@ -179,21 +194,62 @@ async fn deployments_stay_under_the_model_roots() {
     }
     let root_s = root.path().to_string_lossy().to_string();
     let mut cluster = Cluster::start(0, 0, Timing::default());
-    cluster.add_coordinator(&["--model-root", &root_s]);
+    cluster.add_coordinator(&["--model-root", &root_s, "--admin-token", "the-admin-token"]);
     cluster.add_worker(&["--model-root", &root_s], None);
     let a = cluster.coordinators[0].endpoint();
     let mut admin = AdminClient::connect(a.clone()).await.unwrap();
-    let e = admin.deploy_model(deploy("gqa", &gqa())).await.unwrap_err();
+    let t = |req| bearing("the-admin-token", req);
+    // Refused for want of credentials: audited too.
+    let e = admin
+        .scale_replicas(apb::ScaleReplicasRequest { name: "gqa".into(), replicas: 3 })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let wrong = bearing("a-guess", apb::DrainWorkerRequest { worker_id: "w0".into(), undrain: false });
+    assert_eq!(admin.drain_worker(wrong).await.unwrap_err().code(), Code::PermissionDenied);
+    let e = admin.deploy_model(t(deploy("gqa", &gqa()))).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains(&root_s), "the error names the root: {}", e.message());
-    let e = admin.deploy_model(deploy("gqa", "gqa")).await.unwrap_err();
+    let e = admin.deploy_model(t(deploy("gqa", "gqa"))).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("absolute"), "{}", e.message());
-    let e = admin.deploy_model(deploy("gqa", &format!("{root_s}/../etc"))).await.unwrap_err();
+    let e = admin.deploy_model(t(deploy("gqa", &format!("{root_s}/../etc")))).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    admin.deploy_model(deploy("gqa", &model.to_string_lossy())).await.expect("a model under the root");
+    admin.deploy_model(t(deploy("gqa", &model.to_string_lossy()))).await.expect("a model under the root");
+
+    let audit = admin
+        .list_audit(bearing("the-admin-token", apb::ListAuditRequest { limit: 0 }))
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    let got: Vec<(&str, &str)> =
+        audit.iter().rev().map(|e| (e.action.as_str(), e.outcome.as_str())).collect();
+    let outcomes: Vec<(&str, &str)> = got.iter().map(|(a, o)| (*a, o.split(':').next().unwrap())).collect();
+    assert_eq!(
+        outcomes,
+        [
+            ("ScaleReplicas", "Unauthenticated"),
+            ("DrainWorker", "PermissionDenied"),
+            ("DeployModel", "PermissionDenied"),
+            ("DeployModel", "InvalidArgument"),
+            ("DeployModel", "InvalidArgument"),
+            ("DeployModel", "ok"),
+        ],
+        "{audit:#?}"
+    );
+    let last = &audit[0];
+    assert!(
+        last.caller.starts_with("admin-token sha256:") && !last.caller.contains("the-admin-token"),
+        "{last:?}"
+    );
+    assert!(audit[5].caller.starts_with("anonymous"), "{:?}", audit[5]);
+    assert_eq!((last.target.as_str(), last.coordinator.as_str()), ("gqa", "c0"));
+    assert!(last.detail.contains(&root_s), "{last:?}");
+    let e = admin.list_audit(apb::ListAuditRequest { limit: 0 }).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "reading the audit log takes the admin token too");
     eventually("a ready replica", Duration::from_secs(30), || async {
-        (ready_replicas(&a, "gqa").await == 1).then_some(())
+        (ready_replicas_with(&a, "gqa", Some("the-admin-token")).await == 1).then_some(())
     })
     .await;
     assert!(generate_works(&a).await);

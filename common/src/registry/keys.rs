@@ -6,6 +6,8 @@
 //! <prefix>/replicas/<model-name>/<replica>  ReplicaRecord: actual state (leader coordinator)
 //! <prefix>/drain/<worker-id>                a worker an operator drained (persistent)
 //! <prefix>/leader                           the leader coordinator's id, bound to its lease
+//! <prefix>.audit/<ms>-<coordinator>-<n>      AuditEntry of one admin action (outside the
+//!                                           watched tree: coordinators never load it)
 //! ```
 
 /// Builds and parses keys under one prefix.
@@ -65,6 +67,15 @@ impl Keys {
 
     pub fn leader(&self) -> String {
         format!("{}/leader", self.prefix)
+    }
+
+    /// The audit log, beside (not under) [`Keys::root`].
+    pub fn audits(&self) -> String {
+        format!("{}.audit/", self.prefix)
+    }
+
+    pub fn audit(&self, id: &str) -> String {
+        format!("{}.audit/{id}", self.prefix)
     }
 
     /// What a key under this prefix names.

@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use super::audit::{caller, AuditLog};
 use super::auth::AdminAuth;
 use crate::control::view::ClusterView;
 use crate::routing::catalog::ClusterCatalog;
@@ -35,6 +36,7 @@ pub struct ClusterAdmin {
     auth: AdminAuth,
     /// Where deployments may load models from.
     model_roots: ModelRoots,
+    audit: AuditLog,
 }
 
 impl ClusterAdmin {
@@ -46,7 +48,8 @@ impl ClusterAdmin {
         catalog: Arc<ClusterCatalog>,
         auth: AdminAuth,
     ) -> Self {
-        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots: ModelRoots::default() }
+        let audit = AuditLog::new(registry.clone(), keys.clone(), id.clone());
+        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots: ModelRoots::default(), audit }
     }
 
     /// Deployments must name a directory under one of `roots` (none: any absolute path).
@@ -115,9 +118,8 @@ impl ClusterAdmin {
     }
 }
 
-#[tonic::async_trait]
-impl Admin for ClusterAdmin {
-    async fn deploy_model(
+impl ClusterAdmin {
+    async fn do_deploy_model(
         &self,
         request: Request<pb::DeployModelRequest>,
     ) -> Result<Response<pb::DeployModelResponse>, Status> {
@@ -157,7 +159,7 @@ impl Admin for ClusterAdmin {
         Ok(Response::new(pb::DeployModelResponse { model: Some(self.status(&spec)) }))
     }
 
-    async fn undeploy_model(
+    async fn do_undeploy_model(
         &self,
         request: Request<pb::UndeployModelRequest>,
     ) -> Result<Response<pb::UndeployModelResponse>, Status> {
@@ -169,7 +171,7 @@ impl Admin for ClusterAdmin {
         Ok(Response::new(pb::UndeployModelResponse {}))
     }
 
-    async fn scale_replicas(
+    async fn do_scale_replicas(
         &self,
         request: Request<pb::ScaleReplicasRequest>,
     ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
@@ -181,6 +183,99 @@ impl Admin for ClusterAdmin {
         self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
         info!(model = %spec.name, replicas = spec.replicas, "scaled");
         Ok(Response::new(pb::ScaleReplicasResponse { model: Some(self.status(&spec)) }))
+    }
+
+    async fn do_drain_worker(
+        &self,
+        request: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
+        self.auth.check(&request)?;
+        let r = request.into_inner();
+        if r.worker_id.is_empty() {
+            return Err(to_status(Error::invalid("worker_id", "must name a worker")));
+        }
+        let key = self.keys.drain(&r.worker_id);
+        if r.undrain {
+            self.registry.delete(&key).await.map_err(to_status)?;
+            info!(worker = %r.worker_id, "worker undrained");
+        } else {
+            if !self.view().workers.contains_key(r.worker_id.as_str()) {
+                return Err(to_status(Error::NotFound(format!(
+                    "worker {:?} is not registered",
+                    r.worker_id
+                ))));
+            }
+            self.registry.put(&key, Vec::new(), None).await.map_err(to_status)?;
+            info!(worker = %r.worker_id, "worker drained: its replica moves elsewhere");
+        }
+        Ok(Response::new(pb::DrainWorkerResponse {}))
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for ClusterAdmin {
+    async fn deploy_model(
+        &self,
+        request: Request<pb::DeployModelRequest>,
+    ) -> Result<Response<pb::DeployModelResponse>, Status> {
+        let r = request.get_ref();
+        let target = r.name.clone();
+        let detail = format!(
+            "model_dir={} tp={} pp={} replicas={} dtype={}",
+            r.model_dir, r.tp, r.pp, r.replicas, r.dtype
+        );
+        let caller = caller(&request, self.auth.token_valid(&request));
+        let result = self.do_deploy_model(request).await;
+        self.audit.record("DeployModel", caller, &target, detail, &result).await;
+        result
+    }
+
+    async fn undeploy_model(
+        &self,
+        request: Request<pb::UndeployModelRequest>,
+    ) -> Result<Response<pb::UndeployModelResponse>, Status> {
+        let target = request.get_ref().name.clone();
+        let caller = caller(&request, self.auth.token_valid(&request));
+        let result = self.do_undeploy_model(request).await;
+        self.audit.record("UndeployModel", caller, &target, String::new(), &result).await;
+        result
+    }
+
+    async fn scale_replicas(
+        &self,
+        request: Request<pb::ScaleReplicasRequest>,
+    ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
+        let (target, detail) =
+            (request.get_ref().name.clone(), format!("replicas={}", request.get_ref().replicas));
+        let caller = caller(&request, self.auth.token_valid(&request));
+        let result = self.do_scale_replicas(request).await;
+        self.audit.record("ScaleReplicas", caller, &target, detail, &result).await;
+        result
+    }
+
+    async fn drain_worker(
+        &self,
+        request: Request<pb::DrainWorkerRequest>,
+    ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
+        let (target, detail) =
+            (request.get_ref().worker_id.clone(), format!("undrain={}", request.get_ref().undrain));
+        let caller = caller(&request, self.auth.token_valid(&request));
+        let result = self.do_drain_worker(request).await;
+        self.audit.record("DrainWorker", caller, &target, detail, &result).await;
+        result
+    }
+
+    async fn list_audit(
+        &self,
+        request: Request<pb::ListAuditRequest>,
+    ) -> Result<Response<pb::ListAuditResponse>, Status> {
+        self.auth.check(&request)?;
+        let limit = match request.get_ref().limit {
+            0 => 100,
+            n => n.min(1000) as usize,
+        };
+        let entries = self.audit.list(limit).await.map_err(to_status)?;
+        Ok(Response::new(pb::ListAuditResponse { entries: entries.into_iter().map(Into::into).collect() }))
     }
 
     async fn list_models(
@@ -268,31 +363,5 @@ impl Admin for ClusterAdmin {
             })
             .collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))
-    }
-
-    async fn drain_worker(
-        &self,
-        request: Request<pb::DrainWorkerRequest>,
-    ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
-        self.auth.check(&request)?;
-        let r = request.into_inner();
-        if r.worker_id.is_empty() {
-            return Err(to_status(Error::invalid("worker_id", "must name a worker")));
-        }
-        let key = self.keys.drain(&r.worker_id);
-        if r.undrain {
-            self.registry.delete(&key).await.map_err(to_status)?;
-            info!(worker = %r.worker_id, "worker undrained");
-        } else {
-            if !self.view().workers.contains_key(r.worker_id.as_str()) {
-                return Err(to_status(Error::NotFound(format!(
-                    "worker {:?} is not registered",
-                    r.worker_id
-                ))));
-            }
-            self.registry.put(&key, Vec::new(), None).await.map_err(to_status)?;
-            info!(worker = %r.worker_id, "worker drained: its replica moves elsewhere");
-        }
-        Ok(Response::new(pb::DrainWorkerResponse {}))
     }
 }

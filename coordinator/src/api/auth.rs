@@ -80,6 +80,12 @@ impl AdminAuth {
         Ok(AdminAuth { token })
     }
 
+    /// Whether `req` bears the admin token (None: no token is configured).
+    pub fn token_valid<T>(&self, req: &Request<T>) -> Option<bool> {
+        let token = self.token.as_ref()?;
+        Some(bearer(req).is_some_and(|t| same(token, t)))
+    }
+
     pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
         match &self.token {
             Some(token) => match bearer(req) {

@@ -1,7 +1,8 @@
 //! The coordinator's front doors: inference.v1 ([`inference`]), admin.v1 ([`admin`]),
-//! their credentials ([`auth`]) and the gRPC server that carries them ([`server`]).
+//! their credentials ([`auth`]), the audit log of admin actions ([`audit`]) and the gRPC server that carries them ([`server`]).
 
 pub mod admin;
+pub mod audit;
 pub mod auth;
 pub mod inference;
 pub mod server;
