@@ -19,7 +19,9 @@ use strata_common::model_roots::ModelRoots;
 use strata_common::tls::Role;
 
 use crate::config_args::{connect, engine_config, lease_timings, set, ConfigArg, EngineArgs, RegistryArgs};
-use crate::security_args::{cluster_tls, SecurityArgs};
+use crate::security_args::{
+    caller_tls, client_keys, cluster_tls, reload_keys_on_sighup, CallerArgs, SecurityArgs,
+};
 
 #[derive(Args, Debug)]
 pub struct CoordinatorArgs {
@@ -29,6 +31,8 @@ pub struct CoordinatorArgs {
     pub registry: RegistryArgs,
     #[command(flatten)]
     pub security: SecurityArgs,
+    #[command(flatten)]
+    pub callers: CallerArgs,
     /// Address to serve inference.v1 and admin.v1 on; port 0 picks a free port
     /// [default: 127.0.0.1:50051].
     #[arg(long, env = "STRATA_LISTEN")]
@@ -70,6 +74,7 @@ impl CoordinatorArgs {
     fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         self.registry.apply(&mut cfg.registry);
         self.security.apply(&mut cfg.security);
+        self.callers.apply(&mut cfg.coordinator);
         let c = &mut cfg.coordinator;
         set(&mut c.listen, &self.listen);
         if self.id.is_some() {
@@ -103,7 +108,8 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         drain_timeout: secs(c.replica_drain_timeout_s),
         failed_retention: secs(c.failed_retention_s),
     };
-    let client_auth = ClientAuth::with_keys(c.api_keys.clone());
+    let client_auth = ClientAuth::with_keys(client_keys(c)?).context("--api-key")?;
+    let reload = (c.clone(), client_auth.clone());
     let admin_auth = AdminAuth::new(c.admin_token.clone(), &client_auth).context("--admin-token")?;
     let id = c.id.clone().unwrap_or_else(|| {
         format!("coordinator-{}-{:06x}", c.listen.port(), rand::random::<u32>() & 0xff_ffff)
@@ -120,7 +126,10 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         drain_timeout: secs(c.drain_timeout_s),
         tls,
         model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
+        caller_tls: caller_tls(c)?,
     };
+    let _runtime = rt.enter();
+    reload_keys_on_sighup(reload.0, reload.1, opts.admin_auth.clone(), "coordinator")?;
     rt.block_on(async move {
         let (registry, _) = connect(&cfg.registry).await?;
         run_coordinator(registry, opts).await

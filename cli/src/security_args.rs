@@ -1,13 +1,17 @@
-//! Cluster credentials and model roots on the command line ([security] in the config), and
-//! the safe default: a cluster role reachable from other machines needs credentials.
+//! Credentials on the command line: the cluster's ([security] in the config) with the safe
+//! default that a cluster role reachable from other machines needs them, and the callers'
+//! (API key file with reload on SIGHUP, TLS for inference and admin calls).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Args;
-use strata_common::config::SecuritySettings;
+use strata_common::config::{CoordinatorSettings, SecuritySettings};
+use strata_common::ready::{announce, Announcement};
 use strata_common::tls::{ClusterCredentials, ClusterTls, Role};
+use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SecurityArgs {
@@ -74,4 +78,105 @@ pub fn cluster_tls(
          give --cluster-cert, --cluster-key and --cluster-ca (`strata cert dev --out DIR` makes a development set), \
          or --insecure to accept that"
     )
+}
+
+/// Callers' credentials and transport ([coordinator] keys of the config): for
+/// `strata coordinator` and `strata serve`.
+#[derive(Args, Debug, Clone, Default)]
+pub struct CallerArgs {
+    /// A file of client API keys (one key or `sha256:<hex>` per line, `#` comments), read
+    /// again on SIGHUP so keys rotate without a restart.
+    #[arg(long, env = "STRATA_API_KEY_FILE", value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// TLS for inference and admin calls: this server's certificate (PEM).
+    #[arg(long, env = "STRATA_TLS_CERT", value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "STRATA_TLS_KEY", value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Callers must present a certificate this CA signed (PEM).
+    #[arg(long, env = "STRATA_TLS_CLIENT_CA", value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+impl CallerArgs {
+    pub fn apply(&self, c: &mut CoordinatorSettings) {
+        for (slot, v) in [
+            (&mut c.api_key_file, &self.api_key_file),
+            (&mut c.tls_cert, &self.tls_cert),
+            (&mut c.tls_key, &self.tls_key),
+            (&mut c.tls_client_ca, &self.tls_client_ca),
+        ] {
+            if v.is_some() {
+                *slot = v.clone();
+            }
+        }
+    }
+}
+
+/// Largest key file read.
+const MAX_KEY_FILE: u64 = 1 << 20;
+
+/// The keys of a key file: one per line, blank lines and `#` comments skipped.
+pub fn read_key_file(path: &Path) -> anyhow::Result<Vec<String>> {
+    let meta = std::fs::metadata(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    if meta.len() > MAX_KEY_FILE {
+        bail!("--api-key-file {}: larger than {MAX_KEY_FILE} bytes", path.display());
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("--api-key-file {}", path.display()))?;
+    Ok(text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect())
+}
+
+/// The configured client keys: `api_keys` and the key file's.
+pub fn client_keys(c: &CoordinatorSettings) -> anyhow::Result<Vec<String>> {
+    let mut keys = c.api_keys.clone();
+    if let Some(f) = &c.api_key_file {
+        keys.extend(read_key_file(f)?);
+    }
+    Ok(keys)
+}
+
+/// The server TLS for callers, when configured.
+pub fn caller_tls(c: &CoordinatorSettings) -> anyhow::Result<Option<ServerTlsConfig>> {
+    let (Some(cert), Some(key)) = (&c.tls_cert, &c.tls_key) else { return Ok(None) };
+    let read = |p: &PathBuf, flag: &str| std::fs::read(p).with_context(|| format!("{flag} {}", p.display()));
+    let mut tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(read(cert, "--tls-cert")?, read(key, "--tls-key")?));
+    if let Some(ca) = &c.tls_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(ca, "--tls-client-ca")?));
+    }
+    Ok(Some(tls))
+}
+
+/// Re-reads the key file on every SIGHUP and swaps the keys in; a file that cannot be
+/// read or parsed keeps the old keys (and says why). Each reload is announced on stdout
+/// (`{"event":"keys_reloaded",…}`) for supervisors and tests.
+pub fn reload_keys_on_sighup(
+    settings: CoordinatorSettings,
+    clients: ClientAuth,
+    admin: AdminAuth,
+    role: &'static str,
+) -> anyhow::Result<()> {
+    let Some(file) = settings.api_key_file.clone() else { return Ok(()) };
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("listening for SIGHUP (key reload)")?;
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let reloaded = client_keys(&settings)
+                .and_then(|keys| clients.reload(keys, &admin).map_err(anyhow::Error::from));
+            match reloaded {
+                Ok(n) => {
+                    tracing::info!(keys = n, file = %file.display(), "SIGHUP: API keys reloaded");
+                    announce(&Announcement { event: "keys_reloaded", role, address: "", id: "" });
+                }
+                Err(e) => tracing::error!("SIGHUP: keeping the previous API keys: {e:#}"),
+            }
+        }
+    });
+    Ok(())
 }

@@ -7,6 +7,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use strata_common::config::{Config, ServedModel};
 use strata_common::model_roots::ModelRoots;
+
+use crate::security_args::{caller_tls, client_keys, reload_keys_on_sighup, CallerArgs};
 use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
@@ -43,6 +45,8 @@ pub struct ServeArgs {
     pub replicas: Option<usize>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub callers: CallerArgs,
     /// Wait at this address for the replica's other ranks to join as `strata worker`
     /// processes, instead of running them as threads (one model, one replica).
     #[arg(long)]
@@ -109,6 +113,7 @@ impl ServeArgs {
         if !self.model_roots.is_empty() {
             cfg.security.model_roots = self.model_roots.clone();
         }
+        self.callers.apply(&mut cfg.coordinator);
         Ok(())
     }
 }
@@ -143,7 +148,8 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let par = Parallelism { tp: s.tp, pp: s.pp };
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
-    let client_auth = ClientAuth::with_keys(cfg.coordinator.api_keys.clone());
+    let client_auth = ClientAuth::with_keys(client_keys(&cfg.coordinator)?).context("--api-key")?;
+    let client_auth_for_reload = client_auth.clone();
     let admin_auth =
         AdminAuth::new(cfg.coordinator.admin_token.clone(), &client_auth).context("--admin-token")?;
     let opts = ServeOptions {
@@ -153,7 +159,10 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         client_auth,
         role: Role::Serve,
         id: "serve".into(),
+        tls: caller_tls(&cfg.coordinator)?,
     };
+    let _runtime = rt.enter();
+    reload_keys_on_sighup(cfg.coordinator.clone(), client_auth_for_reload, admin_auth.clone(), "serve")?;
     if let Some(addr) = args.worker_rendezvous {
         // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
         if s.models.len() != 1 || s.replicas != 1 || par.world() == 1 {

@@ -174,8 +174,17 @@ pub struct CoordinatorSettings {
     pub id: Option<String>,
     /// Token admin calls must bear; absent: admin calls only from loopback.
     pub admin_token: Option<String>,
-    /// Client API keys inference calls must bear; empty: inference is open.
+    /// Client API keys inference calls must bear; empty: inference is open. An entry
+    /// `sha256:<64 hex digits>` is the SHA-256 of a key, so the file need not hold it.
     pub api_keys: Vec<String>,
+    /// A file of more API keys (one key or `sha256:` hash per line, `#` comments),
+    /// read again on SIGHUP: keys rotate without a restart.
+    pub api_key_file: Option<PathBuf>,
+    /// TLS for callers: this server's certificate and key (PEM). Absent: plaintext.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// With TLS: callers must also present a certificate this CA signed.
+    pub tls_client_ca: Option<PathBuf>,
     pub canary_interval_s: f64,
     pub canary_timeout_s: f64,
     pub load_timeout_s: f64,
@@ -193,6 +202,10 @@ impl Default for CoordinatorSettings {
             id: None,
             admin_token: None,
             api_keys: Vec::new(),
+            api_key_file: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_client_ca: None,
             canary_interval_s: 5.0,
             canary_timeout_s: 10.0,
             load_timeout_s: 600.0,
@@ -301,6 +314,14 @@ impl Config {
             seconds(key, v, min)?;
         }
         self.security.credentials()?;
+        let c = &self.coordinator;
+        if c.tls_cert.is_some() != c.tls_key.is_some() || (c.tls_client_ca.is_some() && c.tls_cert.is_none())
+        {
+            return Err(Error::invalid(
+                "coordinator.tls_cert",
+                "give the certificate and its key together (a client CA needs them too)",
+            ));
+        }
         for root in &self.security.model_roots {
             if !root.is_absolute() {
                 return Err(Error::invalid(

@@ -34,6 +34,8 @@ pub struct CoordinatorOptions {
     pub tls: Option<ClusterTls>,
     /// Where deployments may load models from.
     pub model_roots: ModelRoots,
+    /// TLS for callers of inference.v1 and admin.v1.
+    pub caller_tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 /// Routes inference traffic from the registry's view, serves the admin API, and
@@ -74,6 +76,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
             client_auth: opts.client_auth,
             role: Role::Coordinator,
             id: opts.leader.id.clone(),
+            tls: opts.caller_tls.clone(),
         },
     )
     .await;

@@ -7,7 +7,9 @@
 //! calls are accepted from loopback only. Comparisons take the same time whatever the
 //! token, so a caller cannot guess it byte by byte.
 
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+
+use sha2::{Digest, Sha256};
 
 use tonic::{Request, Status};
 
@@ -17,7 +19,10 @@ fn bearer<T>(req: &Request<T>) -> Option<&str> {
 }
 
 fn same(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
+    same_bytes(a.as_bytes(), b.as_bytes())
+}
+
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     let mut diff = a.len() ^ b.len();
     for i in 0..a.len().max(b.len()) {
         diff |= (a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0)) as usize;
@@ -25,35 +30,105 @@ fn same(a: &str, b: &str) -> bool {
     diff == 0
 }
 
-/// Inference-call credentials.
+fn sha256(text: &str) -> [u8; 32] {
+    Sha256::digest(text.as_bytes()).into()
+}
+
+/// One accepted credential: the secret itself, or its SHA-256 (`sha256:<64 hex digits>`,
+/// as `printf %s KEY | sha256sum` prints it), so a config file need not hold the key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Secret {
+    Plain(String),
+    Hash([u8; 32]),
+}
+
+impl Secret {
+    fn parse(entry: &str, field: &str) -> strata_common::Result<Secret> {
+        let Some(hex) = entry.strip_prefix("sha256:") else { return Ok(Secret::Plain(entry.to_string())) };
+        let bad =
+            || strata_common::Error::invalid(field, "a sha256: entry needs 64 hex digits after the colon");
+        if hex.len() != 64 || !hex.is_ascii() {
+            return Err(bad());
+        }
+        let mut hash = [0u8; 32];
+        for (i, b) in hash.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+        }
+        Ok(Secret::Hash(hash))
+    }
+
+    fn matches(&self, presented: &str) -> bool {
+        match self {
+            Secret::Plain(k) => same(k, presented),
+            Secret::Hash(h) => same_bytes(h, &sha256(presented)),
+        }
+    }
+
+    /// Whether this credential and `other` accept a common token.
+    fn overlaps(&self, other: &Secret) -> bool {
+        match (self, other) {
+            (Secret::Plain(a), b) => b.matches(a),
+            (a, Secret::Plain(b)) => a.matches(b),
+            (Secret::Hash(a), Secret::Hash(b)) => a == b,
+        }
+    }
+}
+
+/// Inference-call credentials. Clones share one key set, so a reload (SIGHUP, when the
+/// keys come from a file) reaches every service that checks them.
 #[derive(Debug, Clone, Default)]
 pub struct ClientAuth {
-    keys: Option<Arc<Vec<String>>>,
+    /// Empty: inference is open.
+    keys: Arc<RwLock<Arc<Vec<Secret>>>>,
+}
+
+fn parse_all(entries: Vec<String>, field: &str) -> strata_common::Result<Vec<Secret>> {
+    entries.iter().map(|k| k.trim()).filter(|k| !k.is_empty()).map(|k| Secret::parse(k, field)).collect()
 }
 
 impl ClientAuth {
     /// Accepts every caller.
     pub fn open() -> Self {
-        ClientAuth { keys: None }
+        ClientAuth::default()
     }
 
-    /// Accepts callers bearing one of `keys` (none given: open).
-    pub fn with_keys(keys: Vec<String>) -> Self {
-        let keys: Vec<String> = keys.into_iter().filter(|k| !k.is_empty()).collect();
-        ClientAuth { keys: (!keys.is_empty()).then(|| Arc::new(keys)) }
+    /// Accepts callers bearing one of `keys`, each the key or `sha256:<hex>` of it (none
+    /// given: open).
+    pub fn with_keys(keys: Vec<String>) -> strata_common::Result<Self> {
+        Ok(ClientAuth { keys: Arc::new(RwLock::new(Arc::new(parse_all(keys, "api_keys")?))) })
     }
 
-    pub fn keys(&self) -> &[String] {
-        self.keys.as_deref().map(Vec::as_slice).unwrap_or(&[])
+    fn current(&self) -> Arc<Vec<Secret>> {
+        self.keys.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the accepted keys (rotation without a restart); refused, keeping the old
+    /// keys, when an entry is malformed or would also pass as the admin token.
+    pub fn reload(&self, keys: Vec<String>, admin: &AdminAuth) -> strata_common::Result<usize> {
+        let keys = parse_all(keys, "api_keys")?;
+        if let Some(token) = &admin.token {
+            if keys.iter().any(|k| k.overlaps(token)) {
+                return Err(strata_common::Error::invalid(
+                    "api_keys",
+                    "a client key must differ from the admin token",
+                ));
+            }
+        }
+        let n = keys.len();
+        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
+        Ok(n)
     }
 
     pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let Some(keys) = &self.keys else { return Ok(()) };
+        let keys = self.current();
+        if keys.is_empty() {
+            return Ok(());
+        }
         match bearer(req) {
             None => {
                 Err(Status::unauthenticated("missing API key: send metadata \"authorization: Bearer <key>\""))
             }
-            Some(t) if keys.iter().any(|k| same(k, t)) => Ok(()),
+            Some(t) if keys.iter().any(|k| k.matches(t)) => Ok(()),
             Some(_) => Err(Status::unauthenticated("the API key is not valid")),
         }
     }
@@ -62,15 +137,16 @@ impl ClientAuth {
 /// Admin-call credentials.
 #[derive(Debug, Clone, Default)]
 pub struct AdminAuth {
-    token: Option<String>,
+    token: Option<Secret>,
 }
 
 impl AdminAuth {
-    /// `token` None: loopback callers only. Fails when the admin token is also a client key.
+    /// `token` (the token or `sha256:<hex>` of it) None: loopback callers only. Fails when
+    /// the admin token would also pass as a client key.
     pub fn new(token: Option<String>, clients: &ClientAuth) -> strata_common::Result<Self> {
-        let token = token.filter(|t| !t.is_empty());
+        let token = token.filter(|t| !t.is_empty()).map(|t| Secret::parse(&t, "admin_token")).transpose()?;
         if let Some(t) = &token {
-            if clients.keys().iter().any(|k| same(k, t)) {
+            if clients.current().iter().any(|k| k.overlaps(t)) {
                 return Err(strata_common::Error::invalid(
                     "admin_token",
                     "must differ from every client API key",
@@ -83,7 +159,7 @@ impl AdminAuth {
     /// Whether `req` bears the admin token (None: no token is configured).
     pub fn token_valid<T>(&self, req: &Request<T>) -> Option<bool> {
         let token = self.token.as_ref()?;
-        Some(bearer(req).is_some_and(|t| same(token, t)))
+        Some(bearer(req).is_some_and(|t| token.matches(t)))
     }
 
     pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
@@ -92,7 +168,7 @@ impl AdminAuth {
                 None => Err(Status::unauthenticated(
                     "admin calls need the admin token: send metadata \"authorization: Bearer <token>\"",
                 )),
-                Some(t) if same(token, t) => Ok(()),
+                Some(t) if token.matches(t) => Ok(()),
                 Some(_) => Err(Status::permission_denied("the admin token is not valid")),
             },
             None => match req.remote_addr() {
@@ -119,7 +195,7 @@ mod tests {
     #[test]
     fn client_keys_are_checked_when_configured() {
         assert!(ClientAuth::open().check(&Request::new(())).is_ok());
-        let a = ClientAuth::with_keys(vec!["k1".into(), "k2".into()]);
+        let a = ClientAuth::with_keys(vec!["k1".into(), "k2".into()]).unwrap();
         assert_eq!(a.check(&Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
         assert!(a.check(&with_auth("Bearer k2")).is_ok());
         assert_eq!(a.check(&with_auth("Bearer k3")).unwrap_err().code(), tonic::Code::Unauthenticated);
@@ -127,7 +203,7 @@ mod tests {
 
     #[test]
     fn the_admin_token_is_distinct_and_required() {
-        let clients = ClientAuth::with_keys(vec!["k1".into()]);
+        let clients = ClientAuth::with_keys(vec!["k1".into()]).unwrap();
         assert!(AdminAuth::new(Some("k1".into()), &clients).is_err());
         let a = AdminAuth::new(Some("root".into()), &clients).unwrap();
         assert_eq!(a.check(&Request::new(())).unwrap_err().code(), tonic::Code::Unauthenticated);
@@ -137,5 +213,32 @@ mod tests {
         let open = AdminAuth::new(None, &clients).unwrap();
         assert_eq!(open.check(&Request::new(())).unwrap_err().code(), tonic::Code::PermissionDenied);
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "abcd"));
+    }
+
+    #[test]
+    fn keys_may_be_given_as_hashes_and_rotated() {
+        // printf %s k2 | sha256sum
+        let k2 = "sha256:015f7e6bc5aeaf483724089e9252cc13b50951a6b69412522765cff4d780306e";
+        let hashed =
+            format!("sha256:{}", sha256("k2").iter().map(|b| format!("{b:02x}")).collect::<String>());
+        assert!(ClientAuth::with_keys(vec![k2.into()]).unwrap().check(&with_auth("Bearer k2")).is_ok());
+        let a = ClientAuth::with_keys(vec!["k1".into(), hashed.clone()]).unwrap();
+        assert!(a.check(&with_auth("Bearer k2")).is_ok());
+        assert!(a.check(&with_auth(&format!("Bearer {hashed}"))).is_err(), "the hash is not the key");
+        assert!(ClientAuth::with_keys(vec!["sha256:zz".into()]).is_err());
+        // The admin token may not be a client key, hashed or not, now or after a reload.
+        assert!(AdminAuth::new(Some("k2".into()), &a).is_err());
+        let admin = AdminAuth::new(Some(hashed_of("root")), &a).unwrap();
+        assert!(admin.check(&with_auth("Bearer root")).is_ok());
+        let copy = a.clone();
+        assert_eq!(a.reload(vec!["k3".into()], &admin).unwrap(), 1);
+        assert!(copy.check(&with_auth("Bearer k3")).is_ok(), "clones see the reload");
+        assert!(copy.check(&with_auth("Bearer k1")).is_err(), "rotated out");
+        assert!(a.reload(vec!["root".into()], &admin).is_err());
+        assert!(copy.check(&with_auth("Bearer k3")).is_ok(), "a refused reload keeps the old keys");
+    }
+
+    fn hashed_of(t: &str) -> String {
+        format!("sha256:{}", sha256(t).iter().map(|b| format!("{b:02x}")).collect::<String>())
     }
 }

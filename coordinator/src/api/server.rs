@@ -36,6 +36,8 @@ pub struct ServeOptions {
     pub role: Role,
     /// This process's id in the cluster (in the ready announcement).
     pub id: String,
+    /// TLS for callers (with client certificates when it names a client CA).
+    pub tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 /// Which command serves: named in the ready log line and announcement.
@@ -84,7 +86,11 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         reflection_builder().build_v1alpha().context("building the v1alpha reflection service")?;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = opts.tls.clone() {
+        builder = builder.tls_config(tls).context("caller TLS (--tls-cert, --tls-key, --tls-client-ca)")?;
+    }
+    let server = builder
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))

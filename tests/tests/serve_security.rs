@@ -1,0 +1,110 @@
+//! The front door: API keys (also as SHA-256 hashes) rotated from a key file on SIGHUP
+//! without a restart, and TLS for callers, with client certificates when asked.
+
+use std::time::Duration;
+
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_tests::cluster::Certs;
+use strata_tests::{fixtures_dir, token_request, Server};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::Code;
+
+fn gqa() -> String {
+    fixtures_dir().join("llama_gqa").to_string_lossy().to_string()
+}
+
+fn sha256_hex(text: &str) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(text.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    String::from_utf8(out.stdout).unwrap().split_whitespace().next().unwrap().to_string()
+}
+
+async fn generate_with(endpoint: &str, key: &str) -> Result<(), Code> {
+    let mut c = InferenceClient::connect(endpoint.to_string()).await.unwrap();
+    let mut req = tonic::Request::new(token_request("m", vec![1, 2, 3], 2));
+    req.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    c.generate(req).await.map(|_| ()).map_err(|s| s.code())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_keys_rotate_from_a_key_file_on_sighup() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("keys");
+    std::fs::write(&file, "# the first key\nkey-one\n").unwrap();
+    let server =
+        Server::start(&["--model", &gqa(), "--name", "m", "--api-key-file", &file.to_string_lossy()]);
+    let ep = server.endpoint();
+    assert_eq!(generate_with(&ep, "key-one").await, Ok(()));
+    assert_eq!(generate_with(&ep, "key-two").await, Err(Code::Unauthenticated));
+    // Rotate: the file now holds only the hash of the second key.
+    std::fs::write(&file, format!("sha256:{}\n", sha256_hex("key-two"))).unwrap();
+    let hup =
+        std::process::Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status().unwrap();
+    assert!(hup.success());
+    server.out.wait_event("keys_reloaded", Duration::from_secs(10), "strata serve");
+    assert_eq!(generate_with(&ep, "key-two").await, Ok(()));
+    assert_eq!(generate_with(&ep, "key-one").await, Err(Code::Unauthenticated), "rotated out");
+    // A broken file keeps the keys that work.
+    std::fs::write(&file, "sha256:not-hex\n").unwrap();
+    let _ = std::process::Command::new("kill").args(["-HUP", &server.child.id().to_string()]).status();
+    assert_eq!(generate_with(&ep, "key-two").await, Ok(()));
+}
+
+/// A generation over TLS trusting `certs`' CA, presenting `present` (a role's certificate
+/// from `issued`) if given.
+async fn tls_call(addr: &str, certs: &Certs, present: Option<(&Certs, &str)>) -> Result<usize, String> {
+    let ca = std::fs::read(certs.path("ca.crt")).unwrap();
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
+    if let Some((issued, role)) = present {
+        let read = |f: String| std::fs::read(issued.path(&f)).unwrap();
+        tls = tls.identity(Identity::from_pem(read(format!("{role}.crt")), read(format!("{role}.key"))));
+    }
+    let channel = Endpoint::from_shared(format!("https://{addr}"))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| format!("{e:?}"))?;
+    let mut c = InferenceClient::new(channel);
+    let r = c.generate(token_request("m", vec![1, 2, 3], 3)).await.map_err(|s| format!("{s:?}"))?;
+    Ok(r.into_inner().token_ids.len())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn callers_can_be_required_to_use_tls_and_client_certificates() {
+    let certs = Certs::new();
+    let (crt, key, ca) = (certs.path("coordinator.crt"), certs.path("coordinator.key"), certs.path("ca.crt"));
+    let tls_only = Server::start(&["--model", &gqa(), "--name", "m", "--tls-cert", &crt, "--tls-key", &key]);
+    assert_eq!(tls_call(&tls_only.addr, &certs, None).await, Ok(3));
+    let mut plain = InferenceClient::connect(tls_only.endpoint()).await.unwrap();
+    let plaintext = plain.list_models(pb::ListModelsRequest {}).await;
+    assert!(plaintext.is_err(), "a plaintext call to a TLS server: {plaintext:?}");
+
+    let mutual = Server::start(&[
+        "--model",
+        &gqa(),
+        "--name",
+        "m",
+        "--tls-cert",
+        &crt,
+        "--tls-key",
+        &key,
+        "--tls-client-ca",
+        &ca,
+    ]);
+    assert!(tls_call(&mutual.addr, &certs, None).await.is_err(), "no client certificate");
+    assert_eq!(tls_call(&mutual.addr, &certs, Some((&certs, "worker"))).await, Ok(3));
+    let strangers = Certs::new();
+    let other = tls_call(&mutual.addr, &certs, Some((&strangers, "coordinator"))).await;
+    assert!(other.is_err(), "a client certificate from another CA: {other:?}");
+}
