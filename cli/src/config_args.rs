@@ -136,6 +136,19 @@ pub struct RegistryArgs {
     /// Seconds between lease refreshes (default: a third of --lease-ttl).
     #[arg(long, env = "STRATA_LEASE_KEEPALIVE")]
     pub lease_keepalive: Option<f64>,
+    /// etcd over TLS (https:// endpoints): the CA that signed etcd's certificate.
+    #[arg(long, env = "STRATA_ETCD_CA", value_name = "FILE")]
+    pub etcd_ca: Option<PathBuf>,
+    /// A client certificate for etcd's --client-cert-auth (with --etcd-key).
+    #[arg(long, env = "STRATA_ETCD_CERT", value_name = "FILE")]
+    pub etcd_cert: Option<PathBuf>,
+    #[arg(long, env = "STRATA_ETCD_KEY", value_name = "FILE")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd's authentication; with --etcd-password).
+    #[arg(long, env = "STRATA_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    #[arg(long, env = "STRATA_ETCD_PASSWORD", hide_env_values = true)]
+    pub etcd_password: Option<String>,
 }
 
 impl RegistryArgs {
@@ -148,6 +161,20 @@ impl RegistryArgs {
         if self.lease_keepalive.is_some() {
             r.lease_keepalive_s = self.lease_keepalive;
         }
+        for (slot, v) in [
+            (&mut r.etcd_ca, &self.etcd_ca),
+            (&mut r.etcd_cert, &self.etcd_cert),
+            (&mut r.etcd_key, &self.etcd_key),
+        ] {
+            if v.is_some() {
+                *slot = v.clone();
+            }
+        }
+        for (slot, v) in [(&mut r.etcd_user, &self.etcd_user), (&mut r.etcd_password, &self.etcd_password)] {
+            if v.is_some() {
+                *slot = v.clone();
+            }
+        }
     }
 }
 
@@ -156,7 +183,7 @@ pub async fn connect(r: &RegistrySettings) -> anyhow::Result<(Arc<dyn Registry>,
     if r.etcd.is_empty() {
         bail!("--etcd is required: the etcd endpoints (e.g. http://127.0.0.1:2379), or set STRATA_ETCD or registry.etcd");
     }
-    let reg = EtcdRegistry::connect(&r.etcd).await.context("registry.etcd")?;
+    let reg = EtcdRegistry::connect_with(&r.etcd, &r.etcd_security()?).await.context("registry.etcd")?;
     Ok((Arc::new(reg), Keys::new(&r.prefix)))
 }
 

@@ -112,6 +112,14 @@ pub struct RegistrySettings {
     pub lease_ttl_s: f64,
     /// Seconds between lease refreshes; absent: a third of the TTL.
     pub lease_keepalive_s: Option<f64>,
+    /// etcd over TLS (`https://` endpoints): the CA that signed etcd's certificate (PEM).
+    pub etcd_ca: Option<PathBuf>,
+    /// A client certificate and key for etcd's `--client-cert-auth` (PEM).
+    pub etcd_cert: Option<PathBuf>,
+    pub etcd_key: Option<PathBuf>,
+    /// etcd's own authentication: user name and password (tokens refresh by themselves).
+    pub etcd_user: Option<String>,
+    pub etcd_password: Option<String>,
 }
 
 impl Default for RegistrySettings {
@@ -121,7 +129,45 @@ impl Default for RegistrySettings {
             prefix: "/strata".into(),
             lease_ttl_s: 5.0,
             lease_keepalive_s: None,
+            etcd_ca: None,
+            etcd_cert: None,
+            etcd_key: None,
+            etcd_user: None,
+            etcd_password: None,
         }
+    }
+}
+
+/// How to reach etcd securely, from [`RegistrySettings`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EtcdSecurity {
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub user: Option<(String, String)>,
+}
+
+impl RegistrySettings {
+    pub fn etcd_security(&self) -> Result<EtcdSecurity> {
+        if self.etcd_cert.is_some() != self.etcd_key.is_some() {
+            return Err(Error::invalid(
+                "registry.etcd_cert",
+                "give the etcd client certificate and its key together",
+            ));
+        }
+        let user = match (&self.etcd_user, &self.etcd_password) {
+            (Some(u), Some(p)) => Some((u.clone(), p.clone())),
+            (None, None) => None,
+            _ => {
+                return Err(Error::invalid("registry.etcd_user", "give the etcd user and password together"))
+            }
+        };
+        Ok(EtcdSecurity {
+            ca: self.etcd_ca.clone(),
+            cert: self.etcd_cert.clone(),
+            key: self.etcd_key.clone(),
+            user,
+        })
     }
 }
 
@@ -289,6 +335,7 @@ impl Config {
             }
         }
         let r = &self.registry;
+        r.etcd_security()?;
         seconds("registry.lease_ttl_s", r.lease_ttl_s, 1.0)?;
         if let Some(k) = r.lease_keepalive_s {
             seconds("registry.lease_keepalive_s", k, 0.05)?;

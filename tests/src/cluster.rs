@@ -148,6 +148,9 @@ pub struct Cluster {
     pub certs: Certs,
     /// Whether processes get their cluster credentials (true unless started plain).
     pub tls: bool,
+    /// Extra flags of every coordinator, and of every worker, started from now on.
+    pub coordinator_flags: Vec<String>,
+    pub worker_flags: Vec<String>,
     pub coordinators: Vec<Proc>,
     pub workers: Vec<Proc>,
     pub timing: Timing,
@@ -156,9 +159,15 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(coordinators: usize, workers: usize, timing: Timing) -> Cluster {
-        let etcd = Etcd::start();
+        Cluster::start_on(Etcd::start(), coordinators, workers, timing)
+    }
+
+    /// A cluster on an etcd the test started (a secured one, say).
+    pub fn start_on(etcd: Etcd, coordinators: usize, workers: usize, timing: Timing) -> Cluster {
         let mut c = Cluster {
             etcd,
+            coordinator_flags: Vec::new(),
+            worker_flags: Vec::new(),
             certs: Certs::new(),
             tls: std::env::var("STRATA_TEST_PLAIN_CLUSTER").is_err(),
             coordinators: Vec::new(),
@@ -197,6 +206,7 @@ impl Cluster {
         if self.tls {
             args.extend(self.certs.flags("coordinator"));
         }
+        args.extend(self.coordinator_flags.iter().cloned());
         args.extend(extra.iter().map(|s| s.to_string()));
         self.coordinators.push(Proc::start(&format!("coordinator c{n}"), &args, None));
         self.coordinators.last().unwrap()
@@ -211,6 +221,7 @@ impl Cluster {
         if self.tls {
             args.extend(self.certs.flags("worker"));
         }
+        args.extend(self.worker_flags.iter().cloned());
         args.extend(extra.iter().map(|s| s.to_string()));
         self.workers.push(Proc::start(&format!("worker w{n}"), &args, cwd));
         self.workers.last().unwrap()

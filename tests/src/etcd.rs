@@ -11,7 +11,11 @@ pub struct Etcd {
     child: Option<Child>,
     pub client_port: u16,
     peer_port: u16,
+    /// Plain-HTTP port of /health and /metrics (the client port may be TLS).
+    metrics_port: u16,
     dir: tempfile::TempDir,
+    /// Server certificate, key and the CA clients must present certificates from.
+    tls: Option<(PathBuf, PathBuf, PathBuf)>,
 }
 
 /// The etcd binary: `$ETCD_BIN`, or `etcd` on the PATH (`make prerequisites` installs it).
@@ -41,13 +45,25 @@ impl Etcd {
     /// found by binding port 0 and closing it; another process may take one in between, so
     /// a start that fails is retried on new ports.
     pub fn start() -> Etcd {
+        Etcd::start_with(None)
+    }
+
+    /// etcd serving clients over TLS with `cert`/`key`, and requiring a client certificate
+    /// from `ca` (`--client-cert-auth`).
+    pub fn start_tls(cert: PathBuf, key: PathBuf, ca: PathBuf) -> Etcd {
+        Etcd::start_with(Some((cert, key, ca)))
+    }
+
+    fn start_with(tls: Option<(PathBuf, PathBuf, PathBuf)>) -> Etcd {
         let mut last = String::new();
         for _ in 0..3 {
             let mut e = Etcd {
                 child: None,
                 client_port: free_port(),
                 peer_port: free_port(),
+                metrics_port: free_port(),
                 dir: tempfile::tempdir().expect("temporary etcd data directory"),
+                tls: tls.clone(),
             };
             match e.try_resume() {
                 Ok(()) => return e,
@@ -58,7 +74,8 @@ impl Etcd {
     }
 
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     /// Kills the server (SIGKILL): an outage.
@@ -78,17 +95,24 @@ impl Etcd {
 
     fn try_resume(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "etcd is already running");
-        let client = format!("http://127.0.0.1:{}", self.client_port);
+        let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let metrics = format!("http://127.0.0.1:{}", self.metrics_port);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.dir.path().join("etcd.log"))
             .expect("etcd log file");
-        let child = Command::new(etcd_bin())
+        let mut cmd = Command::new(etcd_bin());
+        if let Some((cert, key, ca)) = &self.tls {
+            cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key);
+            cmd.arg("--trusted-ca-file").arg(ca).arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", "strata-test", "--data-dir"])
             .arg(self.dir.path().join("data"))
             .args(["--listen-client-urls", &client, "--advertise-client-urls", &client])
+            .args(["--listen-metrics-urls", &metrics])
             .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("strata-test={peer}")])
             .args(["--log-level", "warn"])
@@ -104,7 +128,7 @@ impl Etcd {
         use std::io::{Read, Write};
         let deadline = Instant::now() + limit;
         loop {
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.client_port)) {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", self.metrics_port)) {
                 let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
                 let _ = s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
                 let mut body = String::new();

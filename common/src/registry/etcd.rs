@@ -10,11 +10,13 @@
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Identity, PutOptions,
+    TlsOptions, Txn, TxnOp, WatchOptions,
 };
 use futures::StreamExt;
 
 use super::{Entry, Event, EventStream, Guard, LeaseId, Listing, Op, Registry};
+use crate::config::EtcdSecurity;
 use crate::error::{Error, Result};
 
 /// How long one etcd call may take before it counts as unreachable.
@@ -44,14 +46,40 @@ impl EtcdRegistry {
     /// Connects to `endpoints` ("http://127.0.0.1:2379", or host:port). Fails only on a
     /// malformed endpoint; an etcd that is down is reported by the first call.
     pub async fn connect(endpoints: &[String]) -> Result<Self> {
+        Self::connect_with(endpoints, &EtcdSecurity::default()).await
+    }
+
+    /// [`EtcdRegistry::connect`] over TLS (a CA for `https://` endpoints, a client
+    /// certificate for `--client-cert-auth`) and with etcd's user authentication, whose
+    /// token the client refreshes when it expires.
+    pub async fn connect_with(endpoints: &[String], security: &EtcdSecurity) -> Result<Self> {
         if endpoints.is_empty() {
             return Err(Error::invalid("etcd", "no endpoint given"));
         }
-        let opts = ConnectOptions::new()
+        let mut opts = ConnectOptions::new()
             .with_timeout(CALL_TIMEOUT)
             .with_connect_timeout(CALL_TIMEOUT)
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
             .with_keep_alive_while_idle(true);
+        if security.ca.is_some() || security.cert.is_some() {
+            let read = |p: &std::path::Path, field: &str| {
+                std::fs::read(p).map_err(|e| Error::invalid(field, format!("{}: {e}", p.display())))
+            };
+            let mut tls = TlsOptions::new();
+            if let Some(ca) = &security.ca {
+                tls = tls.ca_certificate(Certificate::from_pem(read(ca, "registry.etcd_ca")?));
+            }
+            if let (Some(cert), Some(key)) = (&security.cert, &security.key) {
+                tls = tls.identity(Identity::from_pem(
+                    read(cert, "registry.etcd_cert")?,
+                    read(key, "registry.etcd_key")?,
+                ));
+            }
+            opts = opts.with_tls(tls);
+        }
+        if let Some((user, password)) = &security.user {
+            opts = opts.with_user(user.clone(), password.clone()).with_auto_token_refresh(true);
+        }
         let client = Client::connect(endpoints, Some(opts))
             .await
             .map_err(|e| Error::invalid("etcd", format!("{}: {e}", endpoints.join(","))))?;
