@@ -455,4 +455,31 @@ mod tests {
         }
         ModelConfig::from_json_str(&format!("{{{base}}}")).unwrap();
     }
+
+    #[test]
+    fn mutated_configs_never_panic() {
+        let good = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256,"max_position_embeddings":512,"rms_norm_eps":1e-5,"rope_theta":10000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}}"#;
+        assert!(ModelConfig::from_json_str(good).is_ok());
+        let mut state = 0x9e3779b97f4a7c15u64;
+        let mut next = |m: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % m as u64) as usize
+        };
+        let digits = b"0123456789-.e";
+        for _ in 0..5000 {
+            let mut bytes = good.as_bytes().to_vec();
+            for _ in 0..1 + next(4) {
+                let i = next(bytes.len());
+                bytes[i] = if next(2) == 0 { digits[next(digits.len())] } else { next(256) as u8 };
+            }
+            let text = String::from_utf8_lossy(&bytes);
+            let _ = ModelConfig::from_json_str(&text); // an error or a checked config
+        }
+        for n in ["0", "-1", "1e400", "18446744073709551616", "4294967296"] {
+            let text = good.replace("\"num_attention_heads\":4", &format!("\"num_attention_heads\":{n}"));
+            assert!(ModelConfig::from_json_str(&text).is_err(), "{n}");
+        }
+    }
 }

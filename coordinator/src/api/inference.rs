@@ -67,7 +67,8 @@ pub struct InferenceService {
 /// DEADLINE_EXCEEDED reaches the caller before the transport's own timer cancels the call.
 pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
     let v = request.metadata().get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let cut = v.char_indices().last()?.0;
+    let (digits, unit) = v.split_at(cut);
     let n: u64 = digits.parse().ok()?;
     let d = match unit {
         "H" => Duration::from_secs(n.saturating_mul(3600)),
@@ -244,5 +245,20 @@ mod tests {
         assert_eq!(deadline(&with_timeout("5X")), None, "unknown unit");
         assert_eq!(deadline(&with_timeout("S")), None, "no digits");
         assert_eq!(deadline(&Request::new(())), None);
+    }
+
+    #[tokio::test]
+    async fn random_grpc_timeouts_never_panic() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let alphabet = b"0123456789HMSmun -+.xyz";
+        for _ in 0..5000 {
+            let len = rng.random_range(1..24);
+            let v: String = (0..len).map(|_| alphabet[rng.random_range(0..alphabet.len())] as char).collect();
+            let Ok(value) = v.trim().parse::<tonic::metadata::MetadataValue<_>>() else { continue };
+            let mut r = Request::new(());
+            r.metadata_mut().insert("grpc-timeout", value);
+            let _ = deadline(&r); // a deadline or none, never a panic
+        }
     }
 }

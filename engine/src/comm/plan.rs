@@ -307,4 +307,27 @@ mod tests {
             assert!(e.contains(what), "{what}: {e}");
         }
     }
+
+    #[test]
+    fn mutated_messages_never_panic() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let good = LeaderMessage::Step(plan()).encode();
+        for _ in 0..5000 {
+            let mut m = good.clone();
+            match rng.random_range(0..3) {
+                0 => m.truncate(rng.random_range(0..m.len())),
+                1 => m.extend((0..rng.random_range(1..16)).map(|_| rng.random::<u8>())),
+                _ => {}
+            }
+            for _ in 0..rng.random_range(1..6) {
+                if !m.is_empty() {
+                    let i = rng.random_range(0..m.len());
+                    m[i] = rng.random();
+                }
+            }
+            // An error or a message that passed every check, never a panic.
+            let _ = LeaderMessage::decode(&m, Some(BOUNDS));
+        }
+    }
 }
