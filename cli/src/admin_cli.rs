@@ -26,31 +26,7 @@ pub struct AdminArgs {
 #[derive(Subcommand, Debug)]
 pub enum AdminCommand {
     /// Deploy a model (or change a deployed model's spec).
-    Deploy {
-        #[arg(long)]
-        name: String,
-        /// Model directory as the workers see it.
-        #[arg(long)]
-        model: String,
-        #[arg(long, default_value_t = 1)]
-        tp: u32,
-        #[arg(long, default_value_t = 1)]
-        pp: u32,
-        #[arg(long, default_value_t = 1)]
-        replicas: u32,
-        /// bf16, f16 or f32 (default: the checkpoint's).
-        #[arg(long, default_value = "")]
-        dtype: String,
-        /// Most sequences per engine step (0: the worker's default).
-        #[arg(long, default_value_t = 0)]
-        max_num_seqs: u32,
-        /// Most tokens per engine step (0: the worker's default).
-        #[arg(long, default_value_t = 0)]
-        max_batched_tokens: u32,
-        /// KV cache per rank, e.g. 512MiB (default: the worker's).
-        #[arg(long)]
-        kv_cache_memory: Option<String>,
-    },
+    Deploy(DeployArgs),
     /// Change a model's replica count (scale-down drains first).
     Scale {
         #[arg(long)]
@@ -87,6 +63,56 @@ pub enum AdminCommand {
     },
     /// Which coordinator leads (reconciles).
     Leader,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct DeployArgs {
+    #[arg(long)]
+    pub name: String,
+    /// Model directory as the workers see it.
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    #[arg(long, default_value_t = 1)]
+    pub pp: u32,
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u32,
+    /// bf16, f16 or f32 (default: the checkpoint's).
+    #[arg(long, default_value = "")]
+    pub dtype: String,
+    /// Most sequences per engine step (0: the worker's default).
+    #[arg(long, default_value_t = 0)]
+    pub max_num_seqs: u32,
+    /// Most tokens per engine step (0: the worker's default).
+    #[arg(long, default_value_t = 0)]
+    pub max_batched_tokens: u32,
+    /// KV cache per rank, e.g. 512MiB (default: the worker's).
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+}
+
+impl DeployArgs {
+    fn request(self) -> anyhow::Result<pb::DeployModelRequest> {
+        let kv_cache_bytes = match &self.kv_cache_memory {
+            Some(m) => strata_common::config::parse_memory(m).context("--kv-cache-memory")? as u64,
+            None => 0,
+        };
+        let scheduler = pb::SchedulerLimits {
+            max_num_seqs: self.max_num_seqs,
+            max_batched_tokens: self.max_batched_tokens,
+            kv_cache_bytes,
+        };
+        Ok(pb::DeployModelRequest {
+            name: self.name,
+            model_dir: self.model,
+            dtype: self.dtype,
+            tp: self.tp,
+            pp: self.pp,
+            replicas: self.replicas,
+            scheduler: Some(scheduler),
+        })
+    }
 }
 
 fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T>> {
@@ -147,35 +173,8 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
     let t = &args.token;
     let j = args.json;
     match args.command {
-        AdminCommand::Deploy {
-            name,
-            model,
-            tp,
-            pp,
-            replicas,
-            dtype,
-            max_num_seqs,
-            max_batched_tokens,
-            kv_cache_memory,
-        } => {
-            let scheduler = pb::SchedulerLimits {
-                max_num_seqs,
-                max_batched_tokens,
-                kv_cache_bytes: match kv_cache_memory {
-                    Some(m) => strata_common::config::parse_memory(&m).context("--kv-cache-memory")? as u64,
-                    None => 0,
-                },
-            };
-            let req = pb::DeployModelRequest {
-                name,
-                model_dir: model,
-                dtype,
-                tp,
-                pp,
-                replicas,
-                scheduler: Some(scheduler),
-            };
-            let r = c.deploy_model(request(t, req)?).await.map_err(status_error)?;
+        AdminCommand::Deploy(d) => {
+            let r = c.deploy_model(request(t, d.request()?)?).await.map_err(status_error)?;
             print_models(&r.into_inner().model.into_iter().collect::<Vec<_>>(), j);
         }
         AdminCommand::Scale { name, replicas } => {
@@ -186,13 +185,11 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
             print_models(&r.into_inner().model.into_iter().collect::<Vec<_>>(), j);
         }
         AdminCommand::Undeploy { name } => {
-            c.undeploy_model(request(t, pb::UndeployModelRequest { name: name.clone() })?)
-                .await
-                .map_err(status_error)?;
-            if j {
-                println!("{}", json!({ "undeployed": name }));
-            } else {
-                println!("undeployed {name}; its replicas drain");
+            let req = request(t, pb::UndeployModelRequest { name: name.clone() })?;
+            c.undeploy_model(req).await.map_err(status_error)?;
+            match j {
+                true => println!("{}", json!({ "undeployed": name })),
+                false => println!("undeployed {name}; its replicas drain"),
             }
         }
         AdminCommand::Models => {
@@ -233,20 +230,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
-            for e in r.entries {
-                if j {
-                    println!(
-                        "{}",
-                        json!({ "at_ms": e.at_ms, "coordinator": e.coordinator, "caller": e.caller, "action": e.action,
-                                "target": e.target, "detail": e.detail, "outcome": e.outcome })
-                    );
-                } else {
-                    println!(
-                        "{} {} {} {} {} [{}] {}",
-                        e.at_ms, e.coordinator, e.caller, e.action, e.target, e.detail, e.outcome
-                    );
-                }
-            }
+            print_audit(&r.entries, j);
         }
         AdminCommand::Leader => {
             let r =
@@ -261,6 +245,23 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_audit(entries: &[pb::AuditEntry], j: bool) {
+    for e in entries {
+        if j {
+            println!(
+                "{}",
+                json!({ "at_ms": e.at_ms, "coordinator": e.coordinator, "caller": e.caller, "action": e.action,
+                        "target": e.target, "detail": e.detail, "outcome": e.outcome })
+            );
+        } else {
+            println!(
+                "{} {} {} {} {} [{}] {}",
+                e.at_ms, e.coordinator, e.caller, e.action, e.target, e.detail, e.outcome
+            );
+        }
+    }
 }
 
 fn print_replicas(replicas: &[pb::ReplicaStatus], j: bool) {

@@ -210,61 +210,6 @@ pub fn decode<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T
     serde_json::from_slice(bytes).map_err(|e| Error::Internal(format!("registry value at {key}: {e}")))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec() -> ModelSpec {
-        ModelSpec {
-            name: "m".into(),
-            model_dir: "/models/m".into(),
-            dtype: String::new(),
-            tp: 1,
-            pp: 1,
-            replicas: 1,
-            limits: EngineLimits::default(),
-            generation: 1,
-        }
-    }
-
-    #[test]
-    fn spec_validation_names_the_field() {
-        assert!(spec().validate().is_ok());
-        let bad = |f: fn(&mut ModelSpec), field: &str| {
-            let mut s = spec();
-            f(&mut s);
-            let e = s.validate().unwrap_err().to_string();
-            assert!(e.contains(field), "{e}");
-        };
-        bad(|s| s.name = "a/b".into(), "name");
-        bad(|s| s.model_dir.clear(), "model_dir");
-        bad(|s| s.dtype = "int4".into(), "dtype");
-        bad(|s| s.tp = 0, "tp");
-        bad(|s| s.pp = 0, "pp");
-        bad(|s| s.replicas = 5000, "replicas");
-    }
-
-    #[test]
-    fn records_round_trip_as_json() {
-        let w = WorkerRecord {
-            id: "w1".into(),
-            address: "127.0.0.1:1".into(),
-            capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
-            assignment: Some(Assignment {
-                replica: "m-1".into(),
-                model: "m".into(),
-                rank: 0,
-                state: ShardState::Ready,
-                error: String::new(),
-            }),
-            started_ms: 5,
-        };
-        assert_eq!(decode::<WorkerRecord>("k", &encode(&w)).unwrap(), w);
-        let e = decode::<WorkerRecord>("/strata/workers/w1", b"{").unwrap_err().to_string();
-        assert!(e.contains("/strata/workers/w1"), "{e}");
-    }
-}
-
 /// Longest address a record may carry ("host:port").
 const MAX_ADDRESS: usize = 256;
 /// Most ranks a replica may have (as `ModelSpec::validate` allows).
@@ -335,5 +280,60 @@ impl ReplicaRecord {
             check_address("leader_address", &self.leader_address)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> ModelSpec {
+        ModelSpec {
+            name: "m".into(),
+            model_dir: "/models/m".into(),
+            dtype: String::new(),
+            tp: 1,
+            pp: 1,
+            replicas: 1,
+            limits: EngineLimits::default(),
+            generation: 1,
+        }
+    }
+
+    #[test]
+    fn spec_validation_names_the_field() {
+        assert!(spec().validate().is_ok());
+        let bad = |f: fn(&mut ModelSpec), field: &str| {
+            let mut s = spec();
+            f(&mut s);
+            let e = s.validate().unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        };
+        bad(|s| s.name = "a/b".into(), "name");
+        bad(|s| s.model_dir.clear(), "model_dir");
+        bad(|s| s.dtype = "int4".into(), "dtype");
+        bad(|s| s.tp = 0, "tp");
+        bad(|s| s.pp = 0, "pp");
+        bad(|s| s.replicas = 5000, "replicas");
+    }
+
+    #[test]
+    fn records_round_trip_as_json() {
+        let w = WorkerRecord {
+            id: "w1".into(),
+            address: "127.0.0.1:1".into(),
+            capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
+            assignment: Some(Assignment {
+                replica: "m-1".into(),
+                model: "m".into(),
+                rank: 0,
+                state: ShardState::Ready,
+                error: String::new(),
+            }),
+            started_ms: 5,
+        };
+        assert_eq!(decode::<WorkerRecord>("k", &encode(&w)).unwrap(), w);
+        let e = decode::<WorkerRecord>("/strata/workers/w1", b"{").unwrap_err().to_string();
+        assert!(e.contains("/strata/workers/w1"), "{e}");
     }
 }

@@ -45,7 +45,7 @@ fn strangers_at_the_rendezvous_are_refused_and_the_group_still_forms() {
         &[0xffu8; 8][..],
         &[0, 0, 0, 0, 0, 0, 0, 0x40],
         &[0, 0, 0, 0, 0, 0, 1, 0],
-        b"\x05\0\0\0\0\0\0\01 1.2",
+        b"\x05\0\0\0\0\0\0\x001 1.2",
         b"",
     ] {
         stranger(addr, bytes);
