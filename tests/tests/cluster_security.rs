@@ -335,3 +335,31 @@ async fn the_leader_distrusts_what_it_reads_from_the_registry() {
     assert!(generate_works(&a).await);
     assert!(cluster.coordinators[0].running(), "the leader is alive");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replica_drained_behind_the_leaders_back_is_replaced() {
+    let _g = SERIAL.lock().await;
+    let cluster = Cluster::start(1, 2, Timing::default());
+    let a = cluster.coordinators[0].endpoint();
+    let mut admin = AdminClient::connect(a.clone()).await.unwrap();
+    admin.deploy_model(deploy("gqa", &gqa())).await.unwrap();
+    let list = |admin: AdminClient<tonic::transport::Channel>| async move {
+        let mut admin = admin;
+        let r = admin.list_replicas(apb::ListReplicasRequest { name: "gqa".into() }).await.ok()?.into_inner();
+        r.replicas.into_iter().find(|r| r.state == apb::ReplicaState::Ready as i32)
+    };
+    let old = eventually("a ready replica", Duration::from_secs(30), || list(admin.clone())).await;
+    // A drain sent straight to the worker (a coordinator's certificate can; a stranger's
+    // cannot): the replica takes no requests, so it must not stay "ready".
+    let mut w = WorkerClient::new(cluster.channel(&old.leader_address).await);
+    w.drain(wpb::DrainRequest { replica_id: old.id.clone() }).await.unwrap();
+    let new = eventually("a replacement replica", Duration::from_secs(30), || async {
+        list(admin.clone()).await.filter(|r| r.id != old.id)
+    })
+    .await;
+    assert_ne!(new.id, old.id);
+    eventually("generation on the replacement", Duration::from_secs(10), || async {
+        generate_works(&a).await.then_some(())
+    })
+    .await;
+}

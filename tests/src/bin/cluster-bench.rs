@@ -39,8 +39,11 @@ fn parse() -> Args {
     while let Some(flag) = it.next() {
         let mut val = || it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
         match flag.as_str() {
-            "--model" => a.models.push(val().into()),
-            "--stream-model" => a.stream_model = Some(val().into()),
+            // Deployments name absolute directories (workers may run anywhere).
+            "--model" => a.models.push(std::fs::canonicalize(val()).expect("--model DIR exists")),
+            "--stream-model" => {
+                a.stream_model = Some(std::fs::canonicalize(val()).expect("--stream-model DIR exists"))
+            }
             "--repeats" => a.repeats = val().parse().expect("--repeats N"),
             "--requests" => a.requests = val().parse().expect("--requests N"),
             other => panic!("unknown flag {other}"),
