@@ -108,3 +108,21 @@ async fn callers_can_be_required_to_use_tls_and_client_certificates() {
     let other = tls_call(&mutual.addr, &certs, Some((&strangers, "coordinator"))).await;
     assert!(other.is_err(), "a client certificate from another CA: {other:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_server_advertises_a_bound_on_concurrent_streams() {
+    let server = Server::start(&["--model", &gqa(), "--name", "m"]);
+    let tcp = tokio::net::TcpStream::connect(&server.addr).await.unwrap();
+    let (client, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut client = client.ready().await.unwrap();
+    // One request round trip, so the server's SETTINGS have been read.
+    let req =
+        tonic::codegen::http::Request::post(format!("http://{}/grpc.health.v1.Health/Check", server.addr))
+            .header("content-type", "application/grpc")
+            .body(())
+            .unwrap();
+    let (response, _) = client.send_request(req, true).unwrap();
+    let _ = response.await;
+    assert_eq!(client.current_max_send_streams(), 1024, "SETTINGS_MAX_CONCURRENT_STREAMS");
+}
