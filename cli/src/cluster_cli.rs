@@ -20,7 +20,7 @@ use strata_common::tls::Role;
 
 use crate::config_args::{connect, engine_config, lease_timings, set, ConfigArg, EngineArgs, RegistryArgs};
 use crate::security_args::{
-    caller_tls, client_keys, cluster_tls, reload_keys_on_sighup, CallerArgs, SecurityArgs,
+    caller_tls, client_keys, cluster_tls, reload_keys_on_sighup, CallerArgs, SecurityArgs, TelemetryArgs,
 };
 
 #[derive(Args, Debug)]
@@ -33,6 +33,8 @@ pub struct CoordinatorArgs {
     pub security: SecurityArgs,
     #[command(flatten)]
     pub callers: CallerArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
     /// Address to serve inference.v1 and admin.v1 on; port 0 picks a free port
     /// [default: 127.0.0.1:50051].
     #[arg(long, env = "STRATA_LISTEN")]
@@ -75,6 +77,7 @@ impl CoordinatorArgs {
         self.registry.apply(&mut cfg.registry);
         self.security.apply(&mut cfg.security);
         self.callers.apply(&mut cfg.coordinator);
+        self.telemetry.apply(&mut cfg.telemetry);
         let c = &mut cfg.coordinator;
         set(&mut c.listen, &self.listen);
         if self.id.is_some() {
@@ -130,6 +133,9 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
     };
     let _runtime = rt.enter();
     reload_keys_on_sighup(reload.0, reload.1, opts.admin_auth.clone(), "coordinator")?;
+    if let Some(addr) = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)? {
+        rt.block_on(crate::metrics_http::serve(addr, "coordinator"))?;
+    }
     rt.block_on(async move {
         let (registry, _) = connect(&cfg.registry).await?;
         run_coordinator(registry, opts).await
@@ -145,6 +151,8 @@ pub struct WorkerArgs {
     pub registry: RegistryArgs,
     #[command(flatten)]
     pub security: SecurityArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
     /// Cluster mode: address to serve worker.v1 on; port 0 picks a free port
     /// [default: 127.0.0.1:0].
     #[arg(long, env = "STRATA_LISTEN")]
@@ -183,6 +191,7 @@ impl WorkerArgs {
     fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         self.registry.apply(&mut cfg.registry);
         self.security.apply(&mut cfg.security);
+        self.telemetry.apply(&mut cfg.telemetry);
         self.engine.apply(&mut cfg.engine);
         let w = &mut cfg.worker;
         set(&mut w.listen, &self.listen);
@@ -246,7 +255,11 @@ pub fn worker(
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
         tls,
     };
+    let metrics = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)?;
     rt()?.block_on(async move {
+        if let Some(addr) = metrics {
+            crate::metrics_http::serve(addr, "worker").await?;
+        }
         let (registry, _) = connect(&cfg.registry).await?;
         run_worker(registry, opts).await
     })

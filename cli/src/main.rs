@@ -21,6 +21,7 @@ mod engine_bench;
 mod gpu_check;
 mod latency_bench;
 mod local;
+mod metrics_http;
 mod model_tools;
 mod rendezvous;
 mod security_args;

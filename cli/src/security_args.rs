@@ -180,3 +180,20 @@ pub fn reload_keys_on_sighup(
     });
     Ok(())
 }
+
+/// `--metrics-listen` ([telemetry] in the config).
+#[derive(Args, Debug, Clone, Default)]
+pub struct TelemetryArgs {
+    /// Where GET /metrics is served: HOST:PORT (port 0: a free one, announced on stdout),
+    /// or off [default: 127.0.0.1:0].
+    #[arg(long, env = "STRATA_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+}
+
+impl TelemetryArgs {
+    pub fn apply(&self, t: &mut strata_common::config::TelemetrySettings) {
+        if let Some(m) = &self.metrics_listen {
+            t.metrics_listen = m.clone();
+        }
+    }
+}

@@ -8,7 +8,7 @@ use clap::Args;
 use strata_common::config::{Config, ServedModel};
 use strata_common::model_roots::ModelRoots;
 
-use crate::security_args::{caller_tls, client_keys, reload_keys_on_sighup, CallerArgs};
+use crate::security_args::{caller_tls, client_keys, reload_keys_on_sighup, CallerArgs, TelemetryArgs};
 use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
@@ -47,6 +47,8 @@ pub struct ServeArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub callers: CallerArgs,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
     /// Wait at this address for the replica's other ranks to join as `strata worker`
     /// processes, instead of running them as threads (one model, one replica).
     #[arg(long)]
@@ -114,6 +116,7 @@ impl ServeArgs {
             cfg.security.model_roots = self.model_roots.clone();
         }
         self.callers.apply(&mut cfg.coordinator);
+        self.telemetry.apply(&mut cfg.telemetry);
         Ok(())
     }
 }
@@ -163,6 +166,9 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     };
     let _runtime = rt.enter();
     reload_keys_on_sighup(cfg.coordinator.clone(), client_auth_for_reload, admin_auth.clone(), "serve")?;
+    if let Some(addr) = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)? {
+        rt.block_on(crate::metrics_http::serve(addr, "serve"))?;
+    }
     if let Some(addr) = args.worker_rendezvous {
         // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
         if s.models.len() != 1 || s.replicas != 1 || par.world() == 1 {

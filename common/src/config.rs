@@ -28,6 +28,22 @@ pub struct Config {
     pub worker: WorkerSettings,
     /// Who is inside the cluster, and which model files a deployment may name.
     pub security: SecuritySettings,
+    pub telemetry: TelemetrySettings,
+}
+
+/// What a process exposes for watching it (`[telemetry]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TelemetrySettings {
+    /// Where `GET /metrics` (Prometheus) is served: HOST:PORT, port 0 for a free one
+    /// (announced on stdout), or "off".
+    pub metrics_listen: String,
+}
+
+impl Default for TelemetrySettings {
+    fn default() -> Self {
+        TelemetrySettings { metrics_listen: "127.0.0.1:0".into() }
+    }
 }
 
 /// Cluster credentials and the model roots (`[security]`).
@@ -361,6 +377,10 @@ impl Config {
             seconds(key, v, min)?;
         }
         self.security.credentials()?;
+        let m = &self.telemetry.metrics_listen;
+        if m != "off" && m.parse::<SocketAddr>().is_err() {
+            return Err(Error::invalid("telemetry.metrics_listen", format!("{m:?}: give HOST:PORT or off")));
+        }
         let c = &self.coordinator;
         if c.tls_cert.is_some() != c.tls_key.is_some() || (c.tls_client_ca.is_some() && c.tls_cert.is_none())
         {

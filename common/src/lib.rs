@@ -14,6 +14,7 @@ pub mod error;
 pub mod events;
 pub mod host;
 pub mod ids;
+pub mod metrics;
 pub mod model_config;
 pub mod model_roots;
 pub mod prefix;

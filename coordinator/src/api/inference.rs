@@ -24,6 +24,7 @@ use strata_common::{wire, Error, SamplingParams};
 use super::auth::ClientAuth;
 use crate::request::admission::{admit, GenerateRequest, Prompt};
 use crate::request::generation::{self, RouteLimits};
+use crate::request::metrics::failed;
 use crate::routing::Catalog;
 
 /// The domain request of an inference.v1 message.
@@ -103,12 +104,14 @@ impl InferenceService {
         request_id: &str,
         deadline: Option<tokio::time::Instant>,
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
-        let model = self.models.get(&req.model).map_err(to_status)?;
+        // Unknown names share one label, so a caller cannot grow the metrics without bound.
+        let model = self.models.get(&req.model).inspect_err(|e| failed("(unknown)", e)).map_err(to_status)?;
         // Tokenizing a long prompt takes milliseconds to seconds: never on the runtime.
         let (request, entry) = (request_from_pb(req), model.clone());
         let admitted = tokio::task::spawn_blocking(move || admit(&request, &entry))
             .await
             .map_err(|e| Status::internal(format!("admission: {e}")))?
+            .inspect_err(|e| failed(&model.name, e))
             .map_err(|e| to_status(api_field_names(e)))?;
         let prompt_ids = admitted.prompt_ids.clone();
         let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)

@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use crate::request::admission::Admitted;
+use crate::request::metrics::RequestTimer;
 use crate::request::text::TextStream;
 use crate::routing::{EventStream, Job, ModelEntry};
 
@@ -73,9 +74,10 @@ pub async fn start(
     if !params.is_greedy() && params.seed.is_none() {
         params.seed = Some(rand::random());
     }
+    let timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
     let job = Job { request_id, prompt: admitted.prompt_ids, generated: Vec::new(), params };
-    let mut run = Run { model, job, excluded: Vec::new(), deadline, limits, failovers: 0 };
-    let (replica, stream) = run.submit().await?;
+    let mut run = Run { model, job, excluded: Vec::new(), deadline, limits, failovers: 0, timer };
+    let (replica, stream) = run.submit().await.inspect_err(|e| run.timer.failed(e))?;
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(async move {
         let model = run.model.clone();
@@ -93,6 +95,7 @@ struct Run {
     deadline: Option<Instant>,
     limits: RouteLimits,
     failovers: usize,
+    timer: RequestTimer,
 }
 
 /// Whether a replica's refusal sends the request to another replica (it is gone, or full).
@@ -199,8 +202,7 @@ impl Run {
                 Some(d) => match tokio::time::timeout_at(d, events.next()).await {
                     Ok(ev) => ev,
                     Err(_) => {
-                        let _ = tx.send(Err(self.expired())).await;
-                        return;
+                        return self.fail(&tx, self.expired()).await;
                     }
                 },
                 None => events.next().await,
@@ -208,26 +210,31 @@ impl Run {
             let lost = match turn(next, &replica) {
                 Turn::Token { token, logprobs, finish } => {
                     self.job.generated.push(token);
-                    let chunk = token_chunk(text, token, logprobs, finish);
-                    let last = !matches!(chunk, Ok(Chunk { finish: None, .. }));
-                    if tx.send(chunk).await.is_err() || last {
+                    let chunk = match token_chunk(text, token, logprobs, finish) {
+                        Ok(c) => c,
+                        Err(e) => return self.fail(&tx, e).await,
+                    };
+                    let finish = chunk.finish;
+                    if tx.send(Ok(chunk)).await.is_err() {
                         return; // dropping `events` cancels the sequence if it still runs
+                    }
+                    self.timer.token();
+                    if let Some(reason) = finish {
+                        self.timer.finished(reason);
+                        return;
                     }
                     continue;
                 }
                 Turn::Lost(e) => e,
-                Turn::Failed(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
+                Turn::Failed(e) => return self.fail(&tx, e).await,
             };
             self.model.routes.report_failure(&replica);
             self.excluded.push(replica.clone());
             self.failovers += 1;
             if self.failovers > self.limits.max_failovers {
-                let _ = tx.send(Err(lost)).await;
-                return;
+                return self.fail(&tx, lost).await;
             }
+            self.timer.failover();
             info!(
                 request = %self.job.request_id,
                 from = %replica,
@@ -241,12 +248,15 @@ impl Run {
                     replica = id;
                     events = s;
                 }
-                Err(e) => {
-                    let _ = tx.send(Err(e)).await;
-                    return;
-                }
+                Err(e) => return self.fail(&tx, e).await,
             }
         }
+    }
+
+    /// Ends the request with `e`, counted by its status code.
+    async fn fail(&self, tx: &mpsc::Sender<Result<Chunk>>, e: Error) {
+        self.timer.failed(&e);
+        let _ = tx.send(Err(e)).await;
     }
 }
 

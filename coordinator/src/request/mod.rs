@@ -5,5 +5,6 @@
 
 pub mod admission;
 pub mod generation;
+pub mod metrics;
 pub mod text;
 pub mod tokenizer;
