@@ -68,7 +68,7 @@ fn read_pem(path: &Path, what: &str) -> Result<Vec<u8>> {
         return Err(Error::invalid(what, format!("{}: larger than {MAX_PEM} bytes", path.display())));
     }
     let bytes = std::fs::read(path).map_err(|e| Error::invalid(what, format!("{}: {e}", path.display())))?;
-    if !bytes.starts_with(b"-----BEGIN") && !String::from_utf8_lossy(&bytes).contains("-----BEGIN") {
+    if !bytes.windows(10).any(|w| w == b"-----BEGIN") {
         return Err(Error::invalid(what, format!("{}: not a PEM file", path.display())));
     }
     Ok(bytes)

@@ -73,8 +73,6 @@ struct Shared {
     /// Sequence streams not yet dropped: running, waiting, or finished but not read to
     /// the end (their events still held here).
     open: AtomicUsize,
-    /// Most open streams: running slots plus the waiting queue.
-    max_open: AtomicUsize,
     /// Set once a step failed for lack of a rank; the replica cannot serve again.
     broken: std::sync::Mutex<Option<String>>,
 }
@@ -85,6 +83,8 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     limits: RunnerLimits,
+    /// Most open sequence streams: running slots plus the waiting queue.
+    max_open: usize,
 }
 
 /// Tokens of one sequence, in order; cancels the sequence when dropped.
@@ -125,7 +125,8 @@ impl EngineHandle {
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
         shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
         shared.block_size.store(engine.block_size(), Ordering::Relaxed);
-        shared.max_open.store(engine.max_num_seqs() + limits.max_waiting, Ordering::Relaxed);
+
+        let engine_slots = engine.max_num_seqs();
         let runner = Runner {
             engine,
             rx,
@@ -138,7 +139,8 @@ impl EngineHandle {
             .name(format!("engine-{name}"))
             .spawn(move || runner.run())
             .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
-        Ok(EngineHandle { tx, shared, limits })
+        let max_open = engine_slots + limits.max_waiting;
+        Ok(EngineHandle { tx, shared, limits, max_open })
     }
 
     /// Queues a sequence; its tokens arrive on the returned stream.
@@ -167,7 +169,7 @@ impl EngineHandle {
         }
         // Finished streams nobody has read count too: their events are held here.
         let open = self.shared.open.fetch_add(1, Ordering::SeqCst);
-        let max_open = self.shared.max_open.load(Ordering::Relaxed);
+        let max_open = self.max_open;
         if open >= max_open {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             self.shared.open.fetch_sub(1, Ordering::SeqCst);

@@ -119,6 +119,25 @@ impl ClusterAdmin {
 }
 
 impl ClusterAdmin {
+    /// Who sent `request`, as the audit log names them.
+    fn caller<T>(&self, request: &Request<T>) -> String {
+        caller(request, self.auth.token_valid(request))
+    }
+
+    /// Runs one admin action and records it, whatever its outcome.
+    async fn audited<R>(
+        &self,
+        action: &str,
+        caller: String,
+        target: &str,
+        detail: String,
+        action_result: impl std::future::Future<Output = Result<R, Status>>,
+    ) -> Result<R, Status> {
+        let result = action_result.await;
+        self.audit.record(action, caller, target, detail, &result).await;
+        result
+    }
+
     async fn do_deploy_model(
         &self,
         request: Request<pb::DeployModelRequest>,
@@ -224,10 +243,8 @@ impl Admin for ClusterAdmin {
             "model_dir={} tp={} pp={} replicas={} dtype={}",
             r.model_dir, r.tp, r.pp, r.replicas, r.dtype
         );
-        let caller = caller(&request, self.auth.token_valid(&request));
-        let result = self.do_deploy_model(request).await;
-        self.audit.record("DeployModel", caller, &target, detail, &result).await;
-        result
+        let caller = self.caller(&request);
+        self.audited("DeployModel", caller, &target, detail, self.do_deploy_model(request)).await
     }
 
     async fn undeploy_model(
@@ -235,10 +252,8 @@ impl Admin for ClusterAdmin {
         request: Request<pb::UndeployModelRequest>,
     ) -> Result<Response<pb::UndeployModelResponse>, Status> {
         let target = request.get_ref().name.clone();
-        let caller = caller(&request, self.auth.token_valid(&request));
-        let result = self.do_undeploy_model(request).await;
-        self.audit.record("UndeployModel", caller, &target, String::new(), &result).await;
-        result
+        let caller = self.caller(&request);
+        self.audited("UndeployModel", caller, &target, String::new(), self.do_undeploy_model(request)).await
     }
 
     async fn scale_replicas(
@@ -247,10 +262,8 @@ impl Admin for ClusterAdmin {
     ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
         let (target, detail) =
             (request.get_ref().name.clone(), format!("replicas={}", request.get_ref().replicas));
-        let caller = caller(&request, self.auth.token_valid(&request));
-        let result = self.do_scale_replicas(request).await;
-        self.audit.record("ScaleReplicas", caller, &target, detail, &result).await;
-        result
+        let caller = self.caller(&request);
+        self.audited("ScaleReplicas", caller, &target, detail, self.do_scale_replicas(request)).await
     }
 
     async fn drain_worker(
@@ -259,10 +272,8 @@ impl Admin for ClusterAdmin {
     ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
         let (target, detail) =
             (request.get_ref().worker_id.clone(), format!("undrain={}", request.get_ref().undrain));
-        let caller = caller(&request, self.auth.token_valid(&request));
-        let result = self.do_drain_worker(request).await;
-        self.audit.record("DrainWorker", caller, &target, detail, &result).await;
-        result
+        let caller = self.caller(&request);
+        self.audited("DrainWorker", caller, &target, detail, self.do_drain_worker(request)).await
     }
 
     async fn list_audit(

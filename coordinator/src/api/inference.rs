@@ -106,13 +106,19 @@ impl InferenceService {
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
         // Unknown names share one label, so a caller cannot grow the metrics without bound.
         let model = self.models.get(&req.model).inspect_err(|e| failed("(unknown)", e)).map_err(to_status)?;
-        // Tokenizing a long prompt takes milliseconds to seconds: never on the runtime.
-        let (request, entry) = (request_from_pb(req), model.clone());
-        let admitted = tokio::task::spawn_blocking(move || admit(&request, &entry))
-            .await
-            .map_err(|e| Status::internal(format!("admission: {e}")))?
-            .inspect_err(|e| failed(&model.name, e))
-            .map_err(|e| to_status(api_field_names(e)))?;
+        let request = request_from_pb(req);
+        let admitted = match request.prompt {
+            // Tokenizing a long prompt takes milliseconds to seconds: never on the runtime.
+            Some(Prompt::Text(_)) => {
+                let entry = model.clone();
+                tokio::task::spawn_blocking(move || admit(&request, &entry))
+                    .await
+                    .map_err(|e| Status::internal(format!("admission: {e}")))?
+            }
+            _ => admit(&request, &model),
+        };
+        let admitted =
+            admitted.inspect_err(|e| failed(&model.name, e)).map_err(|e| to_status(api_field_names(e)))?;
         let prompt_ids = admitted.prompt_ids.clone();
         let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)
             .await

@@ -327,4 +327,4 @@ fn rank_trouble(view: &ClusterView, r: &ReplicaRecord) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -266,19 +266,10 @@ mod tests {
 
     #[test]
     fn records_out_of_range_or_under_another_key_are_ignored() {
-        use strata_common::cluster::{Capacity, EngineLimits, ModelSpec, WorkerRecord};
+        use crate::control::plan::tests::spec;
+        use strata_common::cluster::{Capacity, WorkerRecord};
         let k = Keys::new("/s");
         let mut v = ClusterView::default();
-        let spec = |name: &str, tp: u32, replicas: u32| ModelSpec {
-            name: name.into(),
-            model_dir: "/m".into(),
-            dtype: String::new(),
-            tp,
-            pp: 1,
-            replicas,
-            limits: EngineLimits::default(),
-            generation: 1,
-        };
         v.apply(&k, &put(k.model("huge"), encode(&spec("huge", 1, u32::MAX)), 1));
         v.apply(&k, &put(k.model("zero"), encode(&spec("zero", 0, 1)), 2));
         v.apply(&k, &put(k.model("alias"), encode(&spec("other", 1, 1)), 3));

@@ -120,30 +120,41 @@ fn code(e: &Error) -> &'static str {
     }
 }
 
-/// One request's timeline, reported as it goes.
+/// One request's timeline, reported as it goes. The per-token metrics of its model are
+/// looked up once, when it starts, not on every token.
 pub struct RequestTimer {
     model: String,
     started: tokio::time::Instant,
     last_token: Option<tokio::time::Instant>,
+    time_to_first_token: Histogram,
+    inter_token_latency: Histogram,
+    generation_tokens: Counter,
 }
 
 impl RequestTimer {
     /// Starts timing an admitted request of `prompt_tokens` tokens.
     pub fn start(model_name: &str, prompt_tokens: usize) -> Self {
-        metrics().prompt_tokens.get_or_create(&model(model_name)).inc_by(prompt_tokens as u64);
-        RequestTimer { model: model_name.to_string(), started: tokio::time::Instant::now(), last_token: None }
+        let m = metrics();
+        let label = model(model_name);
+        m.prompt_tokens.get_or_create(&label).inc_by(prompt_tokens as u64);
+        RequestTimer {
+            model: model_name.to_string(),
+            started: tokio::time::Instant::now(),
+            last_token: None,
+            time_to_first_token: m.time_to_first_token.get_or_create(&label).clone(),
+            inter_token_latency: m.inter_token_latency.get_or_create(&label).clone(),
+            generation_tokens: m.generation_tokens.get_or_create(&label).clone(),
+        }
     }
 
     /// A token reached the caller.
     pub fn token(&mut self) {
         let now = tokio::time::Instant::now();
-        let m = metrics();
-        let label = model(&self.model);
         match self.last_token {
-            None => m.time_to_first_token.get_or_create(&label).observe(secs(now - self.started)),
-            Some(prev) => m.inter_token_latency.get_or_create(&label).observe(secs(now - prev)),
+            None => self.time_to_first_token.observe(secs(now - self.started)),
+            Some(prev) => self.inter_token_latency.observe(secs(now - prev)),
         }
-        m.generation_tokens.get_or_create(&label).inc();
+        self.generation_tokens.inc();
         self.last_token = Some(now);
     }
 

@@ -14,7 +14,7 @@ fn worker(id: &str) -> WorkerRecord {
     }
 }
 
-fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
+pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
     ModelSpec {
         name: name.into(),
         model_dir: "/m".into(),
