@@ -220,16 +220,15 @@ pub fn worker(
         };
         let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
         let secret = crate::rendezvous::secret(args.rendezvous_secret.as_deref(), rendezvous)?;
-        strata_engine::replica::run_worker_rank(
-            model,
+        let join = strata_engine::replica::RankJoin {
             par,
             rank,
             rendezvous,
-            &secret,
-            &engine.backend,
-            || {},
-        )
-        .with_context(|| format!("worker rank {rank}"))?;
+            secret: &secret,
+            labels: engine.labels.clone(),
+        };
+        strata_engine::replica::run_worker_rank(model, join, &engine.backend, || {})
+            .with_context(|| format!("worker rank {rank}"))?;
         tracing::info!("leader shut the replica down; exiting");
         return Ok(());
     }

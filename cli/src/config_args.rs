@@ -116,6 +116,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
             bf16_prefill: e.bf16_prefill,
             weight_dtype: None,
         },
+        labels: Default::default(),
     };
     Ok((engine, RunnerLimits { max_waiting: e.max_waiting, ..Default::default() }))
 }

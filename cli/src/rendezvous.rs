@@ -14,6 +14,7 @@ use strata_common::{EngineStats, ModelConfig, Parallelism, Result, ShardPlan};
 use strata_coordinator::api::server::{serve, ServeOptions};
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_coordinator::routing::{not_found, Catalog, ModelEntry, Replica, Routes};
+use strata_engine::metrics::ReplicaLabels;
 use strata_engine::replica::leader_with_external_ranks;
 use strata_engine::{EngineConfig, EngineHandle, RunnerLimits};
 use strata_worker::in_process::sequence_events;
@@ -60,8 +61,10 @@ fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
     let config = ModelConfig::from_dir(r.dir)?;
     ShardPlan::new(&config, r.par)?; // rejects impossible splits before loading anything
     info!(model = r.name, tp = r.par.tp, pp = r.par.pp, dir = %r.dir.display(), "loading replica");
-    let engine = leader_with_external_ranks(r.dir, r.par, r.engine, r.listener, &r.secret)?;
     let id = format!("{}-0", r.name);
+    let mut engine_config = r.engine.clone();
+    engine_config.labels = ReplicaLabels { model: r.name.to_string(), replica: id.clone() };
+    let engine = leader_with_external_ranks(r.dir, r.par, &engine_config, r.listener, &r.secret)?;
     let handle = EngineHandle::spawn(engine, r.limits.clone(), &id)?;
     Ok(ModelEntry {
         name: r.name.to_string(),

@@ -12,6 +12,8 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod events;
+#[cfg(feature = "grpc")]
+pub mod grpc_metrics;
 pub mod host;
 pub mod ids;
 pub mod metrics;

@@ -43,6 +43,7 @@ pub struct CoordinatorOptions {
 pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptions) -> anyhow::Result<()> {
     let watcher = Watcher::start(registry.clone(), opts.keys.clone());
     let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
+    let gauges = tokio::spawn(crate::control::metrics::follow(watcher.subscribe(), opts.leader.id.clone()));
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
     let election = Election::start(
         registry.clone(),
@@ -81,6 +82,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     )
     .await;
     election.resign().await;
+    gauges.abort();
     drop(watcher);
     served
 }

@@ -11,6 +11,8 @@
 //! [`StepExecutor`] is the engine's view of all this; [`LocalExecutor`] is the one-rank
 //! case with no communication at all.
 
+use std::time::Instant;
+
 use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
 
 use crate::backend::{Backend, BatchLayout};
@@ -106,10 +108,13 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
         logit_rows: &[usize],
         wanted: LogitsWanted,
     ) -> Result<StepLogits> {
+        let started = Instant::now();
         let mut none = NoComm;
         let x = self.model.embed_tokens(ids, &mut none)?;
         let x = self.model.run_layers(x, layout, &mut self.kv, &mut none)?;
-        self.model.step_logits(&x, logit_rows, wanted, &mut none)
+        let logits = self.model.step_logits(&x, logit_rows, wanted, &mut none)?;
+        self.model.metrics.step(started.elapsed());
+        Ok(logits)
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
@@ -186,8 +191,24 @@ impl<B: Backend> Drop for LeaderExecutor<B> {
     }
 }
 
-/// This rank's part of a step. Returns the logits (or picks) on the last stage's TP rank 0.
+/// This rank's part of a step, timed. Returns the logits (or picks) on the last stage's
+/// TP rank 0.
 fn run_rank_step<B: Backend>(
+    model: &Model<B>,
+    kv: &mut [B::KvLayer],
+    comm: &mut dyn Communicator,
+    ids: &[u32],
+    layout: &BatchLayout,
+    logit_rows: &[usize],
+    wanted: LogitsWanted,
+) -> Result<Option<StepLogits>> {
+    let started = Instant::now();
+    let out = rank_step(model, kv, comm, ids, layout, logit_rows, wanted)?;
+    model.metrics.step(started.elapsed());
+    Ok(out)
+}
+
+fn rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
     comm: &mut dyn Communicator,

@@ -63,6 +63,8 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// Device and numerics of the ranks' backends.
     pub backend: crate::backend::BackendOptions,
+    /// The model and replica its metrics are filed under.
+    pub labels: crate::metrics::ReplicaLabels,
 }
 
 impl Default for EngineConfig {
@@ -73,6 +75,7 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             prefix_caching: true,
             backend: Default::default(),
+            labels: Default::default(),
         }
     }
 }
@@ -110,11 +113,17 @@ pub struct Engine {
     meta: HashMap<SeqId, SeqMeta>,
     eos: HashSet<u32>,
     aborted: Vec<Aborted>,
+    /// Sequences the last step took off the queue.
+    admitted: Vec<SeqId>,
+    /// Tokens the last step computed.
+    last_step_tokens: usize,
+    labels: crate::metrics::ReplicaLabels,
 }
 
 impl Engine {
     /// An engine running `model` on this rank alone.
-    pub fn new<B: Backend>(model: Model<B>, config: &EngineConfig) -> Result<Self> {
+    pub fn new<B: Backend>(mut model: Model<B>, config: &EngineConfig) -> Result<Self> {
+        model.label(&config.labels);
         let par = model.shard.par;
         Self::with_executor(Box::new(LocalExecutor::new(model)), par, config)
     }
@@ -143,6 +152,9 @@ impl Engine {
             meta: HashMap::new(),
             eos,
             aborted: Vec::new(),
+            admitted: Vec::new(),
+            last_step_tokens: 0,
+            labels: config.labels.clone(),
         })
     }
 
@@ -261,6 +273,22 @@ impl Engine {
         self.scheduler.remove(id)
     }
 
+    /// The model and replica this engine's metrics are filed under.
+    pub fn labels(&self) -> &crate::metrics::ReplicaLabels {
+        &self.labels
+    }
+
+    /// Sequences the last step took off the queue, in order (a preempted sequence
+    /// appears again when it is readmitted).
+    pub fn take_admitted(&mut self) -> Vec<SeqId> {
+        std::mem::take(&mut self.admitted)
+    }
+
+    /// Tokens (prefill chunks and decodes) the last step computed.
+    pub fn last_step_tokens(&self) -> usize {
+        self.last_step_tokens
+    }
+
     /// Sequences the last steps removed because they can never fit; drained by the caller.
     pub fn take_aborted(&mut self) -> Vec<Aborted> {
         std::mem::take(&mut self.aborted)
@@ -276,6 +304,8 @@ impl Engine {
         if !plan.preempted.is_empty() {
             debug!(preempted = ?plan.preempted, "KV cache full: preempted for recompute");
         }
+        self.admitted = std::mem::take(&mut plan.admitted);
+        self.last_step_tokens = plan.num_tokens();
         if plan.seqs.is_empty() {
             return Ok(Vec::new());
         }

@@ -13,6 +13,7 @@ pub mod dist;
 pub mod engine;
 pub mod kv;
 pub mod logits;
+pub mod metrics;
 pub mod model;
 pub mod replica;
 pub mod runner;

@@ -21,6 +21,7 @@ use crate::comm::tcp::{local_group, TcpComm, TcpCommConfig};
 use crate::comm::Communicator;
 use crate::dist::{follower_loop, LeaderExecutor};
 use crate::engine::{Engine, EngineConfig};
+use crate::metrics::ReplicaLabels;
 use crate::model::Model;
 
 /// How long a replica waits for all its ranks to connect.
@@ -124,13 +125,15 @@ where
         let rank = i + 1;
         let dir = dir.to_owned();
         let make = backend.clone();
+        let labels = config.labels.clone();
         let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
         let handle = std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let run = || -> Result<()> {
                     let comm = communicator(comm, rank_device(rank), par)?;
-                    let model = Model::load_shard(&dir, make(rank)?, par, rank)?;
+                    let mut model = Model::load_shard(&dir, make(rank)?, par, rank)?;
+                    model.label(&labels);
                     let _ = tx.send(Ok(()));
                     follower_loop(model, comm)
                 };
@@ -150,7 +153,8 @@ where
             Err(_) => return Err(Error::Internal(format!("rank {rank} died while loading"))),
         }
     }
-    let model = Model::load_shard(dir, backend(0)?, par, 0)?;
+    let mut model = Model::load_shard(dir, backend(0)?, par, 0)?;
+    model.label(&config.labels);
     info!(tp = par.tp, pp = par.pp, "replica ranks ready (threads)");
     Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm)), par, config)
 }
@@ -176,23 +180,35 @@ pub fn leader_with_external_ranks(
     };
     with_backend!(config.backend, |make| {
         let comm = communicator(TcpComm::connect(&cfg, Some(rendezvous))?, config.backend.device, par)?;
-        let model = Model::load_shard(dir, make(0)?, par, 0)?;
+        let mut model = Model::load_shard(dir, make(0)?, par, 0)?;
+        model.label(&config.labels);
         Engine::with_executor(Box::new(LeaderExecutor::new(model, comm)), par, config)
     })
 }
 
-/// Runs rank `rank` (> 0) of a replica until the leader shuts it down or a peer fails.
-/// `joined` is called once the shard is loaded and the rank has joined its replica. On
-/// CUDA, `opts.device` is this process's own GPU.
+/// Where a worker rank joins its replica.
+pub struct RankJoin<'a> {
+    pub par: Parallelism,
+    /// This rank (> 0).
+    pub rank: usize,
+    /// The leader's rendezvous address.
+    pub rendezvous: SocketAddr,
+    /// The replica's group secret, proved at the rendezvous.
+    pub secret: &'a [u8],
+    /// The model and replica its metrics are filed under.
+    pub labels: ReplicaLabels,
+}
+
+/// Runs rank `join.rank` (> 0) of a replica until the leader shuts it down or a peer
+/// fails. `joined` is called once the shard is loaded and the rank has joined its
+/// replica. On CUDA, `opts.device` is this process's own GPU.
 pub fn run_worker_rank(
     dir: &Path,
-    par: Parallelism,
-    rank: usize,
-    rendezvous: SocketAddr,
-    secret: &[u8],
+    join: RankJoin<'_>,
     opts: &BackendOptions,
     joined: impl FnOnce(),
 ) -> Result<()> {
+    let RankJoin { par, rank, rendezvous, secret, labels } = join;
     if rank == 0 || rank >= par.world() {
         return Err(Error::invalid("rank", format!("must be in 1..{} (rank 0 is the leader)", par.world())));
     }
@@ -206,7 +222,8 @@ pub fn run_worker_rank(
     };
     with_backend!(opts, |make| {
         let comm = communicator(TcpComm::connect(&cfg, None)?, opts.device, par)?;
-        let model = Model::load_shard(dir, make(0)?, par, rank)?;
+        let mut model = Model::load_shard(dir, make(0)?, par, rank)?;
+        model.label(&labels);
         info!(rank, device = %opts.device, "worker rank ready");
         joined();
         follower_loop(model, comm)

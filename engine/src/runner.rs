@@ -17,12 +17,15 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
 use strata_common::{EngineStats, Error, Result, SamplingParams, SeqEvent};
 use tokio::sync::mpsc as tmpsc;
 use tracing::{debug, error};
 
 use crate::engine::{Engine, SeqId};
+use crate::metrics::RunnerMetrics;
+use crate::scheduler::SchedulerStats;
 
 /// Limits of one runner.
 #[derive(Debug, Clone)]
@@ -48,6 +51,7 @@ enum Command {
         generated: Vec<u32>,
         params: SamplingParams,
         events: tmpsc::Sender<SeqEvent>,
+        submitted: Instant,
     },
     Cancel(SeqId),
     Canary(tokio::sync::oneshot::Sender<Result<()>>),
@@ -127,10 +131,14 @@ impl EngineHandle {
         shared.block_size.store(engine.block_size(), Ordering::Relaxed);
 
         let engine_slots = engine.max_num_seqs();
+        let metrics = RunnerMetrics::new(engine.labels());
+        metrics.kv_total.set(engine.total_blocks() as i64);
         let runner = Runner {
+            last_stats: engine.scheduler_stats(),
             engine,
             rx,
             shared: shared.clone(),
+            metrics,
             streams: HashMap::new(),
             canaries: Vec::new(),
             next_canary: CANARY_IDS,
@@ -181,7 +189,8 @@ impl EngineHandle {
         let (events, rx) = tmpsc::channel(self.limits.stream_buffer.max(2));
         // From here the stream owns the open slot (dropping it gives the slot back).
         let stream = SequenceStream { id, rx, tx: self.tx.clone(), done: false, shared: self.shared.clone() };
-        if self.tx.send(Command::Submit { id, prompt, generated, params, events }).is_err() {
+        let submitted = Instant::now();
+        if self.tx.send(Command::Submit { id, prompt, generated, params, events, submitted }).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
@@ -226,11 +235,24 @@ struct Runner {
     engine: Engine,
     rx: mpsc::Receiver<Command>,
     shared: Arc<Shared>,
-    /// Event senders of the engine's sequences.
-    streams: HashMap<SeqId, tmpsc::Sender<SeqEvent>>,
+    metrics: RunnerMetrics,
+    /// Scheduler counters as last published.
+    last_stats: SchedulerStats,
+    /// The engine's sequences: where their events go, and when they reached each stage.
+    streams: HashMap<SeqId, Live>,
     /// Canaries answered by the next step.
     canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
     next_canary: u64,
+}
+
+/// A sequence the runner delivers to.
+struct Live {
+    events: tmpsc::Sender<SeqEvent>,
+    submitted: Instant,
+    /// First taken off the queue.
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    tokens: u32,
 }
 
 impl Runner {
@@ -254,8 +276,8 @@ impl Runner {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, prompt, generated, params, events } => {
-                self.admit(id, prompt, generated, params, events);
+            Command::Submit { id, prompt, generated, params, events, submitted } => {
+                self.admit(id, prompt, generated, params, (events, submitted));
                 // Counted as waiting (published) before it stops counting as queued, so a
                 // concurrent submission never sees it in neither and overfills the queue.
                 self.publish();
@@ -294,7 +316,7 @@ impl Runner {
         prompt: Vec<u32>,
         generated: Vec<u32>,
         params: SamplingParams,
-        events: tmpsc::Sender<SeqEvent>,
+        (events, submitted): (tmpsc::Sender<SeqEvent>, Instant),
     ) {
         if events.is_closed() {
             return;
@@ -306,7 +328,8 @@ impl Runner {
         }
         match self.engine.add_resumed(id, prompt, generated, params) {
             Ok(()) => {
-                self.streams.insert(id, events);
+                let live = Live { events, submitted, admitted: None, first_token: None, tokens: 0 };
+                self.streams.insert(id, live);
             }
             Err(e) => {
                 let _ = events.try_send(SeqEvent::Failed(e));
@@ -318,9 +341,23 @@ impl Runner {
     /// stream buffer unread, has its sequence cancelled (the latter told why in
     /// the slot kept for it): a client that never reads holds a bounded buffer, not a
     /// sequence generating into memory.
-    fn deliver(&mut self, ev: crate::engine::StepEvent) {
-        let Some(stream) = self.streams.get(&ev.seq) else { return };
+    fn deliver(&mut self, ev: crate::engine::StepEvent, now: Instant) {
+        let Some(live) = self.streams.get_mut(&ev.seq) else { return };
         let finished = ev.finish.is_some();
+        live.tokens += 1;
+        let first = *live.first_token.get_or_insert_with(|| {
+            let since = live.admitted.unwrap_or(live.submitted);
+            self.metrics.prefill_time.observe(now.duration_since(since).as_secs_f64());
+            now
+        });
+        if finished {
+            let decode = now.duration_since(first).as_secs_f64();
+            self.metrics.decode_time.observe(decode);
+            if live.tokens > 1 {
+                self.metrics.time_per_output_token.observe(decode / f64::from(live.tokens - 1));
+            }
+        }
+        let stream = &live.events;
         if !finished && stream.capacity() <= 1 && !stream.is_closed() {
             let _ = stream.try_send(SeqEvent::Failed(Error::Overloaded(format!(
                 "the caller left {} tokens unread; the sequence was cancelled",
@@ -352,8 +389,8 @@ impl Runner {
         let mut non_finite = false;
         for a in self.engine.take_aborted() {
             non_finite |= a.non_finite;
-            if let Some(events) = self.streams.remove(&a.seq) {
-                let _ = events.try_send(SeqEvent::Failed(a.error));
+            if let Some(live) = self.streams.remove(&a.seq) {
+                let _ = live.events.try_send(SeqEvent::Failed(a.error));
             }
         }
         match result {
@@ -365,8 +402,10 @@ impl Runner {
                     };
                     let _ = c.send(verdict);
                 }
+                let now = Instant::now();
+                self.record_step(now);
                 for ev in events {
-                    self.deliver(ev);
+                    self.deliver(ev, now);
                 }
             }
             Err(e) => {
@@ -382,18 +421,44 @@ impl Runner {
                 for id in canaries {
                     self.engine.cancel(id);
                 }
-                for (id, events) in self.streams.drain() {
+                for (id, live) in self.streams.drain() {
                     self.engine.cancel(id);
-                    let _ = events
+                    let _ = live
+                        .events
                         .try_send(SeqEvent::Failed(Error::Unavailable(format!("engine step failed: {e}"))));
                 }
             }
         }
     }
 
+    /// Queue time of the sequences the step admitted, its batch size, and the scheduler's
+    /// counters since the last step.
+    fn record_step(&mut self, now: Instant) {
+        let m = &self.metrics;
+        for id in self.engine.take_admitted() {
+            if let Some(live) = self.streams.get_mut(&id) {
+                if live.admitted.is_none() {
+                    live.admitted = Some(now);
+                    m.queue_time.observe(now.duration_since(live.submitted).as_secs_f64());
+                }
+            }
+        }
+        m.batch_tokens.observe(self.engine.last_step_tokens() as f64);
+        let stats = self.engine.scheduler_stats();
+        m.preemptions.inc_by(stats.preemptions - self.last_stats.preemptions);
+        m.prefix_queries.inc_by(stats.prefix_query_tokens - self.last_stats.prefix_query_tokens);
+        m.prefix_hits.inc_by(stats.prefix_hit_tokens - self.last_stats.prefix_hit_tokens);
+        self.last_stats = stats;
+    }
+
     fn publish(&self) {
-        self.shared.running.store(self.engine.num_running() - self.engine.num_waiting(), Ordering::Relaxed);
-        self.shared.waiting.store(self.engine.num_waiting(), Ordering::SeqCst);
-        self.shared.kv_free.store(self.engine.free_blocks(), Ordering::Relaxed);
+        let (all, waiting) = (self.engine.num_running(), self.engine.num_waiting());
+        let free = self.engine.free_blocks();
+        self.shared.running.store(all - waiting, Ordering::Relaxed);
+        self.shared.waiting.store(waiting, Ordering::SeqCst);
+        self.shared.kv_free.store(free, Ordering::Relaxed);
+        self.metrics.running.set((all - waiting) as i64);
+        self.metrics.waiting.set(waiting as i64);
+        self.metrics.kv_used.set((self.engine.total_blocks() - free) as i64);
     }
 }

@@ -1,5 +1,7 @@
 //! The metrics a server exposes agree with what a client observed: requests by finish
-//! reason and errors by status code, the time-to-first-token histogram's count, tokens.
+//! reason and errors by status code, the time-to-first-token histogram's count, tokens;
+//! the engine's per-sequence timings, cache and batch gauges; each rank's steps and
+//! all-reduces; the gRPC server's calls by method and code.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -34,7 +36,8 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
 #[tokio::test(flavor = "multi_thread")]
 async fn request_metrics_agree_with_the_client() {
     let model = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
-    let mut server = Server::spawn(&["--model", &model, "--name", "m", "--metrics-listen", "127.0.0.1:0"]);
+    let mut server =
+        Server::spawn(&["--model", &model, "--name", "m", "--tp", "2", "--metrics-listen", "127.0.0.1:0"]);
     let metrics = server.out.wait_event("metrics", Duration::from_secs(60), "strata serve");
     let metrics = metrics["address"].as_str().unwrap().to_string();
     server.addr = server.wait_ready();
@@ -68,4 +71,45 @@ async fn request_metrics_agree_with_the_client() {
         Some(1.0)
     );
     assert!(text.trim_end().ends_with("# EOF"), "OpenMetrics exposition");
+
+    // The engine: one queue, prefill and decode time per sequence that reached it (the
+    // refused request never did), every prompt token looked up in the prefix cache.
+    for name in [
+        "strata_request_queue_time_seconds_count",
+        "strata_request_prefill_time_seconds_count",
+        "strata_request_decode_time_seconds_count",
+        "strata_time_per_output_token_seconds_count",
+    ] {
+        assert_eq!(sample(&text, name, &m), Some(6.0), "{name}");
+    }
+    // (Canaries, one prompt token each, are looked up too.)
+    let queries = sample(&text, "strata_prefix_cache_queries_total", &m).expect("prefix-cache queries");
+    assert!((17.0..20.0).contains(&queries), "{queries} prompt tokens looked up");
+    assert_eq!(sample(&text, "strata_num_requests_running", &m), Some(0.0));
+    assert_eq!(sample(&text, "strata_num_requests_waiting", &m), Some(0.0));
+    let kv_total = sample(&text, "strata_kv_blocks_total", &m).expect("KV blocks total");
+    assert!(kv_total > 0.0);
+    assert_eq!(sample(&text, "strata_kv_blocks_used", &m), Some(0.0), "every sequence gave its blocks back");
+    // Every step ran on both ranks, with two all-reduces per layer plus the embedding's.
+    let steps = sample(&text, "strata_batch_tokens_count", &m).expect("engine steps");
+    assert!(steps >= 4.0 * 5.0 + 2.0, "at least one step per token: {steps}");
+    for rank in ["0", "1"] {
+        let labels = [("model", "m"), ("rank", rank)];
+        assert_eq!(sample(&text, "strata_rank_step_seconds_count", &labels), Some(steps), "rank {rank}");
+        let reduces = sample(&text, "strata_all_reduce_seconds_count", &labels).expect("all-reduces");
+        assert!(reduces >= steps * 3.0, "rank {rank}: {reduces} all-reduces in {steps} steps");
+        assert!(sample(&text, "strata_all_reduce_bytes_total", &labels).unwrap() > 0.0);
+    }
+
+    // The gRPC server: handled calls by method and status code.
+    let grpc = |method: &str, code: &str| {
+        let labels =
+            [("grpc_service", "strata.inference.v1.Inference"), ("grpc_method", method), ("grpc_code", code)];
+        sample(&text, "strata_grpc_server_handled_total", &labels)
+    };
+    assert_eq!(grpc("Generate", "OK"), Some(5.0), "{text}");
+    assert_eq!(grpc("Generate", "INVALID_ARGUMENT"), Some(1.0));
+    assert_eq!(grpc("GenerateStream", "OK"), Some(1.0));
+    let handling = [("grpc_service", "strata.inference.v1.Inference"), ("grpc_method", "Generate")];
+    assert_eq!(sample(&text, "strata_grpc_server_handling_seconds_count", &handling), Some(6.0));
 }

@@ -21,7 +21,10 @@ use strata_common::model_roots::ModelRoots;
 use strata_common::worker_api::ShardLoad;
 use strata_common::{EngineStats, Error, Parallelism, Result};
 use strata_engine::backend::BackendOptions;
-use strata_engine::replica::{check_device, leader_with_external_ranks, local_replica, run_worker_rank};
+use strata_engine::metrics::ReplicaLabels;
+use strata_engine::replica::{
+    check_device, leader_with_external_ranks, local_replica, run_worker_rank, RankJoin,
+};
 use strata_engine::{EngineConfig, EngineHandle, RunnerLimits};
 use tokio::sync::watch;
 use tracing::{error, info, warn};
@@ -165,6 +168,7 @@ impl WorkerAgent {
     /// The loading thread: leader or follower, until the shard ends.
     fn run_shard(self: Arc<Self>, epoch: u64, req: ShardLoad, listener: Option<TcpListener>) {
         let dir = PathBuf::from(&req.model_dir);
+        let labels = ReplicaLabels { model: req.model.to_string(), replica: req.replica.to_string() };
         let mut backend = self.cfg.backend.clone();
         if req.dtype.is_some() {
             backend.weight_dtype = req.dtype;
@@ -172,6 +176,7 @@ impl WorkerAgent {
         if req.rank == 0 {
             let mut engine = self.cfg.engine.clone();
             engine.backend = backend;
+            engine.labels = labels;
             let limits = &req.limits;
             if limits.max_num_seqs > 0 {
                 engine.scheduler.max_num_seqs = limits.max_num_seqs as usize;
@@ -207,7 +212,9 @@ impl WorkerAgent {
             return self.set(epoch, Slot::Failed(format!("bad rendezvous address {:?}", req.rendezvous)));
         };
         let joined = || self.set(epoch, Slot::Follower);
-        match run_worker_rank(&dir, req.par, req.rank, addr, &req.group_secret, &backend, joined) {
+        let join =
+            RankJoin { par: req.par, rank: req.rank, rendezvous: addr, secret: &req.group_secret, labels };
+        match run_worker_rank(&dir, join, &backend, joined) {
             Ok(()) => {
                 info!(replica = %req.replica, rank = req.rank, "rank 0 shut the replica down");
                 self.clear(epoch);

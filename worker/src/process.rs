@@ -99,6 +99,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         warn!("worker.v1 accepts calls from anyone who can reach {bound}: no cluster credentials");
     }
     let server = builder
+        .layer(strata_common::grpc_metrics::GrpcMetricsLayer)
         .layer(RoleGateLayer)
         .add_service(health)
         .add_service(worker_server(agent.clone()))

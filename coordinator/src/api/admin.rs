@@ -134,6 +134,7 @@ impl ClusterAdmin {
         action_result: impl std::future::Future<Output = Result<R, Status>>,
     ) -> Result<R, Status> {
         let result = action_result.await;
+        crate::control::metrics::admin_action(action, result.is_ok());
         self.audit.record(action, caller, target, detail, &result).await;
         result
     }

@@ -94,6 +94,7 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(strata_common::grpc_metrics::GrpcMetricsLayer)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)

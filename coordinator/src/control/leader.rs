@@ -119,6 +119,7 @@ async fn campaign(
             };
             if won {
                 info!(coordinator = %cfg.id, "elected leader; reconciling");
+                super::metrics::elected();
                 leading.send_replace(true);
                 lead(&registry, &keys, &view, &clients, &cfg, &lapsed).await;
                 leading.send_replace(false);

@@ -4,6 +4,7 @@
 //! through the `WorkerApi` seam.
 
 pub mod leader;
+pub mod metrics;
 pub mod plan;
 pub mod tasks;
 pub mod view;

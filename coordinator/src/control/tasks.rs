@@ -259,6 +259,7 @@ pub async fn build(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
             let mut ready = now;
             ready.leader_address = w0;
             if ctx.set_state(ready, ReplicaState::Ready, reason).await.is_ok() {
+                super::metrics::replica_built(&model, true);
                 ctx.failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&model);
             }
         }
@@ -267,6 +268,7 @@ pub async fn build(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
                 return;
             }
             let reason = e.to_string();
+            super::metrics::replica_built(&model, false);
             ctx.note_load_failure(&model, &reason);
             if let Some(now) = ctx.record(&model, &id) {
                 ctx.fail(now, format!("loading failed: {reason}")).await;
@@ -423,6 +425,7 @@ pub async fn monitor(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
                 .and_then(|m| m.get(&id))
                 .is_some_and(|r| r.state == ReplicaState::Ready)
             {
+                super::metrics::canary_failed(&model);
                 return ctx.fail(rec, format!("canary failed: {e}")).await;
             }
             return;

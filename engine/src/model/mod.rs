@@ -12,6 +12,7 @@ pub mod weights;
 
 use std::ops::Range;
 use std::path::Path;
+use std::time::Instant;
 
 use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPlan};
 use tracing::info;
@@ -19,6 +20,7 @@ use tracing::info;
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::comm::Collectives;
 use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, Pick, StepLogits};
+use crate::metrics::{RankMetrics, ReplicaLabels};
 use weights::{Checkpoint, HostTensor};
 
 struct Linear<B: Backend> {
@@ -74,6 +76,8 @@ pub struct Model<B: Backend> {
     lm_head: Option<B::Weight>,
     rope: RopeTable,
     weight_bytes: usize,
+    /// This rank's step and all-reduce metrics.
+    pub metrics: RankMetrics,
 }
 
 impl<B: Backend> Model<B> {
@@ -101,7 +105,7 @@ impl<B: Backend> Model<B> {
         backend: B,
         ms: ModelShard,
     ) -> Result<Self> {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let c = &config;
         let s = &ms.shard;
         let (first, last) = (s.is_first_stage(), ms.is_last_stage());
@@ -136,6 +140,7 @@ impl<B: Backend> Model<B> {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "model loaded"
         );
+        let rank = s.rank;
         Ok(Model {
             rope: rope::rope_table(c),
             config,
@@ -146,11 +151,17 @@ impl<B: Backend> Model<B> {
             norm,
             lm_head,
             weight_bytes: bytes,
+            metrics: RankMetrics::new(&ReplicaLabels::default(), rank),
         })
     }
 
     pub fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Files this rank's metrics under `labels` (its model and replica).
+    pub fn label(&mut self, labels: &ReplicaLabels) {
+        self.metrics = RankMetrics::new(labels, self.shard.shard.rank);
     }
 
     /// Bytes of weights held by this model (shard).
@@ -186,7 +197,7 @@ impl<B: Backend> Model<B> {
             .as_ref()
             .ok_or_else(|| Error::Internal("embed_tokens on a stage without the embedding".into()))?;
         let mut x = self.backend.embed(table, ids, self.shard.shard.vocab.start as u32)?;
-        self.all_reduce(&mut x, comm)?;
+        self.all_reduce(&mut x, ids.len(), comm)?;
         Ok(x)
     }
 
@@ -217,13 +228,13 @@ impl<B: Backend> Model<B> {
             b.write_kv(cache, &k, &v, layout)?;
             let attn = b.attention(&q, cache, layout, shape)?;
             let mut o = self.linear(&attn, &layer.o)?;
-            self.all_reduce(&mut o, comm)?;
+            self.all_reduce(&mut o, layout.positions.len(), comm)?;
             b.add_assign(&mut x, &o)?;
 
             let normed = b.rms_norm(&x, &layer.post_norm, eps)?;
             let [gate, up] = self.linears(&normed, [&layer.gate, &layer.up])?;
             let mut down = self.linear(&b.silu_mul(&gate, &up)?, &layer.down)?;
-            self.all_reduce(&mut down, comm)?;
+            self.all_reduce(&mut down, layout.positions.len(), comm)?;
             b.add_assign(&mut x, &down)?;
         }
         Ok(x)
@@ -308,11 +319,17 @@ impl<B: Backend> Model<B> {
         b.matmul(&normed, head)
     }
 
-    fn all_reduce(&self, x: &mut B::Tensor, comm: &mut dyn Collectives) -> Result<()> {
+    /// Sums `x` (`rows` hidden states) across the TP group, timed on this rank. On a
+    /// device backend the time is until the collective is queued on the stream.
+    fn all_reduce(&self, x: &mut B::Tensor, rows: usize, comm: &mut dyn Collectives) -> Result<()> {
         if self.shard.tp() == 1 {
             return Ok(());
         }
-        self.backend.all_reduce(x, &self.shard.tp_group, comm)
+        let started = Instant::now();
+        self.backend.all_reduce(x, &self.shard.tp_group, comm)?;
+        let bytes = rows * self.config.hidden_size * std::mem::size_of::<f32>();
+        self.metrics.all_reduce(started.elapsed(), bytes);
+        Ok(())
     }
 
     /// Several linear layers of the same input.

@@ -72,6 +72,8 @@ pub struct StepPlan {
     pub seqs: Vec<Scheduled>,
     /// Sequences moved back to the queue this step.
     pub preempted: Vec<SeqId>,
+    /// Sequences that left the queue this step (a preempted one leaves it again).
+    pub admitted: Vec<SeqId>,
     /// Sequences that can never fit in the cache; they are removed.
     pub aborted: Vec<(SeqId, Error)>,
 }
@@ -86,6 +88,8 @@ impl StepPlan {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
     pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache.
+    pub prefix_query_tokens: u64,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub prefix_hit_tokens: u64,
 }
@@ -249,7 +253,11 @@ impl Scheduler {
                 sample: seq.computed + want == seq.tokens.len(),
             });
             budget -= want;
-            self.stats.prefix_hit_tokens += seq.computed as u64;
+            if self.pool.prefix_caching() {
+                self.stats.prefix_query_tokens += seq.tokens.len() as u64;
+                self.stats.prefix_hit_tokens += seq.computed as u64;
+            }
+            plan.admitted.push(seq.id);
             let seq = self.waiting.pop_front().expect("front exists");
             self.running.push(seq);
         }

@@ -1,0 +1,209 @@
+//! What the engine measures, next to where it happens: the runner's scheduling (running
+//! and waiting sequences, KV blocks, preemptions, prefix-cache tokens, queue / prefill /
+//! decode time per sequence) and every rank's step and all-reduce time.
+//!
+//! Handles are resolved once per replica (or rank) from their label set, so the hot path
+//! only times and observes: no map lookups per token or per collective.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use strata_common::metrics::{register, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS};
+
+/// Which model and replica a runner's or rank's metrics belong to. Empty strings when the
+/// caller names neither (tests, benchmarks).
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabels {
+    pub model: String,
+    pub replica: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RankLabels {
+    model: String,
+    replica: String,
+    rank: usize,
+}
+
+type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Step and collective time: 50 µs to 20 s.
+const STEP_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 20.0,
+];
+
+/// Tokens in one step: powers of two up to 8192.
+const BATCH_BUCKETS: &[f64] =
+    &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0];
+
+fn latency() -> Histogram {
+    Histogram::new(E2E_BUCKETS.iter().copied())
+}
+fn queue() -> Histogram {
+    Histogram::new(TTFT_BUCKETS.iter().copied())
+}
+fn per_token() -> Histogram {
+    Histogram::new(ITL_BUCKETS.iter().copied())
+}
+fn step() -> Histogram {
+    Histogram::new(STEP_BUCKETS.iter().copied())
+}
+fn batch() -> Histogram {
+    Histogram::new(BATCH_BUCKETS.iter().copied())
+}
+
+struct Families {
+    running: Family<ReplicaLabels, Gauge>,
+    waiting: Family<ReplicaLabels, Gauge>,
+    kv_used: Family<ReplicaLabels, Gauge>,
+    kv_total: Family<ReplicaLabels, Gauge>,
+    preemptions: Family<ReplicaLabels, Counter>,
+    prefix_queries: Family<ReplicaLabels, Counter>,
+    prefix_hits: Family<ReplicaLabels, Counter>,
+    queue_time: Histograms<ReplicaLabels>,
+    prefill_time: Histograms<ReplicaLabels>,
+    decode_time: Histograms<ReplicaLabels>,
+    time_per_output_token: Histograms<ReplicaLabels>,
+    batch_tokens: Histograms<ReplicaLabels>,
+    rank_step: Histograms<RankLabels>,
+    all_reduce: Histograms<RankLabels>,
+    all_reduce_bytes: Family<RankLabels, Counter>,
+}
+
+fn families() -> &'static Families {
+    static FAMILIES: OnceLock<Families> = OnceLock::new();
+    FAMILIES.get_or_init(|| {
+        let f = Families {
+            running: Family::default(),
+            waiting: Family::default(),
+            kv_used: Family::default(),
+            kv_total: Family::default(),
+            preemptions: Family::default(),
+            prefix_queries: Family::default(),
+            prefix_hits: Family::default(),
+            queue_time: Family::new_with_constructor(queue),
+            prefill_time: Family::new_with_constructor(latency),
+            decode_time: Family::new_with_constructor(latency),
+            time_per_output_token: Family::new_with_constructor(per_token),
+            batch_tokens: Family::new_with_constructor(batch),
+            rank_step: Family::new_with_constructor(step),
+            all_reduce: Family::new_with_constructor(step),
+            all_reduce_bytes: Family::default(),
+        };
+        register("num_requests_running", "Sequences the scheduler is running", f.running.clone());
+        register("num_requests_waiting", "Sequences queued for the scheduler", f.waiting.clone());
+        register("kv_blocks_used", "KV cache blocks held by sequences", f.kv_used.clone());
+        register("kv_blocks_total", "KV cache blocks of the replica", f.kv_total.clone());
+        register("preemptions", "Sequences preempted for recompute (KV cache full)", f.preemptions.clone());
+        register(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            f.prefix_queries.clone(),
+        );
+        register("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", f.prefix_hits.clone());
+        register(
+            "request_queue_time_seconds",
+            "Time from submission to first scheduled",
+            f.queue_time.clone(),
+        );
+        register(
+            "request_prefill_time_seconds",
+            "Time from first scheduled to first token",
+            f.prefill_time.clone(),
+        );
+        register("request_decode_time_seconds", "Time from first token to last", f.decode_time.clone());
+        register(
+            "time_per_output_token_seconds",
+            "Decode time over output tokens after the first, per sequence",
+            f.time_per_output_token.clone(),
+        );
+        register("batch_tokens", "Tokens computed per engine step", f.batch_tokens.clone());
+        register("rank_step_seconds", "One rank's share of an engine step", f.rank_step.clone());
+        register("all_reduce_seconds", "Tensor-parallel all-reduce time on one rank", f.all_reduce.clone());
+        register("all_reduce_bytes", "Bytes all-reduced by one rank", f.all_reduce_bytes.clone());
+        f
+    })
+}
+
+/// A runner's metrics, resolved for its replica. Dropping it removes its gauges, so an
+/// unloaded replica does not linger on dashboards.
+pub struct RunnerMetrics {
+    labels: ReplicaLabels,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub kv_used: Gauge,
+    pub kv_total: Gauge,
+    pub preemptions: Counter,
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
+    pub queue_time: Histogram,
+    pub prefill_time: Histogram,
+    pub decode_time: Histogram,
+    pub time_per_output_token: Histogram,
+    pub batch_tokens: Histogram,
+}
+
+impl RunnerMetrics {
+    pub fn new(labels: &ReplicaLabels) -> Self {
+        let f = families();
+        RunnerMetrics {
+            running: f.running.get_or_create_owned(labels),
+            waiting: f.waiting.get_or_create_owned(labels),
+            kv_used: f.kv_used.get_or_create_owned(labels),
+            kv_total: f.kv_total.get_or_create_owned(labels),
+            preemptions: f.preemptions.get_or_create_owned(labels),
+            prefix_queries: f.prefix_queries.get_or_create_owned(labels),
+            prefix_hits: f.prefix_hits.get_or_create_owned(labels),
+            queue_time: f.queue_time.get_or_create_owned(labels),
+            prefill_time: f.prefill_time.get_or_create_owned(labels),
+            decode_time: f.decode_time.get_or_create_owned(labels),
+            time_per_output_token: f.time_per_output_token.get_or_create_owned(labels),
+            batch_tokens: f.batch_tokens.get_or_create_owned(labels),
+            labels: labels.clone(),
+        }
+    }
+}
+
+impl Drop for RunnerMetrics {
+    fn drop(&mut self) {
+        let f = families();
+        for g in [&f.running, &f.waiting, &f.kv_used, &f.kv_total] {
+            g.remove(&self.labels);
+        }
+    }
+}
+
+/// One rank's step and all-reduce metrics.
+#[derive(Clone)]
+pub struct RankMetrics {
+    step: Histogram,
+    all_reduce: Histogram,
+    all_reduce_bytes: Counter,
+}
+
+impl RankMetrics {
+    pub fn new(labels: &ReplicaLabels, rank: usize) -> Self {
+        let f = families();
+        let l = RankLabels { model: labels.model.clone(), replica: labels.replica.clone(), rank };
+        RankMetrics {
+            step: f.rank_step.get_or_create_owned(&l),
+            all_reduce: f.all_reduce.get_or_create_owned(&l),
+            all_reduce_bytes: f.all_reduce_bytes.get_or_create_owned(&l),
+        }
+    }
+
+    pub fn step(&self, took: Duration) {
+        self.step.observe(took.as_secs_f64());
+    }
+
+    pub fn all_reduce(&self, took: Duration, bytes: usize) {
+        self.all_reduce.observe(took.as_secs_f64());
+        self.all_reduce_bytes.inc_by(bytes as u64);
+    }
+}
