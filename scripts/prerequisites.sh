@@ -4,6 +4,7 @@
 # - protoc (etcd-client's build script compiles etcd's .proto files with it; Strata's own
 #   protos are compiled by protox, in Rust);
 # - etcd (Debian's etcd-server): the cluster tests start their own servers on free ports;
+# - Prometheus (Debian's prometheus): the dashboard test starts one to scrape a cluster;
 # - target/pyenv: a Python virtualenv with grpcio and grpcio-tools, for the test that
 #   calls the server from a client nobody on this team wrote.
 set -euo pipefail
@@ -22,6 +23,7 @@ command -v cc >/dev/null 2>&1 || apt_install build-essential
 command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
 command -v protoc >/dev/null 2>&1 || apt_install protobuf-compiler
 command -v etcd >/dev/null 2>&1 || [ -n "${ETCD_BIN:-}" ] || apt_install etcd-server
+command -v prometheus >/dev/null 2>&1 || [ -n "${PROMETHEUS_BIN:-}" ] || apt_install prometheus
 
 PYENV=target/pyenv
 if ! "$PYENV/bin/python" -c "import grpc, grpc_tools, grpc_health" 2>/dev/null; then

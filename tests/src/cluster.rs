@@ -17,6 +17,8 @@ pub struct Proc {
     out: Outputs,
     /// The address it announced when ready.
     pub addr: String,
+    /// Where it serves GET /metrics, as it announced before ready.
+    pub metrics: Option<String>,
 }
 
 impl Proc {
@@ -30,7 +32,8 @@ impl Proc {
         let (child, out) = spawn_captured(&mut cmd);
         let ready = out.wait_event("ready", Duration::from_secs(60), name);
         let addr = ready["address"].as_str().expect("ready announcement names its address").to_string();
-        Proc { name: name.to_string(), child, out, addr }
+        let metrics = out.passed("metrics").and_then(|m| m["address"].as_str().map(str::to_string));
+        Proc { name: name.to_string(), child, out, addr, metrics }
     }
 
     pub fn endpoint(&self) -> String {

@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod etcd;
+pub mod prometheus;
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +59,8 @@ pub fn floats(v: &serde_json::Value) -> Vec<f32> {
 pub struct Outputs {
     pub log: std::sync::Arc<std::sync::Mutex<String>>,
     pub events: std::sync::mpsc::Receiver<serde_json::Value>,
+    /// Announcements `wait_event` passed over while waiting for another.
+    passed: std::sync::Mutex<Vec<serde_json::Value>>,
 }
 
 /// Spawns `cmd` with stdout and stderr captured as [`Outputs`].
@@ -86,7 +89,7 @@ pub fn spawn_captured(cmd: &mut std::process::Command) -> (std::process::Child, 
             let _ = tx.send(v);
         }
     });
-    (child, Outputs { log, events })
+    (child, Outputs { log, events, passed: Default::default() })
 }
 
 impl Outputs {
@@ -97,7 +100,7 @@ impl Outputs {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             match self.events.recv_timeout(left) {
                 Ok(v) if v["event"] == event => return v,
-                Ok(_) => {}
+                Ok(v) => self.passed.lock().unwrap().push(v),
                 Err(_) => panic!("{who}: no {event:?} announcement within {limit:?}:\n{}", self.log()),
             }
         }
@@ -105,6 +108,11 @@ impl Outputs {
 
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
+    }
+
+    /// The last announcement of `event` that `wait_event` passed over, if any.
+    pub fn passed(&self, event: &str) -> Option<serde_json::Value> {
+        self.passed.lock().unwrap().iter().rev().find(|v| v["event"] == event).cloned()
     }
 }
 

@@ -176,7 +176,10 @@ pub fn canary_failed(model: &str) {
 
 pub fn replica_built(model: &str, ok: bool) {
     let outcome = if ok { "ready" } else { "failed" };
-    metrics().replica_builds.get_or_create(&OutcomeLabels { model: model.to_string(), outcome }).inc();
+    let m = metrics();
+    m.replica_builds.get_or_create(&OutcomeLabels { model: model.to_string(), outcome }).inc();
+    // Present (at zero) once a model has a replica, before the first canary fails.
+    m.canary_failures.get_or_create(&ModelLabel { model: model.to_string() });
 }
 
 pub fn admin_action(action: &str, ok: bool) {

@@ -137,6 +137,9 @@ impl RequestTimer {
         let m = metrics();
         let label = model(model_name);
         m.prompt_tokens.get_or_create(&label).inc_by(prompt_tokens as u64);
+        // Present (at zero) from a model's first request, so dashboards and alerts see a
+        // series before the first failover.
+        m.failovers.get_or_create(&label);
         RequestTimer {
             model: model_name.to_string(),
             started: tokio::time::Instant::now(),
