@@ -179,7 +179,7 @@ pub fn replica_built(model: &str, ok: bool) {
     let m = metrics();
     m.replica_builds.get_or_create(&OutcomeLabels { model: model.to_string(), outcome }).inc();
     // Present (at zero) once a model has a replica, before the first canary fails.
-    m.canary_failures.get_or_create(&ModelLabel { model: model.to_string() });
+    m.canary_failures.get_or_create(&ModelLabel { model: model.to_string() }).inc_by(0);
 }
 
 pub fn admin_action(action: &str, ok: bool) {

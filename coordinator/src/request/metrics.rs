@@ -139,7 +139,7 @@ impl RequestTimer {
         m.prompt_tokens.get_or_create(&label).inc_by(prompt_tokens as u64);
         // Present (at zero) from a model's first request, so dashboards and alerts see a
         // series before the first failover.
-        m.failovers.get_or_create(&label);
+        m.failovers.get_or_create(&label).inc_by(0);
         RequestTimer {
             model: model_name.to_string(),
             started: tokio::time::Instant::now(),
