@@ -18,6 +18,22 @@ use crate::model_tools::write_random_model;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Log lines on stderr as `text` or `json` (one object per line, with the current
+    /// span's fields: request spans carry `trace_id`).
+    #[arg(long, global = true, env = "STRATA_LOG_FORMAT", default_value = "text")]
+    pub log_format: strata_common::telemetry::LogFormat,
+}
+
+impl Cli {
+    /// The service name spans are exported under (unless OTEL_SERVICE_NAME says).
+    pub fn service_name(&self) -> &'static str {
+        match self.command {
+            Command::Serve(_) => "strata-serve",
+            Command::Coordinator(_) => "strata-coordinator",
+            Command::Worker(_) => "strata-worker",
+            _ => "strata",
+        }
+    }
 }
 
 #[derive(Subcommand, Debug)]

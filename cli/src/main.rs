@@ -3,10 +3,7 @@
 //! This crate is the only one that knows every other: it parses the command line and
 //! wires each role from its parts (coordinator, worker, engine, registry).
 
-use std::io::IsTerminal;
-
 use clap::Parser;
-use tracing_subscriber::EnvFilter;
 
 mod admin_cli;
 mod bench;
@@ -29,12 +26,15 @@ mod serve_cli;
 mod unimplemented_admin;
 
 fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
     let cli = cli::Cli::parse();
+    // Held to the end of main: dropping it flushes the spans still queued for export.
+    let _telemetry = match strata_common::telemetry::init(cli.service_name(), cli.log_format) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     match cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

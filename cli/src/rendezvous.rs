@@ -70,7 +70,7 @@ fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
         name: r.name.to_string(),
         config,
         tokenizer,
-        routes: Arc::new(EngineReplica { id, handle }),
+        routes: Arc::new(EngineReplica { id, handle, ranks: r.par.world() }),
     })
 }
 
@@ -78,12 +78,17 @@ fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
 struct EngineReplica {
     id: String,
     handle: EngineHandle,
+    ranks: usize,
 }
 
 #[async_trait::async_trait]
 impl Replica for EngineReplica {
     fn id(&self) -> &str {
         &self.id
+    }
+
+    fn ranks(&self) -> usize {
+        self.ranks
     }
 
     async fn submit(&self, job: &Job) -> Result<EventStream> {
@@ -97,7 +102,10 @@ impl Replica for EngineReplica {
 impl Routes for EngineReplica {
     fn pick(&self, _prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
         let usable = !exclude.contains(&self.id) && self.handle.broken().is_none();
-        usable.then(|| Arc::new(EngineReplica { id: self.id.clone(), handle: self.handle.clone() }) as _)
+        usable.then(|| {
+            Arc::new(EngineReplica { id: self.id.clone(), handle: self.handle.clone(), ranks: self.ranks })
+                as _
+        })
     }
 
     fn ready(&self) -> usize {

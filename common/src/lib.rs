@@ -28,8 +28,11 @@ pub mod shutdown;
 pub mod stats;
 #[cfg(feature = "grpc")]
 pub mod status;
+#[cfg(feature = "telemetry")]
+pub mod telemetry;
 #[cfg(feature = "grpc")]
 pub mod tls;
+pub mod trace;
 #[cfg(feature = "grpc")]
 pub mod wire;
 pub mod worker_api;

@@ -14,6 +14,7 @@
 use std::time::Instant;
 
 use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
+use tracing::{info_span, Span};
 
 use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
@@ -157,12 +158,19 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         logit_rows: &[usize],
         wanted: LogitsWanted,
     ) -> Result<StepLogits> {
-        let msg = encode_step(ids, layout, logit_rows, wanted);
+        // The current span is the engine's step: every rank's step becomes its child.
+        let trace = strata_common::trace::context_of(&Span::current());
+        let msg = encode_step(ids, layout, logit_rows, wanted, trace.as_ref());
         for r in 1..self.comm.world() {
             self.comm.send(r, &msg)?;
         }
-        let own =
-            run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), ids, layout, logit_rows, wanted)?;
+        let span = match trace {
+            Some(_) => info_span!("rank.step", rank = 0i64, tokens = ids.len() as i64),
+            None => Span::none(),
+        };
+        let own = span.in_scope(|| {
+            run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), ids, layout, logit_rows, wanted)
+        })?;
         match own {
             Some(logits) => Ok(logits),
             None => {
@@ -262,8 +270,17 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
                 return Err(Error::Internal("the leader sent a second KV cache size".into()))
             }
         };
-        let StepPlan { ids, layout, logit_rows, wanted } = plan;
-        let logits = run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &logit_rows, wanted)?;
+        let StepPlan { ids, layout, logit_rows, wanted, trace } = plan;
+        let span = match &trace {
+            Some(cx) => {
+                let span = info_span!("rank.step", rank = rank as i64, tokens = ids.len() as i64);
+                strata_common::trace::set_parent(&span, cx);
+                span
+            }
+            None => Span::none(),
+        };
+        let logits = span
+            .in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &logit_rows, wanted))?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
                 comm.send(0, f32_bytes(&l.into_f32s()))?;

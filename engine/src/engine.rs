@@ -22,7 +22,7 @@ use crate::logits::{LogitsWanted, StepLogits, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqData};
+use crate::scheduler::{Scheduler, SchedulerConfig, SeqData, StepPlan};
 
 /// A KV cache in host memory must fit in what the machine has available: asking for more
 /// is an error naming the setting, never an allocation that aborts the process.
@@ -296,6 +296,16 @@ impl Engine {
 
     /// Runs one scheduled step and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<StepEvent>> {
+        self.step_traced(|_| tracing::Span::none())
+    }
+
+    /// [`Engine::step`], its ranks' work inside the span `span_for` makes from the
+    /// sequences the step computes (the runner's: a child of one request's trace, linked
+    /// to the others').
+    pub fn step_traced(
+        &mut self,
+        span_for: impl FnOnce(&[SeqId]) -> tracing::Span,
+    ) -> Result<Vec<StepEvent>> {
         let mut plan = self.scheduler.schedule();
         for (seq, error) in plan.aborted.drain(..) {
             self.meta.remove(&seq);
@@ -309,28 +319,7 @@ impl Engine {
         if plan.seqs.is_empty() {
             return Ok(Vec::new());
         }
-        let pool = self.scheduler.pool();
-        let mut ids = Vec::with_capacity(plan.num_tokens());
-        let mut layout = BatchLayout { block_size: pool.block_size(), ..Default::default() };
-        let mut logit_rows = Vec::new();
-        for item in &plan.seqs {
-            let seq = self.scheduler.seq(item.id).expect("scheduled sequences exist");
-            let start = ids.len();
-            for pos in item.start..item.end {
-                ids.push(seq.tokens[pos]);
-                layout.positions.push(pos as u32);
-                layout.slots.push(pool.slot(&seq.blocks, pos));
-            }
-            layout.seqs.push(SeqSlice {
-                token_start: start,
-                num_tokens: item.end - item.start,
-                context_before: item.start,
-                block_table: seq.blocks.to_vec(),
-            });
-            if item.sample {
-                logit_rows.push(ids.len() - 1);
-            }
-        }
+        let (ids, layout, logit_rows) = self.batch(&plan);
         let vocab = self.exec.config().vocab_size;
         let greedy_only = vocab < MAX_PICK_VOCAB
             && plan
@@ -339,7 +328,9 @@ impl Engine {
                 .filter(|s| s.sample)
                 .all(|s| self.meta.get(&s.id).is_some_and(|m| !m.sampler.needs_full_logits()));
         let wanted = if greedy_only { LogitsWanted::Greedy } else { LogitsWanted::Full };
-        let logits = self.exec.execute(&ids, &layout, &logit_rows, wanted)?;
+        let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.id).collect();
+        let span = span_for(&seq_ids);
+        let logits = span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted))?;
         let returned = logits.rows(vocab);
         if returned != logit_rows.len() {
             return Err(Error::Internal(format!("a step returned {returned} rows for {}", logit_rows.len())));
@@ -392,6 +383,33 @@ impl Engine {
             self.aborted.push(Aborted { seq, error, non_finite: true });
         }
         Ok(events)
+    }
+
+    /// The step's inputs: token ids, their batch layout, and the rows to sample from.
+    fn batch(&self, plan: &StepPlan) -> (Vec<u32>, BatchLayout, Vec<usize>) {
+        let pool = self.scheduler.pool();
+        let mut ids = Vec::with_capacity(plan.num_tokens());
+        let mut layout = BatchLayout { block_size: pool.block_size(), ..Default::default() };
+        let mut logit_rows = Vec::new();
+        for item in &plan.seqs {
+            let seq = self.scheduler.seq(item.id).expect("scheduled sequences exist");
+            let start = ids.len();
+            for pos in item.start..item.end {
+                ids.push(seq.tokens[pos]);
+                layout.positions.push(pos as u32);
+                layout.slots.push(pool.slot(&seq.blocks, pos));
+            }
+            layout.seqs.push(SeqSlice {
+                token_start: start,
+                num_tokens: item.end - item.start,
+                context_before: item.start,
+                block_table: seq.blocks.to_vec(),
+            });
+            if item.sample {
+                logit_rows.push(ids.len() - 1);
+            }
+        }
+        (ids, layout, logit_rows)
     }
 
     /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use strata_common::{EngineStats, Error, Result, SamplingParams, SeqEvent};
 use tokio::sync::mpsc as tmpsc;
-use tracing::{debug, error};
+use tracing::{debug, error, info_span, Span};
 
 use crate::engine::{Engine, SeqId};
 use crate::metrics::RunnerMetrics;
@@ -45,14 +45,7 @@ impl Default for RunnerLimits {
 }
 
 enum Command {
-    Submit {
-        id: SeqId,
-        prompt: Vec<u32>,
-        generated: Vec<u32>,
-        params: SamplingParams,
-        events: tmpsc::Sender<SeqEvent>,
-        submitted: Instant,
-    },
+    Submit(Box<Submission>),
     Cancel(SeqId),
     Canary(tokio::sync::oneshot::Sender<Result<()>>),
 }
@@ -189,8 +182,10 @@ impl EngineHandle {
         let (events, rx) = tmpsc::channel(self.limits.stream_buffer.max(2));
         // From here the stream owns the open slot (dropping it gives the slot back).
         let stream = SequenceStream { id, rx, tx: self.tx.clone(), done: false, shared: self.shared.clone() };
-        let submitted = Instant::now();
-        if self.tx.send(Command::Submit { id, prompt, generated, params, events, submitted }).is_err() {
+        let (submitted, span) = (Instant::now(), Span::current());
+        let caller = Caller { events, submitted, span };
+        let submit = Command::Submit(Box::new(Submission { id, prompt, generated, params, caller }));
+        if self.tx.send(submit).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
         }
@@ -245,9 +240,59 @@ struct Runner {
     next_canary: u64,
 }
 
+struct Submission {
+    id: SeqId,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    params: SamplingParams,
+    caller: Caller,
+}
+
+/// A submission's way back to its caller.
+struct Caller {
+    events: tmpsc::Sender<SeqEvent>,
+    submitted: Instant,
+    /// The caller's span: the sequence's stages and steps join its trace.
+    span: Span,
+}
+
+/// The span of a step over `seqs`: a child of the first traced sequence's span, linked to
+/// the other sequences' (one step serves many requests; each request's trace shows it).
+fn step_span(streams: &HashMap<SeqId, Live>, seqs: &[SeqId]) -> Span {
+    let mut traced = seqs.iter().filter_map(|id| streams.get(id)).filter(|l| !l.span.is_none());
+    let Some(first) = traced.next() else { return Span::none() };
+    let span = info_span!(parent: &first.span, "engine.step", seqs = seqs.len() as i64);
+    for other in traced {
+        strata_common::trace::link(&span, &other.span);
+    }
+    span
+}
+
+enum Stage {
+    Queue,
+    Prefill,
+    Decode,
+}
+
+/// A span for a sequence's stage under its caller's span (none for an untraced caller).
+fn stage_span(parent: &Span, stage: Stage) -> Span {
+    if parent.is_none() {
+        return Span::none();
+    }
+    match stage {
+        Stage::Queue => info_span!(parent: parent, "queue"),
+        Stage::Prefill => info_span!(parent: parent, "prefill"),
+        Stage::Decode => info_span!(parent: parent, "decode"),
+    }
+}
+
 /// A sequence the runner delivers to.
 struct Live {
     events: tmpsc::Sender<SeqEvent>,
+    /// The caller's span, parent of the stage spans and of steps.
+    span: Span,
+    /// The stage it is in (queue, prefill, decode), closed when the next begins.
+    stage: Span,
     submitted: Instant,
     /// First taken off the queue.
     admitted: Option<Instant>,
@@ -276,8 +321,9 @@ impl Runner {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Submit { id, prompt, generated, params, events, submitted } => {
-                self.admit(id, prompt, generated, params, (events, submitted));
+            Command::Submit(s) => {
+                let Submission { id, prompt, generated, params, caller } = *s;
+                self.admit(id, prompt, generated, params, caller);
                 // Counted as waiting (published) before it stops counting as queued, so a
                 // concurrent submission never sees it in neither and overfills the queue.
                 self.publish();
@@ -316,7 +362,7 @@ impl Runner {
         prompt: Vec<u32>,
         generated: Vec<u32>,
         params: SamplingParams,
-        (events, submitted): (tmpsc::Sender<SeqEvent>, Instant),
+        Caller { events, submitted, span }: Caller,
     ) {
         if events.is_closed() {
             return;
@@ -328,7 +374,9 @@ impl Runner {
         }
         match self.engine.add_resumed(id, prompt, generated, params) {
             Ok(()) => {
-                let live = Live { events, submitted, admitted: None, first_token: None, tokens: 0 };
+                let stage = stage_span(&span, Stage::Queue);
+                let live =
+                    Live { events, span, stage, submitted, admitted: None, first_token: None, tokens: 0 };
                 self.streams.insert(id, live);
             }
             Err(e) => {
@@ -348,6 +396,7 @@ impl Runner {
         let first = *live.first_token.get_or_insert_with(|| {
             let since = live.admitted.unwrap_or(live.submitted);
             self.metrics.prefill_time.observe(now.duration_since(since).as_secs_f64());
+            live.stage = stage_span(&live.span, Stage::Decode);
             now
         });
         if finished {
@@ -385,7 +434,8 @@ impl Runner {
     }
 
     fn step(&mut self) {
-        let result = self.engine.step();
+        let streams = &self.streams;
+        let result = self.engine.step_traced(|seqs| step_span(streams, seqs));
         let mut non_finite = false;
         for a in self.engine.take_aborted() {
             non_finite |= a.non_finite;
@@ -439,6 +489,7 @@ impl Runner {
             if let Some(live) = self.streams.get_mut(&id) {
                 if live.admitted.is_none() {
                     live.admitted = Some(now);
+                    live.stage = stage_span(&live.span, Stage::Prefill);
                     m.queue_time.observe(now.duration_since(live.submitted).as_secs_f64());
                 }
             }

@@ -22,10 +22,17 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `strata ARGS…` and waits for its ready announcement.
-    pub fn start(name: &str, args: &[String], cwd: Option<&std::path::Path>) -> Proc {
+    /// Starts `strata ARGS…` (with `env` added to its environment) and waits for its
+    /// ready announcement.
+    pub fn start(
+        name: &str,
+        args: &[String],
+        cwd: Option<&std::path::Path>,
+        env: &[(String, String)],
+    ) -> Proc {
         let mut cmd = Command::new(strata_bin());
         cmd.args(args).env("RUST_LOG", "info,strata_engine::runner=debug");
+        cmd.envs(env.iter().map(|(k, v)| (k, v)));
         if let Some(d) = cwd {
             cmd.current_dir(d);
         }
@@ -154,6 +161,8 @@ pub struct Cluster {
     /// Extra flags of every coordinator, and of every worker, started from now on.
     pub coordinator_flags: Vec<String>,
     pub worker_flags: Vec<String>,
+    /// Environment variables of every process started from now on.
+    pub env: Vec<(String, String)>,
     pub coordinators: Vec<Proc>,
     pub workers: Vec<Proc>,
     pub timing: Timing,
@@ -165,12 +174,31 @@ impl Cluster {
         Cluster::start_on(Etcd::start(), coordinators, workers, timing)
     }
 
+    /// A cluster whose processes have `env` added to their environment.
+    pub fn start_with_env(
+        coordinators: usize,
+        workers: usize,
+        timing: Timing,
+        env: &[(&str, &str)],
+    ) -> Cluster {
+        let mut c = Cluster::start_on(Etcd::start(), 0, 0, timing);
+        c.env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        for _ in 0..coordinators {
+            c.add_coordinator(&[]);
+        }
+        for _ in 0..workers {
+            c.add_worker(&[], None);
+        }
+        c
+    }
+
     /// A cluster on an etcd the test started (a secured one, say).
     pub fn start_on(etcd: Etcd, coordinators: usize, workers: usize, timing: Timing) -> Cluster {
         let mut c = Cluster {
             etcd,
             coordinator_flags: Vec::new(),
             worker_flags: Vec::new(),
+            env: Vec::new(),
             certs: Certs::new(),
             tls: std::env::var("STRATA_TEST_PLAIN_CLUSTER").is_err(),
             coordinators: Vec::new(),
@@ -211,7 +239,7 @@ impl Cluster {
         }
         args.extend(self.coordinator_flags.iter().cloned());
         args.extend(extra.iter().map(|s| s.to_string()));
-        self.coordinators.push(Proc::start(&format!("coordinator c{n}"), &args, None));
+        self.coordinators.push(Proc::start(&format!("coordinator c{n}"), &args, None, &self.env));
         self.coordinators.last().unwrap()
     }
 
@@ -226,7 +254,7 @@ impl Cluster {
         }
         args.extend(self.worker_flags.iter().cloned());
         args.extend(extra.iter().map(|s| s.to_string()));
-        self.workers.push(Proc::start(&format!("worker w{n}"), &args, cwd));
+        self.workers.push(Proc::start(&format!("worker w{n}"), &args, cwd, &self.env));
         self.workers.last().unwrap()
     }
 

@@ -18,6 +18,7 @@ use strata_common::SeqEvent;
 use strata_proto::worker::v1 as pb;
 use strata_proto::worker::v1::worker_server::Worker;
 use tonic::{Request, Response, Status};
+use tracing::{info_span, Instrument};
 
 use crate::in_process::InProcessWorker;
 
@@ -44,15 +45,32 @@ impl Worker for WorkerService {
         &self,
         request: Request<pb::WorkerGenerateRequest>,
     ) -> Result<Response<TokenStream>, Status> {
+        let caller = strata_common::trace::from_metadata(request.metadata());
         let (replica, job) = wire::job_from_pb(request.into_inner());
-        let mut events = self.worker.generate(&replica, &job).await.map_err(to_status)?;
+        let span = info_span!(
+            "worker.generate",
+            otel.kind = "server",
+            request_id = %job.request_id,
+            strata.replica = %replica,
+            prompt_tokens = job.prompt.len() as i64,
+            resumed_tokens = job.generated.len() as i64,
+        );
+        if let Some(cx) = &caller {
+            strata_common::trace::set_parent(&span, cx);
+        }
+        let mut events =
+            self.worker.generate(&replica, &job).instrument(span.clone()).await.map_err(to_status)?;
         // The engine validates asynchronously; wait for the first event so a bad request
         // is this call's status, not a broken stream.
         let first = events.next().await;
         if let Some(SeqEvent::Failed(e)) = first {
             return Err(to_status(e));
         }
-        Ok(Response::new(Box::pin(responses(first, events))))
+        // The span lasts as long as the stream: it closes when the caller's call ends.
+        let stream = responses(first, events).inspect(move |_| {
+            let _ = &span;
+        });
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn stats(&self, _: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {

@@ -16,7 +16,9 @@ use strata_proto::inference::v1::inference_server::Inference;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status};
-use tracing::{info_span, Instrument};
+use tracing::Instrument;
+
+use crate::request::span::request_span;
 
 use strata_common::status::to_status;
 use strata_common::{wire, Error, SamplingParams};
@@ -137,9 +139,10 @@ impl Inference for InferenceService {
     ) -> Result<Response<pb::GenerateResponse>, Status> {
         self.auth.check(&request)?;
         let deadline = deadline(&request);
+        let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
-        let span = info_span!("generate", request_id = %request_id, model = %req.model);
+        let span = request_span(&req.model, &request_id, false, caller.as_ref());
         async move {
             let (prompt_ids, mut rx) = self.start(&req, &request_id, deadline).await?;
             let mut out = pb::GenerateResponse { request_id, ..Default::default() };
@@ -172,9 +175,10 @@ impl Inference for InferenceService {
     ) -> Result<Response<GenerateStream>, Status> {
         self.auth.check(&request)?;
         let deadline = deadline(&request);
+        let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
-        let span = info_span!("generate_stream", request_id = %request_id, model = %req.model);
+        let span = request_span(&req.model, &request_id, true, caller.as_ref());
         let (prompt_ids, rx) = self.start(&req, &request_id, deadline).instrument(span).await?;
         let prompt_tokens = prompt_ids.len() as u32;
         let mut completion_tokens = 0u32;

@@ -24,10 +24,10 @@ use strata_common::cluster::{now_ms, ReplicaRecord, ReplicaState};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{Guard, LeaseId, Op, Registry};
 use strata_common::ErrorClass;
-use strata_common::{ReplicaId, WorkerId};
+use strata_common::{ModelName, ReplicaId, WorkerId};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tracing::{info, warn};
+use tracing::{info, info_span, warn, Instrument};
 
 use super::plan::{plan, Action, Inputs};
 use super::tasks::{self, Ctx, Timings, Writer};
@@ -121,7 +121,8 @@ async fn campaign(
                 info!(coordinator = %cfg.id, "elected leader; reconciling");
                 super::metrics::elected();
                 leading.send_replace(true);
-                lead(&registry, &keys, &view, &clients, &cfg, &lapsed).await;
+                let term = info_span!("leader.term", coordinator = %cfg.id);
+                lead(&registry, &keys, &view, &clients, &cfg, &lapsed).instrument(term).await;
                 leading.send_replace(false);
                 info!(coordinator = %cfg.id, "no longer the leader");
                 continue;
@@ -223,6 +224,23 @@ async fn lead(
     tasks.abort_all();
 }
 
+/// Spawns a replica task (`build`, `monitor`, `drain`, `teardown`) in a span of its own:
+/// the control plane's traces, one per task.
+fn spawn_task<F, Fut>(
+    name: &'static str,
+    ctx: &Arc<Ctx>,
+    model: ModelName,
+    id: ReplicaId,
+    task: F,
+) -> JoinHandle<()>
+where
+    F: FnOnce(Arc<Ctx>, ModelName, ReplicaId) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let span = info_span!("replica.task", otel.name = %format_args!("replica.{name}"), model = %model, replica = %id);
+    tokio::spawn(task(ctx.clone(), model, id).instrument(span))
+}
+
 fn record(v: &ClusterView, model: &str, id: &str) -> Option<ReplicaRecord> {
     v.replicas.get(model).and_then(|m| m.get(id)).cloned()
 }
@@ -268,7 +286,7 @@ async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Act
             let reason = format!("loading on {}", workers.join(", "));
             match ctx.set_state(rec, ReplicaState::Loading, reason).await {
                 Ok(()) => {
-                    tasks.busy.insert(id.clone(), tokio::spawn(tasks::build(ctx.clone(), model, id)));
+                    tasks.busy.insert(id.clone(), spawn_task("build", ctx, model, id, tasks::build));
                 }
                 Err(e) => warn_write(e),
             }
@@ -282,10 +300,10 @@ async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Act
             }
         }
         Action::Build { model, id } => {
-            tasks.busy.insert(id.clone(), tokio::spawn(tasks::build(ctx.clone(), model, id)));
+            tasks.busy.insert(id.clone(), spawn_task("build", ctx, model, id, tasks::build));
         }
         Action::Monitor { model, id } => {
-            tasks.monitors.insert(id.clone(), tokio::spawn(tasks::monitor(ctx.clone(), model, id)));
+            tasks.monitors.insert(id.clone(), spawn_task("monitor", ctx, model, id, tasks::monitor));
         }
         Action::Drain { model, id, reason } => {
             if let Some(m) = tasks.monitors.remove(&id) {
@@ -297,7 +315,7 @@ async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Act
                     return warn_write(e);
                 }
             }
-            tasks.busy.insert(id.clone(), tokio::spawn(tasks::drain(ctx.clone(), model, id)));
+            tasks.busy.insert(id.clone(), spawn_task("drain", ctx, model, id, tasks::drain));
         }
         Action::Fail { model, id, reason } => {
             if let Some(m) = tasks.monitors.remove(&id) {
@@ -308,10 +326,10 @@ async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Act
             if let Err(e) = ctx.set_state(rec, ReplicaState::Failed, reason).await {
                 return warn_write(e);
             }
-            tasks.busy.insert(id.clone(), tokio::spawn(tasks::teardown(ctx.clone(), model, id)));
+            tasks.busy.insert(id.clone(), spawn_task("teardown", ctx, model, id, tasks::teardown));
         }
         Action::Teardown { model, id } => {
-            tasks.busy.insert(id.clone(), tokio::spawn(tasks::teardown(ctx.clone(), model, id)));
+            tasks.busy.insert(id.clone(), spawn_task("teardown", ctx, model, id, tasks::teardown));
         }
         Action::Delete { model, id } => {
             if let Err(e) = ctx.writer.delete(&model, &id).await {

@@ -17,7 +17,7 @@ use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
 use strata_common::{DType, Error, ModelName, Parallelism, ReplicaId, Result, WorkerId};
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{info, info_span, warn, Instrument};
 
 use super::view::ClusterView;
 use crate::routing::clients::WorkerClients;
@@ -417,7 +417,8 @@ pub async fn monitor(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
         let addr =
             view.workers.get(w0).map(|w| w.address.clone()).unwrap_or_else(|| rec.leader_address.clone());
         let w0rec = WorkerRecord { address: addr, ..placeholder(w0) };
-        if let Err(e) = ctx.canary(&w0rec, &id).await {
+        let canary = info_span!("replica.canary", model = %model, replica = %id);
+        if let Err(e) = ctx.canary(&w0rec, &id).instrument(canary).await {
             if ctx
                 .view_now()
                 .replicas

@@ -25,10 +25,11 @@ use std::time::Duration;
 use strata_common::{Error, ErrorClass, FinishReason, Result, SeqEvent, TokenLogprobs};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{debug, info, warn, Instrument, Span};
 
 use crate::request::admission::Admitted;
 use crate::request::metrics::RequestTimer;
+use crate::request::span;
 use crate::request::text::TextStream;
 use crate::routing::{EventStream, Job, ModelEntry};
 
@@ -75,15 +76,31 @@ pub async fn start(
         params.seed = Some(rand::random());
     }
     let timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
+    // Called inside the request's span (see `span::request_span`).
+    let span = Span::current();
+    span::admitted(&span, &model.name, &params, admitted.prompt_ids.len());
     let job = Job { request_id, prompt: admitted.prompt_ids, generated: Vec::new(), params };
-    let mut run = Run { model, job, excluded: Vec::new(), deadline, limits, failovers: 0, timer };
-    let (replica, stream) = run.submit().await.inspect_err(|e| run.timer.failed(e))?;
+    let mut run = Run {
+        model,
+        job,
+        excluded: Vec::new(),
+        deadline,
+        limits,
+        failovers: 0,
+        timer,
+        span: span.clone(),
+        attempt: Attempt::default(),
+    };
+    let (replica, stream) = run.submit().await.inspect_err(|e| run.fail_now(e))?;
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        let model = run.model.clone();
-        let mut text = TextStream::new(&model.tokenizer, stop);
-        run.stream(replica, stream, &mut text, tx).await;
-    });
+    tokio::spawn(
+        async move {
+            let model = run.model.clone();
+            let mut text = TextStream::new(&model.tokenizer, stop);
+            run.stream(replica, stream, &mut text, tx).await;
+        }
+        .instrument(span),
+    );
     Ok(rx)
 }
 
@@ -96,6 +113,17 @@ struct Run {
     limits: RouteLimits,
     failovers: usize,
     timer: RequestTimer,
+    /// The request's span, and the attempt now streaming (its child).
+    span: Span,
+    attempt: Attempt,
+}
+
+/// The replica a request is on, and the span of that attempt.
+#[derive(Default)]
+struct Attempt {
+    replica: String,
+    ranks: usize,
+    span: Option<Span>,
 }
 
 /// Whether a replica's refusal sends the request to another replica (it is gone, or full).
@@ -145,15 +173,22 @@ impl Run {
             }
             if let Some(replica) = self.model.routes.pick(&self.job.prompt, &self.excluded) {
                 let id = replica.id().to_string();
+                let n = self.excluded.len() + 1;
+                let attempt = span::attempt_span(&self.span, &id, replica.ranks(), n);
+                let submit = replica.submit(&self.job).instrument(attempt.clone());
                 let submitted = match self.deadline {
-                    Some(d) => match tokio::time::timeout_at(d, replica.submit(&self.job)).await {
+                    Some(d) => match tokio::time::timeout_at(d, submit).await {
                         Ok(r) => r,
                         Err(_) => return Err(self.expired()),
                     },
-                    None => replica.submit(&self.job).await,
+                    None => submit.await,
                 };
                 match submitted {
-                    Ok(stream) => return Ok((id, stream)),
+                    Ok(stream) => {
+                        let ranks = replica.ranks();
+                        self.attempt = Attempt { replica: id.clone(), ranks, span: Some(attempt) };
+                        return Ok((id, stream));
+                    }
                     Err(e) if retry_elsewhere(&e) => {
                         if e.class() == ErrorClass::Unavailable {
                             self.model.routes.report_failure(&id);
@@ -221,6 +256,7 @@ impl Run {
                     self.timer.token();
                     if let Some(reason) = finish {
                         self.timer.finished(reason);
+                        self.record_end(Ok(reason));
                         return;
                     }
                     continue;
@@ -228,6 +264,7 @@ impl Run {
                 Turn::Lost(e) => e,
                 Turn::Failed(e) => return self.fail(&tx, e).await,
             };
+            self.attempt.span = None; // the lost attempt ends here
             self.model.routes.report_failure(&replica);
             self.excluded.push(replica.clone());
             self.failovers += 1;
@@ -254,9 +291,29 @@ impl Run {
     }
 
     /// Ends the request with `e`, counted by its status code.
-    async fn fail(&self, tx: &mpsc::Sender<Result<Chunk>>, e: Error) {
-        self.timer.failed(&e);
+    async fn fail(&mut self, tx: &mpsc::Sender<Result<Chunk>>, e: Error) {
+        self.fail_now(&e);
         let _ = tx.send(Err(e)).await;
+    }
+
+    /// Counts and records a failure (the caller reports it).
+    fn fail_now(&mut self, e: &Error) {
+        self.timer.failed(e);
+        self.record_end(Err(e));
+    }
+
+    /// Records the outcome on the request's span and closes the attempt's.
+    fn record_end(&mut self, end: std::result::Result<FinishReason, &Error>) {
+        let a = &self.attempt;
+        let tokens = self.job.generated.len();
+        match &end {
+            Ok(reason) => {
+                debug!(finish_reason = reason.as_str(), tokens, replica = %a.replica, "request finished")
+            }
+            Err(e) => debug!(error = %e, tokens, "request failed"),
+        }
+        span::finished(&self.span, &a.replica, a.ranks, self.failovers, tokens, end);
+        self.attempt.span = None;
     }
 }
 

@@ -6,5 +6,6 @@
 pub mod admission;
 pub mod generation;
 pub mod metrics;
+pub mod span;
 pub mod text;
 pub mod tokenizer;

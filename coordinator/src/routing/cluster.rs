@@ -138,7 +138,14 @@ impl Routes for ClusterRoutes {
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         let i = select(&candidates, index.best(&hashes, &candidates), prompt_key(prompt, block_size));
         index.record(&hashes, &ready[i].0);
+        let view = self.view.borrow().clone();
+        let ranks = view
+            .replicas
+            .get(self.model.as_str())
+            .and_then(|rs| rs.get(ready[i].0.as_str()))
+            .map(|r| r.workers.len());
         Some(Arc::new(RemoteReplica {
+            ranks: ranks.unwrap_or(1),
             id: ReplicaId::new(ready[i].0.as_str()),
             address: ready[i].1.clone(),
             clients: self.clients.clone(),
@@ -177,6 +184,7 @@ impl Routes for ClusterRoutes {
 /// A replica's rank 0, through the `WorkerApi` seam.
 pub struct RemoteReplica {
     id: ReplicaId,
+    ranks: usize,
     address: String,
     clients: Arc<WorkerClients>,
     load: Arc<ReplicaLoad>,
@@ -195,6 +203,10 @@ impl Drop for Outstanding {
 impl Replica for RemoteReplica {
     fn id(&self) -> &str {
         &self.id
+    }
+
+    fn ranks(&self) -> usize {
+        self.ranks
     }
 
     async fn submit(&self, job: &Job) -> Result<EventStream> {

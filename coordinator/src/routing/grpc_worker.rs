@@ -72,11 +72,10 @@ impl WorkerApi for GrpcWorker {
     async fn generate(&self, replica: &ReplicaId, job: &Job) -> Result<EventStream> {
         let peer = format!("replica {replica} at {}", self.address);
         let mut client = self.client.clone();
-        let stream = client
-            .generate(wire::job_to_pb(replica, job))
-            .await
-            .map_err(|s| from_status(&s, &peer))?
-            .into_inner();
+        let mut call = tonic::Request::new(wire::job_to_pb(replica, job));
+        // The attempt's span: the worker's spans join the caller's trace.
+        strata_common::trace::inject(&tracing::Span::current(), call.metadata_mut());
+        let stream = client.generate(call).await.map_err(|s| from_status(&s, &peer))?.into_inner();
         // Each message carries tokens; the last carries the finish reason. After the last
         // event (finished or failed) the stream ends, releasing the call.
         let events = futures::stream::unfold(

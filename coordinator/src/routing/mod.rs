@@ -32,6 +32,10 @@ pub use strata_common::worker_api::{EventStream, Job};
 #[async_trait::async_trait]
 pub trait Replica: Send + Sync {
     fn id(&self) -> &str;
+    /// How many ranks (processes or threads holding a shard) serve it.
+    fn ranks(&self) -> usize {
+        1
+    }
     /// Starts `job`. Errors of class `Unavailable` mean "try another replica";
     /// `Overloaded` means this one is full.
     async fn submit(&self, job: &Job) -> Result<EventStream>;

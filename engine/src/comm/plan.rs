@@ -8,13 +8,14 @@
 //! malformed message fails the follower's step with an error, never an out-of-bounds
 //! access or an allocation the message did not pay for.
 
+use strata_common::trace::{TraceContext, MAX_TRACESTATE};
 use strata_common::{Error, Result};
 
 use crate::backend::{BatchLayout, SeqSlice};
 use crate::logits::LogitsWanted;
 
 /// Bumped whenever the layout below changes; ranks of one replica must agree.
-pub const PLAN_VERSION: u8 = 1;
+pub const PLAN_VERSION: u8 = 2;
 
 const KIND_STEP: u8 = 1;
 const KIND_SHUTDOWN: u8 = 2;
@@ -30,7 +31,13 @@ pub struct StepPlan {
     pub layout: BatchLayout,
     pub logit_rows: Vec<usize>,
     pub wanted: LogitsWanted,
+    /// The leader's step span, so each rank's step joins the trace of the requests it
+    /// serves (None when spans are not exported).
+    pub trace: Option<TraceContext>,
 }
+
+/// Longest `traceparent` a step carries (the W3C form is 55 bytes).
+const MAX_TRACEPARENT: usize = 64;
 
 /// A message from the leader rank.
 #[derive(Debug, Clone)]
@@ -77,7 +84,9 @@ impl LeaderMessage {
                 out
             }
             LeaderMessage::Shutdown => vec![KIND_SHUTDOWN, PLAN_VERSION],
-            LeaderMessage::Step(p) => encode_step(&p.ids, &p.layout, &p.logit_rows, p.wanted),
+            LeaderMessage::Step(p) => {
+                encode_step(&p.ids, &p.layout, &p.logit_rows, p.wanted, p.trace.as_ref())
+            }
         }
     }
 
@@ -115,7 +124,13 @@ impl LeaderMessage {
 }
 
 /// A step message from borrowed parts (the leader encodes every step without copying).
-pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize], wanted: LogitsWanted) -> Vec<u8> {
+pub fn encode_step(
+    ids: &[u32],
+    layout: &BatchLayout,
+    logit_rows: &[usize],
+    wanted: LogitsWanted,
+    trace: Option<&TraceContext>,
+) -> Vec<u8> {
     let mut out = vec![KIND_STEP, PLAN_VERSION];
     put_all(&mut out, ids.iter().map(|&x| x as usize));
     put_all(&mut out, layout.positions.iter().map(|&x| x as usize));
@@ -130,6 +145,11 @@ pub fn encode_step(ids: &[u32], layout: &BatchLayout, logit_rows: &[usize], want
     }
     put_all(&mut out, logit_rows.iter().copied());
     put(&mut out, (wanted == LogitsWanted::Greedy) as usize);
+    let (parent, state) = trace.map_or(("", ""), |t| (t.traceparent.as_str(), t.tracestate.as_str()));
+    for text in [parent, state] {
+        put(&mut out, text.len());
+        out.extend_from_slice(text.as_bytes());
+    }
     out
 }
 
@@ -156,6 +176,17 @@ impl Reader<'_> {
             return Err(bad(format!("a count of {n} in {} remaining bytes", self.remaining())));
         }
         Ok(n)
+    }
+
+    /// A length-prefixed string of at most `max` bytes.
+    fn text(&mut self, max: usize) -> Result<&str> {
+        let n = self.u32()? as usize;
+        if n > max || n > self.remaining() {
+            return Err(bad(format!("a string of {n} bytes (at most {max})")));
+        }
+        let bytes = &self.b[self.at..self.at + n];
+        self.at += n;
+        std::str::from_utf8(bytes).map_err(|_| bad("a string that is not UTF-8"))
     }
 
     fn vec(&mut self) -> Result<Vec<u32>> {
@@ -186,7 +217,13 @@ fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
         1 => LogitsWanted::Greedy,
         w => return Err(bad(format!("logits form {w}"))),
     };
-    Ok(StepPlan { ids, layout: BatchLayout { positions, slots, seqs, block_size }, logit_rows, wanted })
+    let parent = r.text(MAX_TRACEPARENT)?.to_string();
+    let state = r.text(MAX_TRACESTATE)?;
+    // A context that is not W3C's form is dropped: tracing is never a reason to fail a step.
+    let trace =
+        (!parent.is_empty()).then(|| TraceContext::from_headers(Some(&parent), Some(state))).flatten();
+    let layout = BatchLayout { positions, slots, seqs, block_size };
+    Ok(StepPlan { ids, layout, logit_rows, wanted, trace })
 }
 
 /// Every index in `p` stays inside the KV cache, the vocabulary and the step's own rows.
@@ -243,6 +280,10 @@ mod tests {
             },
             logit_rows: vec![1, 2],
             wanted: LogitsWanted::Greedy,
+            trace: Some(TraceContext {
+                traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                tracestate: "k=v".into(),
+            }),
         }
     }
 
@@ -262,6 +303,9 @@ mod tests {
         assert_eq!((back.ids, back.logit_rows, back.wanted), (p.ids, p.logit_rows, p.wanted));
         assert_eq!((back.layout.positions, back.layout.slots), (p.layout.positions, p.layout.slots));
         assert_eq!(back.layout.seqs[1].block_table, vec![4]);
+        assert_eq!(back.trace, p.trace);
+        let untraced = StepPlan { trace: None, ..plan() };
+        assert_eq!(step(&LeaderMessage::Step(untraced).encode()).unwrap().trace, None);
         let init = LeaderMessage::Init { num_blocks: 8, block_size: 16 }.encode();
         assert!(matches!(
             LeaderMessage::decode(&init, None).unwrap(),

@@ -325,9 +325,10 @@ impl<B: Backend> Model<B> {
         if self.shard.tp() == 1 {
             return Ok(());
         }
+        let bytes = rows * self.config.hidden_size * std::mem::size_of::<f32>();
+        let _span = tracing::debug_span!("all_reduce", bytes = bytes as i64).entered();
         let started = Instant::now();
         self.backend.all_reduce(x, &self.shard.tp_group, comm)?;
-        let bytes = rows * self.config.hidden_size * std::mem::size_of::<f32>();
         self.metrics.all_reduce(started.elapsed(), bytes);
         Ok(())
     }
