@@ -293,6 +293,43 @@ impl Cluster {
         .await
     }
 
+    /// Deploys `name` from `dir` as `replicas` replicas of `tp` ranks through the first
+    /// coordinator, and waits until every replica is ready and the coordinator routes to
+    /// the model.
+    pub async fn deploy_ready(&self, name: &str, dir: &str, tp: u32, replicas: u32, limit: Duration) {
+        use strata_proto::admin::v1 as apb;
+        use strata_proto::admin::v1::admin_client::AdminClient;
+        use strata_proto::inference::v1 as ipb;
+        use strata_proto::inference::v1::inference_client::InferenceClient;
+        let endpoint = self.coordinators[0].endpoint();
+        let mut admin = AdminClient::connect(endpoint.clone()).await.expect("connect admin");
+        let req = apb::DeployModelRequest {
+            name: name.into(),
+            model_dir: dir.into(),
+            tp,
+            pp: 1,
+            replicas,
+            ..Default::default()
+        };
+        admin.deploy_model(req).await.expect("deploy");
+        eventually(&format!("{replicas} ready replicas of {name}"), limit, || {
+            let (mut admin, endpoint) = (admin.clone(), endpoint.clone());
+            async move {
+                let rs = admin.list_replicas(apb::ListReplicasRequest { name: name.into() }).await.ok()?;
+                let ready = rs
+                    .into_inner()
+                    .replicas
+                    .iter()
+                    .filter(|r| r.state == apb::ReplicaState::Ready as i32)
+                    .count();
+                let mut c = InferenceClient::connect(endpoint).await.ok()?;
+                let models = c.list_models(ipb::ListModelsRequest {}).await.ok()?.into_inner().models;
+                (ready == replicas as usize && models.iter().any(|m| m.name == name)).then_some(())
+            }
+        })
+        .await;
+    }
+
     /// A worker.v1 channel to worker `id`, as a coordinator.
     pub async fn worker_channel(&self, id: &str) -> tonic::transport::Channel {
         self.channel(&self.worker(id).addr).await

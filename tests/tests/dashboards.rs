@@ -6,8 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use strata_proto::admin::v1 as apb;
-use strata_proto::admin::v1::admin_client::AdminClient;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 use strata_tests::cluster::{Cluster, Timing};
 use strata_tests::prometheus::Prometheus;
@@ -75,18 +73,8 @@ async fn load(endpoint: &str) -> Load {
 async fn prometheus_scrapes_the_cluster_and_every_panel_has_data() {
     let cluster = Cluster::start(1, 2, Timing::default());
     let coordinator = &cluster.coordinators[0];
-    let mut admin = AdminClient::connect(coordinator.endpoint()).await.unwrap();
     let dir = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
-    let deploy = apb::DeployModelRequest {
-        name: "gqa".into(),
-        model_dir: dir,
-        tp: 2,
-        pp: 1,
-        replicas: 1,
-        ..Default::default()
-    };
-    admin.deploy_model(deploy).await.expect("deploy");
-    // Requests wait (--route-wait) for the replica to be ready.
+    cluster.deploy_ready("gqa", &dir, 2, 1, Duration::from_secs(60)).await;
     let n = load(&coordinator.endpoint()).await;
 
     let metrics = |p: &strata_tests::cluster::Proc| p.metrics.clone().expect("metrics address announced");

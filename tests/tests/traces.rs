@@ -31,19 +31,6 @@ fn traced_cluster(receiver: &OtlpReceiver, workers: usize) -> Cluster {
     Cluster::start_with_env(1, workers, Timing::default(), &env)
 }
 
-async fn deploy(cluster: &Cluster, name: &str, dir: &str, tp: u32, replicas: u32) {
-    let mut admin = AdminClient::connect(cluster.coordinators[0].endpoint()).await.unwrap();
-    let req = apb::DeployModelRequest {
-        name: name.into(),
-        model_dir: dir.into(),
-        tp,
-        pp: 1,
-        replicas,
-        ..Default::default()
-    };
-    admin.deploy_model(req).await.expect("deploy");
-}
-
 /// Every span's parent is another span of the trace, or the caller's span.
 fn unlinked(spans: &[ReceivedSpan]) -> Vec<String> {
     let ids: HashSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
@@ -59,9 +46,9 @@ async fn one_request_is_one_trace_through_every_rank() {
     let receiver = OtlpReceiver::start().await;
     let cluster = traced_cluster(&receiver, 2);
     let dir = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
-    deploy(&cluster, "gqa", &dir, 2, 1).await;
+    cluster.deploy_ready("gqa", &dir, 2, 1, Duration::from_secs(60)).await;
     let mut c = InferenceClient::connect(cluster.coordinators[0].endpoint()).await.unwrap();
-    // Untraced first (it waits for the replica), then the traced request alone.
+    // Untraced first, then the traced request alone.
     c.generate(token_request("gqa", vec![1, 2], 2)).await.expect("warm-up");
     let mut req = token_request("gqa", vec![3, 4, 5], 5);
     req.request_id = "traced-1".into();
@@ -122,25 +109,10 @@ async fn a_failover_is_a_second_attempt_in_the_same_trace() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("slow");
     write_slow_model(&model);
-    deploy(&cluster, "slow", &model.to_string_lossy(), 1, 2).await;
+    cluster.deploy_ready("slow", &model.to_string_lossy(), 1, 2, Duration::from_secs(60)).await;
     let endpoint = cluster.coordinators[0].endpoint();
     let mut c = InferenceClient::connect(endpoint.clone()).await.unwrap();
     let mut admin = AdminClient::connect(endpoint).await.unwrap();
-    eventually("two ready replicas", Duration::from_secs(60), || {
-        let mut admin = admin.clone();
-        async move {
-            let rs = admin.list_replicas(apb::ListReplicasRequest { name: "slow".into() }).await.ok()?;
-            let ready = rs
-                .into_inner()
-                .replicas
-                .iter()
-                .filter(|r| r.state == apb::ReplicaState::Ready as i32)
-                .count();
-            (ready == 2).then_some(())
-        }
-    })
-    .await;
-
     let mut stream = c
         .generate_stream(traced(token_request("slow", vec![1, 2, 3], 48), TRACE))
         .await
