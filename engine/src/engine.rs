@@ -22,7 +22,7 @@ use crate::logits::{LogitsWanted, StepLogits, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
-use crate::scheduler::{Scheduler, SchedulerConfig, SeqData, StepPlan};
+use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqData, StepPlan};
 
 /// A KV cache in host memory must fit in what the machine has available: asking for more
 /// is an error naming the setting, never an allocation that aborts the process.
@@ -304,7 +304,7 @@ impl Engine {
     /// to the others').
     pub fn step_traced(
         &mut self,
-        span_for: impl FnOnce(&[SeqId]) -> tracing::Span,
+        span_for: impl FnOnce(&[Scheduled]) -> tracing::Span,
     ) -> Result<Vec<StepEvent>> {
         let mut plan = self.scheduler.schedule();
         for (seq, error) in plan.aborted.drain(..) {
@@ -328,8 +328,7 @@ impl Engine {
                 .filter(|s| s.sample)
                 .all(|s| self.meta.get(&s.id).is_some_and(|m| !m.sampler.needs_full_logits()));
         let wanted = if greedy_only { LogitsWanted::Greedy } else { LogitsWanted::Full };
-        let seq_ids: Vec<SeqId> = plan.seqs.iter().map(|s| s.id).collect();
-        let span = span_for(&seq_ids);
+        let span = span_for(&plan.seqs);
         let logits = span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted))?;
         let returned = logits.rows(vocab);
         if returned != logit_rows.len() {

@@ -25,7 +25,7 @@ use tracing::{debug, error, info_span, Span};
 
 use crate::engine::{Engine, SeqId};
 use crate::metrics::RunnerMetrics;
-use crate::scheduler::SchedulerStats;
+use crate::scheduler::{Scheduled, SchedulerStats};
 
 /// Limits of one runner.
 #[derive(Debug, Clone)]
@@ -258,8 +258,8 @@ struct Caller {
 
 /// The span of a step over `seqs`: a child of the first traced sequence's span, linked to
 /// the other sequences' (one step serves many requests; each request's trace shows it).
-fn step_span(streams: &HashMap<SeqId, Live>, seqs: &[SeqId]) -> Span {
-    let mut traced = seqs.iter().filter_map(|id| streams.get(id)).filter(|l| !l.span.is_none());
+fn step_span(streams: &HashMap<SeqId, Live>, seqs: &[Scheduled]) -> Span {
+    let mut traced = seqs.iter().filter_map(|s| streams.get(&s.id)).filter(|l| !l.span.is_none());
     let Some(first) = traced.next() else { return Span::none() };
     let span = info_span!(parent: &first.span, "engine.step", seqs = seqs.len() as i64);
     for other in traced {
