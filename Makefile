@@ -4,7 +4,7 @@ CARGO ?= cargo
 DEMO_MODEL ?= target/demo-model
 STRATA_RELEASE := target/release/strata
 
-.PHONY: test demo build lint fmt bench-engine prerequisites
+.PHONY: test demo build lint fmt bench-engine prerequisites image image-cuda
 
 ## Everything CI checks: formatting, lints, the whole test suite, and that the `cuda`
 ## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
@@ -35,6 +35,14 @@ demo: prerequisites
 		$(STRATA_RELEASE) model random --arch llama --layers 4 --hidden 256 --heads 8 --kv-heads 4 \
 			--intermediate 768 --vocab 2048 --out $(DEMO_MODEL); fi
 	@scripts/demo.sh $(STRATA_RELEASE) $(DEMO_MODEL)
+
+## Container images (needs docker): CPU, and CUDA for GPU nodes. IMAGE names them.
+IMAGE ?= strata
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+image:
+	docker build -f deploy/docker/Dockerfile -t $(IMAGE):$(VERSION) .
+image-cuda:
+	docker build -f deploy/docker/Dockerfile.cuda -t $(IMAGE):$(VERSION)-cuda .
 
 ## Engine benchmark on the Llama-3.2-1B shape against HF transformers (see docs/PERFORMANCE.md).
 bench-engine:

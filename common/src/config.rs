@@ -288,6 +288,9 @@ pub struct WorkerSettings {
     /// This worker's id (default: host name and port).
     pub id: Option<String>,
     pub drain_timeout_s: f64,
+    /// Where plaintext `grpc.health.v1` is served for probes that cannot present a
+    /// cluster certificate (the kubelet's); None: only on the worker.v1 port.
+    pub health_listen: Option<SocketAddr>,
 }
 
 impl Default for WorkerSettings {
@@ -297,6 +300,7 @@ impl Default for WorkerSettings {
             advertise: None,
             id: None,
             drain_timeout_s: 30.0,
+            health_listen: None,
         }
     }
 }

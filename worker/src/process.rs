@@ -13,6 +13,7 @@ use strata_common::registry::Registry;
 use strata_proto::worker::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tonic_health::pb::health_server::{Health, HealthServer};
 use tracing::{info, warn};
 
 use strata_common::tls::ClusterTls;
@@ -55,6 +56,31 @@ pub struct WorkerOptions {
     /// Cluster credentials: worker.v1 then accepts only clients with a certificate from
     /// the cluster CA, and only coordinators may drive it. None: every caller is trusted.
     pub tls: Option<ClusterTls>,
+    /// Plaintext grpc.health.v1 (only) for probes without a cluster certificate.
+    pub health_listen: Option<SocketAddr>,
+}
+
+/// Serves grpc.health.v1 alone, in plaintext, on `addr` (announced on stdout as
+/// `{"event":"health","address":…}`): the kubelet's gRPC probes carry no client certificate.
+async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(addr).await.with_context(|| format!("--health-listen {addr}"))?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_service(health)
+            .serve_with_incoming(TcpListenerStream::new(listener));
+        if let Err(e) = served.await {
+            warn!(error = %e, "the health endpoint stopped");
+        }
+    });
+    let address = bound.to_string();
+    announce(&strata_common::ready::Announcement {
+        event: "health",
+        role: "worker",
+        address: &address,
+        id: "",
+    });
+    Ok(())
 }
 
 /// Serves worker.v1, registers with a lease, and holds whatever shard the leader
@@ -90,6 +116,9 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
     };
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<WorkerServer<WorkerService>>().await;
+    if let Some(addr) = opts.health_listen {
+        serve_health(addr, health.clone()).await?;
+    }
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let mut builder =
         tonic::transport::Server::builder().max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS));

