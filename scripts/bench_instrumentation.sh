@@ -17,7 +17,8 @@ BASE_REV=${2:-6dfeb28}
 PY=${PYTHON:-target/pyenv/bin/python}
 cargo build --release --bin strata -p strata-cli
 if [ ! -x target/baseline/bin/strata ]; then
-  rm -rf target/baseline/src
+  git worktree remove --force target/baseline/src 2>/dev/null || rm -rf target/baseline/src
+  git worktree prune
   git worktree add --detach target/baseline/src "$BASE_REV" >&2
   (cd target/baseline/src && CARGO_TARGET_DIR=../target cargo build --release --bin strata -p strata-cli)
   mkdir -p target/baseline/bin && cp target/baseline/target/release/strata target/baseline/bin/strata

@@ -5,7 +5,10 @@
 //! The standard OpenTelemetry environment variables apply: `OTEL_SERVICE_NAME` and
 //! `OTEL_RESOURCE_ATTRIBUTES` name the process, `OTEL_BSP_*` tune batching,
 //! `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` sample. `RUST_LOG` filters the logs;
-//! `STRATA_TRACES_FILTER` (default `info`) filters the spans exported. The exporter runs
+//! `STRATA_TRACES_FILTER` (default [`TRACES_FILTER`]) filters the spans exported. The
+//! request path's inner spans (attempts, the sequence's stages, steps, ranks' steps) are
+//! at debug level: exported by default, but never made at all when nothing exports them
+//! (the logs at `info` do not need them). The exporter runs
 //! on a one-thread runtime of its own, so the process's own runtime (if any) does not
 //! need to exist yet, and a stalled collector never blocks a request: spans wait in a
 //! bounded queue and are dropped when it is full.
@@ -39,6 +42,10 @@ impl std::str::FromStr for LogFormat {
         }
     }
 }
+
+/// The spans exported unless `STRATA_TRACES_FILTER` says otherwise: every process's info
+/// spans and the request path's debug ones (not the per-all-reduce trace spans).
+pub const TRACES_FILTER: &str = "info,strata_coordinator=debug,strata_worker=debug,strata_engine=debug";
 
 /// Keeps the exporter running; flushes the spans still queued when dropped.
 pub struct Telemetry {
@@ -86,7 +93,7 @@ pub fn init(service: &str, format: LogFormat) -> Result<Telemetry, String> {
     let mut telemetry = Telemetry { provider: None, runtime: None };
     let traces = if export_requested() {
         let (provider, runtime) = exporter(service)?;
-        let filter = std::env::var("STRATA_TRACES_FILTER").unwrap_or_else(|_| "info".into());
+        let filter = std::env::var("STRATA_TRACES_FILTER").unwrap_or_else(|_| TRACES_FILTER.into());
         let filter =
             EnvFilter::try_new(&filter).map_err(|e| format!("STRATA_TRACES_FILTER {filter:?}: {e}"))?;
         let layer = tracing_opentelemetry::layer().with_tracer(provider.tracer("strata")).with_filter(filter);

@@ -14,7 +14,7 @@
 use std::time::Instant;
 
 use strata_common::{Error, ModelConfig, Parallelism, Result, ShardPlan};
-use tracing::{info_span, Span};
+use tracing::{debug_span, Span};
 
 use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
@@ -165,7 +165,7 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
             self.comm.send(r, &msg)?;
         }
         let span = match trace {
-            Some(_) => info_span!("rank.step", rank = 0i64, tokens = ids.len() as i64),
+            Some(_) => debug_span!("rank.step", rank = 0i64, tokens = ids.len() as i64),
             None => Span::none(),
         };
         let own = span.in_scope(|| {
@@ -273,7 +273,7 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
         let StepPlan { ids, layout, logit_rows, wanted, trace } = plan;
         let span = match &trace {
             Some(cx) => {
-                let span = info_span!("rank.step", rank = rank as i64, tokens = ids.len() as i64);
+                let span = debug_span!("rank.step", rank = rank as i64, tokens = ids.len() as i64);
                 strata_common::trace::set_parent(&span, cx);
                 span
             }

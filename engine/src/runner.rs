@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use strata_common::{EngineStats, Error, Result, SamplingParams, SeqEvent};
 use tokio::sync::mpsc as tmpsc;
-use tracing::{debug, error, info_span, Span};
+use tracing::{debug, debug_span, error, Span};
 
 use crate::engine::{Engine, SeqId};
 use crate::metrics::RunnerMetrics;
@@ -261,7 +261,7 @@ struct Caller {
 fn step_span(streams: &HashMap<SeqId, Live>, seqs: &[Scheduled]) -> Span {
     let mut traced = seqs.iter().filter_map(|s| streams.get(&s.id)).filter(|l| !l.span.is_none());
     let Some(first) = traced.next() else { return Span::none() };
-    let span = info_span!(parent: &first.span, "engine.step", seqs = seqs.len() as i64);
+    let span = debug_span!(parent: &first.span, "engine.step", seqs = seqs.len() as i64);
     for other in traced {
         strata_common::trace::link(&span, &other.span);
     }
@@ -280,9 +280,9 @@ fn stage_span(parent: &Span, stage: Stage) -> Span {
         return Span::none();
     }
     match stage {
-        Stage::Queue => info_span!(parent: parent, "queue"),
-        Stage::Prefill => info_span!(parent: parent, "prefill"),
-        Stage::Decode => info_span!(parent: parent, "decode"),
+        Stage::Queue => debug_span!(parent: parent, "queue"),
+        Stage::Prefill => debug_span!(parent: parent, "prefill"),
+        Stage::Decode => debug_span!(parent: parent, "decode"),
     }
 }
 

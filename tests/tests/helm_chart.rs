@@ -5,7 +5,7 @@
 //! - what it renders runs: the etcd, coordinator and worker containers' command, args and
 //!   env, and the model-deploying hook Job's, start as local processes — Service DNS names
 //!   swapped for loopback ports, mounted Secrets and volumes for files — and the cluster
-//!   comes up, the hook deploys the model, and a request through the coordinator returns
+//!   comes up (etcd and the cluster over the TLS the chart generates), the hook deploys the model, and a request through the coordinator returns
 //!   tokens.
 
 use std::collections::HashMap;
@@ -167,18 +167,22 @@ fn decode_b64(s: &str) -> String {
     String::from_utf8(out.wait_with_output().unwrap().stdout).unwrap()
 }
 
-/// The rendered Secrets: every value by (secret, key), and the cluster TLS files written
-/// where the pods mount them (`<dir>/tls`).
+/// The rendered Secrets: every value by (secret, key), and the TLS Secrets' files written
+/// where the pods mount them (`<dir>/tls` for the cluster's, `<dir>/etcd-tls` for etcd's).
 fn secrets(objs: &[Value], dir: &Path) -> HashMap<(String, String), String> {
     let mut out = HashMap::new();
-    let tls = dir.join("tls");
-    std::fs::create_dir_all(&tls).unwrap();
     for s in objs.iter().filter(|o| o["kind"] == "Secret") {
         let name = s["metadata"]["name"].as_str().unwrap().to_string();
+        let files = match name.as_str() {
+            n if n.ends_with("-cluster-tls") => Some(dir.join("tls")),
+            n if n.ends_with("-etcd-tls") => Some(dir.join("etcd-tls")),
+            _ => None,
+        };
         for (k, v) in s["data"].as_object().into_iter().flatten() {
             let value = decode_b64(v.as_str().unwrap());
-            if name.ends_with("-cluster-tls") {
-                std::fs::write(tls.join(k), &value).unwrap();
+            if let Some(files) = &files {
+                std::fs::create_dir_all(files).unwrap();
+                std::fs::write(files.join(k), &value).unwrap();
             }
             out.insert((name.clone(), k.clone()), value);
         }
@@ -220,9 +224,9 @@ fn start_etcd(world: &World, etcd: &Value, ports: &[(u16, u16, u16)]) -> Vec<Loc
         let pod = format!("{name}-{i}");
         let data = world.dir.join(&pod);
         let own = world.with(vec![
-            ("http://0.0.0.0:2379".into(), format!("http://127.0.0.1:{client}")),
-            ("http://0.0.0.0:2380".into(), format!("http://127.0.0.1:{peer}")),
-            ("http://0.0.0.0:2381".into(), format!("http://127.0.0.1:{metrics}")),
+            ("0.0.0.0:2379".into(), format!("127.0.0.1:{client}")),
+            ("0.0.0.0:2380".into(), format!("127.0.0.1:{peer}")),
+            ("0.0.0.0:2381".into(), format!("127.0.0.1:{metrics}")),
             ("--data-dir=/var/lib/etcd/data".into(), format!("--data-dir={}", data.display())),
         ]);
         out.push(own.start(container(etcd), &pod));
@@ -306,13 +310,15 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
     let coordinator_port = free_port();
     let mut subst: Vec<(String, String)> = vec![
         ("/etc/strata/tls".into(), tmp.path().join("tls").to_string_lossy().into()),
+        ("/etc/strata/etcd".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
+        ("/etc/etcd/tls".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
         ("=/models".into(), format!("={}", models.display())),
         (format!("http://{service}.{ns}.svc:50051"), format!("http://127.0.0.1:{coordinator_port}")),
     ];
     for (i, (client, peer, _)) in etcd_ports.iter().enumerate() {
         let host = format!("{etcd_name}-{i}.{etcd_name}.{ns}.svc");
-        subst.push((format!("http://{host}:2379"), format!("http://127.0.0.1:{client}")));
-        subst.push((format!("http://{host}:2380"), format!("http://127.0.0.1:{peer}")));
+        subst.push((format!("{host}:2379"), format!("127.0.0.1:{client}")));
+        subst.push((format!("{host}:2380"), format!("127.0.0.1:{peer}")));
     }
     let world = World { subst, secrets, dir: tmp.path().to_path_buf() };
     let _etcd = start_etcd(&world, etcd, &etcd_ports);

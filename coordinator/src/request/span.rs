@@ -7,7 +7,7 @@
 use strata_common::trace::{self, TraceContext};
 use strata_common::{FinishReason, SamplingParams};
 use tracing::field::Empty;
-use tracing::{info_span, Span};
+use tracing::{debug_span, info_span, Span};
 
 // Numbers are recorded as i64: the OpenTelemetry bridge exports i64 as integers (and
 // unsigned values as text).
@@ -76,7 +76,7 @@ pub fn attempt_span(parent: &Span, replica: &str, ranks: usize, attempt: usize) 
     if parent.is_none() {
         return Span::none();
     }
-    info_span!(parent: parent, "attempt", strata.replica = %replica, strata.ranks = ranks as i64, strata.attempt = attempt as i64)
+    debug_span!(parent: parent, "attempt", strata.replica = %replica, strata.ranks = ranks as i64, strata.attempt = attempt as i64)
 }
 
 /// Records the outcome: the replica that finished it, failovers, output tokens, and the

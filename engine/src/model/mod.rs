@@ -326,7 +326,7 @@ impl<B: Backend> Model<B> {
             return Ok(());
         }
         let bytes = rows * self.config.hidden_size * std::mem::size_of::<f32>();
-        let _span = tracing::debug_span!("all_reduce", bytes = bytes as i64).entered();
+        let _span = tracing::trace_span!("all_reduce", bytes = bytes as i64).entered();
         let started = Instant::now();
         self.backend.all_reduce(x, &self.shard.tp_group, comm)?;
         self.metrics.all_reduce(started.elapsed(), bytes);

@@ -40,8 +40,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- $name := printf "%s-etcd" (include "strata.fullname" .) -}}
 {{- $ns := .Release.Namespace -}}
 {{- $eps := list -}}
+{{- $scheme := ternary "https" "http" (.Values.etcd.tls.enabled | default false) -}}
 {{- range $i := until (int .Values.etcd.replicas) -}}
-{{- $eps = append $eps (printf "http://%s-%d.%s.%s.svc:2379" $name $i $name $ns) -}}
+{{- $eps = append $eps (printf "%s://%s-%d.%s.%s.svc:2379" $scheme $name $i $name $ns) -}}
 {{- end -}}
 {{- join "," $eps -}}
 {{- else -}}
@@ -75,9 +76,15 @@ app.kubernetes.io/component: {{ .component }}
 - name: STRATA_ETCD_PASSWORD
   valueFrom: { secretKeyRef: { name: {{ .Values.etcd.external.authSecret }}, key: password } }
 {{- end }}
-{{- if .Values.etcd.external.tlsSecret }}
+{{- if include "strata.etcdTls" . }}
 - name: STRATA_ETCD_CA
   value: /etc/strata/etcd/ca.crt
+{{- if or .Values.etcd.bundled .Values.etcd.external.clientCert }}
+- name: STRATA_ETCD_CERT
+  value: /etc/strata/etcd/tls.crt
+- name: STRATA_ETCD_KEY
+  value: /etc/strata/etcd/tls.key
+{{- end }}
 {{- end }}
 {{- if .Values.monitoring.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
@@ -107,9 +114,9 @@ app.kubernetes.io/component: {{ .component }}
 - name: models
   hostPath: { path: {{ .Values.modelStorage.hostPath }}, type: Directory }
 {{- end }}
-{{- if .Values.etcd.external.tlsSecret }}
+{{- if include "strata.etcdTls" . }}
 - name: etcd-tls
-  secret: { secretName: {{ .Values.etcd.external.tlsSecret }}, defaultMode: 0440 }
+  secret: { secretName: {{ include "strata.etcdTlsSecret" . }}, defaultMode: 0440 }
 {{- end }}
 {{- end -}}
 
@@ -119,7 +126,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- if ne .Values.modelStorage.type "none" }}
 - { name: models, mountPath: {{ .Values.modelStorage.mountPath }}, readOnly: true }
 {{- end }}
-{{- if .Values.etcd.external.tlsSecret }}
+{{- if include "strata.etcdTls" . }}
 - { name: etcd-tls, mountPath: /etc/strata/etcd, readOnly: true }
 {{- end }}
 {{- end -}}
@@ -148,4 +155,19 @@ seccompProfile: { type: RuntimeDefault }
 
 {{- define "strata.firstModel" -}}
 {{- with .Values.models }}{{ (first .).name }}{{ end -}}
+{{- end -}}
+
+{{/* Whether Strata reaches etcd over TLS ("true" or empty). */}}
+{{- define "strata.etcdTls" -}}
+{{- if .Values.etcd.bundled -}}
+{{- if .Values.etcd.tls.enabled }}true{{ end -}}
+{{- else if .Values.etcd.external.tlsSecret }}true{{ end -}}
+{{- end -}}
+
+{{- define "strata.etcdTlsSecret" -}}
+{{- if .Values.etcd.bundled -}}
+{{- printf "%s-etcd-tls" (include "strata.fullname" .) -}}
+{{- else -}}
+{{- .Values.etcd.external.tlsSecret -}}
+{{- end -}}
 {{- end -}}
