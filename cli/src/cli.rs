@@ -184,6 +184,9 @@ pub struct GenerateArgs {
     /// With --endpoint: stream text as it is generated.
     #[arg(long, requires = "endpoint")]
     pub stream: bool,
+    /// With --endpoint: the API key the server expects (sent as "authorization: Bearer").
+    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true, requires = "endpoint")]
+    pub api_key: Option<String>,
     /// In-process: prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about
     /// twice as fast, no longer f32-exact).
     #[arg(long)]

@@ -54,7 +54,11 @@ pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Res
     let mut client = InferenceClient::connect(endpoint.to_string())
         .await
         .with_context(|| format!("cannot connect to --endpoint {endpoint}"))?;
-    let req = request_from_args(args);
+    let mut req = tonic::Request::new(request_from_args(args));
+    if let Some(key) = &args.api_key {
+        let value = format!("Bearer {key}").parse().context("--api-key: not a valid header value")?;
+        req.metadata_mut().insert("authorization", value);
+    }
     let want_logprobs = args.logprobs.is_some();
     let mut stdout = std::io::stdout();
     let out = if args.stream {

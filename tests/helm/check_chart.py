@@ -40,7 +40,12 @@ MODEL = [{"name": "demo", "path": "demo", "tp": 2, "replicas": 1}]
 CASES = {
     "default": {},
     # The case the run test starts: a CPU development cluster, one TP=2 model.
-    "cpu": {"mode": "cpu", "models": MODEL, "worker": {"kvCacheMemory": "64MiB", "resources": {}}},
+    "cpu": {
+        "mode": "cpu",
+        "models": MODEL,
+        "worker": {"kvCacheMemory": "64MiB", "resources": {}},
+        "auth": {"apiKeys": ["k-run-0123456789abcdef"]},
+    },
     "external-etcd": {
         "etcd": {
             "bundled": False,

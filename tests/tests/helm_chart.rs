@@ -176,10 +176,17 @@ fn secrets(objs: &[Value], dir: &Path) -> HashMap<(String, String), String> {
         let files = match name.as_str() {
             n if n.ends_with("-cluster-tls") => Some(dir.join("tls")),
             n if n.ends_with("-etcd-tls") => Some(dir.join("etcd-tls")),
+            n if n.ends_with("-api-keys") => Some(dir.join("api-keys")),
             _ => None,
         };
-        for (k, v) in s["data"].as_object().into_iter().flatten() {
-            let value = decode_b64(v.as_str().unwrap());
+        let data =
+            s["data"].as_object().into_iter().flatten().map(|(k, v)| (k, decode_b64(v.as_str().unwrap())));
+        let plain = s["stringData"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| (k, v.as_str().unwrap().to_string()));
+        for (k, value) in data.chain(plain) {
             if let Some(files) = &files {
                 std::fs::create_dir_all(files).unwrap();
                 std::fs::write(files.join(k), &value).unwrap();
@@ -311,6 +318,7 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
     let mut subst: Vec<(String, String)> = vec![
         ("/etc/strata/tls".into(), tmp.path().join("tls").to_string_lossy().into()),
         ("/etc/strata/etcd".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
+        ("/etc/strata/api-keys".into(), tmp.path().join("api-keys").to_string_lossy().into()),
         ("/etc/etcd/tls".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
         ("=/models".into(), format!("={}", models.display())),
         (format!("http://{service}.{ns}.svc:50051"), format!("http://127.0.0.1:{coordinator_port}")),
@@ -325,17 +333,20 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
     let (_strata, health_ports) = start_strata(&world, &objs, coordinator_port, ns);
     run_hook(&world, object(&objs, "Job", "-deploy-models")).await;
 
-    // A request through the coordinator's Service address returns tokens.
-    let endpoint = format!("http://127.0.0.1:{coordinator_port}");
-    let tokens = eventually("tokens through the coordinator", Duration::from_secs(90), || async {
-        let mut c = strata_proto::inference::v1::inference_client::InferenceClient::connect(endpoint.clone())
-            .await
-            .ok()?;
-        let r = c.generate(token_request("demo", vec![1, 2, 3], 4)).await.ok()?;
-        Some(r.into_inner().token_ids)
+    // `helm test`'s pod, as rendered, gets tokens through the coordinator's Service with
+    // the chart's API key; a caller without one is refused.
+    let test_pod = &object(&objs, "Pod", "-test-generate")["spec"]["containers"][0];
+    let out = eventually("tokens through the coordinator", Duration::from_secs(90), || async {
+        let (ok, out) = world.run(test_pod, "test-generate");
+        ok.then_some(out)
     })
     .await;
-    assert_eq!(tokens.len(), 4);
+    assert!(out.contains("4 tokens"), "{out}");
+    let endpoint = format!("http://127.0.0.1:{coordinator_port}");
+    let mut c =
+        strata_proto::inference::v1::inference_client::InferenceClient::connect(endpoint).await.unwrap();
+    let refused = c.generate(token_request("demo", vec![1, 2, 3], 4)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
 
     // The kubelet's probes, as rendered: gRPC health on the coordinator's port and on each
     // worker's plaintext health port, for the services the readiness probes name.
