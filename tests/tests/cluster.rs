@@ -145,6 +145,32 @@ fn slow_model() -> (tempfile::TempDir, PathBuf) {
     (dir, model)
 }
 
+/// Streams 24-token greedy requests of `gqa`, four at a time, alternating between the
+/// two coordinators, until `stop`; each prompt's index with what came back.
+async fn load_until(
+    endpoints: [String; 2],
+    ps: Vec<Vec<u32>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    completed: Arc<AtomicUsize>,
+) -> Vec<(usize, Result<Vec<u32>, tonic::Status>)> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while !stop.load(Ordering::SeqCst) {
+        let mut batch = Vec::new();
+        for j in 0..4 {
+            let k = (i * 4 + j) % ps.len();
+            let ep = endpoints[(i + j) % 2].clone();
+            batch.push((k, tokio::spawn(stream_tokens(ep, gen_req("gqa", ps[k].clone(), 24)))));
+        }
+        for (k, h) in batch {
+            out.push((k, h.await.unwrap()));
+            completed.fetch_add(1, Ordering::SeqCst);
+        }
+        i += 1;
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
     let _g = SERIAL.lock().await;
@@ -161,27 +187,7 @@ async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let completed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let done = || completed.load(std::sync::atomic::Ordering::SeqCst);
-    let load = {
-        let (a, b, ps, stop, completed) = (a.clone(), b.clone(), ps.clone(), stop.clone(), completed.clone());
-        tokio::spawn(async move {
-            let mut out = Vec::new();
-            let mut i = 0;
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                let mut batch = Vec::new();
-                for j in 0..4 {
-                    let k = (i * 4 + j) % ps.len();
-                    let ep = if (i + j) % 2 == 0 { a.clone() } else { b.clone() };
-                    batch.push((k, tokio::spawn(stream_tokens(ep, gen_req("gqa", ps[k].clone(), 24)))));
-                }
-                for (k, h) in batch {
-                    out.push((k, h.await.unwrap()));
-                    completed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                }
-                i += 1;
-            }
-            out
-        })
-    };
+    let load = tokio::spawn(load_until([a.clone(), b.clone()], ps.clone(), stop.clone(), completed.clone()));
     eventually("the load running", Duration::from_secs(20), || async { (done() >= 8).then_some(()) }).await;
     let before_up = done();
     admin(&b)
