@@ -696,3 +696,40 @@ async fn requests_sharing_a_prefix_go_to_the_replica_that_holds_it() {
     served.sort();
     assert!(served == [8, 8] || served == [0, 16], "requests per replica: {served:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_is_ready_only_once_registered() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let _g = SERIAL.lock().await;
+    let mut cluster = Cluster::start(0, 0, Timing::default());
+    cluster.etcd.stop();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let health = format!("127.0.0.1:{port}");
+    cluster.add_worker(&["--health-listen", &health], None);
+    let status = |service: &'static str| {
+        let health = health.clone();
+        async move {
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{health}"))
+                .ok()?
+                .connect()
+                .await
+                .ok()?;
+            let r = HealthClient::new(channel)
+                .check(HealthCheckRequest { service: service.into() })
+                .await
+                .ok()?;
+            Some(r.into_inner().status)
+        }
+    };
+    // The registry is down: the process is alive (plaintext health port, no certificate
+    // needed) but worker.v1 is not ready.
+    assert_eq!(status("").await, Some(ServingStatus::Serving as i32));
+    assert_eq!(status("strata.worker.v1.Worker").await, Some(ServingStatus::NotServing as i32));
+    cluster.etcd.resume();
+    eventually("the worker ready after registering", Duration::from_secs(20), || async {
+        (status("strata.worker.v1.Worker").await == Some(ServingStatus::Serving as i32)).then_some(())
+    })
+    .await;
+}

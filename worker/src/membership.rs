@@ -20,6 +20,9 @@ use crate::agent::WorkerAgent;
 
 pub struct Membership {
     lease: Arc<Mutex<Option<LeaseId>>>,
+    /// True once the record has been written (it stays true through registry outages:
+    /// the worker serves on what it holds).
+    registered: tokio::sync::watch::Receiver<bool>,
     task: tokio::task::JoinHandle<()>,
     registry: Arc<dyn Registry>,
 }
@@ -43,8 +46,14 @@ impl Membership {
         ann: Announcement,
     ) -> Self {
         let lease = Arc::new(Mutex::new(None));
-        let task = tokio::spawn(run(registry.clone(), keys, agent, ann, lease.clone()));
-        Membership { lease, task, registry }
+        let (registered_tx, registered) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(run(registry.clone(), keys, agent, ann, (lease.clone(), registered_tx)));
+        Membership { lease, registered, task, registry }
+    }
+
+    /// Watches whether the worker has registered (false until its first record is written).
+    pub fn registered(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.registered.clone()
     }
 
     /// The current lease (tests revoke it to simulate a lapse).
@@ -68,7 +77,7 @@ async fn run(
     keys: Keys,
     agent: Arc<WorkerAgent>,
     ann: Announcement,
-    current: Arc<Mutex<Option<LeaseId>>>,
+    (current, registered): (Arc<Mutex<Option<LeaseId>>>, tokio::sync::watch::Sender<bool>),
 ) {
     let started_ms = now_ms();
     let key = keys.worker(agent.id());
@@ -111,6 +120,7 @@ async fn run(
                             info!(worker = agent.id(), lease = format!("{lease:x}"), holds = ?held, "registered");
                         }
                         registered_before = true;
+                        registered.send_replace(true);
                         unreachable = false;
                     }
                     Err(e) if e.class() == ErrorClass::NotFound => break 'lease,

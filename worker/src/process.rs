@@ -83,6 +83,24 @@ async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> a
     Ok(())
 }
 
+/// SIGTERM: lets the held replica's sequences finish (up to `timeout`), then unloads it.
+async fn drain(agent: &Arc<WorkerAgent>, timeout: Duration) {
+    info!("shutting down: finishing in-flight sequences");
+    let Some(a) = agent.status().assignment else { return };
+    let _ = agent.drain(&a.replica);
+    let until = tokio::time::Instant::now() + timeout;
+    while tokio::time::Instant::now() < until {
+        let s = agent.status().stats;
+        if s.running + s.waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let replica = a.replica.clone();
+    let unloading = agent.clone();
+    let _ = tokio::task::spawn_blocking(move || unloading.unload(&replica)).await;
+}
+
 /// Serves worker.v1, registers with a lease, and holds whatever shard the leader
 /// coordinator assigns, until SIGTERM.
 pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) -> anyhow::Result<()> {
@@ -114,8 +132,10 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         device_count: 1,
         memory_bytes: strata_common::host::available_memory().unwrap_or(0),
     };
+    // Ready (worker.v1 SERVING) once registered in the registry; the process itself
+    // (service "") is healthy from the start.
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<WorkerServer<WorkerService>>().await;
+    health_reporter.set_not_serving::<WorkerServer<WorkerService>>().await;
     if let Some(addr) = opts.health_listen {
         serve_health(addr, health.clone()).await?;
     }
@@ -141,6 +161,12 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         agent.clone(),
         Announcement { address: advertise.clone(), capacity, ttl: opts.lease_ttl, keepalive: opts.keepalive },
     );
+    let mut registered = membership.registered();
+    tokio::spawn(async move {
+        if registered.wait_for(|r| *r).await.is_ok() {
+            health_reporter.set_serving::<WorkerServer<WorkerService>>().await;
+        }
+    });
     info!(id = %id, device = %device, address = %advertise, registry = registry.kind(), "strata worker ready, listening on {bound}");
     announce(&strata_common::ready::Announcement {
         event: "ready",
@@ -157,21 +183,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         _ = strata_common::shutdown::signal() => {}
     }
     // Finish what is running, then leave: coordinators move new requests elsewhere.
-    info!("shutting down: finishing in-flight sequences");
-    if let Some(a) = agent.status().assignment {
-        let _ = agent.drain(&a.replica);
-        let until = tokio::time::Instant::now() + opts.drain_timeout;
-        while tokio::time::Instant::now() < until {
-            let s = agent.status().stats;
-            if s.running + s.waiting == 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let replica = a.replica.clone();
-        let unloading = agent.clone();
-        let _ = tokio::task::spawn_blocking(move || unloading.unload(&replica)).await;
-    }
+    drain(&agent, opts.drain_timeout).await;
     membership.leave().await;
     let _ = stop_tx.send(());
     if tokio::time::timeout(Duration::from_secs(5), server).await.is_err() {
