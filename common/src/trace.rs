@@ -120,12 +120,6 @@ pub fn trace_id(span: &Span) -> Option<String> {
     context_of(span).map(|cx| cx.trace_id().to_string())
 }
 
-/// Links `span` to the context of `other` (a step that serves several requests is the child
-/// of one and linked to the rest). No-op without telemetry.
-pub fn link(span: &Span, other: &Span) {
-    span.follows_from(other);
-}
-
 /// Sets a string-array attribute of `span` (the GenAI conventions' finish reasons); no-op
 /// without telemetry.
 pub fn set_strings(span: &Span, key: &'static str, values: &[&str]) {

@@ -259,11 +259,15 @@ struct Caller {
 /// The span of a step over `seqs`: a child of the first traced sequence's span, linked to
 /// the other sequences' (one step serves many requests; each request's trace shows it).
 fn step_span(streams: &HashMap<SeqId, Live>, seqs: &[Scheduled]) -> Span {
+    // Nothing records step spans (no export): skip the per-sequence lookups too.
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return Span::none();
+    }
     let mut traced = seqs.iter().filter_map(|s| streams.get(&s.id)).filter(|l| !l.span.is_none());
     let Some(first) = traced.next() else { return Span::none() };
     let span = debug_span!(parent: &first.span, "engine.step", seqs = seqs.len() as i64);
     for other in traced {
-        strata_common::trace::link(&span, &other.span);
+        span.follows_from(&other.span);
     }
     span
 }
