@@ -20,7 +20,8 @@ use strata_common::tls::Role;
 
 use crate::config_args::{connect, engine_config, lease_timings, set, ConfigArg, EngineArgs, RegistryArgs};
 use crate::security_args::{
-    caller_tls, client_keys, cluster_tls, reload_keys_on_sighup, CallerArgs, SecurityArgs, TelemetryArgs,
+    caller_tls, client_keys, cluster_tls, http_options, reload_keys_on_sighup, CallerArgs, SecurityArgs,
+    TelemetryArgs,
 };
 
 #[derive(Args, Debug)]
@@ -130,6 +131,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         tls,
         model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
         caller_tls: caller_tls(c)?,
+        http: http_options(c)?,
     };
     let _runtime = rt.enter();
     reload_keys_on_sighup(reload.0, reload.1, opts.admin_auth.clone(), "coordinator")?;

@@ -97,6 +97,17 @@ pub struct CallerArgs {
     /// Callers must present a certificate this CA signed (PEM).
     #[arg(long, env = "STRATA_TLS_CLIENT_CA", value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
+    /// Serve the OpenAI-style HTTP API (/v1/completions, /v1/chat/completions, batches)
+    /// here; port 0 picks a free port (announced on stdout) (coordinator.http_listen).
+    #[arg(long, env = "STRATA_HTTP_LISTEN", value_name = "HOST:PORT")]
+    pub http_listen: Option<SocketAddr>,
+    /// Keep batch jobs and their files here; unfinished jobs resume after a restart
+    /// (coordinator.data_dir). Without it the batch API is off.
+    #[arg(long, env = "STRATA_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Most batch requests in flight at once [default: 32] (coordinator.batch_concurrency).
+    #[arg(long, env = "STRATA_BATCH_CONCURRENCY")]
+    pub batch_concurrency: Option<usize>,
 }
 
 impl CallerArgs {
@@ -106,10 +117,17 @@ impl CallerArgs {
             (&mut c.tls_cert, &self.tls_cert),
             (&mut c.tls_key, &self.tls_key),
             (&mut c.tls_client_ca, &self.tls_client_ca),
+            (&mut c.data_dir, &self.data_dir),
         ] {
             if v.is_some() {
                 *slot = v.clone();
             }
+        }
+        if self.http_listen.is_some() {
+            c.http_listen = self.http_listen;
+        }
+        if let Some(n) = self.batch_concurrency {
+            c.batch_concurrency = n;
         }
     }
 }
@@ -130,6 +148,26 @@ pub fn read_key_file(path: &Path) -> anyhow::Result<Vec<String>> {
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
         .map(str::to_owned)
         .collect())
+}
+
+/// The HTTP API's settings (None when `http_listen` is not set).
+pub fn http_options(
+    c: &CoordinatorSettings,
+) -> anyhow::Result<Option<strata_coordinator::api::http::HttpOptions>> {
+    let Some(listen) = c.http_listen else {
+        if c.data_dir.is_some() {
+            bail!("--data-dir keeps batch jobs for the HTTP API: give --http-listen too");
+        }
+        return Ok(None);
+    };
+    if c.batch_concurrency == 0 {
+        bail!("--batch-concurrency must be at least 1");
+    }
+    Ok(Some(strata_coordinator::api::http::HttpOptions {
+        listen,
+        data_dir: c.data_dir.clone(),
+        batch_concurrency: c.batch_concurrency,
+    }))
 }
 
 /// The configured client keys: `api_keys` and the key file's.

@@ -8,7 +8,9 @@ use clap::Args;
 use strata_common::config::{Config, ServedModel};
 use strata_common::model_roots::ModelRoots;
 
-use crate::security_args::{caller_tls, client_keys, reload_keys_on_sighup, CallerArgs, TelemetryArgs};
+use crate::security_args::{
+    caller_tls, client_keys, http_options, reload_keys_on_sighup, CallerArgs, TelemetryArgs,
+};
 use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
@@ -163,6 +165,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         role: Role::Serve,
         id: "serve".into(),
         tls: caller_tls(&cfg.coordinator)?,
+        http: http_options(&cfg.coordinator)?,
     };
     let _runtime = rt.enter();
     reload_keys_on_sighup(cfg.coordinator.clone(), client_auth_for_reload, admin_auth.clone(), "serve")?;

@@ -247,6 +247,13 @@ pub struct CoordinatorSettings {
     pub tls_key: Option<PathBuf>,
     /// With TLS: callers must also present a certificate this CA signed.
     pub tls_client_ca: Option<PathBuf>,
+    /// Where the OpenAI-style HTTP API listens; absent: not served.
+    pub http_listen: Option<SocketAddr>,
+    /// Where batch jobs and their files are kept (absent: the batch API is off); a
+    /// coordinator restarted on the same directory resumes its unfinished jobs.
+    pub data_dir: Option<PathBuf>,
+    /// Most batch requests in flight at once (online traffic first: see docs/HTTP_API.md).
+    pub batch_concurrency: usize,
     pub canary_interval_s: f64,
     pub canary_timeout_s: f64,
     pub load_timeout_s: f64,
@@ -268,6 +275,9 @@ impl Default for CoordinatorSettings {
             tls_cert: None,
             tls_key: None,
             tls_client_ca: None,
+            http_listen: None,
+            data_dir: None,
+            batch_concurrency: 32,
             canary_interval_s: 5.0,
             canary_timeout_s: 10.0,
             load_timeout_s: 600.0,

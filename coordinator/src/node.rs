@@ -36,6 +36,8 @@ pub struct CoordinatorOptions {
     pub model_roots: ModelRoots,
     /// TLS for callers of inference.v1 and admin.v1.
     pub caller_tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The OpenAI-style HTTP API.
+    pub http: Option<crate::api::http::HttpOptions>,
 }
 
 /// Routes inference traffic from the registry's view, serves the admin API, and
@@ -78,6 +80,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
             role: Role::Coordinator,
             id: opts.leader.id.clone(),
             tls: opts.caller_tls.clone(),
+            http: opts.http.clone(),
         },
     )
     .await;

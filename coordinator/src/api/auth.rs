@@ -14,8 +14,12 @@ use sha2::{Digest, Sha256};
 use tonic::{Request, Status};
 
 fn bearer<T>(req: &Request<T>) -> Option<&str> {
-    let v = req.metadata().get("authorization")?.to_str().ok()?;
-    v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).map(str::trim)
+    bearer_token(req.metadata().get("authorization")?.to_str().ok()?)
+}
+
+/// The token of an `authorization: Bearer <token>` value (gRPC metadata or HTTP header).
+pub fn bearer_token(value: &str) -> Option<&str> {
+    value.strip_prefix("Bearer ").or_else(|| value.strip_prefix("bearer ")).map(str::trim)
 }
 
 fn same(a: &str, b: &str) -> bool {
@@ -120,16 +124,25 @@ impl ClientAuth {
     }
 
     pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        self.check_token(bearer(req), "metadata").map_err(|e| match e {
+            strata_common::Error::Unauthenticated(m) => Status::unauthenticated(m),
+            other => Status::unauthenticated(other.to_string()),
+        })
+    }
+
+    /// Checks a bearer token (None: the caller sent none); `carrier` names where the
+    /// caller should put it ("metadata" for gRPC, "header" for HTTP).
+    pub fn check_token(&self, token: Option<&str>, carrier: &str) -> strata_common::Result<()> {
         let keys = self.current();
         if keys.is_empty() {
             return Ok(());
         }
-        match bearer(req) {
-            None => {
-                Err(Status::unauthenticated("missing API key: send metadata \"authorization: Bearer <key>\""))
-            }
+        match token {
+            None => Err(strata_common::Error::Unauthenticated(format!(
+                "missing API key: send {carrier} \"authorization: Bearer <key>\""
+            ))),
             Some(t) if keys.iter().any(|k| k.matches(t)) => Ok(()),
-            Some(_) => Err(Status::unauthenticated("the API key is not valid")),
+            Some(_) => Err(strata_common::Error::Unauthenticated("the API key is not valid".into())),
         }
     }
 }

@@ -24,9 +24,8 @@ use strata_common::status::to_status;
 use strata_common::{wire, Error, SamplingParams};
 
 use super::auth::ClientAuth;
-use crate::request::admission::{admit, GenerateRequest, Prompt};
+use crate::request::admission::{GenerateRequest, Prompt};
 use crate::request::generation::{self, RouteLimits};
-use crate::request::metrics::failed;
 use crate::routing::Catalog;
 
 /// The domain request of an inference.v1 message.
@@ -43,7 +42,13 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
         ..SamplingParams::default()
     };
     wire::apply_sampling(&req.sampling.unwrap_or_default(), &mut params);
-    GenerateRequest { model: req.model.clone(), prompt, max_tokens: req.max_tokens, params }
+    GenerateRequest {
+        model: req.model.clone(),
+        prompt,
+        max_tokens: req.max_tokens,
+        fill_context: false,
+        params,
+    }
 }
 
 /// Sampling knobs live under `sampling.` in inference.v1; admission names them bare.
@@ -106,26 +111,12 @@ impl InferenceService {
         request_id: &str,
         deadline: Option<tokio::time::Instant>,
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
-        // Unknown names share one label, so a caller cannot grow the metrics without bound.
-        let model = self.models.get(&req.model).inspect_err(|e| failed("(unknown)", e)).map_err(to_status)?;
         let request = request_from_pb(req);
-        let admitted = match request.prompt {
-            // Tokenizing a long prompt takes milliseconds to seconds: never on the runtime.
-            Some(Prompt::Text(_)) => {
-                let entry = model.clone();
-                tokio::task::spawn_blocking(move || admit(&request, &entry))
-                    .await
-                    .map_err(|e| Status::internal(format!("admission: {e}")))?
-            }
-            _ => admit(&request, &model),
-        };
-        let admitted =
-            admitted.inspect_err(|e| failed(&model.name, e)).map_err(|e| to_status(api_field_names(e)))?;
-        let prompt_ids = admitted.prompt_ids.clone();
-        let rx = generation::start(model, admitted, request_id.to_string(), deadline, self.limits)
-            .await
-            .map_err(to_status)?;
-        Ok((prompt_ids, rx))
+        let started =
+            generation::begin(&*self.models, request, request_id.to_string(), deadline, self.limits)
+                .await
+                .map_err(|e| to_status(api_field_names(e)))?;
+        Ok((started.prompt_ids, started.rx))
     }
 }
 

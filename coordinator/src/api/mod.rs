@@ -4,5 +4,6 @@
 pub mod admin;
 pub mod audit;
 pub mod auth;
+pub mod http;
 pub mod inference;
 pub mod server;

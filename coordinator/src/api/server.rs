@@ -20,6 +20,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
 use super::auth::ClientAuth;
+use super::http::{HttpOptions, HttpServer, HttpState};
 use super::inference::InferenceService;
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
@@ -38,6 +39,8 @@ pub struct ServeOptions {
     pub id: String,
     /// TLS for callers (with client certificates when it names a client CA).
     pub tls: Option<tonic::transport::ServerTlsConfig>,
+    /// The OpenAI-style HTTP API (None: not served).
+    pub http: Option<HttpOptions>,
 }
 
 /// Which command serves: named in the ready log line and announcement.
@@ -86,6 +89,14 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         reflection_builder().build_v1alpha().context("building the v1alpha reflection service")?;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let client_auth = opts.client_auth.clone();
+    let http = match &opts.http {
+        Some(h) => {
+            let state = Arc::new(HttpState::new(models.clone(), client_auth, opts.route));
+            Some(HttpServer::bind(h.listen, state).await?)
+        }
+        None => None,
+    };
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = opts.tls.clone() {
         builder = builder.tls_config(tls).context("caller TLS (--tls-cert, --tls-key, --tls-client-ca)")?;
@@ -98,11 +109,31 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
-        .add_service(InferenceServer::new(InferenceService::new(models, opts.route, opts.client_auth)))
+        .add_service(InferenceServer::new(InferenceService::new(
+            models.clone(),
+            opts.route,
+            opts.client_auth,
+        )))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stop_rx.await;
         });
+    let (http_stop_tx, http_stop_rx) = tokio::sync::watch::channel(false);
+    let http = http.map(|h| {
+        let (address, state) = (h.address, h.state.clone());
+        info!("OpenAI-style HTTP API on http://{address}/v1");
+        announce(&Announcement {
+            event: "http",
+            role: opts.role.name(),
+            address: &address.to_string(),
+            id: &opts.id,
+        });
+        let mut stop = http_stop_rx.clone();
+        let task = tokio::spawn(h.run(async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }));
+        (state, task)
+    });
     info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role.log_name());
     let address = addr.to_string();
     announce(&Announcement { event: "ready", role: opts.role.name(), address: &address, id: &opts.id });
@@ -115,7 +146,18 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
     info!(drain_timeout_s = opts.drain_timeout.as_secs_f64(), "shutting down: draining in-flight calls");
     health_reporter.set_not_serving::<InferenceServer<InferenceService>>().await;
     let _ = stop_tx.send(());
-    match tokio::time::timeout(opts.drain_timeout, server).await {
+    if let Some((state, _)) = &http {
+        state.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+    let _ = http_stop_tx.send(true);
+    let http_done = async {
+        if let Some((_, task)) = http {
+            if let Ok(Err(e)) = task.await {
+                warn!("the HTTP API failed while draining: {e}");
+            }
+        }
+    };
+    match tokio::time::timeout(opts.drain_timeout, async { tokio::join!(server, http_done).0 }).await {
         Ok(res) => res.context("gRPC server failed while draining")?,
         Err(_) => warn!("drain timeout reached; closing the remaining calls"),
     }

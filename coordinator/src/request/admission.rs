@@ -14,6 +14,9 @@ use crate::routing::ModelEntry;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
     Text(String),
+    /// A rendered chat template: tokenized without the tokenizer's added special tokens,
+    /// which the template writes itself.
+    Chat(String),
     TokenIds(Vec<u32>),
 }
 
@@ -23,8 +26,11 @@ pub struct GenerateRequest {
     pub model: String,
     /// None when the caller sent no prompt at all.
     pub prompt: Option<Prompt>,
-    /// None: [`DEFAULT_MAX_TOKENS`], or what the context leaves.
+    /// None: [`DEFAULT_MAX_TOKENS`] (or all the context leaves, with `fill_context`), or
+    /// what the context leaves when that is less.
     pub max_tokens: Option<u32>,
+    /// Without `max_tokens`, generate up to the end of the context (OpenAI's chat API).
+    pub fill_context: bool,
     /// How to sample; `max_new_tokens` is set by admission from `max_tokens`.
     pub params: SamplingParams,
 }
@@ -47,6 +53,13 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
                 return Err(Error::invalid("prompt.text", "must not be empty"));
             }
             model.tokenizer.encode(t, model.config.max_position_embeddings)?
+        }
+        Some(Prompt::Chat(t)) => {
+            let ids = model.tokenizer.encode_with(t, model.config.max_position_embeddings, false)?;
+            if ids.is_empty() {
+                return Err(Error::invalid("messages", "the chat template rendered an empty prompt"));
+            }
+            ids
         }
         Some(Prompt::TokenIds(ids)) => {
             if ids.is_empty() {
@@ -85,6 +98,7 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
             ))
         }
         Some(n) => n,
+        None if req.fill_context => room,
         None => DEFAULT_MAX_TOKENS.min(room),
     };
     let params = SamplingParams { max_new_tokens: max_tokens, ..req.params.clone() };

@@ -27,11 +27,11 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument, Span};
 
-use crate::request::admission::Admitted;
-use crate::request::metrics::RequestTimer;
+use crate::request::admission::{admit, Admitted, GenerateRequest, Prompt};
+use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
-use crate::routing::{EventStream, Job, ModelEntry};
+use crate::routing::{Catalog, EventStream, Job, ModelEntry};
 
 /// What one generated token adds to a response.
 #[derive(Debug, Default)]
@@ -58,6 +58,41 @@ impl Default for RouteLimits {
     fn default() -> Self {
         RouteLimits { wait: Duration::from_secs(60), max_failovers: 8 }
     }
+}
+
+/// A request on its way: the prompt's ids and the chunks to come.
+pub struct Started {
+    pub model: Arc<ModelEntry>,
+    pub prompt_ids: Vec<u32>,
+    pub rx: ChunkRx,
+}
+
+/// Every front end's way in: finds the model, admits the request (tokenizing text off the
+/// async runtime: a long prompt takes milliseconds to seconds) and starts it. Failures are
+/// counted in the request metrics; their field names are admission's (a front end renames
+/// them as its API spells them).
+pub async fn begin(
+    models: &dyn Catalog,
+    request: GenerateRequest,
+    request_id: String,
+    deadline: Option<Instant>,
+    limits: RouteLimits,
+) -> Result<Started> {
+    // Unknown names share one label, so a caller cannot grow the metrics without bound.
+    let model = models.get(&request.model).inspect_err(|e| failed("(unknown)", e))?;
+    let admitted = match request.prompt {
+        Some(Prompt::Text(_) | Prompt::Chat(_)) => {
+            let entry = model.clone();
+            tokio::task::spawn_blocking(move || admit(&request, &entry))
+                .await
+                .map_err(|e| Error::Internal(format!("admission: {e}")))?
+        }
+        _ => admit(&request, &model),
+    };
+    let admitted = admitted.inspect_err(|e| failed(&model.name, e))?;
+    let prompt_ids = admitted.prompt_ids.clone();
+    let rx = start(model.clone(), admitted, request_id, deadline, limits).await?;
+    Ok(Started { model, prompt_ids, rx })
 }
 
 /// Submits the request and streams its chunks. Errors that happen before the first

@@ -4,6 +4,7 @@
 //! stop strings. Nothing here knows which API the request came in on.
 
 pub mod admission;
+pub mod chat;
 pub mod generation;
 pub mod metrics;
 pub mod span;

@@ -1,13 +1,18 @@
 //! The model's tokenizer (`tokenizer.json`, through the `tokenizers` crate).
 //!
-//! The coordinator tokenizes and detokenizes; workers see token ids only.
+//! The coordinator tokenizes and detokenizes; workers see token ids only. The model's
+//! chat template travels with its tokenizer, as in HF transformers.
 
 use std::path::Path;
 
 use strata_common::{Error, Result};
 
+use crate::request::chat::ChatTemplate;
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The model's chat template, when it ships one.
+    chat: Option<ChatTemplate>,
     /// Bytes of the longest token's text: a text longer than `n ×` this cannot be fewer
     /// than `n` tokens, so an over-long prompt is refused before any tokenizing.
     longest_token: usize,
@@ -22,7 +27,13 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_file(&path)
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
         let longest_token = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        Ok(Tokenizer { inner, longest_token })
+        let chat = ChatTemplate::from_dir(dir)?;
+        Ok(Tokenizer { inner, chat, longest_token })
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat.as_ref()
     }
 
     /// Most bytes of text that could still be at most `tokens` tokens.
@@ -35,6 +46,12 @@ impl Tokenizer {
     /// Text longer than `max_tokens` tokens could ever be is refused before tokenizing.
     /// Blocks for as long as tokenizing takes: call it off the async runtime.
     pub fn encode(&self, text: &str, max_tokens: usize) -> Result<Vec<u32>> {
+        self.encode_with(text, max_tokens, true)
+    }
+
+    /// As [`encode`](Self::encode); `add_special_tokens` false leaves out what the
+    /// tokenizer's template adds (a rendered chat prompt writes its own BOS).
+    pub fn encode_with(&self, text: &str, max_tokens: usize, add_special_tokens: bool) -> Result<Vec<u32>> {
         let limit = self.max_text_bytes(max_tokens);
         if text.len() > limit {
             return Err(Error::invalid(
@@ -47,16 +64,26 @@ impl Tokenizer {
         }
         // A tokenizer.json whose pre-tokenizer regex backtracks can panic inside the
         // tokenizers crate ("retry-limit-in-match over"): that is this text's error.
-        let encoded =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.inner.encode(text, true)))
-                .map_err(|_| {
-                    Error::invalid(
-                        "prompt",
-                        "the model's tokenizer gave up on this text (its pattern matching hit a limit)",
-                    )
-                })?;
+        let encoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.inner.encode(text, add_special_tokens)
+        }))
+        .map_err(|_| {
+            Error::invalid(
+                "prompt",
+                "the model's tokenizer gave up on this text (its pattern matching hit a limit)",
+            )
+        })?;
         let enc = encoded.map_err(|e| Error::invalid("prompt", format!("cannot tokenize: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of one token as a client sees it (logprobs): its decoded text, or its
+    /// vocabulary entry when decoding it alone gives nothing (a special token, a byte).
+    pub fn token_text(&self, id: u32) -> String {
+        match self.inner.decode(&[id], false) {
+            Ok(t) if !t.is_empty() && !t.contains('\u{FFFD}') => t,
+            _ => self.inner.id_to_token(id).unwrap_or_default(),
+        }
     }
 
     /// Text of `ids`, special tokens skipped.

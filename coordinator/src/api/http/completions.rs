@@ -1,0 +1,249 @@
+//! `/v1/completions` and `/v1/chat/completions` bodies → one domain request per choice.
+//!
+//! A completion may carry several prompts (strings, or token-id arrays) and `n` choices
+//! per prompt; a chat request renders its messages with the model's chat template. Each
+//! choice becomes one [`GenerateRequest`] that goes through the same admission, routing
+//! and failover as a gRPC call. A seeded request with `n` > 1 gives choice `i` the seed
+//! `seed + i`, so choices differ and the whole response is reproducible.
+
+use serde_json::{Map, Value as Json};
+use strata_common::Error;
+
+use super::error::ApiError;
+use super::params::{self, Common, Fields, MAX_CHOICES};
+use crate::request::admission::{GenerateRequest, Prompt};
+use crate::request::chat::ChatInput;
+use crate::routing::Catalog;
+
+/// Most messages in one chat request.
+const MAX_MESSAGES: usize = 4096;
+
+/// Which API a request came in on (the response shapes differ).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Completion,
+    Chat,
+}
+
+/// One choice to generate.
+#[derive(Debug, Clone)]
+pub struct Choice {
+    pub index: u32,
+    /// Which prompt of the request it continues (usage counts each prompt once).
+    pub prompt: usize,
+    pub request: GenerateRequest,
+}
+
+/// A parsed request: its choices and how to answer.
+#[derive(Debug)]
+pub struct Job {
+    pub api: Api,
+    pub common: Common,
+    pub choices: Vec<Choice>,
+    /// Per prompt, text to put before each choice's output (`echo`).
+    pub echo: Option<Vec<String>>,
+}
+
+/// Admission names fields as inference.v1's domain does; OpenAI spells some differently.
+pub fn rename(api: Api) -> impl Fn(&str) -> Option<String> {
+    move |field| {
+        if field.starts_with("prompt") {
+            return Some(if api == Api::Chat { "messages" } else { "prompt" }.to_string());
+        }
+        match (api, field) {
+            (Api::Chat, "logprobs") => Some("top_logprobs".into()),
+            (Api::Chat, "max_tokens") => Some("max_completion_tokens".into()),
+            _ => None,
+        }
+    }
+}
+
+fn choices(common: &Common, prompts: Vec<Prompt>, fill_context: bool) -> Result<Vec<Choice>, ApiError> {
+    let total = prompts.len().saturating_mul(common.n);
+    if total > MAX_CHOICES {
+        return Err(ApiError::invalid("n", format!("prompts × n is {total}; at most {MAX_CHOICES} choices")));
+    }
+    let mut out = Vec::with_capacity(total);
+    for (p, prompt) in prompts.into_iter().enumerate() {
+        for i in 0..common.n {
+            let mut params = common.params.clone();
+            params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+            out.push(Choice {
+                index: out.len() as u32,
+                prompt: p,
+                request: GenerateRequest {
+                    model: common.model.clone(),
+                    prompt: Some(prompt.clone()),
+                    max_tokens: common.max_tokens,
+                    fill_context,
+                    params,
+                },
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The prompts of a /v1/completions body: a string, strings, token ids, or arrays of ids.
+fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            "prompt",
+            "prompt must be a string, an array of strings, an array of token ids or an array of such arrays",
+        )
+    };
+    let ids = |items: &[Json]| -> Result<Vec<u32>, ApiError> {
+        items
+            .iter()
+            .map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad))
+            .collect()
+    };
+    match f.get("prompt") {
+        None | Some(Json::Null) => Err(ApiError::invalid("prompt", "prompt is required")),
+        Some(Json::String(s)) => Ok(vec![Prompt::Text(s.clone())]),
+        Some(Json::Array(items)) if items.is_empty() => {
+            Err(ApiError::invalid("prompt", "prompt must not be empty"))
+        }
+        Some(Json::Array(items)) if items.len() > MAX_CHOICES => {
+            Err(ApiError::invalid("prompt", format!("at most {MAX_CHOICES} prompts")))
+        }
+        Some(Json::Array(items)) => match &items[0] {
+            Json::Number(_) => Ok(vec![Prompt::TokenIds(ids(items)?)]),
+            Json::String(_) => {
+                items.iter().map(|v| v.as_str().map(|s| Prompt::Text(s.into())).ok_or_else(bad)).collect()
+            }
+            Json::Array(_) => items
+                .iter()
+                .map(|v| v.as_array().ok_or_else(bad).and_then(|a| ids(a)).map(Prompt::TokenIds))
+                .collect(),
+            _ => Err(bad()),
+        },
+        Some(_) => Err(bad()),
+    }
+}
+
+/// A /v1/completions body.
+pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
+    let mut common = params::common(f, &["max_tokens"])?;
+    common.params.logprobs = params::completion_logprobs(f)?;
+    let prompts = prompts(f)?;
+    if params::string(f, "suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix", "suffix is not supported"));
+    }
+    let echo = params::boolean(f, "echo")?.unwrap_or(false);
+    if echo && common.params.logprobs.is_some() {
+        return Err(ApiError::invalid("echo", "echo with logprobs is not supported (prompt logprobs)"));
+    }
+    let echo = if echo {
+        let model = models.get(&common.model).map_err(ApiError::from)?;
+        let texts = prompts
+            .iter()
+            .map(|p| match p {
+                Prompt::Text(t) | Prompt::Chat(t) => Ok(t.clone()),
+                Prompt::TokenIds(ids) => model.tokenizer.decode(ids),
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        Some(texts)
+    } else {
+        None
+    };
+    let choices = choices(&common, prompts, false)?;
+    Ok(Job { api: Api::Completion, common, choices, echo })
+}
+
+/// A message's content as the template sees it: text, or text parts joined by newlines.
+fn content(i: usize, m: &Map<String, Json>) -> Result<Json, ApiError> {
+    let param = || format!("messages[{i}].content");
+    match m.get("content") {
+        None | Some(Json::Null) => Ok(Json::Null),
+        Some(Json::String(s)) => Ok(Json::String(s.clone())),
+        Some(Json::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match (part.get("type").and_then(Json::as_str), part.get("text").and_then(Json::as_str)) {
+                    (Some("text"), Some(t)) => texts.push(t),
+                    (kind, _) => {
+                        return Err(ApiError::invalid(
+                            param(),
+                            format!("only text parts are supported, got type {}", kind.unwrap_or("(none)")),
+                        ))
+                    }
+                }
+            }
+            Ok(Json::String(texts.join("\n")))
+        }
+        Some(_) => Err(ApiError::invalid(param(), "content must be a string or an array of text parts")),
+    }
+}
+
+fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
+    let Some(Json::Array(list)) = f.get("messages") else {
+        return Err(ApiError::invalid(
+            "messages",
+            "messages is required: an array of {role, content} objects",
+        ));
+    };
+    if list.is_empty() || list.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid("messages", format!("give from 1 to {MAX_MESSAGES} messages")));
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let Json::Object(m) = m else {
+            return Err(ApiError::invalid(format!("messages[{i}]"), "each message must be an object"));
+        };
+        match m.get("role").and_then(Json::as_str) {
+            Some("system" | "user" | "assistant" | "tool" | "developer") => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    "role must be system, developer, user, assistant or tool",
+                ))
+            }
+        }
+        let mut m = m.clone();
+        m.insert("content".into(), content(i, &m)?);
+        out.push(Json::Object(m));
+    }
+    Ok(out)
+}
+
+/// A /v1/chat/completions body, rendered with the model's chat template.
+pub fn chat(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
+    let mut common = params::common(f, &["max_tokens", "max_completion_tokens"])?;
+    common.params.logprobs = params::chat_logprobs(f)?;
+    let messages = messages(f)?;
+    match f.get("response_format") {
+        None | Some(Json::Null) => {}
+        Some(r) if r.get("type").and_then(Json::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(ApiError::invalid("response_format", "only {\"type\": \"text\"} is supported"))
+        }
+    }
+    if params::boolean(f, "continue_final_message")?.unwrap_or(false) {
+        return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
+    }
+    let tools = match f.get("tools") {
+        None | Some(Json::Null) => None,
+        Some(Json::Array(t)) => Some(t.clone()),
+        Some(_) => return Err(ApiError::invalid("tools", "tools must be an array")),
+    };
+    let extra = match f.get("chat_template_kwargs") {
+        None | Some(Json::Null) => Map::new(),
+        Some(Json::Object(o)) => o.clone(),
+        Some(_) => {
+            return Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs must be an object"))
+        }
+    };
+    let add_generation_prompt = params::boolean(f, "add_generation_prompt")?.unwrap_or(true);
+    let model = models.get(&common.model).map_err(ApiError::from)?;
+    let Some(template) = model.tokenizer.chat_template() else {
+        return Err(ApiError::invalid(
+            "messages",
+            format!("model {:?} has no chat template; use /v1/completions", model.name),
+        ));
+    };
+    let input = ChatInput { messages, tools, add_generation_prompt, extra };
+    let text = template.render(&input)?;
+    let choices = choices(&common, vec![Prompt::Chat(text)], true)?;
+    Ok(Job { api: Api::Chat, common, choices, echo: None })
+}

@@ -1,0 +1,188 @@
+//! The OpenAI-style HTTP API (`--http-listen`), beside inference.v1 on every coordinator.
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
+//! the batch API (`/v1/files`, `/v1/batches`, see [`batch`](crate::batch)), and `GET
+//! /health` (the process answers) and `GET /ready` (it would serve a request now) for load
+//! balancers. Requests take the same path as gRPC calls — admission, routing, failover,
+//! metrics, traces — and the same API keys (`Authorization: Bearer`), needed on every
+//! route but the two probes when keys are configured.
+
+pub mod completions;
+pub mod error;
+pub mod params;
+pub mod respond;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+
+use self::error::ApiError;
+use super::auth::{bearer_token, ClientAuth};
+use crate::request::generation::RouteLimits;
+use crate::routing::Catalog;
+
+/// Largest JSON request body (prompts are bounded again by the context on admission).
+pub const MAX_JSON_BODY: usize = 16 << 20;
+
+/// Where and how the HTTP API serves.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    pub listen: SocketAddr,
+    /// Batch jobs' directory (None: no batch API).
+    pub data_dir: Option<std::path::PathBuf>,
+    pub batch_concurrency: usize,
+}
+
+/// What every handler shares.
+pub struct HttpState {
+    pub models: Arc<dyn Catalog>,
+    pub auth: ClientAuth,
+    pub limits: RouteLimits,
+    /// Set when the server drains: `/ready` answers 503 so balancers stop sending.
+    pub draining: AtomicBool,
+    next: AtomicU64,
+    /// A per-process prefix so response ids differ across restarts.
+    prefix: String,
+}
+
+impl HttpState {
+    pub fn new(models: Arc<dyn Catalog>, auth: ClientAuth, limits: RouteLimits) -> Self {
+        HttpState {
+            models,
+            auth,
+            limits,
+            draining: AtomicBool::new(false),
+            next: AtomicU64::new(1),
+            prefix: format!("{:08x}", rand::random::<u32>()),
+        }
+    }
+
+    /// A fresh id for a response.
+    pub fn next_id(&self) -> String {
+        format!("{}{:x}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// The API's router over `state`.
+pub fn router(state: Arc<HttpState>) -> Router {
+    let api = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(list_models))
+        .route("/v1/models/{id}", get(get_model))
+        .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
+    let api = api.layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
+    Router::new()
+        .route("/health", get(|| async { "ok" }))
+        .route("/ready", get(ready))
+        .merge(api)
+        .fallback(|| async { ApiError::not_found("no such route").into_response() })
+        .with_state(state)
+}
+
+async fn authenticate(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
+    let token = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer_token);
+    match state.auth.check_token(token, "header") {
+        Ok(()) => next.run(request).await,
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+/// The caller's W3C trace context, if it sent one.
+fn caller(headers: &HeaderMap) -> Option<strata_common::trace::TraceContext> {
+    let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    strata_common::trace::TraceContext::from_headers(get("traceparent"), get("tracestate"))
+}
+
+async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let job = params::object(&body).and_then(|f| completions::completion(&*state.models, &f));
+    match job {
+        Ok(job) => respond::run(state.clone(), job, caller(&headers)).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let job = params::object(&body).and_then(|f| completions::chat(&*state.models, &f));
+    match job {
+        Ok(job) => respond::run(state.clone(), job, caller(&headers)).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+fn model_json(m: &crate::routing::ModelEntry) -> serde_json::Value {
+    json!({
+        "id": m.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "strata",
+        "max_model_len": m.config.max_position_embeddings,
+        "ready_replicas": m.routes.ready(),
+    })
+}
+
+async fn list_models(State(state): State<Arc<HttpState>>) -> Response {
+    let data: Vec<_> = state.models.all().iter().map(|m| model_json(m)).collect();
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn get_model(State(state): State<Arc<HttpState>>, Path(id): Path<String>) -> Response {
+    match state.models.get(&id) {
+        Ok(m) => axum::Json(model_json(&m)).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+/// 200 when a request would be served now: not draining, and some model has a ready
+/// replica.
+async fn ready(State(state): State<Arc<HttpState>>) -> Response {
+    if state.draining.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
+    }
+    if state.models.all().iter().any(|m| m.routes.ready() > 0) {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "no model has a ready replica").into_response()
+    }
+}
+
+/// A bound HTTP listener and the state it serves.
+pub struct HttpServer {
+    pub listener: tokio::net::TcpListener,
+    pub address: SocketAddr,
+    pub state: Arc<HttpState>,
+}
+
+impl HttpServer {
+    pub async fn bind(listen: SocketAddr, state: Arc<HttpState>) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let listener =
+            tokio::net::TcpListener::bind(listen).await.with_context(|| format!("--http-listen {listen}"))?;
+        let address = listener.local_addr()?;
+        Ok(HttpServer { listener, address, state })
+    }
+
+    /// Serves until `stop` resolves, then lets in-flight requests finish.
+    pub async fn run(
+        self,
+        stop: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let app = router(self.state);
+        axum::serve(self.listener, app.into_make_service_with_connect_info::<SocketAddr>())
+            .with_graceful_shutdown(stop)
+            .await
+    }
+}

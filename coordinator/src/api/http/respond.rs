@@ -1,0 +1,316 @@
+//! Running a parsed request and answering in OpenAI's shapes: one JSON response, or
+//! server-sent events (`data: {chunk}` … `data: [DONE]`).
+//!
+//! Every choice is started before the response begins, so a request that cannot start
+//! (bad prompt, unknown model, every replica full) gets an HTTP error status. A stream
+//! that fails later sends `data: {"error": {…}}`, which OpenAI's clients raise as an
+//! `APIError`. A client that goes away drops the body; that drops the choices' chunk
+//! receivers, which cancels their sequences on the replicas.
+
+use std::sync::Arc;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::{json, Map, Value as Json};
+use strata_common::{FinishReason, TokenLogprobs};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tracing::Instrument;
+
+use super::completions::{rename, Api, Job};
+use super::error::ApiError;
+use super::HttpState;
+use crate::request::generation::{self, Chunk, Started};
+use crate::request::span::request_span;
+use crate::request::tokenizer::Tokenizer;
+
+/// What identifies one response: its id, creation time and model.
+#[derive(Clone)]
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Head {
+    fn object(&self, api: Api, stream: bool) -> Map<String, Json> {
+        let object = match (api, stream) {
+            (Api::Completion, _) => "text_completion",
+            (Api::Chat, false) => "chat.completion",
+            (Api::Chat, true) => "chat.completion.chunk",
+        };
+        let mut m = Map::new();
+        m.insert("id".into(), json!(self.id));
+        m.insert("object".into(), json!(object));
+        m.insert("created".into(), json!(self.created));
+        m.insert("model".into(), json!(self.model));
+        m
+    }
+}
+
+fn finish_str(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+/// Starts every choice of `job`; the first that cannot start fails the request (and
+/// dropping the others cancels them).
+async fn start_all(
+    state: &HttpState,
+    job: &Job,
+    head: &Head,
+    caller: Option<&strata_common::trace::TraceContext>,
+) -> Result<Vec<Started>, ApiError> {
+    let starts = job.choices.iter().map(|c| {
+        let request_id = format!("{}-{}", head.id, c.index);
+        let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
+        generation::begin(&*state.models, c.request.clone(), request_id, None, state.limits).instrument(span)
+    });
+    futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job.api)))
+}
+
+pub async fn run(
+    state: Arc<HttpState>,
+    job: Job,
+    caller: Option<strata_common::trace::TraceContext>,
+) -> Response {
+    let head = Head {
+        id: format!("{}-{}", if job.api == Api::Chat { "chatcmpl" } else { "cmpl" }, state.next_id()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        model: job.common.model.clone(),
+    };
+    let started = match start_all(&state, &job, &head, caller.as_ref()).await {
+        Ok(s) => s,
+        Err(e) => return e.into_response(),
+    };
+    if job.common.stream {
+        stream(job, head, started).into_response()
+    } else {
+        match unary(&job, &head, started).await {
+            Ok(body) => axum::Json(body).into_response(),
+            Err(e) => e.into_response(),
+        }
+    }
+}
+
+/// Everything one choice produced.
+#[derive(Default)]
+struct Collected {
+    text: String,
+    tokens: usize,
+    logprobs: Vec<TokenLogprobs>,
+    finish: Option<FinishReason>,
+}
+
+async fn collect(mut rx: generation::ChunkRx, api: Api) -> Result<Collected, ApiError> {
+    let mut c = Collected::default();
+    while let Some(chunk) = rx.recv().await {
+        let chunk = chunk.map_err(|e| ApiError::from_domain(e, rename(api)))?;
+        c.text.push_str(&chunk.text);
+        c.tokens += chunk.token_ids.len();
+        c.logprobs.extend(chunk.logprobs);
+        if let Some(f) = chunk.finish {
+            c.finish = Some(f);
+            break;
+        }
+    }
+    Ok(c)
+}
+
+fn usage(prompt_tokens: usize, completion_tokens: usize) -> Json {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// Prompt tokens of a request: each prompt once, however many choices continue it.
+fn prompt_tokens(job: &Job, started: &[Started]) -> usize {
+    let mut seen = Vec::new();
+    let mut total = 0;
+    for (c, s) in job.choices.iter().zip(started) {
+        if !seen.contains(&c.prompt) {
+            seen.push(c.prompt);
+            total += s.prompt_ids.len();
+        }
+    }
+    total
+}
+
+async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, ApiError> {
+    let prompt_tokens = prompt_tokens(job, &started);
+    let tokenizers: Vec<Arc<crate::routing::ModelEntry>> = started.iter().map(|s| s.model.clone()).collect();
+    let results = futures::future::try_join_all(started.into_iter().map(|s| collect(s.rx, job.api))).await?;
+    let mut choices = Vec::with_capacity(results.len());
+    let mut completion_tokens = 0;
+    for ((choice, c), model) in job.choices.iter().zip(results).zip(&tokenizers) {
+        completion_tokens += c.tokens;
+        let finish = c.finish.map(finish_str);
+        let tok = &model.tokenizer;
+        let entry = match job.api {
+            Api::Completion => {
+                let echo = job.echo.as_ref().map(|e| e[choice.prompt].as_str()).unwrap_or("");
+                let logprobs =
+                    job.choices[0].request.params.logprobs.map(|_| completion_logprobs(tok, &c.logprobs, 0));
+                json!({"index": choice.index, "text": format!("{echo}{}", c.text), "logprobs": logprobs, "finish_reason": finish})
+            }
+            Api::Chat => {
+                let logprobs =
+                    job.choices[0].request.params.logprobs.map(|_| chat_logprobs(tok, &c.logprobs));
+                json!({
+                    "index": choice.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                })
+            }
+        };
+        choices.push(entry);
+    }
+    let mut body = head.object(job.api, false);
+    body.insert("choices".into(), Json::Array(choices));
+    body.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+    Ok(Json::Object(body))
+}
+
+/// /v1/completions logprobs: parallel arrays; `offset` is where this text starts in the
+/// choice's whole text (for `text_offset`).
+fn completion_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs], offset: usize) -> Json {
+    let mut tokens = Vec::with_capacity(lps.len());
+    let mut token_logprobs = Vec::with_capacity(lps.len());
+    let mut top = Vec::with_capacity(lps.len());
+    let mut offsets = Vec::with_capacity(lps.len());
+    let mut at = offset;
+    for lp in lps {
+        let text = tok.token_text(lp.token_id);
+        offsets.push(at);
+        at += text.len();
+        tokens.push(text);
+        token_logprobs.push(lp.logprob);
+        let alts: Map<String, Json> = lp.top.iter().map(|&(id, p)| (tok.token_text(id), json!(p))).collect();
+        top.push(Json::Object(alts));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+/// /v1/chat/completions logprobs: one entry per token with its alternatives.
+fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> Json {
+    let entry = |id: u32, p: f32| {
+        let text = tok.token_text(id);
+        let bytes: Vec<u8> = text.as_bytes().to_vec();
+        json!({"token": text, "logprob": p, "bytes": bytes})
+    };
+    let content: Vec<Json> = lps
+        .iter()
+        .map(|lp| {
+            let mut e = entry(lp.token_id, lp.logprob);
+            let top: Vec<Json> = lp.top.iter().map(|&(id, p)| entry(id, p)).collect();
+            e["top_logprobs"] = Json::Array(top);
+            e
+        })
+        .collect();
+    json!({"content": content})
+}
+
+/// One event of a stream: a choice's chunk, or the end of a choice's stream.
+type Tagged = (usize, Option<strata_common::Result<Chunk>>);
+
+fn stream(
+    job: Job,
+    head: Head,
+    started: Vec<Started>,
+) -> Sse<ReceiverStream<Result<Event, std::convert::Infallible>>> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        // Ends when the client goes away (a send fails): dropping the receivers cancels.
+        let _ = pump(job, head, started, tx).await;
+    });
+    Sse::new(ReceiverStream::new(rx))
+}
+
+type EventTx = mpsc::Sender<Result<Event, std::convert::Infallible>>;
+
+async fn send(tx: &EventTx, data: &Json) -> Result<(), ()> {
+    tx.send(Ok(Event::default().data(data.to_string()))).await.map_err(|_| ())
+}
+
+async fn pump(job: Job, head: Head, started: Vec<Started>, tx: EventTx) -> Result<(), ()> {
+    let prompt_tokens = prompt_tokens(&job, &started);
+    let models: Vec<_> = started.iter().map(|s| s.model.clone()).collect();
+    let streams = started.into_iter().enumerate().map(|(i, s)| {
+        ReceiverStream::new(s.rx).map(move |c| (i, Some(c))).chain(futures::stream::iter([(i, None)]))
+    });
+    let mut merged = futures::stream::select_all(streams);
+    let want_logprobs = job.choices.first().and_then(|c| c.request.params.logprobs).is_some();
+    let mut completion_tokens = 0;
+    let mut offsets = vec![0usize; job.choices.len()];
+    // First chunks: the assistant role (chat) or the echoed prompt (completions).
+    for (i, choice) in job.choices.iter().enumerate() {
+        let first = match (job.api, &job.echo) {
+            (Api::Chat, _) => Some(json!({"role": "assistant", "content": ""})),
+            (Api::Completion, Some(echo)) => Some(json!(echo[choice.prompt])),
+            (Api::Completion, None) => None,
+        };
+        if let Some(first) = first {
+            offsets[i] = first.as_str().map_or(0, str::len);
+            send(&tx, &chunk_event(&job, &head, choice.index, first, Json::Null, None)).await?;
+        }
+    }
+    while let Some((i, item)) = merged.next().await as Option<Tagged> {
+        let Some(chunk) = item else { continue };
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => return send(&tx, &ApiError::from_domain(e, rename(job.api)).body()).await,
+        };
+        completion_tokens += chunk.token_ids.len();
+        let tok = &models[i].tokenizer;
+        let logprobs = match (want_logprobs, job.api) {
+            (false, _) => Json::Null,
+            (true, Api::Completion) => completion_logprobs(tok, &chunk.logprobs, offsets[i]),
+            (true, Api::Chat) => chat_logprobs(tok, &chunk.logprobs),
+        };
+        offsets[i] += chunk.text.len();
+        let content = match job.api {
+            Api::Chat => json!({"content": chunk.text}),
+            Api::Completion => json!(chunk.text),
+        };
+        let index = job.choices[i].index;
+        send(&tx, &chunk_event(&job, &head, index, content, logprobs, chunk.finish)).await?;
+    }
+    if job.common.include_usage {
+        let mut last = head.object(job.api, true);
+        last.insert("choices".into(), json!([]));
+        last.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+        send(&tx, &Json::Object(last)).await?;
+    }
+    tx.send(Ok(Event::default().data("[DONE]"))).await.map_err(|_| ())
+}
+
+/// One chunk of one choice: `delta` for chat, `text` for completions.
+fn chunk_event(
+    job: &Job,
+    head: &Head,
+    index: u32,
+    content: Json,
+    logprobs: Json,
+    finish: Option<FinishReason>,
+) -> Json {
+    let mut choice = json!({"index": index, "logprobs": logprobs, "finish_reason": finish.map(finish_str)});
+    match job.api {
+        Api::Chat => choice["delta"] = content,
+        Api::Completion => choice["text"] = content,
+    }
+    let mut m = head.object(job.api, true);
+    m.insert("choices".into(), json!([choice]));
+    if job.common.include_usage {
+        m.insert("usage".into(), Json::Null);
+    }
+    Json::Object(m)
+}

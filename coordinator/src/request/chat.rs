@@ -1,0 +1,335 @@
+//! Chat templates: a model's own Jinja template turns a conversation into its prompt text.
+//!
+//! The template comes from the model directory (`chat_template.jinja`, or `chat_template`
+//! in `tokenizer_config.json`: a string, or a list of named templates of which `tool_use`
+//! serves requests with tools and `default` the rest). It is rendered as HF transformers
+//! renders it with Jinja2: `trim_blocks` and `lstrip_blocks`, loop controls, Python's string
+//! and dict methods, `tojson` as Python's `json.dumps` writes it (no HTML escaping, `", "`
+//! and `": "` separators, `indent` and `sort_keys`), `raise_exception(message)` (the
+//! request's error) and `strftime_now(format)`. The template sees `messages`, `tools`,
+//! `add_generation_prompt` and the tokenizer's special tokens (`bos_token`, `eos_token`,
+//! `unk_token`, `pad_token`), plus whatever extra variables the caller passes.
+//!
+//! A rendered prompt already holds the special tokens it needs: it is tokenized without
+//! the tokenizer's own (see [`Prompt::Chat`](crate::request::admission::Prompt::Chat)).
+
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, ErrorKind};
+use serde_json::{Map, Value as Json};
+use strata_common::{Error, Result};
+
+/// How much work one rendering may do (MiniJinja's fuel: about one unit per instruction),
+/// so a template cannot loop without end on a caller's messages.
+const FUEL: u64 = 50_000_000;
+
+/// A model's chat template, ready to render.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// Whether a separate `tool_use` template exists.
+    has_tool_use: bool,
+    specials: Map<String, Json>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("has_tool_use", &self.has_tool_use).finish()
+    }
+}
+
+/// What a conversation is rendered from.
+#[derive(Debug, Clone, Default)]
+pub struct ChatInput {
+    /// The messages, as JSON objects (`role`, `content`, and whatever else the caller sent:
+    /// `name`, `tool_calls`, `tool_call_id`).
+    pub messages: Vec<Json>,
+    pub tools: Option<Vec<Json>>,
+    pub add_generation_prompt: bool,
+    /// More variables for the template (`chat_template_kwargs`).
+    pub extra: Map<String, Json>,
+}
+
+impl ChatTemplate {
+    /// The template of the model in `dir`, or None when it has none.
+    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Json = match std::fs::read(&config_path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| Error::model_file(&config_path, format!("not valid JSON: {e}")))?,
+            Err(_) => Json::Object(Map::new()),
+        };
+        let jinja_path = dir.join("chat_template.jinja");
+        let mut templates: Vec<(String, String)> = Vec::new();
+        if let Ok(text) = std::fs::read_to_string(&jinja_path) {
+            templates.push(("default".into(), text));
+        } else {
+            match config.get("chat_template") {
+                None | Some(Json::Null) => {}
+                Some(Json::String(t)) => templates.push(("default".into(), t.clone())),
+                Some(Json::Array(list)) => {
+                    for item in list {
+                        let (Some(name), Some(t)) = (
+                            item.get("name").and_then(Json::as_str),
+                            item.get("template").and_then(Json::as_str),
+                        ) else {
+                            return Err(Error::model_file(
+                                &config_path,
+                                "chat_template: each entry of the list needs a name and a template",
+                            ));
+                        };
+                        templates.push((name.to_string(), t.to_string()));
+                    }
+                }
+                Some(_) => {
+                    return Err(Error::model_file(&config_path, "chat_template: a string or a list"));
+                }
+            }
+        }
+        if templates.is_empty() {
+            return Ok(None);
+        }
+        let mut specials = Map::new();
+        for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+            let token = match config.get(name) {
+                Some(Json::String(s)) => Some(s.clone()),
+                // An AddedToken written out: {"content": "<s>", ...}.
+                Some(Json::Object(o)) => o.get("content").and_then(Json::as_str).map(str::to_string),
+                _ => None,
+            };
+            if let Some(t) = token {
+                specials.insert(name.into(), Json::String(t));
+            }
+        }
+        let source = || jinja_path.exists().then(|| jinja_path.clone()).unwrap_or(config_path.clone());
+        let t = Self::new(templates, specials).map_err(|e| Error::model_file(&source(), e.to_string()))?;
+        Ok(Some(t))
+    }
+
+    /// A template set from `(name, source)` pairs (`default`, optionally `tool_use`).
+    pub fn new(templates: Vec<(String, String)>, specials: Map<String, Json>) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(FUEL));
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        let mut has_default = false;
+        let mut has_tool_use = false;
+        for (name, source) in templates {
+            has_default |= name == "default";
+            has_tool_use |= name == "tool_use";
+            env.add_template_owned(name.clone(), source)
+                .map_err(|e| Error::Unsupported(format!("chat template {name:?}: {}", describe(&e))))?;
+        }
+        if !has_default {
+            return Err(Error::Unsupported("chat_template: no template named \"default\"".into()));
+        }
+        Ok(ChatTemplate { env, has_tool_use, specials })
+    }
+
+    /// The prompt text of a conversation. A template's `raise_exception` and any rendering
+    /// error become the request's error, naming `messages`.
+    pub fn render(&self, input: &ChatInput) -> Result<String> {
+        let name = if input.tools.is_some() && self.has_tool_use { "tool_use" } else { "default" };
+        let template = self.env.get_template(name).map_err(|e| Error::Internal(describe(&e)))?;
+        let mut ctx = self.specials.clone();
+        for (k, v) in &input.extra {
+            ctx.insert(k.clone(), v.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(input.messages.clone()));
+        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
+        if let Some(tools) = &input.tools {
+            ctx.insert("tools".into(), Json::Array(tools.clone()));
+        }
+        template
+            .render(Value::from_serialize(&ctx))
+            .map_err(|e| Error::invalid("messages", format!("the model's chat template: {}", describe(&e))))
+    }
+}
+
+/// The message of a template error (a `raise_exception` message as it was raised).
+fn describe(e: &minijinja::Error) -> String {
+    match (e.kind(), e.detail()) {
+        (ErrorKind::InvalidOperation, Some(d)) => d.to_string(),
+        (_, Some(d)) => format!("{} ({d})", e.kind()),
+        _ => e.kind().to_string(),
+    }
+}
+
+fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// The local time formatted with strftime codes; an unknown code is the template's error.
+fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    write!(out, "{}", chrono::Local::now().format(&format)).map_err(|_| {
+        minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now: bad format {format:?}"))
+    })?;
+    Ok(out)
+}
+
+/// `tojson` as HF's Jinja environment defines it: Python's `json.dumps(value,
+/// ensure_ascii=False, indent=indent, sort_keys=sort_keys)`.
+fn tojson(
+    value: Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => Some(usize::try_from(v).map_err(|_| {
+            minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: indent must be a non-negative integer",
+            )
+        })?),
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let _ = kwargs.get::<Option<Value>>("ensure_ascii")?;
+    let _ = kwargs.get::<Option<Value>>("separators")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    python_json(&json, indent, sort_keys, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// JSON as Python's `json.dumps` writes it.
+pub fn python_json(v: &Json, indent: Option<usize>, sort_keys: bool, depth: usize, out: &mut String) {
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * depth));
+        }
+    };
+    let item_sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        Json::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                python_json(item, indent, sort_keys, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        Json::Object(map) if !map.is_empty() => {
+            let mut entries: Vec<(&String, &Json)> = map.iter().collect();
+            if sort_keys {
+                entries.sort_by(|a, b| a.0.cmp(b.0));
+            }
+            out.push('{');
+            for (i, (k, item)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push_str(item_sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&Json::String(k.clone()).to_string());
+                out.push_str(": ");
+                python_json(item, indent, sort_keys, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        Json::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(0.0);
+            // Python writes whole floats with a ".0"; Rust's shortest form agrees otherwise.
+            if f.fract() == 0.0 && f.abs() < 1e16 {
+                out.push_str(&format!("{f:.1}"));
+            } else {
+                out.push_str(&n.to_string());
+            }
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn template(source: &str) -> ChatTemplate {
+        let mut specials = Map::new();
+        specials.insert("bos_token".into(), json!("<s>"));
+        ChatTemplate::new(vec![("default".into(), source.into())], specials).unwrap()
+    }
+
+    fn input(messages: Json) -> ChatInput {
+        ChatInput { messages: messages.as_array().unwrap().clone(), ..Default::default() }
+    }
+
+    #[test]
+    fn tojson_writes_what_python_writes() {
+        let t = template("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ '<a&b>' | tojson }}");
+        let mut extra = Map::new();
+        extra.insert("x".into(), json!({"b": [1, 2.0, "é\n"], "a": {}}));
+        let out = t.render(&ChatInput { extra, ..Default::default() }).unwrap();
+        assert_eq!(
+            out,
+            "{\"b\": [1, 2.0, \"é\\n\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.0,\n    \"é\\n\"\n  ],\n  \"a\": {}\n}|\"<a&b>\""
+        );
+    }
+
+    #[test]
+    fn raise_exception_is_the_requests_error() {
+        let t = template("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok");
+        let e = t.render(&input(json!([{"role": "system", "content": "x"}]))).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid messages: the model's chat template: Conversations must start with a user message"
+        );
+        assert_eq!(t.render(&input(json!([{"role": "user", "content": "x"}]))).unwrap(), "ok");
+    }
+
+    #[test]
+    fn a_template_that_never_ends_runs_out_of_fuel() {
+        let t = template(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
+        );
+        let e = t.render(&ChatInput::default()).unwrap_err();
+        assert!(e.to_string().contains("fuel"), "{e}");
+    }
+
+    #[test]
+    fn strftime_now_formats_the_local_date() {
+        let t = template("{{ strftime_now('%Y-%m-%d') }}");
+        let today = chrono::Local::now().format("%Y-%m-%d").to_string();
+        let out = t.render(&ChatInput::default()).unwrap();
+        // Around midnight the day may turn between the two calls.
+        assert!(out == today || out.len() == 10, "{out}");
+        assert!(template("{{ strftime_now('%Q') }}").render(&ChatInput::default()).is_err());
+    }
+
+    #[test]
+    fn templates_come_from_the_model_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(ChatTemplate::from_dir(dir.path()).unwrap().is_none());
+        let config = json!({
+            "bos_token": {"content": "<s>", "lstrip": false},
+            "chat_template": [
+                {"name": "default", "template": "{{ bos_token }}d"},
+                {"name": "tool_use", "template": "{{ bos_token }}t{{ tools | length }}"}
+            ]
+        });
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let t = ChatTemplate::from_dir(dir.path()).unwrap().unwrap();
+        assert_eq!(t.render(&ChatInput::default()).unwrap(), "<s>d");
+        let tools = ChatInput { tools: Some(vec![json!({})]), ..Default::default() };
+        assert_eq!(t.render(&tools).unwrap(), "<s>t1");
+        std::fs::write(dir.path().join("chat_template.jinja"), "{{ '{%' }").unwrap();
+        let e = ChatTemplate::from_dir(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("chat_template.jinja"), "{e}");
+    }
+}
