@@ -2,6 +2,7 @@
 
 pub mod cluster;
 pub mod etcd;
+pub mod http;
 pub mod otlp;
 pub mod prometheus;
 

@@ -45,14 +45,15 @@ pub struct Job {
 }
 
 /// Admission names fields as inference.v1's domain does; OpenAI spells some differently.
-pub fn rename(api: Api) -> impl Fn(&str) -> Option<String> {
+pub fn rename(job: &Job) -> impl Fn(&str) -> Option<String> {
+    let (api, max_tokens) = (job.api, job.common.max_tokens_field);
     move |field| {
         if field.starts_with("prompt") {
             return Some(if api == Api::Chat { "messages" } else { "prompt" }.to_string());
         }
         match (api, field) {
             (Api::Chat, "logprobs") => Some("top_logprobs".into()),
-            (Api::Chat, "max_tokens") => Some("max_completion_tokens".into()),
+            (_, "max_tokens") => Some(max_tokens.into()),
             _ => None,
         }
     }

@@ -98,6 +98,8 @@ fn float_in(f: &Fields, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, Api
 pub struct Common {
     pub model: String,
     pub max_tokens: Option<u32>,
+    /// The name the caller gave the output length by (errors name it so).
+    pub max_tokens_field: &'static str,
     pub n: usize,
     pub params: SamplingParams,
     pub stream: bool,
@@ -106,7 +108,7 @@ pub struct Common {
 
 /// Reads the shared fields. `max_tokens_names` are the names the output length may go by
 /// (chat takes `max_completion_tokens` too).
-pub fn common(f: &Fields, max_tokens_names: &[&str]) -> Result<Common, ApiError> {
+pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, ApiError> {
     let model = match string(f, "model")? {
         Some(m) if !m.is_empty() => m.to_string(),
         _ => {
@@ -114,9 +116,11 @@ pub fn common(f: &Fields, max_tokens_names: &[&str]) -> Result<Common, ApiError>
         }
     };
     let mut max_tokens = None;
+    let mut max_tokens_field = "max_tokens";
     for name in max_tokens_names {
         if let Some(n) = uint(f, name, u32::MAX as u64)? {
             max_tokens = Some(n as u32);
+            max_tokens_field = name;
         }
     }
     let n = uint(f, "n", MAX_CHOICES as u64)?.unwrap_or(1) as usize;
@@ -168,7 +172,7 @@ pub fn common(f: &Fields, max_tokens_names: &[&str]) -> Result<Common, ApiError>
         stop: stop(f)?,
         ..d
     };
-    Ok(Common { model, max_tokens, n, params, stream, include_usage })
+    Ok(Common { model, max_tokens, max_tokens_field, n, params, stream, include_usage })
 }
 
 fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {

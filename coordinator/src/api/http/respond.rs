@@ -69,7 +69,7 @@ async fn start_all(
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
         generation::begin(&*state.models, c.request.clone(), request_id, None, state.limits).instrument(span)
     });
-    futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job.api)))
+    futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job)))
 }
 
 pub async fn run(
@@ -108,10 +108,10 @@ struct Collected {
     finish: Option<FinishReason>,
 }
 
-async fn collect(mut rx: generation::ChunkRx, api: Api) -> Result<Collected, ApiError> {
+async fn collect(mut rx: generation::ChunkRx, job: &Job) -> Result<Collected, ApiError> {
     let mut c = Collected::default();
     while let Some(chunk) = rx.recv().await {
-        let chunk = chunk.map_err(|e| ApiError::from_domain(e, rename(api)))?;
+        let chunk = chunk.map_err(|e| ApiError::from_domain(e, rename(job)))?;
         c.text.push_str(&chunk.text);
         c.tokens += chunk.token_ids.len();
         c.logprobs.extend(chunk.logprobs);
@@ -147,7 +147,7 @@ fn prompt_tokens(job: &Job, started: &[Started]) -> usize {
 async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, ApiError> {
     let prompt_tokens = prompt_tokens(job, &started);
     let tokenizers: Vec<Arc<crate::routing::ModelEntry>> = started.iter().map(|s| s.model.clone()).collect();
-    let results = futures::future::try_join_all(started.into_iter().map(|s| collect(s.rx, job.api))).await?;
+    let results = futures::future::try_join_all(started.into_iter().map(|s| collect(s.rx, job))).await?;
     let mut choices = Vec::with_capacity(results.len());
     let mut completion_tokens = 0;
     for ((choice, c), model) in job.choices.iter().zip(results).zip(&tokenizers) {
@@ -267,7 +267,7 @@ async fn pump(job: Job, head: Head, started: Vec<Started>, tx: EventTx) -> Resul
         let Some(chunk) = item else { continue };
         let chunk = match chunk {
             Ok(c) => c,
-            Err(e) => return send(&tx, &ApiError::from_domain(e, rename(job.api)).body()).await,
+            Err(e) => return send(&tx, &ApiError::from_domain(e, rename(&job)).body()).await,
         };
         completion_tokens += chunk.token_ids.len();
         let tok = &models[i].tokenizer;

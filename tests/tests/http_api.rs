@@ -1,0 +1,179 @@
+//! The OpenAI-style HTTP API of a real `strata serve`: OpenAI's official Python client
+//! (tests/python/openai_client.py), the same tokens as gRPC and as HF transformers, the
+//! probes, API keys, and a client that disconnects cancelling its sequence.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_tests::http::{post, request, sse_data};
+use strata_tests::{fixtures_dir, ids, reference, write_slow_model, Server};
+
+const KEY: &str = "sk-test-key";
+
+/// A copy of a fixture model with a ChatML chat template (the fixtures have none).
+fn chat_model(fixture: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures_dir().join(fixture)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    add_template(dir.path());
+    dir
+}
+
+fn add_template(dir: &Path) {
+    let path = dir.join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = json!(
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    );
+    std::fs::write(path, config.to_string()).unwrap();
+}
+
+/// Starts `strata serve` with the HTTP API; returns it and the HTTP address.
+fn serve_http(model: &Path, extra: &[&str]) -> (Server, String) {
+    let mut args = vec!["--model", model.to_str().unwrap(), "--name", "m", "--http-listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let server = Server::start(&args);
+    let http = server.out.passed("http").expect("the HTTP API announces its address");
+    let http = http["address"].as_str().unwrap().to_string();
+    (server, http)
+}
+
+async fn grpc_text(server: &Server, key: &str, prompt: &str, max_tokens: u32) -> String {
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let mut req = tonic::Request::new(pb::GenerateRequest {
+        model: "m".into(),
+        prompt: Some(pb::generate_request::Prompt::Text(prompt.into())),
+        max_tokens: Some(max_tokens),
+        ignore_eos: true,
+        ..Default::default()
+    });
+    req.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
+    c.generate(req).await.unwrap().into_inner().text
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openais_python_client_works_against_strata() {
+    let model = chat_model("llama_gqa");
+    let (server, http) = serve_http(model.path(), &["--api-key", KEY]);
+    let prompt = "The quick brown fox";
+    let greedy = grpc_text(&server, KEY, prompt, 8).await;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join("target/pyenv/bin/python");
+    assert!(python.exists(), "{} missing: run `make prerequisites`", python.display());
+    let expected = json!({"prompt": prompt, "greedy": greedy}).to_string();
+    let script = root.join("tests/python/openai_client.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&python)
+            .arg(script)
+            .args([&format!("http://{http}/v1"), "m", KEY, &expected])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("9 passed"), "{stdout}");
+}
+
+#[test]
+fn token_prompts_give_hf_transformers_greedy_tokens() {
+    let dir = fixtures_dir().join("llama_gqa");
+    let r = reference(&dir);
+    let (_server, http) = serve_http(&dir, &[]);
+    let prompt = ids(&r["prompt_ids"]);
+    let want = ids(&r["greedy_ids"]);
+    let body = json!({
+        "model": "m", "prompt": prompt, "max_tokens": want.len(), "temperature": 0,
+        "ignore_eos": true, "logprobs": 0,
+    });
+    let (status, v) = post(&http, "/v1/completions", None, &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], want.len());
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len());
+    // The text of HF's tokens, token by token.
+    let tokenizer = strata_coordinator::request::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let texts: Vec<String> = want.iter().map(|&t| tokenizer.token_text(t)).collect();
+    assert_eq!(v["choices"][0]["logprobs"]["tokens"], json!(texts));
+    assert_eq!(v["choices"][0]["text"], tokenizer.decode(&want).unwrap());
+    assert_eq!(v["choices"][0]["text"], r["greedy_text"]);
+}
+
+#[test]
+fn probes_are_open_and_everything_else_needs_the_key() {
+    let model = chat_model("llama_gqa");
+    let (_server, http) = serve_http(model.path(), &["--api-key", KEY]);
+    assert_eq!(request(&http, "GET", "/health", None, None).unwrap().0, 200);
+    assert_eq!(request(&http, "GET", "/ready", None, None).unwrap().0, 200);
+    let (status, body) = request(&http, "GET", "/v1/models", None, None).unwrap();
+    assert_eq!(status, 401, "{body}");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["error"]["code"], "invalid_api_key");
+    assert_eq!(request(&http, "GET", "/v1/models", Some(KEY), None).unwrap().0, 200);
+    let (status, body) =
+        post(&http, "/v1/completions", Some(KEY), &json!({"model": "m", "prompt": "x", "max_tokens": 99999}));
+    assert_eq!((status, &body["error"]["param"]), (400, &json!("max_tokens")), "{body}");
+    let (status, body) = request(&http, "POST", "/v1/completions", Some(KEY), None).unwrap();
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(request(&http, "GET", "/v1/nothing", Some(KEY), None).unwrap().0, 404);
+}
+
+#[test]
+fn a_chat_request_without_a_template_is_a_clear_error() {
+    let dir = fixtures_dir().join("llama_gqa");
+    let (_server, http) = serve_http(&dir, &[]);
+    let (status, body) = post(
+        &http,
+        "/v1/chat/completions",
+        None,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("no chat template"), "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_disconnects_cancels_its_sequence() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    add_template(tmp.path());
+    let (server, http) = serve_http(tmp.path(), &[]);
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let body = json!({
+        "model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1900,
+        "ignore_eos": true, "stream": true,
+    })
+    .to_string();
+    let mut s = std::net::TcpStream::connect(&http).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 4096];
+    while sse_data(&seen).len() < 4 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    let running = |m: pb::ListModelsResponse| m.models[0].running_sequences;
+    assert_eq!(running(c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner()), 1);
+    drop(s); // the client goes away mid-generation
+    let started = Instant::now();
+    loop {
+        let m = c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner();
+        if running(m.clone()) == 0 && m.models[0].kv_blocks_free == m.models[0].kv_blocks_total {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "sequence still running after disconnect: {m:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
