@@ -10,6 +10,7 @@
 //! - [`node`]: `strata coordinator` wired from those parts.
 
 pub mod api;
+pub mod batch;
 pub mod control;
 pub mod node;
 pub mod request;

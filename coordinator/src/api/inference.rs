@@ -24,7 +24,7 @@ use strata_common::status::to_status;
 use strata_common::{wire, Error, SamplingParams};
 
 use super::auth::ClientAuth;
-use crate::request::admission::{GenerateRequest, Prompt};
+use crate::request::admission::{GenerateRequest, Priority, Prompt};
 use crate::request::generation::{self, RouteLimits};
 use crate::routing::Catalog;
 
@@ -47,6 +47,7 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
         prompt,
         max_tokens: req.max_tokens,
         fill_context: false,
+        priority: Priority::Online,
         params,
     }
 }

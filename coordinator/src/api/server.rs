@@ -92,7 +92,14 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
     let client_auth = opts.client_auth.clone();
     let http = match &opts.http {
         Some(h) => {
-            let state = Arc::new(HttpState::new(models.clone(), client_auth, opts.route));
+            let mut state = HttpState::new(models.clone(), client_auth, opts.route);
+            if let Some(dir) = &h.data_dir {
+                let batches =
+                    crate::batch::Batches::start(dir, models.clone(), opts.route, h.batch_concurrency)
+                        .with_context(|| format!("--data-dir {}", dir.display()))?;
+                state.batches = Some(batches);
+            }
+            let state = Arc::new(state);
             Some(HttpServer::bind(h.listen, state).await?)
         }
         None => None,

@@ -20,6 +20,14 @@ pub enum Prompt {
     TokenIds(Vec<u32>),
 }
 
+/// Who waits for a request: a caller now (online) or a batch job (throughput first).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Priority {
+    #[default]
+    Online,
+    Batch,
+}
+
 /// A generation request as every front end hands it to admission.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateRequest {
@@ -33,6 +41,7 @@ pub struct GenerateRequest {
     pub fill_context: bool,
     /// How to sample; `max_new_tokens` is set by admission from `max_tokens`.
     pub params: SamplingParams,
+    pub priority: Priority,
 }
 
 /// Default `max_tokens` when a request leaves it out.
@@ -43,6 +52,7 @@ pub const DEFAULT_MAX_TOKENS: u32 = 16;
 pub struct Admitted {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
+    pub priority: Priority,
 }
 
 pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
@@ -103,5 +113,5 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
     };
     let params = SamplingParams { max_new_tokens: max_tokens, ..req.params.clone() };
     params.validate()?;
-    Ok(Admitted { prompt_ids, params })
+    Ok(Admitted { prompt_ids, params, priority: req.priority })
 }

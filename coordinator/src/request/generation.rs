@@ -19,6 +19,7 @@
 //! **Deadlines.** A caller's gRPC deadline bounds the whole generation: when it passes, the
 //! stream ends with `DEADLINE_EXCEEDED` and the sequence is cancelled on the replica.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument, Span};
 
-use crate::request::admission::{admit, Admitted, GenerateRequest, Prompt};
+use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
 use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
@@ -57,6 +58,32 @@ pub struct RouteLimits {
 impl Default for RouteLimits {
     fn default() -> Self {
         RouteLimits { wait: Duration::from_secs(60), max_failovers: 8 }
+    }
+}
+
+/// Online requests in flight in this process (batch jobs yield to them).
+static ONLINE: AtomicUsize = AtomicUsize::new(0);
+
+/// How many online requests this process is generating now.
+pub fn online_in_flight() -> usize {
+    ONLINE.load(Ordering::Relaxed)
+}
+
+/// Counts an online request while it lives.
+struct OnlineGuard;
+
+impl OnlineGuard {
+    fn new(p: Priority) -> Option<Self> {
+        (p == Priority::Online).then(|| {
+            ONLINE.fetch_add(1, Ordering::Relaxed);
+            OnlineGuard
+        })
+    }
+}
+
+impl Drop for OnlineGuard {
+    fn drop(&mut self) {
+        ONLINE.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -105,6 +132,7 @@ pub async fn start(
     deadline: Option<Instant>,
     limits: RouteLimits,
 ) -> Result<ChunkRx> {
+    let online = OnlineGuard::new(admitted.priority);
     let stop = admitted.params.stop.clone();
     let mut params = admitted.params;
     if !params.is_greedy() && params.seed.is_none() {
@@ -125,6 +153,7 @@ pub async fn start(
         timer,
         span: span.clone(),
         attempt: Attempt::default(),
+        _online: online,
     };
     let (replica, stream) = run.submit().await.inspect_err(|e| run.fail_now(e))?;
     let (tx, rx) = mpsc::channel(64);
@@ -151,6 +180,7 @@ struct Run {
     /// The request's span, and the attempt now streaming (its child).
     span: Span,
     attempt: Attempt,
+    _online: Option<OnlineGuard>,
 }
 
 /// The replica a request is on, and the span of that attempt.

@@ -11,7 +11,7 @@ use strata_common::Error;
 
 use super::error::ApiError;
 use super::params::{self, Common, Fields, MAX_CHOICES};
-use crate::request::admission::{GenerateRequest, Prompt};
+use crate::request::admission::{GenerateRequest, Priority, Prompt};
 use crate::request::chat::ChatInput;
 use crate::routing::Catalog;
 
@@ -78,6 +78,7 @@ fn choices(common: &Common, prompts: Vec<Prompt>, fill_context: bool) -> Result<
                     max_tokens: common.max_tokens,
                     fill_context,
                     params,
+                    priority: Priority::Online,
                 },
             });
         }

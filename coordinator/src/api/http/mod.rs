@@ -52,6 +52,8 @@ pub struct HttpState {
     next: AtomicU64,
     /// A per-process prefix so response ids differ across restarts.
     prefix: String,
+    /// The batch API, when the coordinator has a data directory.
+    pub batches: Option<Arc<crate::batch::Batches>>,
 }
 
 impl HttpState {
@@ -63,6 +65,7 @@ impl HttpState {
             draining: AtomicBool::new(false),
             next: AtomicU64::new(1),
             prefix: format!("{:08x}", rand::random::<u32>()),
+            batches: None,
         }
     }
 
@@ -80,6 +83,10 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
+    let api = match &state.batches {
+        Some(b) => api.merge(crate::batch::http::router(b.clone())),
+        None => api,
+    };
     let api = api.layer(axum::middleware::from_fn_with_state(state.clone(), authenticate));
     Router::new()
         .route("/health", get(|| async { "ok" }))

@@ -21,9 +21,11 @@ use tracing::Instrument;
 use super::completions::{rename, Api, Job};
 use super::error::ApiError;
 use super::HttpState;
-use crate::request::generation::{self, Chunk, Started};
+use crate::request::generation::{self, Chunk, RouteLimits, Started};
 use crate::request::span::request_span;
 use crate::request::tokenizer::Tokenizer;
+use crate::routing::Catalog;
+use strata_common::trace::TraceContext;
 
 /// What identifies one response: its id, creation time and model.
 #[derive(Clone)]
@@ -59,33 +61,37 @@ fn finish_str(f: FinishReason) -> &'static str {
 /// Starts every choice of `job`; the first that cannot start fails the request (and
 /// dropping the others cancels them).
 async fn start_all(
-    state: &HttpState,
+    models: &dyn Catalog,
+    limits: RouteLimits,
     job: &Job,
     head: &Head,
-    caller: Option<&strata_common::trace::TraceContext>,
+    caller: Option<&TraceContext>,
 ) -> Result<Vec<Started>, ApiError> {
     let starts = job.choices.iter().map(|c| {
         let request_id = format!("{}-{}", head.id, c.index);
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
-        generation::begin(&*state.models, c.request.clone(), request_id, None, state.limits).instrument(span)
+        generation::begin(models, c.request.clone(), request_id, None, limits).instrument(span)
     });
     futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job)))
 }
 
-pub async fn run(
-    state: Arc<HttpState>,
-    job: Job,
-    caller: Option<strata_common::trace::TraceContext>,
-) -> Response {
-    let head = Head {
-        id: format!("{}-{}", if job.api == Api::Chat { "chatcmpl" } else { "cmpl" }, state.next_id()),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        model: job.common.model.clone(),
-    };
-    let started = match start_all(&state, &job, &head, caller.as_ref()).await {
+impl Head {
+    fn new(job: &Job, id: String) -> Self {
+        let prefix = if job.api == Api::Chat { "chatcmpl" } else { "cmpl" };
+        Head {
+            id: format!("{prefix}-{id}"),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: job.common.model.clone(),
+        }
+    }
+}
+
+pub async fn run(state: Arc<HttpState>, job: Job, caller: Option<TraceContext>) -> Response {
+    let head = Head::new(&job, state.next_id());
+    let started = match start_all(&*state.models, state.limits, &job, &head, caller.as_ref()).await {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -97,6 +103,19 @@ pub async fn run(
             Err(e) => e.into_response(),
         }
     }
+}
+
+/// The whole (non-streamed) response body of `job`, `id` naming it: what a batch job's
+/// request gets.
+pub async fn answer(
+    models: &dyn Catalog,
+    limits: RouteLimits,
+    job: &Job,
+    id: String,
+) -> Result<Json, ApiError> {
+    let head = Head::new(job, id);
+    let started = start_all(models, limits, job, &head, None).await?;
+    unary(job, &head, started).await
 }
 
 /// Everything one choice produced.

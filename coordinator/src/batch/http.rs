@@ -1,0 +1,204 @@
+//! The batch API's routes: `/v1/files` (multipart upload, list, get, content, delete) and
+//! `/v1/batches` (create, list, get, cancel).
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use super::store::{check_id, new_id};
+use super::{Batches, MAX_FILE_BYTES};
+use crate::api::http::error::ApiError;
+use crate::api::http::params;
+
+pub fn router<S: Clone + Send + Sync + 'static>(batches: Arc<Batches>) -> Router<S> {
+    Router::new()
+        .route(
+            "/v1/files",
+            post(upload).get(list_files).layer(DefaultBodyLimit::max(MAX_FILE_BYTES as usize + (1 << 20))),
+        )
+        .route("/v1/files/{id}", get(get_file).delete(delete_file))
+        .route("/v1/files/{id}/content", get(file_content))
+        .route("/v1/batches", post(create).get(list_batches))
+        .route("/v1/batches/{id}", get(get_batch))
+        .route("/v1/batches/{id}/cancel", post(cancel))
+        .with_state(batches)
+}
+
+fn answer<T: serde::Serialize>(r: strata_common::Result<T>) -> Response {
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => ApiError::from(e).into_response(),
+    }
+}
+
+fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
+    ApiError::invalid("file", format!("the upload is not valid multipart/form-data: {}", e.body_text()))
+}
+
+/// `POST /v1/files`: a multipart form with `purpose` and `file`, written to disk as it
+/// arrives (never held whole in memory).
+async fn upload(State(batches): State<Arc<Batches>>, mut form: Multipart) -> Response {
+    let id = new_id("file-");
+    let result = receive(&batches, &id, &mut form).await;
+    if result.is_err() {
+        let _ = tokio::fs::remove_file(batches.store().upload_path(&id)).await;
+    }
+    match result {
+        Ok(f) => Json(f).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn receive(
+    batches: &Batches,
+    id: &str,
+    form: &mut Multipart,
+) -> Result<super::store::FileObject, ApiError> {
+    let mut purpose = None;
+    let mut file: Option<(String, u64)> = None;
+    while let Some(mut field) = form.next_field().await.map_err(multipart_error)? {
+        match field.name() {
+            Some("purpose") => purpose = Some(field.text().await.map_err(multipart_error)?),
+            Some("file") => {
+                let name = field.file_name().unwrap_or("upload.jsonl").to_string();
+                let path = batches.store().upload_path(id);
+                let mut out = tokio::fs::File::create(&path)
+                    .await
+                    .map_err(|e| ApiError::from(strata_common::Error::Internal(e.to_string())))?;
+                let mut bytes = 0u64;
+                while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
+                    bytes += chunk.len() as u64;
+                    if bytes > MAX_FILE_BYTES {
+                        return Err(ApiError::invalid(
+                            "file",
+                            format!("files may be at most {MAX_FILE_BYTES} bytes"),
+                        ));
+                    }
+                    out.write_all(&chunk)
+                        .await
+                        .map_err(|e| ApiError::from(strata_common::Error::Internal(e.to_string())))?;
+                }
+                out.sync_all()
+                    .await
+                    .map_err(|e| ApiError::from(strata_common::Error::Internal(e.to_string())))?;
+                file = Some((name, bytes));
+            }
+            _ => {}
+        }
+    }
+    let Some((name, bytes)) = file else {
+        return Err(ApiError::invalid("file", "the form has no file field"));
+    };
+    match purpose.as_deref() {
+        Some("batch") => {}
+        _ => return Err(ApiError::invalid("purpose", "purpose must be batch")),
+    }
+    Ok(batches.add_file(id, &name, "batch", bytes)?)
+}
+
+async fn list_files(State(batches): State<Arc<Batches>>) -> Response {
+    answer(batches.store().files().map(|data| json!({"object": "list", "data": data})))
+}
+
+async fn get_file(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
+    answer(batches.store().file(&id))
+}
+
+async fn delete_file(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
+    answer(batches.store().delete_file(&id).map(|_| json!({"id": id, "object": "file", "deleted": true})))
+}
+
+/// `GET /v1/files/{id}/content`: the bytes, streamed from disk.
+async fn file_content(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
+    if let Err(e) = check_id(&id).and_then(|_| batches.store().file(&id)) {
+        return ApiError::from(e).into_response();
+    }
+    match tokio::fs::File::open(batches.store().data_path(&id)).await {
+        Ok(f) => {
+            let body = Body::from_stream(file_stream(f));
+            ([(header::CONTENT_TYPE, "application/octet-stream")], body).into_response()
+        }
+        Err(e) => ApiError::from(strata_common::Error::Internal(e.to_string())).into_response(),
+    }
+}
+
+/// A file's bytes as a stream of chunks.
+fn file_stream(
+    f: tokio::fs::File,
+) -> impl futures::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static {
+    use tokio::io::AsyncReadExt;
+    futures::stream::unfold(f, |mut f| async move {
+        let mut buf = vec![0u8; 64 << 10];
+        match f.read(&mut buf).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buf.truncate(n);
+                Some((Ok(bytes::Bytes::from(buf)), f))
+            }
+            Err(e) => Some((Err(e), f)),
+        }
+    })
+}
+
+async fn create(State(batches): State<Arc<Batches>>, body: axum::body::Bytes) -> Response {
+    let f = match params::object(&body) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
+    };
+    let field = |name: &str| -> Result<String, ApiError> {
+        params::string(&f, name)?
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::invalid(name, format!("{name} is required")))
+    };
+    let (input, endpoint, window) =
+        match (field("input_file_id"), field("endpoint"), field("completion_window")) {
+            (Ok(i), Ok(e), Ok(w)) => (i, e, w),
+            (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e.into_response(),
+        };
+    let metadata = f.get("metadata").filter(|v| !v.is_null()).cloned();
+    if metadata.as_ref().is_some_and(|m| !m.is_object()) {
+        return ApiError::invalid("metadata", "metadata must be an object").into_response();
+    }
+    answer(batches.create(&input, &endpoint, &window, metadata))
+}
+
+#[derive(serde::Deserialize)]
+struct ListQuery {
+    limit: Option<usize>,
+    after: Option<String>,
+}
+
+/// `GET /v1/batches?limit=&after=`: newest first, paged by id.
+async fn list_batches(State(batches): State<Arc<Batches>>, Query(q): Query<ListQuery>) -> Response {
+    let all = batches.list();
+    let start = match &q.after {
+        Some(after) => all.iter().position(|b| &b.id == after).map_or(all.len(), |i| i + 1),
+        None => 0,
+    };
+    let limit = q.limit.unwrap_or(20).clamp(1, 100);
+    let page: Vec<_> = all.iter().skip(start).take(limit).cloned().collect();
+    let has_more = start + page.len() < all.len();
+    let body: Value = json!({
+        "object": "list",
+        "first_id": page.first().map(|b| b.id.clone()),
+        "last_id": page.last().map(|b| b.id.clone()),
+        "has_more": has_more,
+        "data": page,
+    });
+    Json(body).into_response()
+}
+
+async fn get_batch(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
+    answer(batches.get(&id))
+}
+
+async fn cancel(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
+    answer(batches.cancel(&id))
+}

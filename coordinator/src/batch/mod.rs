@@ -1,0 +1,237 @@
+//! Batch jobs in the shape of OpenAI's Batch API: upload a JSONL file of requests, create a
+//! batch over it, poll it, download the output and error files; cancel it.
+//!
+//! Jobs and files live in the coordinator's data directory ([`store`]); a coordinator
+//! restarted on the same directory resumes its unfinished batches where they were
+//! ([`run`]). Each batch runs its requests through the same admission, routing and
+//! failover as online calls, at lower priority. Batches belong to the coordinator whose
+//! data directory holds them: with several coordinators, send the batch API to one of them
+//! (or give them one shared directory and one batch runner: see docs/HTTP_API.md).
+
+pub mod http;
+pub mod run;
+pub mod store;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde_json::Value as Json;
+use strata_common::{Error, Result};
+use tracing::warn;
+
+use self::store::{new_id, now, BatchObject, Counts, FileObject, Store};
+use crate::request::generation::RouteLimits;
+use crate::routing::Catalog;
+
+/// Largest file one upload may be.
+pub const MAX_FILE_BYTES: u64 = 100 << 20;
+
+/// A batch being run: its object and whether it was cancelled.
+pub struct Job {
+    object: Mutex<BatchObject>,
+    cancelled: AtomicBool,
+}
+
+impl Job {
+    pub fn snapshot(&self) -> BatchObject {
+        self.object.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Changes the object and writes it to disk.
+    fn update(&self, batches: &Batches, f: impl FnOnce(&mut BatchObject)) {
+        let b = {
+            let mut b = self.object.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut b);
+            b.clone()
+        };
+        if let Err(e) = batches.store.save_batch(&b) {
+            warn!(batch = %b.id, "cannot save the batch: {e}");
+        }
+    }
+
+    /// Counts one ended request (written to disk at the next save).
+    fn count(&self, ok: bool) {
+        let mut b = self.object.lock().unwrap_or_else(|p| p.into_inner());
+        if ok {
+            b.request_counts.completed += 1;
+        } else {
+            b.request_counts.failed += 1;
+        }
+    }
+
+    fn save(&self, batches: &Batches) {
+        self.update(batches, |_| {});
+    }
+}
+
+/// The batch service of one coordinator.
+pub struct Batches {
+    store: Store,
+    models: Arc<dyn Catalog>,
+    limits: RouteLimits,
+    concurrency: usize,
+    jobs: Mutex<HashMap<String, Arc<Job>>>,
+}
+
+impl Batches {
+    /// Opens the data directory and resumes every unfinished batch in it.
+    pub fn start(
+        dir: &std::path::Path,
+        models: Arc<dyn Catalog>,
+        limits: RouteLimits,
+        concurrency: usize,
+    ) -> Result<Arc<Self>> {
+        let store = Store::open(dir)?;
+        let mut jobs = HashMap::new();
+        for b in store.batches()? {
+            jobs.insert(
+                b.id.clone(),
+                Arc::new(Job { object: Mutex::new(b), cancelled: AtomicBool::new(false) }),
+            );
+        }
+        let batches = Arc::new(Batches { store, models, limits, concurrency, jobs: Mutex::new(jobs) });
+        let unfinished: Vec<Arc<Job>> =
+            batches.jobs().into_iter().filter(|j| j.snapshot().unfinished()).collect();
+        for job in unfinished {
+            let b = job.snapshot();
+            tracing::info!(batch = %b.id, status = %b.status, "resuming a batch");
+            if b.status == "cancelling" {
+                job.cancelled.store(true, Ordering::Relaxed);
+            }
+            tokio::spawn(run::run(batches.clone(), job));
+        }
+        Ok(batches)
+    }
+
+    fn jobs(&self) -> Vec<Arc<Job>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
+    }
+
+    fn job(&self, id: &str) -> Result<Arc<Job>> {
+        store::check_id(id)?;
+        self.jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("no such batch {id:?}")))
+    }
+
+    /// Makes the file `id` (its data already written) visible as `filename`.
+    fn publish(&self, id: &str, filename: &str) -> Result<String> {
+        let bytes = std::fs::metadata(self.store.data_path(id)).map(|m| m.len()).unwrap_or(0);
+        let f = FileObject {
+            id: id.to_string(),
+            object: "file".into(),
+            bytes,
+            created_at: now(),
+            filename: filename.to_string(),
+            purpose: "batch_output".into(),
+            status: "processed".into(),
+        };
+        self.store.save_file(&f)?;
+        Ok(f.id)
+    }
+
+    /// Registers an uploaded file whose bytes are at `upload` (moved into place).
+    pub fn add_file(&self, upload_id: &str, filename: &str, purpose: &str, bytes: u64) -> Result<FileObject> {
+        let f = FileObject {
+            id: upload_id.to_string(),
+            object: "file".into(),
+            bytes,
+            created_at: now(),
+            filename: filename.to_string(),
+            purpose: purpose.to_string(),
+            status: "processed".into(),
+        };
+        let (from, to) = (self.store.upload_path(upload_id), self.store.data_path(upload_id));
+        std::fs::rename(&from, &to).map_err(|e| Error::Internal(format!("{}: {e}", to.display())))?;
+        self.store.save_file(&f)?;
+        Ok(f)
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Creates a batch over the uploaded file `input_file_id` and starts it.
+    pub fn create(
+        self: &Arc<Self>,
+        input_file_id: &str,
+        endpoint: &str,
+        completion_window: &str,
+        metadata: Option<Json>,
+    ) -> Result<BatchObject> {
+        if !matches!(endpoint, "/v1/completions" | "/v1/chat/completions") {
+            return Err(Error::invalid("endpoint", "must be /v1/completions or /v1/chat/completions"));
+        }
+        if completion_window != "24h" {
+            return Err(Error::invalid("completion_window", "must be 24h"));
+        }
+        let file = self
+            .store
+            .file(input_file_id)
+            .map_err(|_| Error::invalid("input_file_id", format!("no uploaded file {input_file_id:?}")))?;
+        if file.purpose != "batch" {
+            return Err(Error::invalid("input_file_id", "the file's purpose must be batch"));
+        }
+        let created = now();
+        let b = BatchObject {
+            id: new_id("batch_"),
+            object: "batch".into(),
+            endpoint: endpoint.to_string(),
+            errors: None,
+            input_file_id: file.id,
+            completion_window: completion_window.to_string(),
+            status: "validating".into(),
+            output_file_id: None,
+            error_file_id: None,
+            created_at: created,
+            in_progress_at: None,
+            expires_at: Some(created + 24 * 3600),
+            finalizing_at: None,
+            completed_at: None,
+            failed_at: None,
+            expired_at: None,
+            cancelling_at: None,
+            cancelled_at: None,
+            request_counts: Counts::default(),
+            metadata,
+        };
+        self.store.save_batch(&b)?;
+        let job = Arc::new(Job { object: Mutex::new(b.clone()), cancelled: AtomicBool::new(false) });
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).insert(b.id.clone(), job.clone());
+        tokio::spawn(run::run(self.clone(), job));
+        Ok(b)
+    }
+
+    pub fn get(&self, id: &str) -> Result<BatchObject> {
+        Ok(self.job(id)?.snapshot())
+    }
+
+    /// Every batch, newest first.
+    pub fn list(&self) -> Vec<BatchObject> {
+        let mut all: Vec<BatchObject> = self.jobs().iter().map(|j| j.snapshot()).collect();
+        all.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
+        all
+    }
+
+    /// Asks a running batch to stop: it ends as `cancelled`, with the results so far.
+    pub fn cancel(&self, id: &str) -> Result<BatchObject> {
+        let job = self.job(id)?;
+        if !job.snapshot().unfinished() {
+            return Err(Error::FailedPrecondition(format!("batch {id} has already ended")));
+        }
+        job.cancelled.store(true, Ordering::Relaxed);
+        job.update(self, |b| {
+            b.status = "cancelling".into();
+            b.cancelling_at = Some(now());
+        });
+        Ok(job.snapshot())
+    }
+}

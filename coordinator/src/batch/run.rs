@@ -1,0 +1,291 @@
+//! Running one batch: validate its input file, then send its requests through the same
+//! path as online ones, at low priority, writing each result as it ends.
+//!
+//! **Priority.** A batch keeps at most `batch_concurrency` requests in flight, less one
+//! for every online request this coordinator is generating, and never fewer than one: online
+//! traffic takes the replicas' capacity first, and a batch always moves.
+//!
+//! **Exactly once.** Results are appended (one line each) to the output or error file by
+//! this task alone; after a restart the `custom_id`s already written are skipped, so every
+//! request is answered once however often the coordinator dies.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value as Json};
+use strata_common::{Error, Result};
+use tokio::task::JoinSet;
+use tracing::{info, warn};
+
+use super::store::{finished_ids, now};
+use super::{Batches, Job};
+use crate::api::http::completions::{self, Api};
+use crate::api::http::params::Fields;
+use crate::api::http::respond;
+use crate::request::admission::Priority;
+
+/// Most requests in one batch (OpenAI's limit).
+pub const MAX_REQUESTS: usize = 50_000;
+/// Most bytes of one `custom_id`.
+const MAX_CUSTOM_ID: usize = 512;
+
+/// One request of a batch's input.
+#[derive(Debug, Clone)]
+pub struct Line {
+    pub custom_id: String,
+    pub body: Fields,
+}
+
+/// The requests of an input file for `endpoint`; the first bad line is the error, naming
+/// its line number.
+pub fn parse_input(text: &str, endpoint: &str) -> std::result::Result<Vec<Line>, (usize, String)> {
+    let mut lines = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let n = i + 1;
+        if lines.len() == MAX_REQUESTS {
+            return Err((n, format!("more than {MAX_REQUESTS} requests")));
+        }
+        let v: Json = serde_json::from_str(raw).map_err(|e| (n, format!("not valid JSON: {e}")))?;
+        let custom_id = match v.get("custom_id") {
+            Some(Json::String(s)) if !s.is_empty() && s.len() <= MAX_CUSTOM_ID => s.clone(),
+            _ => return Err((n, format!("custom_id must be a string of 1 to {MAX_CUSTOM_ID} bytes"))),
+        };
+        if !seen.insert(custom_id.clone()) {
+            return Err((n, format!("custom_id {custom_id:?} is used twice")));
+        }
+        if v.get("method").and_then(Json::as_str).is_some_and(|m| m != "POST") {
+            return Err((n, "method must be POST".into()));
+        }
+        if v.get("url").and_then(Json::as_str) != Some(endpoint) {
+            return Err((n, format!("url must be the batch's endpoint {endpoint}")));
+        }
+        let Some(Json::Object(mut body)) = v.get("body").cloned() else {
+            return Err((n, "body must be an object".into()));
+        };
+        body.insert("stream".into(), Json::Bool(false));
+        lines.push(Line { custom_id, body });
+    }
+    if lines.is_empty() {
+        return Err((0, "the input file has no requests".into()));
+    }
+    Ok(lines)
+}
+
+/// What one request came to: its result line, and whether it succeeded.
+struct Outcome {
+    line: Json,
+    ok: bool,
+}
+
+async fn execute(batches: Arc<Batches>, api: Api, batch_id: String, index: usize, line: Line) -> Outcome {
+    let request_id = format!("{batch_id}-{index}");
+    let parsed = match api {
+        Api::Chat => completions::chat(&*batches.models, &line.body),
+        Api::Completion => completions::completion(&*batches.models, &line.body),
+    };
+    let result = match parsed {
+        Ok(mut job) => {
+            for c in &mut job.choices {
+                c.request.priority = Priority::Batch;
+            }
+            respond::answer(&*batches.models, batches.limits, &job, request_id.clone()).await
+        }
+        Err(e) => Err(e),
+    };
+    let (status, body, ok) = match result {
+        Ok(body) => (200, body, true),
+        Err(e) => (e.status.as_u16(), e.body(), false),
+    };
+    Outcome {
+        line: json!({
+            "id": format!("batch_req_{}_{index}", batch_id.trim_start_matches("batch_")),
+            "custom_id": line.custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": body},
+            "error": null,
+        }),
+        ok,
+    }
+}
+
+/// Appends result lines to one file.
+struct Results {
+    file: std::fs::File,
+}
+
+impl Results {
+    fn open(path: &std::path::Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::Internal(format!("{}: {e}", path.display())))?;
+        Ok(Results { file })
+    }
+
+    fn append(&mut self, line: &Json) -> Result<()> {
+        let mut bytes = line.to_string().into_bytes();
+        bytes.push(b'\n');
+        self.file.write_all(&bytes).map_err(|e| Error::Internal(format!("writing a batch result: {e}")))
+    }
+}
+
+/// Runs batch `job` to its end (or until it is cancelled).
+pub async fn run(batches: Arc<Batches>, job: Arc<Job>) {
+    let id = job.snapshot().id;
+    if let Err(e) = drive(&batches, &job).await {
+        warn!(batch = %id, "batch failed: {e}");
+        job.update(&batches, |b| {
+            b.status = "failed".into();
+            b.failed_at = Some(now());
+            b.errors = Some(
+                json!({"object": "list", "data": [{"code": "internal_error", "message": e.to_string()}]}),
+            );
+        });
+    }
+}
+
+/// Validates (when new), then runs the requests not yet answered.
+async fn drive(batches: &Arc<Batches>, job: &Arc<Job>) -> Result<()> {
+    let b = job.snapshot();
+    let api = if b.endpoint == "/v1/chat/completions" { Api::Chat } else { Api::Completion };
+    let input = tokio::fs::read(batches.store.data_path(&b.input_file_id))
+        .await
+        .map_err(|e| Error::Internal(format!("reading input file {}: {e}", b.input_file_id)))?;
+    let lines = match parse_input(&String::from_utf8_lossy(&input), &b.endpoint) {
+        Ok(lines) => lines,
+        Err((line, message)) => {
+            job.update(batches, |b| {
+                b.status = "failed".into();
+                b.failed_at = Some(now());
+                b.errors = Some(json!({"object": "list", "data": [
+                    {"code": "invalid_request", "message": message, "line": line, "param": null}
+                ]}));
+            });
+            return Ok(());
+        }
+    };
+    let (out_id, err_id) = b.result_file_ids();
+    let (out_path, err_path) = (batches.store.data_path(&out_id), batches.store.data_path(&err_id));
+    let done: HashSet<String> = finished_ids(&out_path)?.into_iter().collect();
+    let failed: HashSet<String> = finished_ids(&err_path)?.into_iter().collect();
+    job.update(batches, |b| {
+        if b.status == "validating" {
+            b.status = "in_progress".into();
+            b.in_progress_at = Some(now());
+        }
+        b.request_counts.total = lines.len() as u64;
+        b.request_counts.completed = done.len() as u64;
+        b.request_counts.failed = failed.len() as u64;
+    });
+    let todo: Vec<(usize, Line)> = lines
+        .into_iter()
+        .enumerate()
+        .filter(|(_, l)| !done.contains(&l.custom_id) && !failed.contains(&l.custom_id))
+        .collect();
+    info!(batch = %b.id, remaining = todo.len(), "batch running");
+    let mut files = (Results::open(&out_path)?, Results::open(&err_path)?);
+    dispatch(batches, job, api, todo, &mut files).await?;
+    finish(batches, job, (out_id, err_id))
+}
+
+/// Keeps the allowed number of requests in flight until all are answered or the batch
+/// is cancelled.
+async fn dispatch(
+    batches: &Arc<Batches>,
+    job: &Arc<Job>,
+    api: Api,
+    todo: Vec<(usize, Line)>,
+    files: &mut (Results, Results),
+) -> Result<()> {
+    let id = job.snapshot().id;
+    let mut todo = todo.into_iter();
+    let mut running = JoinSet::new();
+    let mut saved = tokio::time::Instant::now();
+    loop {
+        if job.cancelled() {
+            running.abort_all();
+            return Ok(());
+        }
+        let allowed =
+            batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
+        while running.len() < allowed {
+            let Some((index, line)) = todo.next() else { break };
+            running.spawn(execute(batches.clone(), api, id.clone(), index, line));
+        }
+        if running.is_empty() {
+            return Ok(());
+        }
+        tokio::select! {
+            next = running.join_next() => {
+                let Some(Ok(outcome)) = next else { continue };
+                if outcome.ok { files.0.append(&outcome.line)? } else { files.1.append(&outcome.line)? }
+                job.count(outcome.ok);
+            }
+            // Online load and cancellation are looked at again at least this often.
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        if saved.elapsed() >= Duration::from_secs(1) {
+            job.save(batches);
+            saved = tokio::time::Instant::now();
+        }
+    }
+}
+
+/// Publishes the result files and ends the batch (completed, or cancelled).
+fn finish(batches: &Batches, job: &Job, (out_id, err_id): (String, String)) -> Result<()> {
+    let cancelled = job.cancelled();
+    job.update(batches, |b| {
+        if !cancelled {
+            b.status = "finalizing".into();
+            b.finalizing_at = Some(now());
+        }
+    });
+    let b = job.snapshot();
+    let out = batches.publish(&out_id, &format!("{}_output.jsonl", b.id))?;
+    let err = if b.request_counts.failed > 0 {
+        Some(batches.publish(&err_id, &format!("{}_error.jsonl", b.id))?)
+    } else {
+        None
+    };
+    job.update(batches, |b| {
+        b.output_file_id = Some(out);
+        b.error_file_id = err;
+        if cancelled {
+            b.status = "cancelled".into();
+            b.cancelled_at = Some(now());
+        } else {
+            b.status = "completed".into();
+            b.completed_at = Some(now());
+        }
+    });
+    info!(batch = %b.id, completed = b.request_counts.completed, failed = b.request_counts.failed, "batch ended");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_input_lines_are_named() {
+        let ok =
+            r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"x"}}"#;
+        assert_eq!(parse_input(ok, "/v1/completions").unwrap().len(), 1);
+        let cases = [
+            (format!("{ok}\n{ok}"), 2, "used twice"),
+            (format!("{ok}\nnot json"), 2, "not valid JSON"),
+            (ok.replace("/v1/completions", "/v1/chat/completions"), 1, "endpoint"),
+            (ok.replace("\"a\"", "5"), 1, "custom_id"),
+            (ok.replace("POST", "GET"), 1, "POST"),
+            ("\n\n".to_string(), 0, "no requests"),
+        ];
+        for (text, line, words) in cases {
+            let (n, message) = parse_input(&text, "/v1/completions").unwrap_err();
+            assert_eq!(n, line, "{message}");
+            assert!(message.contains(words), "{message}");
+        }
+    }
+}
