@@ -44,6 +44,11 @@ pub enum Command {
     Serve(crate::serve_cli::ServeArgs),
     /// Load-test a running server: throughput, TTFT, ITL, TPOT and latency percentiles.
     Bench(crate::bench::BenchArgs),
+    /// Offline batches against an OpenAI-style HTTP endpoint.
+    Batch {
+        #[command(subcommand)]
+        command: crate::batch_cli::BatchCommand,
+    },
     /// Cluster mode: route requests, serve the admin API, reconcile while elected leader.
     Coordinator(crate::cluster_cli::CoordinatorArgs),
     /// A worker: with --etcd, registers and holds the shards the leader assigns; with
@@ -312,6 +317,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cert { command } => crate::cert_cli::run(command),
+        Command::Batch { command } => crate::batch_cli::run(command, runtime()?),
         Command::Model { command } => match command {
             ModelCommand::Random(args) => random_model(args),
             ModelCommand::Bench(args) => bench_model(args),

@@ -6,6 +6,7 @@
 use clap::Parser;
 
 mod admin_cli;
+mod batch_cli;
 mod bench;
 mod cert_cli;
 mod cli;

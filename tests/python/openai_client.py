@@ -8,8 +8,10 @@ EXPECTED_JSON: {"prompt": text, "greedy": the gRPC API's greedy text for it (8 t
 Exits non-zero (with the reason) on the first mismatch; prints "N passed" at the end.
 """
 import asyncio
+import io
 import json
 import sys
+import time
 
 import openai
 
@@ -127,6 +129,46 @@ def main():
             raise AssertionError("bad key accepted")
         except openai.AuthenticationError as e:
             assert e.status_code == 401
+
+    @check("batch API end to end")
+    def _():
+        def line(i, **body):
+            return json.dumps({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}})
+        lines = [line(i) for i in range(12)] + [line(12, max_tokens=0)]
+        f = client.files.create(file=("requests.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+        assert f.purpose == "batch" and f.bytes > 0 and client.files.retrieve(f.id).id == f.id
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h", metadata={"run": "test"})
+        assert b.status in ("validating", "in_progress", "completed"), b.status
+        deadline = time.time() + 60
+        while b.status not in ("completed", "failed", "cancelled"):
+            assert time.time() < deadline, b
+            time.sleep(0.1)
+            b = client.batches.retrieve(b.id)
+        assert b.status == "completed" and b.metadata == {"run": "test"}, b
+        assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (13, 12, 1), b.request_counts
+        out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(12))
+        assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["text"] == greedy for o in out)
+        errs = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+        assert [(e["custom_id"], e["response"]["status_code"]) for e in errs] == [("req-12", 400)], errs
+        assert b.id in [x.id for x in client.batches.list().data]
+        # Cancel: a long batch stops early and ends cancelled, its results so far kept.
+        long = [line(i, max_tokens=200) for i in range(400)]
+        f2 = client.files.create(file=("long.jsonl", io.BytesIO("\n".join(long).encode())), purpose="batch")
+        b2 = client.batches.create(input_file_id=f2.id, endpoint="/v1/completions", completion_window="24h")
+        b2 = client.batches.cancel(b2.id)
+        assert b2.status in ("cancelling", "cancelled"), b2.status
+        while b2.status == "cancelling":
+            assert time.time() < deadline + 60, b2
+            time.sleep(0.1)
+            b2 = client.batches.retrieve(b2.id)
+        assert b2.status == "cancelled" and b2.request_counts.completed < 400, b2
+        try:
+            client.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+            raise AssertionError("a batch over no file was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "input_file_id", e.body
 
     async def run_async():
         ac = openai.AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=60)

@@ -55,3 +55,29 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// Uploads `content` as a batch input file (`POST /v1/files`, multipart/form-data);
+/// returns the file object.
+pub fn upload(address: &str, key: Option<&str>, filename: &str, content: &str) -> serde_json::Value {
+    let boundary = "strata-test-boundary-7d1c";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\
+         Content-Type: application/jsonl\r\n\r\n{content}\r\n--{boundary}--\r\n"
+    );
+    let mut s = std::net::TcpStream::connect(address).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut head = format!(
+        "POST /v1/files HTTP/1.0\r\nHost: {address}\r\nContent-Type: multipart/form-data; boundary={boundary}\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if let Some(k) = key {
+        head.push_str(&format!("Authorization: Bearer {k}\r\n"));
+    }
+    write!(s, "{head}\r\n{body}").unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
+    serde_json::from_str(body).unwrap()
+}

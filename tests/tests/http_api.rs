@@ -61,7 +61,9 @@ async fn grpc_text(server: &Server, key: &str, prompt: &str, max_tokens: u32) ->
 #[tokio::test(flavor = "multi_thread")]
 async fn openais_python_client_works_against_strata() {
     let model = chat_model("llama_gqa");
-    let (server, http) = serve_http(model.path(), &["--api-key", KEY]);
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().to_str().unwrap();
+    let (server, http) = serve_http(model.path(), &["--api-key", KEY, "--data-dir", data_dir]);
     let prompt = "The quick brown fox";
     let greedy = grpc_text(&server, KEY, prompt, 8).await;
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
@@ -84,7 +86,7 @@ async fn openais_python_client_works_against_strata() {
         "openai client failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("9 passed"), "{stdout}");
+    assert!(stdout.contains("10 passed"), "{stdout}");
 }
 
 #[test]

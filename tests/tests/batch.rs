@@ -1,0 +1,161 @@
+//! Batch jobs survive their coordinator: a 200-request batch whose `strata serve` is
+//! killed (SIGKILL) midway finishes after a restart on the same data directory, with each
+//! request answered exactly once, and its answers equal the same requests sent online.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use strata_tests::http::{post, request, upload};
+use strata_tests::{write_slow_model, Server};
+
+fn serve(model: &str, data: &str) -> (Server, String) {
+    let server = Server::start(&[
+        "--model",
+        model,
+        "--name",
+        "m",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data,
+        "--batch-concurrency",
+        "8",
+    ]);
+    let http = server.out.passed("http").expect("the HTTP API announces its address");
+    (server, http["address"].as_str().unwrap().to_string())
+}
+
+fn batch(http: &str, id: &str) -> Value {
+    let (status, body) = request(http, "GET", &format!("/v1/batches/{id}"), None, None).unwrap();
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+fn body(i: usize) -> Value {
+    json!({"model": "m", "prompt": format!("request number {i}"), "max_tokens": 16, "temperature": 0, "ignore_eos": true})
+}
+
+#[test]
+fn a_batch_survives_a_coordinator_kill_and_answers_each_request_once() {
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let model = model.path().to_str().unwrap().to_string();
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().to_str().unwrap();
+    let (mut server, http) = serve(&model, data_dir);
+
+    let lines: Vec<String> = (0..200)
+        .map(|i| {
+            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body(i)})
+                .to_string()
+        })
+        .collect();
+    let file = upload(&http, None, "requests.jsonl", &lines.join("\n"));
+    let (status, created) = post(
+        &http,
+        "/v1/batches",
+        None,
+        &json!({
+            "input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h",
+        }),
+    );
+    assert_eq!(status, 200, "{created}");
+    let id = created["id"].as_str().unwrap().to_string();
+
+    // Kill the coordinator once part of the batch is done.
+    let started = Instant::now();
+    let before = loop {
+        let b = batch(&http, &id);
+        let done = b["request_counts"]["completed"].as_u64().unwrap();
+        if done >= 20 {
+            break done;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "batch did not progress: {b}");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    server.child.kill().unwrap(); // SIGKILL: no drain, no final save
+    server.child.wait().unwrap();
+    assert!(before < 200, "the batch finished before the kill; nothing was tested");
+
+    let (_server, http) = serve(&model, data_dir);
+    let started = Instant::now();
+    let b = loop {
+        let b = batch(&http, &id);
+        if b["status"] == "completed" {
+            break b;
+        }
+        assert!(b["status"] == "in_progress", "{b}");
+        assert!(started.elapsed() < Duration::from_secs(180), "batch did not finish after the restart: {b}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(b["request_counts"], json!({"total": 200, "completed": 200, "failed": 0}), "{b}");
+    let out_id = b["output_file_id"].as_str().unwrap();
+    let (status, text) = request(&http, "GET", &format!("/v1/files/{out_id}/content"), None, None).unwrap();
+    assert_eq!(status, 200);
+    let results: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut ids: Vec<&str> = results.iter().map(|r| r["custom_id"].as_str().unwrap()).collect();
+    ids.sort();
+    let mut want: Vec<String> = (0..200).map(|i| format!("c{i}")).collect();
+    want.sort();
+    assert_eq!(ids, want, "each request answered exactly once");
+    // Answers equal the same requests sent online (greedy, so deterministic).
+    for r in results.iter().step_by(40) {
+        let i: usize = r["custom_id"].as_str().unwrap()[1..].parse().unwrap();
+        let (status, online) = post(&http, "/v1/completions", None, &body(i));
+        assert_eq!(status, 200);
+        assert_eq!(r["response"]["body"]["choices"][0]["text"], online["choices"][0]["text"], "c{i}");
+    }
+}
+
+#[test]
+fn strata_batch_run_resumes_after_an_interruption() {
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let data = tempfile::tempdir().unwrap();
+    let (_server, http) = serve(model.path().to_str().unwrap(), data.path().to_str().unwrap());
+    let work = tempfile::tempdir().unwrap();
+    let input = work.path().join("requests.jsonl");
+    let output = work.path().join("results.jsonl");
+    let lines: Vec<String> = (0..60)
+        .map(|i| {
+            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body(i)})
+                .to_string()
+        })
+        .collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let run = || {
+        let mut cmd = std::process::Command::new(strata_tests::strata_bin());
+        cmd.args(["batch", "run", "--endpoint", &format!("http://{http}/v1"), "--concurrency", "2"])
+            .arg("--input")
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .env("RUST_LOG", "warn");
+        cmd
+    };
+    let count = || std::fs::read_to_string(&output).map(|t| t.lines().count()).unwrap_or(0);
+    let mut first =
+        run().stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let started = Instant::now();
+    while count() < 10 {
+        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let interrupted = count();
+    assert!(interrupted < 60, "finished before the interruption; nothing was tested");
+    let out = run().output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let results: Vec<Value> =
+        std::fs::read_to_string(&output).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let mut ids: Vec<&str> = results.iter().map(|r| r["custom_id"].as_str().unwrap()).collect();
+    ids.sort();
+    let mut want: Vec<String> = (0..60).map(|i| format!("c{i}")).collect();
+    want.sort();
+    assert_eq!(ids, want, "each request once, the {interrupted} done before the interruption kept");
+    assert!(results.iter().all(|r| r["response"]["status_code"] == 200));
+    let (_, online) = post(&http, "/v1/completions", None, &body(7));
+    let seven = results.iter().find(|r| r["custom_id"] == "c7").unwrap();
+    assert_eq!(seven["response"]["body"]["choices"][0]["text"], online["choices"][0]["text"]);
+}
