@@ -66,6 +66,10 @@ pub struct ServeArgs {
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
+    /// Seconds a request waits for a ready replica (at start or after one failed)
+    /// [default: 60] (coordinator.route_wait_s).
+    #[arg(long, env = "STRATA_ROUTE_WAIT")]
+    pub route_wait: Option<f64>,
     /// Token admin calls must bear; without one, admin calls are accepted from loopback only
     /// (coordinator.admin_token).
     #[arg(long, env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
@@ -105,6 +109,7 @@ impl ServeArgs {
         set(&mut s.pp, &self.pp);
         set(&mut s.replicas, &self.replicas);
         set(&mut s.drain_timeout_s, &self.drain_timeout);
+        set(&mut cfg.coordinator.route_wait_s, &self.route_wait);
         set(&mut s.spare_workers, &self.spare_workers);
         self.engine.apply(&mut cfg.engine);
         // serve's coordinator checks credentials as `strata coordinator` does.
@@ -160,7 +165,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let opts = ServeOptions {
         listen: s.listen,
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
-        route: RouteLimits::default(),
+        route: RouteLimits { wait: Duration::from_secs_f64(cfg.coordinator.route_wait_s), ..Default::default() },
         client_auth,
         role: Role::Serve,
         id: "serve".into(),

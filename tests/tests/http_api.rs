@@ -179,3 +179,44 @@ async fn a_client_that_disconnects_cancels_its_sequence() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A replica lost mid-stream with no other to resume on: the stream ends with an error
+/// event, which OpenAI's client raises as its `APIError`.
+#[test]
+fn an_error_after_streaming_started_is_raised_by_the_client() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    add_template(tmp.path());
+    let model = tmp.path().to_str().unwrap();
+    let mut server = Server::spawn(&[
+        "--model", model, "--name", "m", "--tp", "2", "--worker-rendezvous", "127.0.0.1:0",
+        "--http-listen", "127.0.0.1:0", "--route-wait", "0.5",
+    ]);
+    let rendezvous = server.out.wait_event("rendezvous", Duration::from_secs(60), "strata serve");
+    let mut worker = std::process::Command::new(strata_tests::strata_bin())
+        .args(["worker", "--model", model, "--tp", "2", "--rank", "1", "--rendezvous"])
+        .arg(rendezvous["address"].as_str().unwrap())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    server.addr = server.wait_ready();
+    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut client = std::process::Command::new(root.join("target/pyenv/bin/python"))
+        .arg(root.join("tests/python/openai_stream_error.py"))
+        .args([&format!("http://{http}/v1"), "m"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(client.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "started");
+    worker.kill().unwrap(); // the replica's other rank dies mid-generation
+    worker.wait().unwrap();
+    let outcome: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    client.wait().unwrap();
+    assert_eq!(outcome["raised"], "APIError", "{outcome}");
+    assert!(outcome["message"].as_str().unwrap().contains("unavailable"), "{outcome}");
+}
