@@ -165,7 +165,10 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let opts = ServeOptions {
         listen: s.listen,
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
-        route: RouteLimits { wait: Duration::from_secs_f64(cfg.coordinator.route_wait_s), ..Default::default() },
+        route: RouteLimits {
+            wait: Duration::from_secs_f64(cfg.coordinator.route_wait_s),
+            ..Default::default()
+        },
         client_auth,
         role: Role::Serve,
         id: "serve".into(),

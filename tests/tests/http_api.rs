@@ -115,7 +115,7 @@ fn token_prompts_give_hf_transformers_greedy_tokens() {
 #[test]
 fn probes_are_open_and_everything_else_needs_the_key() {
     let model = chat_model("llama_gqa");
-    let (_server, http) = serve_http(model.path(), &["--api-key", KEY]);
+    let (server, http) = serve_http(model.path(), &["--api-key", KEY, "--metrics-listen", "127.0.0.1:0"]);
     assert_eq!(request(&http, "GET", "/health", None, None).unwrap().0, 200);
     assert_eq!(request(&http, "GET", "/ready", None, None).unwrap().0, 200);
     let (status, body) = request(&http, "GET", "/v1/models", None, None).unwrap();
@@ -129,6 +129,25 @@ fn probes_are_open_and_everything_else_needs_the_key() {
     let (status, body) = request(&http, "POST", "/v1/completions", Some(KEY), None).unwrap();
     assert_eq!(status, 400, "{body}");
     assert_eq!(request(&http, "GET", "/v1/nothing", Some(KEY), None).unwrap().0, 404);
+    // The HTTP API's metrics count what the client saw, by route template and status.
+    let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
+    let (_, text) = strata_tests::prometheus::http_get(&metrics, "/metrics").unwrap();
+    for (route, status) in
+        [("/v1/models", 401), ("/v1/models", 200), ("/v1/completions", 400), ("(unmatched)", 404)]
+    {
+        let line = format!(
+            "strata_http_requests_total{{route=\"{route}\",method=\"{}\",status=\"{status}\"}}",
+            if route == "/v1/completions" { "POST" } else { "GET" }
+        );
+        let n: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("{line} missing"))
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(n >= 1.0, "{line} {n}");
+    }
 }
 
 #[test]
@@ -190,8 +209,18 @@ fn an_error_after_streaming_started_is_raised_by_the_client() {
     add_template(tmp.path());
     let model = tmp.path().to_str().unwrap();
     let mut server = Server::spawn(&[
-        "--model", model, "--name", "m", "--tp", "2", "--worker-rendezvous", "127.0.0.1:0",
-        "--http-listen", "127.0.0.1:0", "--route-wait", "0.5",
+        "--model",
+        model,
+        "--name",
+        "m",
+        "--tp",
+        "2",
+        "--worker-rendezvous",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--route-wait",
+        "0.5",
     ]);
     let rendezvous = server.out.wait_event("rendezvous", Duration::from_secs(60), "strata serve");
     let mut worker = std::process::Command::new(strata_tests::strata_bin())

@@ -9,6 +9,7 @@
 
 pub mod completions;
 pub mod error;
+pub mod metrics;
 pub mod params;
 pub mod respond;
 
@@ -93,6 +94,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/ready", get(ready))
         .merge(api)
         .fallback(|| async { ApiError::not_found("no such route").into_response() })
+        .layer(axum::middleware::from_fn(metrics::track))
         .with_state(state)
 }
 
