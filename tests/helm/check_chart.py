@@ -74,6 +74,7 @@ CASES = {
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
     "api-keys": {"auth": {"apiKeys": ["k-0123456789abcdef", "k-fedcba9876543210"]}},
+    "batch": {"coordinator": {"replicas": 1, "batch": {"enabled": True, "existingClaim": "strata-batches", "concurrency": 16}}},
     "mig-hostpath": {
         "worker": {
             "gpu": {"resourceName": "nvidia.com/mig-1g.10gb", "count": 1},
@@ -98,6 +99,12 @@ BAD_VALUES = {
     "existingSecret mode without a secret": {"clusterTls": {"mode": "existingSecret"}},
     "negative port": {"coordinator": {"grpcPort": -1}},
     "short API key": {"auth": {"apiKeys": ["short"]}},
+}
+
+# Values the schema accepts but the templates refuse, with what the refusal must say.
+RENDER_FAILURES = {
+    "batch on two coordinators": ({"coordinator": {"batch": {"enabled": True, "existingClaim": "c"}}}, "replicas to 1"),
+    "batch without a claim": ({"coordinator": {"replicas": 1, "batch": {"enabled": True}}}, "existingClaim"),
 }
 
 CUSTOM = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
@@ -154,6 +161,28 @@ def check_bad_values():
             pass
 
 
+def check_render_failures():
+    chart = helm.Chart.load(CHART)
+    for what, (values, words) in RENDER_FAILURES.items():
+        try:
+            chart.render(values, name="strata", namespace="inference", is_install=True)
+            fail(f"the chart rendered {what}: {values}")
+        except helm.HelmError as e:
+            if words not in str(e):
+                fail(f"{what}: the refusal does not say {words!r}: {e}")
+
+
+def check_batch_volume(objs):
+    coordinator = [o for _, o in objs if o.get("kind") == "Deployment" and o["metadata"]["name"].endswith("-coordinator")][0]
+    spec = coordinator["spec"]["template"]["spec"]
+    args = spec["containers"][0]["args"]
+    if "--data-dir=/var/lib/strata" not in args or "--batch-concurrency=16" not in args:
+        fail(f"batch: the coordinator's args lack the data directory: {args}")
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v]
+    if "strata-batches" not in claims:
+        fail(f"batch: the coordinator mounts {claims}, not the claim")
+
+
 def check_dashboards():
     src = os.path.join(ROOT, "deploy", "grafana", "dashboards")
     dst = os.path.join(CHART, "dashboards")
@@ -208,6 +237,9 @@ def main():
         rendered[name] = check_case(name, values)
         print(f"ok: {name}: {len(rendered[name] or [])} objects")
     check_bad_values()
+    check_render_failures()
+    if rendered.get("batch"):
+        check_batch_volume(rendered["batch"])
     check_dashboards()
     check_dockerfiles()
     if render_dir and rendered.get("cpu"):

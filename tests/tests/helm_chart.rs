@@ -243,15 +243,23 @@ fn start_etcd(world: &World, etcd: &Value, ports: &[(u16, u16, u16)]) -> Vec<Loc
 
 /// Starts the coordinators (the first on `first_port`, the Service's address) and the
 /// workers, each worker's health port at the port returned for it.
-fn start_strata(world: &World, objs: &[Value], first_port: u16, ns: &str) -> (Vec<Local>, Vec<u16>) {
+fn start_strata(
+    world: &World,
+    objs: &[Value],
+    first_port: u16,
+    http_port: u16,
+    ns: &str,
+) -> (Vec<Local>, Vec<u16>) {
     let coordinator = object(objs, "Deployment", "-coordinator");
     let worker = object(objs, "StatefulSet", "-worker");
     let worker_svc = worker["spec"]["serviceName"].as_str().unwrap();
     let mut procs = Vec::new();
     for i in 0..coordinator["spec"]["replicas"].as_u64().unwrap() {
         let port = if i == 0 { first_port } else { free_port() };
+        let http = if i == 0 { http_port } else { free_port() };
         let own = world.with(vec![
             ("0.0.0.0:50051".into(), format!("127.0.0.1:{port}")),
+            ("0.0.0.0:8000".into(), format!("127.0.0.1:{http}")),
             ("0.0.0.0:9400".into(), "127.0.0.1:0".into()),
         ]);
         procs.push(own.start(container(coordinator), &format!("strata-coordinator-{i}")));
@@ -330,7 +338,8 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
     }
     let world = World { subst, secrets, dir: tmp.path().to_path_buf() };
     let _etcd = start_etcd(&world, etcd, &etcd_ports);
-    let (_strata, health_ports) = start_strata(&world, &objs, coordinator_port, ns);
+    let http_port = free_port();
+    let (_strata, health_ports) = start_strata(&world, &objs, coordinator_port, http_port, ns);
     run_hook(&world, object(&objs, "Job", "-deploy-models")).await;
 
     // `helm test`'s pod, as rendered, gets tokens through the coordinator's Service with
@@ -347,6 +356,19 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
         strata_proto::inference::v1::inference_client::InferenceClient::connect(endpoint).await.unwrap();
     let refused = c.generate(token_request("demo", vec![1, 2, 3], 4)).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+
+    // The OpenAI-style API on the rendered HTTP port, with the chart's API key.
+    let http = format!("127.0.0.1:{http_port}");
+    let key = world
+        .secrets
+        .iter()
+        .find(|((_, k), _)| k == "api-keys")
+        .map(|(_, v)| v.lines().next().unwrap().to_string());
+    let body = serde_json::json!({"model": "demo", "prompt": "hello", "max_tokens": 3, "temperature": 0, "ignore_eos": true});
+    let (status, answer) = strata_tests::http::post(&http, "/v1/completions", key.as_deref(), &body);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["completion_tokens"], 3);
+    assert_eq!(strata_tests::http::post(&http, "/v1/completions", None, &body).0, 401);
 
     // The kubelet's probes, as rendered: gRPC health on the coordinator's port and on each
     // worker's plaintext health port, for the services the readiness probes name.
