@@ -98,6 +98,13 @@ pub struct LatencyArgs {
     pub endpoint: Option<String>,
     #[arg(long, default_value_t = 500)]
     pub requests: usize,
+    /// With --endpoint: the same server's HTTP API (http://HOST:PORT); streams the same
+    /// request over gRPC and HTTP alternately and reports both.
+    #[arg(long, requires = "endpoint")]
+    pub http: Option<String>,
+    /// Tokens per streamed request (with --http).
+    #[arg(long, default_value_t = 16)]
+    pub tokens: u32,
 }
 
 #[derive(Args, Debug)]
@@ -364,6 +371,19 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 fn latency(args: LatencyArgs) -> anyhow::Result<()> {
     if args.requests == 0 {
         bail!("--requests must be at least 1");
+    }
+    if let (Some(endpoint), Some(http)) = (&args.endpoint, &args.http) {
+        let reports = runtime()?.block_on(crate::latency_bench::streaming_grpc_vs_http(
+            endpoint,
+            http,
+            &args.model,
+            args.requests,
+            args.tokens,
+        ))?;
+        for r in reports {
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        return Ok(());
     }
     let report = match &args.endpoint {
         Some(endpoint) => {

@@ -20,7 +20,6 @@ use strata_common::registry::memory::MemoryRegistry;
 use strata_common::registry::Registry;
 use strata_common::{ModelConfig, Parallelism, ShardPlan};
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::info;
 
 use strata_coordinator::api::admin::ClusterAdmin;
@@ -91,9 +90,9 @@ async fn start_worker(
     let address = listener.local_addr()?.to_string();
     clients.register(&address, Arc::new(InProcessWorker(agent.clone())));
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(worker_server(agent.clone()))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
+        tonic::transport::Server::builder().add_service(worker_server(agent.clone())).serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        ),
     );
     let capacity = Capacity {
         device_kind: agent.config().backend.device.kind().into(),

@@ -12,7 +12,6 @@ use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_proto::worker::v1::worker_server::WorkerServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tracing::{info, warn};
 
@@ -66,9 +65,9 @@ async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> a
     let listener = TcpListener::bind(addr).await.with_context(|| format!("--health-listen {addr}"))?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
-        let served = tonic::transport::Server::builder()
-            .add_service(health)
-            .serve_with_incoming(TcpListenerStream::new(listener));
+        let served = tonic::transport::Server::builder().add_service(health).serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        );
         if let Err(e) = served.await {
             warn!(error = %e, "the health endpoint stopped");
         }
@@ -152,9 +151,12 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         .layer(RoleGateLayer)
         .add_service(health)
         .add_service(worker_server(agent.clone()))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            let _ = stop_rx.await;
-        });
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
     let membership = Membership::start(
         registry.clone(),
         opts.keys.clone(),

@@ -16,7 +16,6 @@ use strata_common::ready::{announce, Announcement};
 use strata_proto::admin::v1::admin_server::{Admin, AdminServer};
 use strata_proto::inference::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tracing::{info, warn};
 
 use super::auth::ClientAuth;
@@ -122,9 +121,12 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
             opts.client_auth,
         )))
         .add_service(AdminServer::new(admin))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
-            let _ = stop_rx.await;
-        });
+        .serve_with_incoming_shutdown(
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
     let (http_stop_tx, http_stop_rx) = tokio::sync::watch::channel(false);
     let http = http.map(|h| {
         let (address, state) = (h.address, h.state.clone());

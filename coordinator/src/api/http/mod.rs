@@ -189,8 +189,14 @@ impl HttpServer {
         self,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
+        use axum::serve::ListenerExt;
         let app = router(self.state);
-        axum::serve(self.listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        // Streams write small events: without TCP_NODELAY, Nagle holds each behind the
+        // peer's delayed ACK (tens of milliseconds).
+        let listener = self.listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
             .with_graceful_shutdown(stop)
             .await
     }
