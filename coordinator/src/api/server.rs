@@ -19,7 +19,7 @@ use tokio::net::TcpListener;
 use tracing::{info, warn};
 
 use super::auth::ClientAuth;
-use super::http::{HttpOptions, HttpServer, HttpState};
+use super::http::{HttpOptions, RunningHttp};
 use super::inference::InferenceService;
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
@@ -88,18 +88,10 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         reflection_builder().build_v1alpha().context("building the v1alpha reflection service")?;
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let client_auth = opts.client_auth.clone();
     let http = match &opts.http {
         Some(h) => {
-            let mut state = HttpState::new(models.clone(), client_auth, opts.route);
-            if let Some(dir) = &h.data_dir {
-                let batches =
-                    crate::batch::Batches::start(dir, models.clone(), opts.route, h.batch_concurrency)
-                        .with_context(|| format!("--data-dir {}", dir.display()))?;
-                state.batches = Some(batches);
-            }
-            let state = Arc::new(state);
-            Some(HttpServer::bind(h.listen, state).await?)
+            let auth = opts.client_auth.clone();
+            Some(RunningHttp::start(h, models.clone(), auth, opts.route, opts.role.name(), &opts.id).await?)
         }
         None => None,
     };
@@ -127,22 +119,6 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
                 let _ = stop_rx.await;
             },
         );
-    let (http_stop_tx, http_stop_rx) = tokio::sync::watch::channel(false);
-    let http = http.map(|h| {
-        let (address, state) = (h.address, h.state.clone());
-        info!("OpenAI-style HTTP API on http://{address}/v1");
-        announce(&Announcement {
-            event: "http",
-            role: opts.role.name(),
-            address: &address.to_string(),
-            id: &opts.id,
-        });
-        let mut stop = http_stop_rx.clone();
-        let task = tokio::spawn(h.run(async move {
-            let _ = stop.wait_for(|s| *s).await;
-        }));
-        (state, task)
-    });
     info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role.log_name());
     let address = addr.to_string();
     announce(&Announcement { event: "ready", role: opts.role.name(), address: &address, id: &opts.id });
@@ -155,15 +131,9 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
     info!(drain_timeout_s = opts.drain_timeout.as_secs_f64(), "shutting down: draining in-flight calls");
     health_reporter.set_not_serving::<InferenceServer<InferenceService>>().await;
     let _ = stop_tx.send(());
-    if let Some((state, _)) = &http {
-        state.draining.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-    let _ = http_stop_tx.send(true);
     let http_done = async {
-        if let Some((_, task)) = http {
-            if let Ok(Err(e)) = task.await {
-                warn!("the HTTP API failed while draining: {e}");
-            }
+        if let Some(h) = http {
+            h.drain().await;
         }
     };
     match tokio::time::timeout(opts.drain_timeout, async { tokio::join!(server, http_done).0 }).await {

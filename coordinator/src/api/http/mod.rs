@@ -168,6 +168,54 @@ async fn ready(State(state): State<Arc<HttpState>>) -> Response {
     }
 }
 
+/// The HTTP API while it serves, until [`drain`](RunningHttp::drain).
+pub struct RunningHttp {
+    state: Arc<HttpState>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+impl RunningHttp {
+    /// Binds, opens the batch store (resuming its unfinished jobs), announces the address
+    /// (`{"event":"http",…}`) and serves in the background.
+    pub async fn start(
+        opts: &HttpOptions,
+        models: Arc<dyn Catalog>,
+        auth: ClientAuth,
+        limits: RouteLimits,
+        role: &str,
+        id: &str,
+    ) -> anyhow::Result<Self> {
+        use anyhow::Context;
+        let mut state = HttpState::new(models.clone(), auth, limits);
+        if let Some(dir) = &opts.data_dir {
+            let batches = crate::batch::Batches::start(dir, models, limits, opts.batch_concurrency)
+                .with_context(|| format!("--data-dir {}", dir.display()))?;
+            state.batches = Some(batches);
+        }
+        let server = HttpServer::bind(opts.listen, Arc::new(state)).await?;
+        let (address, state) = (server.address, server.state.clone());
+        tracing::info!("OpenAI-style HTTP API on http://{address}/v1");
+        let announcement =
+            strata_common::ready::Announcement { event: "http", role, address: &address.to_string(), id };
+        strata_common::ready::announce(&announcement);
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let task = tokio::spawn(server.run(async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }));
+        Ok(RunningHttp { state, task, stop })
+    }
+
+    /// Stops taking requests (`/ready` answers 503) and waits for those in flight.
+    pub async fn drain(self) {
+        self.state.draining.store(true, Ordering::Relaxed);
+        let _ = self.stop.send(true);
+        if let Ok(Err(e)) = self.task.await {
+            tracing::warn!("the HTTP API failed while draining: {e}");
+        }
+    }
+}
+
 /// A bound HTTP listener and the state it serves.
 pub struct HttpServer {
     pub listener: tokio::net::TcpListener,
