@@ -101,8 +101,8 @@ impl ChatTemplate {
                 specials.insert(name.into(), Json::String(t));
             }
         }
-        let source = || jinja_path.exists().then(|| jinja_path.clone()).unwrap_or(config_path.clone());
-        let t = Self::new(templates, specials).map_err(|e| Error::model_file(&source(), e.to_string()))?;
+        let source = if jinja_path.exists() { jinja_path } else { config_path };
+        let t = Self::new(templates, specials).map_err(|e| Error::model_file(&source, e.to_string()))?;
         Ok(Some(t))
     }
 

@@ -257,7 +257,7 @@ mod tests {
             (json!({"model": "m", "temperature": 3}), "temperature"),
             (json!({"model": "m", "presence_penalty": -2.5}), "presence_penalty"),
             (json!({"model": "m", "stop": 5}), "stop"),
-            (json!({"model": "m", "stop": ["a"; 17]}), "stop"),
+            (json!({"model": "m", "stop": vec!["a"; 17]}), "stop"),
             (json!({"model": "m", "seed": 1.5}), "seed"),
             (json!({"model": "m", "stream": "yes"}), "stream"),
             (json!({"model": "m", "stream_options": {"include_usage": true}}), "stream_options"),
