@@ -159,3 +159,88 @@ fn strata_batch_run_resumes_after_an_interruption() {
     let seven = results.iter().find(|r| r["custom_id"] == "c7").unwrap();
     assert_eq!(seven["response"]["body"]["choices"][0]["text"], online["choices"][0]["text"]);
 }
+
+/// The batch's in-flight gauge as Prometheus scrapes it.
+fn batch_in_flight(metrics: &str) -> f64 {
+    let (_, text) = strata_tests::prometheus::http_get(metrics, "/metrics").unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("strata_batch_requests_in_flight "))
+        .map(|v| v.trim().parse().unwrap())
+        .unwrap_or(0.0)
+}
+
+fn wait_in_flight(metrics: &str, want: f64, what: &str) {
+    let started = Instant::now();
+    while batch_in_flight(metrics) != want {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{what}: {} in flight",
+            batch_in_flight(metrics)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Online requests come first: a batch gives up one slot per online request in flight,
+/// down to one (it always moves), and takes them back when online traffic ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn online_requests_come_first_and_a_batch_always_moves() {
+    use strata_proto::inference::v1::inference_client::InferenceClient;
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&[
+        "--model",
+        model.path().to_str().unwrap(),
+        "--name",
+        "m",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--batch-concurrency",
+        "4",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--max-num-seqs",
+        "16",
+    ]);
+    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            let body = json!({"model": "m", "prompt": format!("job {i}"), "max_tokens": 120, "temperature": 0, "ignore_eos": true});
+            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body}).to_string()
+        })
+        .collect();
+    let file = upload(&http, None, "long.jsonl", &lines.join("\n"));
+    let (status, created) = post(
+        &http,
+        "/v1/batches",
+        None,
+        &json!({
+            "input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h",
+        }),
+    );
+    assert_eq!(status, 200, "{created}");
+    wait_in_flight(&metrics, 4.0, "the batch fills its four slots");
+
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let mut online = Vec::new();
+    for i in 0..5u32 {
+        let mut s = c
+            .generate_stream(strata_tests::token_request("m", vec![1, 2 + i], 1500))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(s.message().await.unwrap().is_some());
+        online.push(s);
+    }
+    // Five online requests against four slots: the batch keeps one request moving.
+    wait_in_flight(&metrics, 1.0, "the batch yields to online requests");
+    drop(online);
+    wait_in_flight(&metrics, 4.0, "the batch takes its slots back");
+    let id = created["id"].as_str().unwrap();
+    let (status, cancelled) = post(&http, &format!("/v1/batches/{id}/cancel"), None, &json!({}));
+    assert_eq!(status, 200, "{cancelled}");
+}

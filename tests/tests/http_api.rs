@@ -249,3 +249,32 @@ fn an_error_after_streaming_started_is_raised_by_the_client() {
     assert_eq!(outcome["raised"], "APIError", "{outcome}");
     assert!(outcome["message"].as_str().unwrap().contains("unavailable"), "{outcome}");
 }
+
+/// Every replica's queue full: 429 with Retry-After, as OpenAI's clients expect to back off.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_queue_answers_429() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_slow_model(tmp.path());
+    let (server, http) = serve_http(tmp.path(), &["--max-num-seqs", "1", "--max-waiting", "1"]);
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let mut running =
+        c.generate_stream(strata_tests::token_request("m", vec![1, 2], 1500)).await.unwrap().into_inner();
+    assert!(running.message().await.unwrap().is_some());
+    let _waiting =
+        c.generate_stream(strata_tests::token_request("m", vec![1, 3], 4)).await.unwrap().into_inner();
+    let body = json!({"model": "m", "prompt": [1, 4], "max_tokens": 4}).to_string();
+    let mut s = std::net::TcpStream::connect(&http).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    assert!(raw.starts_with("HTTP/1.0 429"), "{raw}");
+    assert!(raw.to_ascii_lowercase().contains("\r\nretry-after: 1\r\n"), "{raw}");
+    let (_, json) = raw.split_once("\r\n\r\n").unwrap();
+    let json: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(json["error"]["type"], "rate_limit_error", "{json}");
+}

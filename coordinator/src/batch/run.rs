@@ -14,7 +14,12 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use serde_json::{json, Value as Json};
+use strata_common::metrics::register;
 use strata_common::{Error, Result};
 use tokio::task::JoinSet;
 use tracing::{info, warn};
@@ -191,6 +196,49 @@ async fn drive(batches: &Arc<Batches>, job: &Arc<Job>) -> Result<()> {
     finish(batches, job, (out_id, err_id))
 }
 
+/// Batch requests in flight (all batches), and batch requests ended by outcome.
+struct BatchMetrics {
+    in_flight: Gauge,
+    ended: Family<OutcomeLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+fn metrics() -> &'static BatchMetrics {
+    static METRICS: std::sync::OnceLock<BatchMetrics> = std::sync::OnceLock::new();
+    METRICS.get_or_init(|| {
+        let m = BatchMetrics { in_flight: Gauge::default(), ended: Family::default() };
+        register("batch_requests_in_flight", "Batch requests being generated now", m.in_flight.clone());
+        register("batch_requests", "Batch requests ended, by outcome (completed, failed)", m.ended.clone());
+        m
+    })
+}
+
+/// Requests this runner has in flight, counted in the gauge until they end (or the
+/// runner stops: dropping its tasks cancels them).
+struct InFlight(i64);
+
+impl InFlight {
+    fn started(&mut self) {
+        self.0 += 1;
+        metrics().in_flight.inc();
+    }
+
+    fn ended(&mut self) {
+        self.0 -= 1;
+        metrics().in_flight.dec();
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics().in_flight.dec_by(self.0);
+    }
+}
+
 /// Keeps the allowed number of requests in flight until all are answered or the batch
 /// is cancelled.
 async fn dispatch(
@@ -203,6 +251,7 @@ async fn dispatch(
     let id = job.snapshot().id;
     let mut todo = todo.into_iter();
     let mut running = JoinSet::new();
+    let mut counted = InFlight(0);
     let mut saved = tokio::time::Instant::now();
     loop {
         if job.cancelled() {
@@ -214,13 +263,20 @@ async fn dispatch(
         while running.len() < allowed {
             let Some((index, line)) = todo.next() else { break };
             running.spawn(execute(batches.clone(), api, id.clone(), index, line));
+            counted.started();
         }
         if running.is_empty() {
             return Ok(());
         }
         tokio::select! {
             next = running.join_next() => {
-                let Some(Ok(outcome)) = next else { continue };
+                let Some(joined) = next else { continue };
+                counted.ended();
+                let Ok(outcome) = joined else {
+                    warn!(batch = %id, "a batch request's task failed; it runs again when the batch resumes");
+                    continue;
+                };
+                metrics().ended.get_or_create(&OutcomeLabels { outcome: if outcome.ok { "completed" } else { "failed" } }).inc();
                 if outcome.ok { files.0.append(&outcome.line)? } else { files.1.append(&outcome.line)? }
                 job.count(outcome.ok);
             }
