@@ -123,7 +123,7 @@ pub struct BenchArgs {
     /// Pipeline stages (threads of this process).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
-    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16).
+    /// Compute bf16 weights in bf16 (packed at load, bf16-rounded activations; AVX512-BF16).
     #[arg(long)]
     pub bf16_prefill: bool,
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
@@ -199,8 +199,8 @@ pub struct GenerateArgs {
     /// With --endpoint: the API key the server expects (sent as "authorization: Bearer").
     #[arg(long, env = "STRATA_API_KEY", hide_env_values = true, requires = "endpoint")]
     pub api_key: Option<String>,
-    /// In-process: prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about
-    /// twice as fast, no longer f32-exact).
+    /// In-process: compute bf16 weights in bf16 (packed at load, bf16-rounded activations;
+    /// AVX512-BF16; about twice as fast, no longer f32-exact).
     #[arg(long)]
     pub bf16_prefill: bool,
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).

@@ -74,8 +74,9 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long)]
     pub no_prefix_caching: bool,
-    /// Prefill bf16 weights with bf16-rounded activations (AVX512-BF16; about twice as
-    /// fast, no longer f32-exact; a worker's must match its leader's).
+    /// Compute bf16 weights in bf16: packed once at load, every matmul (prefill and
+    /// decode) with bf16-rounded activations (AVX512-BF16; prefill and batched decode
+    /// about twice as fast, no longer f32-exact; a worker's must match its leader's).
     #[arg(long)]
     pub bf16_prefill: bool,
 }

@@ -98,7 +98,8 @@ pub struct EngineSettings {
     pub max_waiting: usize,
     /// Reuse KV blocks of shared prompt prefixes.
     pub prefix_caching: bool,
-    /// CPU: prefill bf16 weights with bf16-rounded activations (faster, not f32-exact).
+    /// CPU: compute bf16 weights in bf16 (packed at load, bf16-rounded activations;
+    /// faster, not f32-exact).
     pub bf16_prefill: bool,
 }
 

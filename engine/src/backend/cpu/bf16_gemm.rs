@@ -1,4 +1,4 @@
-//! Opt-in bf16 × bf16 prefill GEMM with AVX512-BF16 (`vdpbf16ps`).
+//! Opt-in bf16 × bf16 GEMM with AVX512-BF16 (`vdpbf16ps`).
 //!
 //! `vdpbf16ps` multiplies pairs of bf16 values and accumulates in f32, twice the work per
 //! instruction of an f32 FMA. It needs both operands in bf16, so activations are rounded
@@ -8,9 +8,12 @@
 //! matmuls with many rows (prefill).
 //!
 //! Layout: activations are converted once per matmul into bf16 rows padded to a multiple
-//! of 32; each rayon task packs 32 weight rows into pair-interleaved order (`[k/2][32]`
-//! u32 pairs, so one 512-bit load holds one k-pair of 16 output columns) and runs an
-//! 8 × 32 register tile: per k-pair, 2 weight loads, 8 broadcasts and 16 `vdpbf16ps`.
+//! of 32. Weights are packed **once, at load** ([`PackedBf16`]) into panels of 32 output
+//! rows in pair-interleaved order (`[k/2][32]` u32 pairs, so one 512-bit load holds one
+//! k-pair of 16 output columns) — the packed copy replaces the row-major one, so memory
+//! stays one checkpoint. A matmul runs 8 × 32 register tiles straight from the panels:
+//! per k-pair, 2 weight loads, 8 broadcasts and 16 `vdpbf16ps`. Decode rows (1–8) use
+//! the same tiles and read each panel once, in order: bandwidth-bound as it should be.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -29,18 +32,87 @@ pub fn available() -> bool {
     *HAS.get_or_init(|| super::simd::available() && is_x86_feature_detected!("avx512bf16"))
 }
 
-/// `x · wᵀ` with `w` in bf16 (`[m, k]`), activations rounded to bf16.
-pub fn matmul(x: &CpuTensor, w: &[bf16], m: usize) -> CpuTensor {
+/// A `[m, k]` bf16 weight packed into panels of [`NR`] rows for the tile kernel.
+pub struct PackedBf16 {
+    /// `m.div_ceil(NR)` panels of `kp / 2 × NR` u32 pairs.
+    panels: Vec<u32>,
+    m: usize,
+    k: usize,
+    kp: usize,
+}
+
+impl PackedBf16 {
+    /// Packs row-major `w` (`[m, k]`), in parallel over panels.
+    pub fn pack(w: &[bf16], m: usize, k: usize) -> Self {
+        let kp = k.div_ceil(32) * 32;
+        let panel = kp / 2 * NR;
+        let mut panels = vec![0u32; m.div_ceil(NR) * panel];
+        panels.par_chunks_mut(panel).enumerate().for_each(|(p, out)| {
+            let j0 = p * NR;
+            for j in 0..NR.min(m - j0) {
+                let row = &w[(j0 + j) * k..(j0 + j + 1) * k];
+                for (i, pair) in row.chunks(2).enumerate() {
+                    let lo = pair[0].to_bits() as u32;
+                    let hi = pair.get(1).map_or(0, |v| v.to_bits() as u32);
+                    out[i * NR + j] = lo | (hi << 16);
+                }
+            }
+        });
+        PackedBf16 { panels, m, k, kp }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.panels.len() * 4
+    }
+
+    /// Row `r` widened to f32 (embedding lookups of a packed table).
+    pub fn row_to_f32(&self, r: usize, out: &mut [f32]) {
+        let panel = &self.panels[(r / NR) * (self.kp / 2 * NR)..];
+        let j = r % NR;
+        for (i, o) in out[..self.k].iter_mut().enumerate() {
+            let pair = panel[(i / 2) * NR + j];
+            let bits = if i % 2 == 0 { pair & 0xffff } else { pair >> 16 };
+            *o = f32::from_bits(bits << 16);
+        }
+    }
+}
+
+/// `x · wᵀ` with `w` packed at load, activations rounded to bf16.
+pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     assert!(available(), "bf16 GEMM needs AVX512-BF16");
-    let (n, k) = (x.rows, x.cols);
-    let kp = k.div_ceil(32) * 32;
-    // Activations as bf16 bit patterns, rows padded with zeros to kp.
-    let mut xb = vec![0u16; n * kp];
+    assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
+    let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
+    let xb = activations(x, k, kp);
+    let mut y = vec![0f32; n * m];
+    let y_ptr = SendPtr(y.as_mut_ptr());
+    let panel = kp / 2 * NR;
+    (0..m.div_ceil(NR)).into_par_iter().for_each(|p| {
+        let j0 = p * NR;
+        let cols = NR.min(m - j0);
+        let packed = &w.panels[p * panel..(p + 1) * panel];
+        run_tiles(&xb, n, kp, packed, &y_ptr, m, j0, cols);
+    });
+    CpuTensor::new(y, n, m)
+}
+
+/// Activations as bf16 bit patterns, rows padded with zeros to `kp`.
+fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u16> {
+    let mut xb = vec![0u16; x.rows * kp];
     xb.par_chunks_mut(kp).zip(x.data.par_chunks(k)).for_each(|(dst, src)| {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = bf16::from_f32(*s).to_bits();
         }
     });
+    xb
+}
+
+/// `x · wᵀ` with `w` in bf16 (`[m, k]`), activations rounded to bf16; packs each panel on
+/// the fly (tests, and weights that were not packed at load).
+pub fn matmul(x: &CpuTensor, w: &[bf16], m: usize) -> CpuTensor {
+    assert!(available(), "bf16 GEMM needs AVX512-BF16");
+    let (n, k) = (x.rows, x.cols);
+    let kp = k.div_ceil(32) * 32;
+    let xb = activations(x, k, kp);
     let mut y = vec![0f32; n * m];
     let y_ptr = SendPtr(y.as_mut_ptr());
     let tiles = m.div_ceil(NR);
@@ -48,29 +120,44 @@ pub fn matmul(x: &CpuTensor, w: &[bf16], m: usize) -> CpuTensor {
         let j0 = tile_index * NR;
         let cols = NR.min(m - j0);
         pack_weights(w, k, kp, j0, cols, packed);
-        let y_ptr = &y_ptr;
-        let mut t = 0;
-        while t < n {
-            let rows = (n - t).min(8);
-            // SAFETY: AVX512-BF16 is available (asserted above); this task writes only
-            // columns j0..j0+cols of rows t..t+rows of y; buffers have the sizes used.
-            unsafe {
-                let out = y_ptr.0.add(t * m + j0);
-                match rows {
-                    8 => tile::<8>(&xb[t * kp..], kp, packed, out, m, cols),
-                    7 => tile::<7>(&xb[t * kp..], kp, packed, out, m, cols),
-                    6 => tile::<6>(&xb[t * kp..], kp, packed, out, m, cols),
-                    5 => tile::<5>(&xb[t * kp..], kp, packed, out, m, cols),
-                    4 => tile::<4>(&xb[t * kp..], kp, packed, out, m, cols),
-                    3 => tile::<3>(&xb[t * kp..], kp, packed, out, m, cols),
-                    2 => tile::<2>(&xb[t * kp..], kp, packed, out, m, cols),
-                    _ => tile::<1>(&xb[t * kp..], kp, packed, out, m, cols),
-                }
-            }
-            t += rows;
-        }
+        run_tiles(&xb, n, kp, packed, &y_ptr, m, j0, cols);
     });
     CpuTensor::new(y, n, m)
+}
+
+/// Every row of `x` against one panel: output columns `j0..j0 + cols`.
+#[allow(clippy::too_many_arguments)]
+fn run_tiles(
+    xb: &[u16],
+    n: usize,
+    kp: usize,
+    packed: &[u32],
+    y_ptr: &SendPtr,
+    m: usize,
+    j0: usize,
+    cols: usize,
+) {
+    let mut t = 0;
+    while t < n {
+        let rows = (n - t).min(8);
+        let x = &xb[t * kp..];
+        // SAFETY: AVX512-BF16 is available (the callers assert it); this call writes only
+        // columns j0..j0+cols of rows t..t+rows of y; buffers have the sizes used.
+        unsafe {
+            let out = y_ptr.0.add(t * m + j0);
+            match rows {
+                8 => tile::<8>(x, kp, packed, out, m, cols),
+                7 => tile::<7>(x, kp, packed, out, m, cols),
+                6 => tile::<6>(x, kp, packed, out, m, cols),
+                5 => tile::<5>(x, kp, packed, out, m, cols),
+                4 => tile::<4>(x, kp, packed, out, m, cols),
+                3 => tile::<3>(x, kp, packed, out, m, cols),
+                2 => tile::<2>(x, kp, packed, out, m, cols),
+                _ => tile::<1>(x, kp, packed, out, m, cols),
+            }
+        }
+        t += rows;
+    }
 }
 
 /// Packs weight rows `j0..j0+cols` into `[kp/2][NR]` u32 pairs (missing rows and the k
@@ -147,5 +234,14 @@ mod tests {
                 assert!((got - want).abs() < 1e-3 * (1.0 + want.abs()), "({t},{j}): {got} vs {want}");
             }
         }
+        // Packed once, the same products, for decode-sized and prefill-sized inputs; rows
+        // come back out of the panels exactly.
+        let packed = PackedBf16::pack(&w, m, k);
+        assert_eq!(matmul_packed(&CpuTensor::new(x.clone(), n, k), &packed).data, y.data);
+        let one = CpuTensor::new(x[..k].to_vec(), 1, k);
+        assert_eq!(matmul_packed(&one, &packed).data, y.data[..m].to_vec());
+        let mut row = vec![0f32; k];
+        packed.row_to_f32(37, &mut row);
+        assert!(row.iter().zip(&w[37 * k..38 * k]).all(|(a, b)| *a == b.to_f32()));
     }
 }

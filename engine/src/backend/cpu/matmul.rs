@@ -30,6 +30,9 @@ pub enum WeightData {
     F32(Elems<f32>),
     Bf16(Elems<bf16>),
     F16(Elems<f16>),
+    /// bf16 packed at load for the bf16 × bf16 kernel (bf16 compute on AVX512-BF16).
+    #[cfg(target_arch = "x86_64")]
+    Bf16Packed(super::bf16_gemm::PackedBf16),
 }
 
 pub enum Elems<T> {
@@ -84,10 +87,25 @@ impl CpuWeight {
         CpuWeight { rows, cols, data: WeightData::F32(Elems::Owned(data)) }
     }
 
+    /// Packs a bf16 weight for the bf16 × bf16 kernel; the packed copy replaces the
+    /// row-major one (other weights are returned as they are).
+    #[cfg(target_arch = "x86_64")]
+    pub fn packed_bf16(self) -> Self {
+        match &self.data {
+            WeightData::Bf16(e) => {
+                let packed = super::bf16_gemm::PackedBf16::pack(e.as_slice(), self.rows, self.cols);
+                CpuWeight { rows: self.rows, cols: self.cols, data: WeightData::Bf16Packed(packed) }
+            }
+            _ => self,
+        }
+    }
+
     pub fn bytes(&self) -> usize {
-        let elem = match self.data {
+        let elem = match &self.data {
             WeightData::F32(_) => 4,
             WeightData::Bf16(_) | WeightData::F16(_) => 2,
+            #[cfg(target_arch = "x86_64")]
+            WeightData::Bf16Packed(p) => return p.bytes(),
         };
         self.rows * self.cols * elem
     }
@@ -99,6 +117,8 @@ impl CpuWeight {
             WeightData::F32(e) => out.copy_from_slice(&e.as_slice()[span]),
             WeightData::Bf16(e) => widen(&e.as_slice()[span], out),
             WeightData::F16(e) => widen(&e.as_slice()[span], out),
+            #[cfg(target_arch = "x86_64")]
+            WeightData::Bf16Packed(p) => p.row_to_f32(r, out),
         }
     }
 }
@@ -143,10 +163,15 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight, bf16_prefill: bool) -> CpuTensor {
         WeightData::F32(e) => matmul_typed(x, e.as_slice(), w.rows),
         #[cfg(target_arch = "x86_64")]
         WeightData::Bf16(e) if bf16_prefill && x.rows > STREAM_MAX_ROWS && super::bf16_gemm::available() => {
+            // Only a weight loaded outside the backend gets here unpacked.
             super::bf16_gemm::matmul(x, e.as_slice(), w.rows)
         }
         WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::F16(e) => matmul_typed(x, e.as_slice(), w.rows),
+        #[cfg(target_arch = "x86_64")]
+        WeightData::Bf16Packed(_) if x.rows == 0 => CpuTensor::zeros(0, w.rows),
+        #[cfg(target_arch = "x86_64")]
+        WeightData::Bf16Packed(p) => super::bf16_gemm::matmul_packed(x, p),
     }
 }
 

@@ -63,9 +63,11 @@ impl CpuBackend {
         CpuBackend::default()
     }
 
-    /// Prefill matmuls of bf16 weights round activations to bf16 and use the CPU's
-    /// bf16 dot-product instructions (about twice the f32 speed, not f32-exact). On a CPU
-    /// without AVX512-BF16 the exact f32 path runs instead, and a warning says so once.
+    /// bf16 compute for bf16 weights: they are packed once at load for the CPU's bf16
+    /// dot-product instructions, and every matmul with them (prefill and decode) rounds
+    /// its activations to bf16 (about twice the f32 speed when compute-bound, not
+    /// f32-exact). On a CPU without AVX512-BF16 the exact f32 path runs instead, and a
+    /// warning says so once.
     pub fn with_bf16_prefill(mut self, on: bool) -> Self {
         if on && !Self::bf16_prefill_available() {
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -102,10 +104,15 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
-        match self.weight_dtype {
-            Some(d) if d != host.dtype => CpuWeight::from_host(&host.cast(d)),
-            _ => CpuWeight::from_host(host),
+        let w = match self.weight_dtype {
+            Some(d) if d != host.dtype => CpuWeight::from_host(&host.cast(d))?,
+            _ => CpuWeight::from_host(host)?,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if self.bf16_prefill && bf16_gemm::available() {
+            return Ok(w.packed_bf16());
         }
+        Ok(w)
     }
 
     fn load_vector(&self, host: &HostTensor) -> Result<CpuTensor> {
