@@ -126,6 +126,9 @@ pub struct BenchArgs {
     /// Compute bf16 weights in bf16 (packed at load, bf16-rounded activations; AVX512-BF16).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// Quantize weight matrices at load: int8 (one scale per output channel) or none.
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -203,6 +206,10 @@ pub struct GenerateArgs {
     /// AVX512-BF16; about twice as fast, no longer f32-exact).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// In-process: quantize weight matrices at load: int8 (one scale per output channel)
+    /// or none.
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
     #[arg(long, default_value = "cpu")]
     pub device: String,
@@ -340,6 +347,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         backend: strata_engine::backend::BackendOptions {
             bf16_prefill: args.bf16_prefill,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
+            quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
             ..Default::default()
         },
         ..Default::default()
@@ -407,6 +415,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
         backend: strata_engine::backend::BackendOptions {
             bf16_prefill: args.bf16_prefill,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
+            quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
             ..Default::default()
         },
         ..Default::default()

@@ -13,7 +13,7 @@ use strata_common::registry::etcd::EtcdRegistry;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_common::Device;
-use strata_engine::backend::BackendOptions;
+use strata_engine::backend::{BackendOptions, Quantization};
 use strata_engine::scheduler::SchedulerConfig;
 use strata_engine::{EngineConfig, RunnerLimits};
 
@@ -79,6 +79,10 @@ pub struct EngineArgs {
     /// about twice as fast, no longer f32-exact; a worker's must match its leader's).
     #[arg(long)]
     pub bf16_prefill: bool,
+    /// Quantize weight matrices at load: int8 (symmetric, one scale per output channel;
+    /// half the bytes of bf16 per decode step) or none [default: none].
+    #[arg(long, env = "STRATA_QUANTIZE")]
+    pub quantize: Option<String>,
 }
 
 impl EngineArgs {
@@ -95,6 +99,7 @@ impl EngineArgs {
         if self.bf16_prefill {
             e.bf16_prefill = true;
         }
+        set(&mut e.quantize, &self.quantize);
     }
 }
 
@@ -116,6 +121,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
             device: Device::parse(&e.device).context("engine.device")?,
             bf16_prefill: e.bf16_prefill,
             weight_dtype: None,
+            quantize: Quantization::parse(&e.quantize).context("engine.quantize (--quantize)")?,
         },
         labels: Default::default(),
     };

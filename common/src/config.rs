@@ -101,6 +101,8 @@ pub struct EngineSettings {
     /// CPU: compute bf16 weights in bf16 (packed at load, bf16-rounded activations;
     /// faster, not f32-exact).
     pub bf16_prefill: bool,
+    /// CPU: quantize weight matrices at load: "none" or "int8" (per-channel scales).
+    pub quantize: String,
 }
 
 impl Default for EngineSettings {
@@ -114,6 +116,7 @@ impl Default for EngineSettings {
             max_waiting: 256,
             prefix_caching: true,
             bf16_prefill: false,
+            quantize: "none".into(),
         }
     }
 }
@@ -343,6 +346,9 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let e = &self.engine;
         Device::parse(&e.device).map_err(|err| rename(err, "engine.device"))?;
+        if !matches!(e.quantize.as_str(), "none" | "int8") {
+            return Err(Error::invalid("engine.quantize", format!("{:?}: give int8 or none", e.quantize)));
+        }
         let kv = parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
         if let Some(avail) = crate::host::available_memory() {
             if kv as u64 > avail {

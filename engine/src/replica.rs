@@ -31,7 +31,10 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The CPU backend `opts` describe.
 fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
-    CpuBackend::new().with_bf16_prefill(opts.bf16_prefill).with_weight_dtype(opts.weight_dtype)
+    CpuBackend::new()
+        .with_bf16_prefill(opts.bf16_prefill)
+        .with_weight_dtype(opts.weight_dtype)
+        .with_quantize(opts.quantize)
 }
 
 /// Checks that this build and machine can drive `device`, before anything is loaded.
@@ -78,6 +81,12 @@ macro_rules! with_backend {
     ($opts:expr, |$make:ident| $body:expr) => {{
         let opts: BackendOptions = $opts.clone();
         check_device(opts.device)?;
+        if opts.quantize.is_some() && opts.device != Device::Cpu {
+            return Err(Error::Unsupported(format!(
+                "--quantize on {}: only the CPU backend quantizes",
+                opts.device
+            )));
+        }
         match opts.device {
             Device::Cpu => {
                 let $make = move |_rank: usize| -> Result<CpuBackend> { Ok(cpu_backend(&opts)) };

@@ -140,3 +140,39 @@ fn opt_in_bf16_prefill_stays_close_to_exact() {
     assert!(exact[tf] >= exact[te] - 2.0 * diff, "bf16 prefill picked token {tf} far below {te}");
     eprintln!("bf16 prefill: max |Δlogit| = {diff:.4} (logit scale {scale:.2}); top token {te} → {tf}");
 }
+
+/// `--quantize int8` (one scale per output channel; int8 × int8 VNNI dots at decode
+/// sizes, widened int8 for prefill): the logits of every fixture stay within a small share
+/// of their scale of HF's float32 ones, and where the greedy choice moves, it moves only
+/// between tokens the quantization error band covers. Prints the greedy agreement rate.
+#[test]
+fn int8_weights_stay_close_to_exact() {
+    use strata_engine::backend::Quantization;
+    let (mut agree, mut total) = (0usize, 0usize);
+    for dir in fixture_models() {
+        let r = reference(&dir);
+        let prompt = ids(&r["prompt_ids"]);
+        let want = floats(&r["prompt_last_logits"]);
+        let backend = CpuBackend::new().with_quantize(Some(Quantization::Int8));
+        let model = Model::load(&dir, backend).unwrap();
+        let mut e =
+            Engine::new(model, &EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }).unwrap();
+        // Decode-sized (VNNI) and prefill-sized (widened) paths both run here.
+        let got = e.prompt_logits(&prompt).unwrap();
+        let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let diff = max_abs_diff(&got, &want);
+        assert!(diff < 0.08 * scale, "{}: int8 moved logits by {diff} (scale {scale})", dir.display());
+        e.add(strata_engine::SeqId(0), prompt.clone(), greedy(32)).unwrap();
+        let tokens = run(&mut e, 1).remove(0);
+        let reference = ids(&r["greedy_ids"]);
+        let same = tokens.iter().zip(&reference).take_while(|(a, b)| a == b).count();
+        agree += same;
+        total += reference.len();
+        if same == 0 {
+            let top = |v: &[f32]| v.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+            let (te, tq) = (top(&want), top(&got));
+            assert!(want[tq] >= want[te] - 2.0 * diff, "{}: int8 picked {tq} far below {te}", dir.display());
+        }
+    }
+    eprintln!("int8: greedy tokens equal to HF's before the first divergence: {agree}/{total}");
+}

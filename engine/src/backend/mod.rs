@@ -26,6 +26,26 @@ pub struct BackendOptions {
     pub bf16_prefill: bool,
     /// Keep weight matrices in this dtype instead of the checkpoint's.
     pub weight_dtype: Option<crate::model::weights::DType>,
+    /// CPU: quantize weight matrices at load.
+    pub quantize: Option<Quantization>,
+}
+
+/// How weights may be quantized at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantization {
+    /// int8, symmetric, one f32 scale per output channel.
+    Int8,
+}
+
+impl Quantization {
+    /// `int8` (the flag's and the config's spelling).
+    pub fn parse(s: &str) -> strata_common::Result<Option<Self>> {
+        match s {
+            "" | "none" => Ok(None),
+            "int8" => Ok(Some(Quantization::Int8)),
+            other => Err(strata_common::Error::invalid("quantize", format!("{other:?}: give int8 or none"))),
+        }
+    }
 }
 
 /// Rotary embedding frequencies, shared by every layer.

@@ -30,6 +30,13 @@ pub enum WeightData {
     F32(Elems<f32>),
     Bf16(Elems<bf16>),
     F16(Elems<f16>),
+    /// int8 with one f32 scale per output row (`--quantize int8`): `w[j][i] ≈ q[j][i] ·
+    /// scales[j]`. The kernels widen `q` like any other dtype and scale each output.
+    Int8 {
+        q: Vec<i8>,
+        scales: Vec<f32>,
+        sums: Vec<i32>,
+    },
     /// bf16 packed at load for the bf16 × bf16 kernel (bf16 compute on AVX512-BF16).
     #[cfg(target_arch = "x86_64")]
     Bf16Packed(super::bf16_gemm::PackedBf16),
@@ -87,6 +94,30 @@ impl CpuWeight {
         CpuWeight { rows, cols, data: WeightData::F32(Elems::Owned(data)) }
     }
 
+    /// Quantizes to int8 with a symmetric scale per output row (`max |w| / 127`), from
+    /// whatever dtype the weight is in; the int8 copy replaces it.
+    pub fn quantized_int8(self) -> Self {
+        let (rows, cols) = (self.rows, self.cols);
+        let mut q = vec![0i8; rows * cols];
+        let mut scales = vec![0f32; rows];
+        q.par_chunks_mut(cols.max(1)).zip(scales.par_iter_mut()).enumerate().for_each_init(
+            || vec![0f32; cols],
+            |row, (r, (qr, scale))| {
+                self.row_to_f32(r, row);
+                let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                *scale = if max > 0.0 { max / 127.0 } else { 1.0 };
+                for (qv, v) in qr.iter_mut().zip(row.iter()) {
+                    *qv = (v / *scale).round().clamp(-127.0, 127.0) as i8;
+                }
+            },
+        );
+        #[cfg(target_arch = "x86_64")]
+        let sums = super::int8_vnni::row_sums(&q, cols);
+        #[cfg(not(target_arch = "x86_64"))]
+        let sums = Vec::new();
+        CpuWeight { rows, cols, data: WeightData::Int8 { q, scales, sums } }
+    }
+
     /// Packs a bf16 weight for the bf16 × bf16 kernel; the packed copy replaces the
     /// row-major one (other weights are returned as they are).
     #[cfg(target_arch = "x86_64")]
@@ -104,6 +135,7 @@ impl CpuWeight {
         let elem = match &self.data {
             WeightData::F32(_) => 4,
             WeightData::Bf16(_) | WeightData::F16(_) => 2,
+            WeightData::Int8 { scales, .. } => return self.rows * self.cols + scales.len() * 4,
             #[cfg(target_arch = "x86_64")]
             WeightData::Bf16Packed(p) => return p.bytes(),
         };
@@ -117,6 +149,10 @@ impl CpuWeight {
             WeightData::F32(e) => out.copy_from_slice(&e.as_slice()[span]),
             WeightData::Bf16(e) => widen(&e.as_slice()[span], out),
             WeightData::F16(e) => widen(&e.as_slice()[span], out),
+            WeightData::Int8 { q, scales, .. } => {
+                widen(&q[span], out);
+                out.iter_mut().for_each(|v| *v *= scales[r]);
+            }
             #[cfg(target_arch = "x86_64")]
             WeightData::Bf16Packed(p) => p.row_to_f32(r, out),
         }
@@ -139,6 +175,13 @@ impl Widen for bf16 {
     #[inline(always)]
     fn f32(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Widen for i8 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self as f32
     }
 }
 
@@ -168,6 +211,19 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight, bf16_prefill: bool) -> CpuTensor {
         }
         WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::F16(e) => matmul_typed(x, e.as_slice(), w.rows),
+        #[cfg(target_arch = "x86_64")]
+        WeightData::Int8 { q, scales, sums }
+            if x.rows > 0 && x.rows <= STREAM_MAX_ROWS && super::int8_vnni::available() =>
+        {
+            super::int8_vnni::matmul(x, q, scales, sums, w.rows)
+        }
+        WeightData::Int8 { q, scales, .. } => {
+            let mut y = matmul_typed(x, q, w.rows);
+            y.data.par_chunks_mut(w.rows.max(1)).for_each(|row| {
+                row.iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
+            });
+            y
+        }
         #[cfg(target_arch = "x86_64")]
         WeightData::Bf16Packed(_) if x.rows == 0 => CpuTensor::zeros(0, w.rows),
         #[cfg(target_arch = "x86_64")]

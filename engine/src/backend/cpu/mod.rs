@@ -7,6 +7,7 @@
 
 mod attention;
 mod bf16_gemm;
+mod int8_vnni;
 mod matmul;
 mod simd;
 
@@ -56,6 +57,8 @@ pub struct CpuBackend {
     bf16_prefill: bool,
     /// Store weight matrices in this dtype instead of the checkpoint's.
     weight_dtype: Option<DType>,
+    /// Quantize weight matrices at load.
+    quantize: Option<super::Quantization>,
 }
 
 impl CpuBackend {
@@ -88,6 +91,12 @@ impl CpuBackend {
         self
     }
 
+    /// Quantizes every weight matrix at load (int8: one scale per output row).
+    pub fn with_quantize(mut self, q: Option<super::Quantization>) -> Self {
+        self.quantize = q;
+        self
+    }
+
     /// Whether this CPU can run the opt-in bf16 prefill GEMM (AVX512-BF16).
     pub fn bf16_prefill_available() -> bool {
         bf16_gemm::available()
@@ -108,6 +117,9 @@ impl Backend for CpuBackend {
             Some(d) if d != host.dtype => CpuWeight::from_host(&host.cast(d))?,
             _ => CpuWeight::from_host(host)?,
         };
+        if self.quantize == Some(super::Quantization::Int8) {
+            return Ok(w.quantized_int8());
+        }
         #[cfg(target_arch = "x86_64")]
         if self.bf16_prefill && bf16_gemm::available() {
             return Ok(w.packed_bf16());

@@ -34,6 +34,13 @@ impl Load16 for bf16 {
     }
 }
 
+impl Load16 for i8 {
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> __m512 {
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+    }
+}
+
 impl Load16 for f16 {
     #[inline(always)]
     unsafe fn load16(p: *const Self) -> __m512 {
