@@ -35,6 +35,25 @@ fn body(i: usize) -> Value {
     json!({"model": "m", "prompt": format!("request number {i}"), "max_tokens": 16, "temperature": 0, "ignore_eos": true})
 }
 
+/// Uploads one /v1/completions request per body (custom ids c0, c1, …) and creates a
+/// batch over them; returns its id.
+fn create_batch(http: &str, bodies: Vec<Value>) -> String {
+    let lines: Vec<String> = bodies
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": b})
+                .to_string()
+        })
+        .collect();
+    let file = upload(http, None, "requests.jsonl", &lines.join("\n"));
+    let batch =
+        json!({"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h"});
+    let (status, created) = post(http, "/v1/batches", None, &batch);
+    assert_eq!(status, 200, "{created}");
+    created["id"].as_str().unwrap().to_string()
+}
+
 #[test]
 fn a_batch_survives_a_coordinator_kill_and_answers_each_request_once() {
     let model = tempfile::tempdir().unwrap();
@@ -44,23 +63,7 @@ fn a_batch_survives_a_coordinator_kill_and_answers_each_request_once() {
     let data_dir = data.path().to_str().unwrap();
     let (mut server, http) = serve(&model, data_dir);
 
-    let lines: Vec<String> = (0..200)
-        .map(|i| {
-            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body(i)})
-                .to_string()
-        })
-        .collect();
-    let file = upload(&http, None, "requests.jsonl", &lines.join("\n"));
-    let (status, created) = post(
-        &http,
-        "/v1/batches",
-        None,
-        &json!({
-            "input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h",
-        }),
-    );
-    assert_eq!(status, 200, "{created}");
-    let id = created["id"].as_str().unwrap().to_string();
+    let id = create_batch(&http, (0..200).map(body).collect());
 
     // Kill the coordinator once part of the batch is done.
     let started = Instant::now();
@@ -207,22 +210,10 @@ async fn online_requests_come_first_and_a_batch_always_moves() {
     ]);
     let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
     let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
-    let lines: Vec<String> = (0..40)
-        .map(|i| {
-            let body = json!({"model": "m", "prompt": format!("job {i}"), "max_tokens": 120, "temperature": 0, "ignore_eos": true});
-            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body}).to_string()
-        })
+    let bodies = (0..40)
+        .map(|i| json!({"model": "m", "prompt": format!("job {i}"), "max_tokens": 120, "temperature": 0, "ignore_eos": true}))
         .collect();
-    let file = upload(&http, None, "long.jsonl", &lines.join("\n"));
-    let (status, created) = post(
-        &http,
-        "/v1/batches",
-        None,
-        &json!({
-            "input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h",
-        }),
-    );
-    assert_eq!(status, 200, "{created}");
+    let id = create_batch(&http, bodies);
     wait_in_flight(&metrics, 4.0, "the batch fills its four slots");
 
     let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
@@ -240,7 +231,6 @@ async fn online_requests_come_first_and_a_batch_always_moves() {
     wait_in_flight(&metrics, 1.0, "the batch yields to online requests");
     drop(online);
     wait_in_flight(&metrics, 4.0, "the batch takes its slots back");
-    let id = created["id"].as_str().unwrap();
     let (status, cancelled) = post(&http, &format!("/v1/batches/{id}/cancel"), None, &json!({}));
     assert_eq!(status, 200, "{cancelled}");
 }

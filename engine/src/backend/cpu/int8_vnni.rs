@@ -74,16 +74,7 @@ pub fn matmul(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) -
             }
         }
     });
-    if n == 1 {
-        return CpuTensor::new(out_t, 1, m);
-    }
-    let mut y = vec![0f32; n * m];
-    for j in 0..m {
-        for t in 0..n {
-            y[t * m + j] = out_t[j * n + t];
-        }
-    }
-    CpuTensor::new(y, n, m)
+    super::matmul::from_transposed(out_t, n, m)
 }
 
 /// `out[t] = Σ_i xu[t·k + i] · w[i]` for `t < out.len()` (at most 8).

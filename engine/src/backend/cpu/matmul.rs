@@ -266,6 +266,11 @@ fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
             dot_rows(row(j), &x.data, k, out_row);
         }
     });
+    from_transposed(out_t, n, m)
+}
+
+/// The `[n, m]` output of a decode kernel that wrote it transposed (`out_t[j·n + t]`).
+pub(super) fn from_transposed(out_t: Vec<f32>, n: usize, m: usize) -> CpuTensor {
     if n == 1 {
         return CpuTensor::new(out_t, 1, m);
     }
