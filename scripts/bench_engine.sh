@@ -14,7 +14,7 @@ THREADS=${THREADS:-2}
 PROMPT_LEN=${PROMPT_LEN:-512}
 DECODE=${DECODE:-32}
 DTYPES=${DTYPES:-"bf16 f32"}
-# Extra flags for `strata model bench`, e.g. STRATA_EXTRA=--bf16-prefill.
+# Extra flags for `strata model bench`, e.g. STRATA_EXTRA='--dtype f32'.
 STRATA_EXTRA=${STRATA_EXTRA:-}
 out=target/bench
 mkdir -p "$out"

@@ -123,9 +123,10 @@ pub struct BenchArgs {
     /// Pipeline stages (threads of this process).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
-    /// Compute bf16 weights in bf16 (packed at load, bf16-rounded activations; AVX512-BF16).
-    #[arg(long)]
-    pub bf16_prefill: bool,
+    /// The model's dtype: auto (the checkpoint's; bf16 computes in bf16), bf16, f16, or
+    /// f32 (exact f32 compute).
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
     /// Quantize weight matrices at load: int8 (one scale per output channel) or none.
     #[arg(long, default_value = "none")]
     pub quantize: String,
@@ -202,10 +203,10 @@ pub struct GenerateArgs {
     /// With --endpoint: the API key the server expects (sent as "authorization: Bearer").
     #[arg(long, env = "STRATA_API_KEY", hide_env_values = true, requires = "endpoint")]
     pub api_key: Option<String>,
-    /// In-process: compute bf16 weights in bf16 (packed at load, bf16-rounded activations;
-    /// AVX512-BF16; about twice as fast, no longer f32-exact).
-    #[arg(long)]
-    pub bf16_prefill: bool,
+    /// In-process: the model's dtype: auto (the checkpoint's; bf16 computes in bf16),
+    /// bf16, f16, or f32 (exact f32 compute).
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
     /// In-process: quantize weight matrices at load: int8 (one scale per output channel)
     /// or none.
     #[arg(long, default_value = "none")]
@@ -345,10 +346,9 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let config = EngineConfig {
         kv_cache_bytes: args.kv_cache_mib << 20,
         backend: strata_engine::backend::BackendOptions {
-            bf16_prefill: args.bf16_prefill,
+            dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
             quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
-            ..Default::default()
         },
         ..Default::default()
     };
@@ -413,10 +413,9 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     let config = EngineConfig {
         kv_cache_bytes: args.kv_cache_mib << 20,
         backend: strata_engine::backend::BackendOptions {
-            bf16_prefill: args.bf16_prefill,
+            dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
             quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
-            ..Default::default()
         },
         ..Default::default()
     };

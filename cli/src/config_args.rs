@@ -74,11 +74,12 @@ pub struct EngineArgs {
     /// Do not reuse KV blocks of shared prompt prefixes.
     #[arg(long)]
     pub no_prefix_caching: bool,
-    /// Compute bf16 weights in bf16: packed once at load, every matmul (prefill and
-    /// decode) with bf16-rounded activations (AVX512-BF16; prefill and batched decode
-    /// about twice as fast, no longer f32-exact; a worker's must match its leader's).
-    #[arg(long)]
-    pub bf16_prefill: bool,
+    /// The model's dtype: auto (the checkpoint's; a bf16 model computes in bf16 with f32
+    /// accumulation), bf16, f16, or f32 (exact f32 compute, for comparison with an f32
+    /// reference; about half the speed when compute-bound) [default: auto]. A
+    /// deployment's dtype overrides a worker's.
+    #[arg(long, env = "STRATA_DTYPE")]
+    pub dtype: Option<String>,
     /// Quantize weight matrices at load: int8 (symmetric, one scale per output channel;
     /// half the bytes of bf16 per decode step) or none [default: none].
     #[arg(long, env = "STRATA_QUANTIZE")]
@@ -96,9 +97,7 @@ impl EngineArgs {
         if self.no_prefix_caching {
             e.prefix_caching = false;
         }
-        if self.bf16_prefill {
-            e.bf16_prefill = true;
-        }
+        set(&mut e.dtype, &self.dtype);
         set(&mut e.quantize, &self.quantize);
     }
 }
@@ -119,8 +118,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
         prefix_caching: e.prefix_caching,
         backend: BackendOptions {
             device: Device::parse(&e.device).context("engine.device")?,
-            bf16_prefill: e.bf16_prefill,
-            weight_dtype: None,
+            dtype: model_dtype(&e.dtype).context("engine.dtype (--dtype)")?,
             quantize: Quantization::parse(&e.quantize).context("engine.quantize (--quantize)")?,
         },
         labels: Default::default(),
@@ -203,4 +201,14 @@ pub fn lease_timings(r: &RegistrySettings) -> anyhow::Result<(Duration, Duration
         None => ttl / 3,
     };
     Ok((ttl, keepalive))
+}
+
+/// `--dtype`: None for "auto" (the checkpoint's).
+pub fn model_dtype(text: &str) -> strata_common::Result<Option<strata_common::DType>> {
+    match text {
+        "" | "auto" => Ok(None),
+        other => strata_common::DType::parse(other).map(Some).map_err(|_| {
+            strata_common::Error::invalid("dtype", format!("{other:?}: give auto, bf16, f16 or f32"))
+        }),
+    }
 }

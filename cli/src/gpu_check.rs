@@ -81,7 +81,12 @@ pub enum GpuCheckCommand {
 fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
     EngineConfig {
         kv_cache_bytes: kv_mib << 20,
-        backend: BackendOptions { device, ..Default::default() },
+        // The CPU side is the reference: exact f32 compute.
+        backend: BackendOptions {
+            device,
+            dtype: (device == Device::Cpu).then_some(strata_engine::model::weights::DType::F32),
+            ..Default::default()
+        },
         ..Default::default()
     }
 }

@@ -98,9 +98,9 @@ pub struct EngineSettings {
     pub max_waiting: usize,
     /// Reuse KV blocks of shared prompt prefixes.
     pub prefix_caching: bool,
-    /// CPU: compute bf16 weights in bf16 (packed at load, bf16-rounded activations;
-    /// faster, not f32-exact).
-    pub bf16_prefill: bool,
+    /// The model's dtype: "auto" (the checkpoint's: a bf16 model computes in bf16),
+    /// "bf16", "f16" or "f32" (exact f32 compute, for comparison with an f32 reference).
+    pub dtype: String,
     /// CPU: quantize weight matrices at load: "none" or "int8" (per-channel scales).
     pub quantize: String,
 }
@@ -115,7 +115,7 @@ impl Default for EngineSettings {
             max_batched_tokens: 512,
             max_waiting: 256,
             prefix_caching: true,
-            bf16_prefill: false,
+            dtype: "auto".into(),
             quantize: "none".into(),
         }
     }
@@ -346,6 +346,12 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let e = &self.engine;
         Device::parse(&e.device).map_err(|err| rename(err, "engine.device"))?;
+        if !matches!(e.dtype.as_str(), "auto" | "bf16" | "f16" | "f32") {
+            return Err(Error::invalid(
+                "engine.dtype",
+                format!("{:?}: give auto, bf16, f16 or f32", e.dtype),
+            ));
+        }
         if !matches!(e.quantize.as_str(), "none" | "int8") {
             return Err(Error::invalid("engine.quantize", format!("{:?}: give int8 or none", e.quantize)));
         }

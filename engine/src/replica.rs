@@ -31,10 +31,13 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The CPU backend `opts` describe.
 fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
-    CpuBackend::new()
-        .with_bf16_prefill(opts.bf16_prefill)
-        .with_weight_dtype(opts.weight_dtype)
-        .with_quantize(opts.quantize)
+    use crate::model::weights::DType;
+    // f32 widens the stored weights in the matmul: the same numbers as upcasting them.
+    let (weights, bf16_compute) = match opts.dtype {
+        Some(DType::F32) => (None, false),
+        other => (other, true),
+    };
+    CpuBackend::new().with_weight_dtype(weights).with_bf16_compute(bf16_compute).with_quantize(opts.quantize)
 }
 
 /// Checks that this build and machine can drive `device`, before anything is loaded.

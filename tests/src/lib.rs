@@ -43,8 +43,13 @@ pub fn strata_bin() -> PathBuf {
 
 /// Reads a fixture's reference.json.
 pub fn reference(dir: &Path) -> serde_json::Value {
-    let text = std::fs::read_to_string(dir.join("reference.json")).expect("reference.json");
-    serde_json::from_str(&text).expect("valid reference.json")
+    json_file(&dir.join("reference.json"))
+}
+
+/// A JSON file of the fixtures.
+pub fn json_file(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {

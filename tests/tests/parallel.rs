@@ -9,8 +9,18 @@ use strata_engine::replica::local_replica;
 use strata_engine::{Engine, EngineConfig};
 use strata_tests::{fixture_models, ids, reference};
 
+/// Exact f32 compute, so splits can be held to 1e-4 and to HF's float32 tokens
+/// (bf16 compute under TP: `bf16_splits_match_one_rank`).
 fn config() -> EngineConfig {
-    EngineConfig { kv_cache_bytes: 8 << 20, ..Default::default() }
+    dtype_config(Some(strata_engine::model::weights::DType::F32))
+}
+
+fn dtype_config(dtype: Option<strata_engine::model::weights::DType>) -> EngineConfig {
+    EngineConfig {
+        kv_cache_bytes: 8 << 20,
+        backend: strata_engine::backend::BackendOptions { dtype, ..Default::default() },
+        ..Default::default()
+    }
 }
 
 fn greedy_run(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
@@ -56,6 +66,31 @@ fn every_split_matches_one_rank() {
     assert!(ran >= 30, "only {ran} model × split combinations ran");
 }
 
+/// bf16 compute splits the same way: TP changes only how f32 partial sums are added, so
+/// logits stay within f32 rounding of one rank's and greedy tokens are equal.
+#[test]
+fn bf16_splits_match_one_rank() {
+    for name in ["llama_bf16", "qwen2_bias_tied"] {
+        let dir = strata_tests::fixtures_dir().join(name);
+        let prompt = ids(&reference(&dir)["prompt_ids"]);
+        let bf16 = dtype_config(Some(strata_engine::model::weights::DType::BF16));
+        let mut single = local_replica(&dir, Parallelism::NONE, &bf16).unwrap();
+        let want_logits = single.prompt_logits(&prompt).unwrap();
+        let want = greedy_run(&mut single, &prompt, 24);
+        for (tp, pp) in [(2, 1), (1, 2)] {
+            let mut e = local_replica(&dir, Parallelism { tp, pp }, &bf16).unwrap();
+            let logits = e.prompt_logits(&prompt).unwrap();
+            let diff = logits.iter().zip(&want_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-3, "{name} bf16 tp={tp} pp={pp}: logits differ by {diff}");
+            assert_eq!(
+                greedy_run(&mut e, &prompt, 24),
+                want,
+                "{name} bf16 tp={tp} pp={pp}: greedy tokens differ"
+            );
+        }
+    }
+}
+
 mod processes {
     //! A replica whose ranks are separate `strata worker` processes on loopback.
 
@@ -91,6 +126,8 @@ mod processes {
             &pp_s,
             "--worker-rendezvous",
             "127.0.0.1:0",
+            "--dtype",
+            "f32",
         ]);
         let announced =
             server.out.wait_event("rendezvous", std::time::Duration::from_secs(60), "strata serve");
@@ -108,6 +145,8 @@ mod processes {
                         &pp_s,
                         "--rank",
                         &rank.to_string(),
+                        "--dtype",
+                        "f32",
                     ])
                     .args(["--rendezvous", &rendezvous])
                     .env("RUST_LOG", "warn")

@@ -37,7 +37,7 @@ pub struct AgentConfig {
     pub bind_ip: IpAddr,
     /// Host other ranks reach those listeners at.
     pub advertise_host: String,
-    /// Device, numerics; the dtype of a deployment overrides `weight_dtype`.
+    /// Device, numerics; the dtype of a deployment overrides `dtype`.
     pub backend: BackendOptions,
     /// Engine settings a deployment does not override.
     pub engine: EngineConfig,
@@ -171,7 +171,7 @@ impl WorkerAgent {
         let labels = ReplicaLabels { model: req.model.to_string(), replica: req.replica.to_string() };
         let mut backend = self.cfg.backend.clone();
         if req.dtype.is_some() {
-            backend.weight_dtype = req.dtype;
+            backend.dtype = req.dtype;
         }
         if req.rank == 0 {
             let mut engine = self.cfg.engine.clone();

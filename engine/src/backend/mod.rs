@@ -22,10 +22,12 @@ pub use strata_common::Device;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BackendOptions {
     pub device: Device,
-    /// CPU: prefill bf16 weights with bf16-rounded activations (faster, not f32-exact).
-    pub bf16_prefill: bool,
-    /// Keep weight matrices in this dtype instead of the checkpoint's.
-    pub weight_dtype: Option<crate::model::weights::DType>,
+    /// The model's dtype (`--dtype`), None for the checkpoint's. Weight matrices are kept
+    /// in it, and the compute follows it as in HF transformers and vLLM: bf16 weights run
+    /// bf16 × bf16 matmuls with f32 accumulation (norms, softmax, residual sums and the KV
+    /// cache stay f32); `F32` keeps the checkpoint's weights and widens them to f32 inside
+    /// every matmul, which is bit-for-bit the upcast model without a second copy.
+    pub dtype: Option<crate::model::weights::DType>,
     /// CPU: quantize weight matrices at load.
     pub quantize: Option<Quantization>,
 }

@@ -1,11 +1,10 @@
-//! Opt-in bf16 × bf16 GEMM with AVX512-BF16 (`vdpbf16ps`).
+//! bf16 × bf16 GEMM with AVX512-BF16 (`vdpbf16ps`): the compute of a bf16 model.
 //!
 //! `vdpbf16ps` multiplies pairs of bf16 values and accumulates in f32, twice the work per
 //! instruction of an f32 FMA. It needs both operands in bf16, so activations are rounded
-//! to bf16 (round-to-nearest-even) — what HF transformers does when it runs a bf16 model —
-//! which costs Strata's f32-exact logits; that is why this path is off by default
-//! (`EngineConfig::bf16_prefill`, `--bf16-prefill`) and used only for bf16 weights and
-//! matmuls with many rows (prefill).
+//! to bf16 (round-to-nearest-even), as HF transformers and vLLM do when they run a bf16
+//! model. It runs every matmul of bf16 weights unless `--dtype f32` asks for the exact
+//! f32 path; a CPU without AVX512-BF16 runs the f32 path instead (more precise, slower).
 //!
 //! Layout: activations are converted once per matmul into bf16 rows padded to a multiple
 //! of 32. Weights are packed **once, at load** ([`PackedBf16`]) into panels of 32 output
@@ -106,25 +105,6 @@ fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u16> {
     xb
 }
 
-/// `x · wᵀ` with `w` in bf16 (`[m, k]`), activations rounded to bf16; packs each panel on
-/// the fly (tests, and weights that were not packed at load).
-pub fn matmul(x: &CpuTensor, w: &[bf16], m: usize) -> CpuTensor {
-    assert!(available(), "bf16 GEMM needs AVX512-BF16");
-    let (n, k) = (x.rows, x.cols);
-    let kp = k.div_ceil(32) * 32;
-    let xb = activations(x, k, kp);
-    let mut y = vec![0f32; n * m];
-    let y_ptr = SendPtr(y.as_mut_ptr());
-    let tiles = m.div_ceil(NR);
-    (0..tiles).into_par_iter().for_each_init(Vec::<u32>::new, |packed, tile_index| {
-        let j0 = tile_index * NR;
-        let cols = NR.min(m - j0);
-        pack_weights(w, k, kp, j0, cols, packed);
-        run_tiles(&xb, n, kp, packed, &y_ptr, m, j0, cols);
-    });
-    CpuTensor::new(y, n, m)
-}
-
 /// Every row of `x` against one panel: output columns `j0..j0 + cols`.
 #[allow(clippy::too_many_arguments)]
 fn run_tiles(
@@ -157,21 +137,6 @@ fn run_tiles(
             }
         }
         t += rows;
-    }
-}
-
-/// Packs weight rows `j0..j0+cols` into `[kp/2][NR]` u32 pairs (missing rows and the k
-/// padding are zeros).
-fn pack_weights(w: &[bf16], k: usize, kp: usize, j0: usize, cols: usize, out: &mut Vec<u32>) {
-    out.clear();
-    out.resize(kp / 2 * NR, 0);
-    for j in 0..cols {
-        let row = &w[(j0 + j) * k..(j0 + j + 1) * k];
-        for (i, pair) in row.chunks(2).enumerate() {
-            let lo = pair[0].to_bits() as u32;
-            let hi = pair.get(1).map_or(0, |v| v.to_bits() as u32);
-            out[i * NR + j] = lo | (hi << 16);
-        }
     }
 }
 
@@ -224,7 +189,8 @@ mod tests {
         let (n, k, m) = (19, 75, 70); // odd k (padding), m not a multiple of 32, n of 8
         let x: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 37.0).collect();
         let w: Vec<bf16> = (0..m * k).map(|i| bf16::from_f32(((i * 53 % 89) as f32 - 44.0) / 61.0)).collect();
-        let y = matmul(&CpuTensor::new(x.clone(), n, k), &w, m);
+        let packed = PackedBf16::pack(&w, m, k);
+        let y = matmul_packed(&CpuTensor::new(x.clone(), n, k), &packed);
         for t in 0..n {
             for j in 0..m {
                 let want: f64 = (0..k)
@@ -234,10 +200,8 @@ mod tests {
                 assert!((got - want).abs() < 1e-3 * (1.0 + want.abs()), "({t},{j}): {got} vs {want}");
             }
         }
-        // Packed once, the same products, for decode-sized and prefill-sized inputs; rows
-        // come back out of the panels exactly.
-        let packed = PackedBf16::pack(&w, m, k);
-        assert_eq!(matmul_packed(&CpuTensor::new(x.clone(), n, k), &packed).data, y.data);
+        // A decode-sized input gets the same products; rows come back out of the panels
+        // exactly.
         let one = CpuTensor::new(x[..k].to_vec(), 1, k);
         assert_eq!(matmul_packed(&one, &packed).data, y.data[..m].to_vec());
         let mut row = vec![0f32; k];

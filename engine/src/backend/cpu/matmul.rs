@@ -198,17 +198,12 @@ fn widen<T: Widen>(src: &[T], dst: &mut [f32]) {
     }
 }
 
-/// `bf16_prefill`: multiply bf16 weights with bf16-rounded activations (AVX512-BF16) when
-/// there are more rows than the decode path takes.
-pub fn matmul(x: &CpuTensor, w: &CpuWeight, bf16_prefill: bool) -> CpuTensor {
+/// `x · wᵀ` in the weight's own precision: f32 with widened weights, except bf16 weights
+/// packed at load (bf16 compute) and int8 decode rows (integer dot products).
+pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
     assert_eq!(x.cols, w.cols, "matmul: x has {} columns, weight has {}", x.cols, w.cols);
     match &w.data {
         WeightData::F32(e) => matmul_typed(x, e.as_slice(), w.rows),
-        #[cfg(target_arch = "x86_64")]
-        WeightData::Bf16(e) if bf16_prefill && x.rows > STREAM_MAX_ROWS && super::bf16_gemm::available() => {
-            // Only a weight loaded outside the backend gets here unpacked.
-            super::bf16_gemm::matmul(x, e.as_slice(), w.rows)
-        }
         WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::F16(e) => matmul_typed(x, e.as_slice(), w.rows),
         #[cfg(target_arch = "x86_64")]

@@ -1,8 +1,11 @@
 //! The CPU backend: f32 activations, weights kept in their checkpoint dtype.
 //!
 //! Weights that are suitably aligned stay in the memory mapping (zero copy, paged in on
-//! first use); bf16 and f16 weights are widened to f32 inside the matmul's tiles, never by
-//! materialising an f32 copy of the model. Matmuls run on rayon's pool (see
+//! first use); f16 weights, and bf16 weights under `--dtype f32`, are widened to f32 inside
+//! the matmul's tiles, never by materialising an f32 copy of the model. bf16 weights
+//! otherwise compute in bf16: packed once at load into the layout of the bf16
+//! dot-product kernel (the packed copy replaces the mapping), activations rounded to bf16
+//! at each matmul's input, f32 accumulation. Matmuls run on rayon's pool (see
 //! [`matmul`]); attention reads the paged cache through block tables (see [`attention`]).
 
 mod attention;
@@ -54,7 +57,8 @@ const PAR_ROWS: usize = 16;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CpuBackend {
-    bf16_prefill: bool,
+    /// Run bf16 weights as bf16 × bf16 (packed at load), not widened to f32.
+    bf16_compute: bool,
     /// Store weight matrices in this dtype instead of the checkpoint's.
     weight_dtype: Option<DType>,
     /// Quantize weight matrices at load.
@@ -66,21 +70,14 @@ impl CpuBackend {
         CpuBackend::default()
     }
 
-    /// bf16 compute for bf16 weights: they are packed once at load for the CPU's bf16
+    /// bf16 compute for bf16 weights (what a bf16 model runs with; off for `--dtype f32`
+    /// and in `new()`, which is exact): they are packed once at load for the CPU's bf16
     /// dot-product instructions, and every matmul with them (prefill and decode) rounds
-    /// its activations to bf16 (about twice the f32 speed when compute-bound, not
-    /// f32-exact). On a CPU without AVX512-BF16 the exact f32 path runs instead, and a
-    /// warning says so once.
-    pub fn with_bf16_prefill(mut self, on: bool) -> Self {
-        if on && !Self::bf16_prefill_available() {
-            static WARNED: std::sync::Once = std::sync::Once::new();
-            WARNED.call_once(|| {
-                tracing::warn!(
-                    "bf16 prefill needs AVX512-BF16, which this CPU lacks; prefill stays f32-exact"
-                )
-            });
-        }
-        self.bf16_prefill = on;
+    /// its activations to bf16 — about twice the f32 speed when compute-bound. On a CPU
+    /// without AVX512-BF16 the f32 path runs instead (more precise, slower), and the
+    /// first bf16 weight loaded says so once.
+    pub fn with_bf16_compute(mut self, on: bool) -> Self {
+        self.bf16_compute = on;
         self
     }
 
@@ -97,9 +94,12 @@ impl CpuBackend {
         self
     }
 
-    /// Whether this CPU can run the opt-in bf16 prefill GEMM (AVX512-BF16).
-    pub fn bf16_prefill_available() -> bool {
-        bf16_gemm::available()
+    /// Whether this CPU has the bf16 dot products bf16 compute runs on (AVX512-BF16).
+    pub fn bf16_compute_available() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return bf16_gemm::available();
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     }
 }
 
@@ -120,9 +120,15 @@ impl Backend for CpuBackend {
         if self.quantize == Some(super::Quantization::Int8) {
             return Ok(w.quantized_int8());
         }
-        #[cfg(target_arch = "x86_64")]
-        if self.bf16_prefill && bf16_gemm::available() {
-            return Ok(w.packed_bf16());
+        if self.bf16_compute && matches!(w.data, matmul::WeightData::Bf16(_)) {
+            #[cfg(target_arch = "x86_64")]
+            if bf16_gemm::available() {
+                return Ok(w.packed_bf16());
+            }
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!("this CPU lacks AVX512-BF16: bf16 weights are computed in f32 (exact, slower)")
+            });
         }
         Ok(w)
     }
@@ -174,7 +180,7 @@ impl Backend for CpuBackend {
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
-        Ok(matmul::matmul(x, w, self.bf16_prefill))
+        Ok(matmul::matmul(x, w))
     }
 
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) -> Result<()> {
