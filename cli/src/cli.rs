@@ -86,6 +86,9 @@ pub enum ModelCommand {
     Bench(BenchArgs),
     /// Latency of 1-token generations, in-process or through a server (--endpoint).
     Latency(LatencyArgs),
+    /// How far a numeric setting (e.g. --quantize int8) moves a model from its checkpoint
+    /// dtype: greedy agreement over prompts and the log-likelihood of a text.
+    Compare(crate::model_compare::CompareArgs),
 }
 
 #[derive(Args, Debug)]
@@ -337,6 +340,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             ModelCommand::Random(args) => random_model(args),
             ModelCommand::Bench(args) => bench_model(args),
             ModelCommand::Latency(args) => latency(args),
+            ModelCommand::Compare(args) => crate::model_compare::run(args),
         },
     }
 }

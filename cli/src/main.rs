@@ -20,6 +20,7 @@ mod gpu_check;
 mod latency_bench;
 mod local;
 mod metrics_http;
+mod model_compare;
 mod model_tools;
 mod rendezvous;
 mod security_args;

@@ -414,22 +414,49 @@ impl Engine {
     /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,
     /// benchmarks). Leaves no state behind.
     pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
+        let last = prompt.len().checked_sub(1).ok_or_else(|| Error::invalid("prompt", "is empty"))?;
+        self.logits_at(prompt, &[last])
+    }
+
+    /// The natural-log probability the model gives each token of `tokens` after the ones
+    /// before it (teacher forcing, one prefill on a scratch sequence): `tokens.len() − 1`
+    /// values, for perplexity-style comparisons of numerics. Leaves no state behind.
+    pub fn token_logprobs(&mut self, tokens: &[u32]) -> Result<Vec<f64>> {
+        let rows: Vec<usize> = (0..tokens.len().saturating_sub(1)).collect();
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let logits = self.logits_at(tokens, &rows)?;
+        let vocab = logits.len() / rows.len();
+        Ok(logits
+            .chunks_exact(vocab)
+            .zip(&tokens[1..])
+            .map(|(row, &next)| {
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+                let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+                row.get(next as usize).map_or(f64::NEG_INFINITY, |&v| v as f64 - max - sum.ln())
+            })
+            .collect())
+    }
+
+    /// `[rows, vocab]` logits of `rows` of `tokens`, run as one scratch sequence.
+    fn logits_at(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
         let pool = self.scheduler.pool();
         // A scratch table: its blocks go back when it is dropped, whatever happens.
         let mut blocks = BlockTable::default();
-        pool.grow(&mut blocks, prompt.len())?;
+        pool.grow(&mut blocks, tokens.len())?;
         let layout = BatchLayout {
-            positions: (0..prompt.len() as u32).collect(),
-            slots: (0..prompt.len()).map(|p| pool.slot(&blocks, p)).collect(),
+            positions: (0..tokens.len() as u32).collect(),
+            slots: (0..tokens.len()).map(|p| pool.slot(&blocks, p)).collect(),
             seqs: vec![SeqSlice {
                 token_start: 0,
-                num_tokens: prompt.len(),
+                num_tokens: tokens.len(),
                 context_before: 0,
                 block_table: blocks.to_vec(),
             }],
             block_size: pool.block_size(),
         };
-        let logits = self.exec.execute(prompt, &layout, &[prompt.len() - 1], LogitsWanted::Full);
+        let logits = self.exec.execute(tokens, &layout, rows, LogitsWanted::Full);
         drop(blocks);
         logits?.into_full()
     }

@@ -401,3 +401,38 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     assert!(comm.iter().all(|r| r["ok"] == true && r["communicator"] == "tcp"), "{comm:?}");
     assert_eq!(comm.last().unwrap()["world"], 3);
 }
+
+fn compare_json(args: &[&str]) -> Value {
+    let mut all = vec!["model", "compare", "--prompts", "3", "--tokens", "8"];
+    all.extend_from_slice(args);
+    let out = strata(&all);
+    assert!(out.status.success(), "strata {all:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// `strata model compare`: a setting compared with itself agrees on every token and
+/// scores the text identically; int8 weights give a rate and a log-likelihood difference
+/// that are finite, in range, and consistent with each other.
+#[test]
+fn model_compare_reports_agreement_and_log_likelihood() {
+    let same = compare_json(&["--model", &model("llama_gqa"), "--quantize", "none"]);
+    assert_eq!(same["greedy_agreement"], 1.0, "{same}");
+    assert_eq!(same["identical_continuations"], 3, "{same}");
+    assert_eq!(same["nll_difference_per_token"], 0.0, "{same}");
+    let lp = same["reference_mean_logprob"].as_f64().unwrap();
+    assert!(lp < 0.0 && lp > -(384f64.ln() * 3.0), "mean log-probability {lp}");
+    let ppl = same["reference_perplexity"].as_f64().unwrap();
+    assert!((ppl - (-lp).exp()).abs() < 1e-9 * ppl, "{same}");
+
+    let int8 = compare_json(&["--model", &model("llama_gqa"), "--quantize", "int8"]);
+    let rate = int8["greedy_agreement"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&rate), "{int8}");
+    let diff = int8["nll_difference_per_token"].as_f64().unwrap();
+    let (r, c) =
+        (int8["reference_mean_logprob"].as_f64().unwrap(), int8["candidate_mean_logprob"].as_f64().unwrap());
+    assert!((diff - (r - c)).abs() < 1e-12 && diff != 0.0 && diff.abs() < 0.5, "{int8}");
+    assert_eq!(int8["text_tokens"], same["text_tokens"]);
+
+    let err = failure(&["model", "compare", "--model", &model("llama_gqa"), "--quantize", "int4"]);
+    assert!(err.contains("--quantize") && err.contains("int4"), "{err}");
+}

@@ -220,6 +220,35 @@ fn dtype_auto_follows_the_checkpoint_and_f32_stays_exact() {
     assert!(diff <= LOGIT_TOL, "--dtype f32 differs from HF float32 by {diff}");
 }
 
+/// Teacher-forced log-probabilities (`strata model compare`'s log-likelihood) are HF's
+/// log-softmax at the same positions.
+#[test]
+fn token_logprobs_match_transformers() {
+    for dir in fixture_models() {
+        let r = reference(&dir);
+        let greedy_ids = ids(&r["greedy_ids"]);
+        let mut tokens = ids(&r["prompt_ids"]);
+        let first = tokens.len() - 1; // the row predicting greedy_ids[0]
+        tokens.extend(&greedy_ids);
+        let got = engine(&dir).token_logprobs(&tokens).unwrap();
+        assert_eq!(got.len(), tokens.len() - 1);
+        let log_softmax_at = |logits: &[f32], id: u32| {
+            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+            logits[id as usize] as f64 - max - sum.ln()
+        };
+        let want_first = log_softmax_at(&floats(&r["prompt_last_logits"]), greedy_ids[0]);
+        let want_last = log_softmax_at(&floats(&r["final_logits"]), greedy_ids[greedy_ids.len() - 1]);
+        let name = dir.display();
+        assert!((got[first] - want_first).abs() < 1e-4, "{name}: {} vs HF {want_first}", got[first]);
+        assert!(
+            (got[got.len() - 1] - want_last).abs() < 1e-4,
+            "{name}: {} vs HF {want_last}",
+            got[got.len() - 1]
+        );
+    }
+}
+
 /// `--quantize int8` (one scale per output channel; int8 × int8 VNNI dots at decode
 /// sizes, widened int8 for prefill): the logits of every fixture stay within a small share
 /// of their scale of HF's float32 ones, and where the greedy choice moves, it moves only

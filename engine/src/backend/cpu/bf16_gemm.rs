@@ -6,8 +6,8 @@
 //! model. It runs every matmul of bf16 weights unless `--dtype f32` asks for the exact
 //! f32 path; a CPU without AVX512-BF16 runs the f32 path instead (more precise, slower).
 //!
-//! Layout: activations are converted once per matmul into bf16 rows padded to a multiple
-//! of 32. Weights are packed **once, at load** ([`PackedBf16`]) into panels of 32 output
+//! Layout: activations are converted once per matmul into bf16 pairs in blocks of 8 rows
+//! (k padded to a multiple of 32). Weights are packed **once, at load** ([`PackedBf16`]) into panels of 32 output
 //! rows in pair-interleaved order (`[k/2][32]` u32 pairs, so one 512-bit load holds one
 //! k-pair of 16 output columns) — the packed copy replaces the row-major one, so memory
 //! stays one checkpoint. A matmul runs 8 × 32 register tiles straight from the panels:
@@ -94,12 +94,23 @@ pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     CpuTensor::new(y, n, m)
 }
 
-/// Activations as bf16 bit patterns, rows padded with zeros to `kp`.
-fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u16> {
-    let mut xb = vec![0u16; x.rows * kp];
-    xb.par_chunks_mut(kp).zip(x.data.par_chunks(k)).for_each(|(dst, src)| {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = bf16::from_f32(*s).to_bits();
+/// Rows of activations per block: the tile kernel's rows.
+const MR: usize = 8;
+
+/// Activations as bf16 pairs in blocks of [`MR`] rows, interleaved by k-pair
+/// (`[n / MR][kp / 2][MR]` u32), so the tile kernel's broadcasts read one contiguous run
+/// instead of `MR` rows a whole row apart (rows `kp · 2` bytes apart alias in L1 when
+/// `k` is a multiple of 2048). Padding rows and the k padding are zeros.
+fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u32> {
+    let pairs = kp / 2;
+    let mut xb = vec![0u32; x.rows.div_ceil(MR) * pairs * MR];
+    xb.par_chunks_mut(pairs * MR).zip(x.data.par_chunks(k * MR)).for_each(|(dst, src)| {
+        for (r, row) in src.chunks(k).enumerate() {
+            for (i, pair) in row.chunks(2).enumerate() {
+                let lo = bf16::from_f32(pair[0]).to_bits() as u32;
+                let hi = pair.get(1).map_or(0, |v| bf16::from_f32(*v).to_bits() as u32);
+                dst[i * MR + r] = lo | (hi << 16);
+            }
         }
     });
     xb
@@ -108,7 +119,7 @@ fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u16> {
 /// Every row of `x` against one panel: output columns `j0..j0 + cols`.
 #[allow(clippy::too_many_arguments)]
 fn run_tiles(
-    xb: &[u16],
+    xb: &[u32],
     n: usize,
     kp: usize,
     packed: &[u32],
@@ -119,8 +130,8 @@ fn run_tiles(
 ) {
     let mut t = 0;
     while t < n {
-        let rows = (n - t).min(8);
-        let x = &xb[t * kp..];
+        let rows = (n - t).min(MR);
+        let x = &xb[t * kp / 2..];
         // SAFETY: AVX512-BF16 is available (the callers assert it); this call writes only
         // columns j0..j0+cols of rows t..t+rows of y; buffers have the sizes used.
         unsafe {
@@ -142,16 +153,16 @@ fn run_tiles(
 
 /// One `R × NR` tile: `out[r * ld + c] = Σ_k x[r][k] · w[c][k]` for `c < cols`.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn tile<const R: usize>(xb: &[u16], kp: usize, packed: &[u32], out: *mut f32, ld: usize, cols: usize) {
+unsafe fn tile<const R: usize>(xb: &[u32], kp: usize, packed: &[u32], out: *mut f32, ld: usize, cols: usize) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let pairs = kp / 2;
-    let xp = xb.as_ptr() as *const u32; // pairs of bf16 along k
+    let xp = xb.as_ptr(); // one block: pairs of bf16 along k, MR rows per pair
     let wp = packed.as_ptr();
     for i in 0..pairs {
         let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp.add(i * NR) as *const _));
         let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp.add(i * NR + 16) as *const _));
         for (r, a) in acc.iter_mut().enumerate() {
-            let xv = std::ptr::read_unaligned(xp.add(r * pairs + i));
+            let xv = *xp.add(i * MR + r);
             let xb: __m512bh = std::mem::transmute(_mm512_set1_epi32(xv as i32));
             a[0] = _mm512_dpbf16_ps(a[0], xb, w0);
             a[1] = _mm512_dpbf16_ps(a[1], xb, w1);
