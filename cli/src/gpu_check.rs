@@ -91,7 +91,8 @@ fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
     }
 }
 
-fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
+/// `n` greedy tokens after `prompt` (EOS ignored), run to completion.
+pub(crate) fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
     e.add(
         strata_engine::SeqId(1),
         prompt.to_vec(),

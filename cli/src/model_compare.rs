@@ -7,13 +7,14 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
-use strata_common::{Parallelism, SamplingParams};
+use strata_common::Parallelism;
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_engine::backend::{BackendOptions, Device, Quantization};
 use strata_engine::replica::local_replica;
-use strata_engine::{Engine, EngineConfig, SeqId};
+use strata_engine::{Engine, EngineConfig};
 
 use crate::config_args::model_dtype;
+use crate::gpu_check::greedy;
 
 /// The text scored when no --text is given: plain English prose.
 const DEFAULT_TEXT: &str = "The river ran low that summer, and the children of the village \
@@ -137,17 +138,4 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     };
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
-}
-
-fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> anyhow::Result<Vec<u32>> {
-    e.add(
-        SeqId(0),
-        prompt.to_vec(),
-        SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
-    )?;
-    let mut out = Vec::new();
-    while e.has_work() {
-        out.extend(e.step()?.into_iter().map(|ev| ev.token));
-    }
-    Ok(out)
 }
