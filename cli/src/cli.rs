@@ -89,6 +89,9 @@ pub enum ModelCommand {
     /// How far a numeric setting (e.g. --quantize int8) moves a model from its checkpoint
     /// dtype: greedy agreement over prompts and the log-likelihood of a text.
     Compare(crate::model_compare::CompareArgs),
+    /// Write an int8 copy of a model (every weight matrix, one scale per output row: what
+    /// --quantize int8 does at load, from half the bytes of bf16).
+    Quantize(crate::model_compare::QuantizeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -341,6 +344,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             ModelCommand::Bench(args) => bench_model(args),
             ModelCommand::Latency(args) => latency(args),
             ModelCommand::Compare(args) => crate::model_compare::run(args),
+            ModelCommand::Quantize(args) => crate::model_compare::quantize(args),
         },
     }
 }

@@ -1,6 +1,7 @@
 //! `strata model compare`: how far one numeric setting moves a model from another (e.g.
 //! `--quantize int8` against the checkpoint's dtype): greedy agreement over a prompt set
 //! and the log-likelihood of a fixed text, both computed in-process on the same weights.
+//! And `strata model quantize`, which writes the int8 copy such a comparison measures.
 
 use std::path::PathBuf;
 
@@ -136,6 +137,30 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
         reference_perplexity: (-reference_lp).exp(),
         candidate_perplexity: (-candidate_lp).exp(),
     };
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct QuantizeArgs {
+    /// Model directory to quantize.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// New directory for the int8 copy (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn quantize(args: QuantizeArgs) -> anyhow::Result<()> {
+    let mut last = usize::MAX;
+    let report = strata_engine::model::quantize::write_int8(&args.model, &args.out, |done, total| {
+        let pct = done * 100 / total.max(1);
+        if pct / 10 != last / 10 {
+            last = pct;
+            tracing::info!(done, total, "quantizing: {pct}%");
+        }
+    })
+    .with_context(|| format!("--model {} --out {}", args.model.display(), args.out.display()))?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }

@@ -49,6 +49,9 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// int8 weight matrices of a checkpoint written by `strata model quantize`, each with
+    /// an f32 `<name>_scale` per output row; never a model's compute dtype.
+    I8,
 }
 
 impl DType {
@@ -66,6 +69,7 @@ impl DType {
         match self {
             DType::F32 => 4,
             DType::F16 | DType::BF16 => 2,
+            DType::I8 => 1,
         }
     }
 
@@ -75,6 +79,7 @@ impl DType {
             DType::F32 => "F32",
             DType::F16 => "F16",
             DType::BF16 => "BF16",
+            DType::I8 => "I8",
         }
     }
 }

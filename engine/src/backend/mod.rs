@@ -110,6 +110,14 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Makes a weight matrix from a checkpoint view (2-D).
     fn load_weight(&self, host: &HostTensor) -> Result<Self::Weight>;
+    /// Makes a weight matrix from an int8 checkpoint's values and per-row scales
+    /// (`strata model quantize`).
+    fn load_weight_int8(&self, q: &HostTensor, _scales: &HostTensor) -> Result<Self::Weight> {
+        Err(strata_common::Error::Unsupported(format!(
+            "{:?} is int8 (a checkpoint from `strata model quantize`): only the CPU backend runs int8 weights",
+            q.name
+        )))
+    }
     /// Makes a `[1, n]` f32 tensor from a 1-D checkpoint view (norm weights, biases).
     fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor>;
     /// Allocates `num_blocks` blocks of `block_size` positions for `kv_heads × head_dim`.

@@ -6,6 +6,7 @@
 //! caller asks for — normally each sequence's last token — since the LM head is the
 //! largest matmul of a decode step.
 
+pub mod quantize;
 pub mod random;
 mod rope;
 pub mod weights;
@@ -388,8 +389,15 @@ struct ShardLoader<'a, B: Backend> {
 }
 
 impl<B: Backend> ShardLoader<'_, B> {
-    fn weight(&mut self, host: HostTensor) -> Result<B::Weight> {
-        let w = self.backend.load_weight(&host)?;
+    /// Loads `host`, rows `rows` of the `[out, _]` matrix `name`: as int8 with its scales'
+    /// same rows when the checkpoint is quantized (`<name>_scale` beside it).
+    fn weight(&mut self, name: &str, host: HostTensor, out: usize, rows: Range<usize>) -> Result<B::Weight> {
+        let scale = format!("{name}_scale");
+        let w = if self.ckpt.contains(&scale) {
+            self.backend.load_weight_int8(&host, &self.ckpt.get(&scale, &[out])?.rows(rows)?)?
+        } else {
+            self.backend.load_weight(&host)?
+        };
         self.bytes += self.backend.weight_bytes(&w);
         Ok(w)
     }
@@ -397,14 +405,17 @@ impl<B: Backend> ShardLoader<'_, B> {
     /// This rank's vocabulary rows of an embedding-shaped tensor.
     fn vocab_rows(&mut self, name: &str) -> Result<B::Weight> {
         let c = self.config;
-        let host = self.ckpt.get(name, &[c.vocab_size, c.hidden_size])?.rows(self.shard.vocab.clone())?;
-        self.weight(host)
+        let rows = self.shard.vocab.clone();
+        let host = self.ckpt.get(name, &[c.vocab_size, c.hidden_size])?.rows(rows.clone())?;
+        self.weight(name, host, c.vocab_size, rows)
     }
 
     /// Column-parallel: this rank's output rows (and bias elements).
     fn column(&mut self, name: &str, out: usize, rows: Range<usize>, bias: bool) -> Result<Linear<B>> {
         let h = self.config.hidden_size;
-        let w = self.weight(self.ckpt.get(&format!("{name}.weight"), &[out, h])?.rows(rows.clone())?)?;
+        let weight = format!("{name}.weight");
+        let w =
+            self.weight(&weight, self.ckpt.get(&weight, &[out, h])?.rows(rows.clone())?, out, rows.clone())?;
         let bias = match bias {
             true => {
                 Some(self.backend.load_vector(&self.ckpt.get(&format!("{name}.bias"), &[out])?.rows(rows)?)?)
@@ -417,9 +428,11 @@ impl<B: Backend> ShardLoader<'_, B> {
     /// Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
     fn row(&mut self, name: &str, inp: usize, cols: Range<usize>, bias: bool) -> Result<Linear<B>> {
         let h = self.config.hidden_size;
-        let full = self.ckpt.get(&format!("{name}.weight"), &[h, inp])?;
+        let weight = format!("{name}.weight");
+        let full = self.ckpt.get(&weight, &[h, inp])?;
         let host = if cols.len() == inp { full } else { full.columns(cols)? };
-        let w = self.weight(host)?;
+        // Per-output-row scales apply to every column slice as they are.
+        let w = self.weight(&weight, host, h, 0..h)?;
         let bias = match bias && self.shard.tp_rank == 0 {
             true => Some(vector(self.backend, self.ckpt, &format!("{name}.bias"), h)?),
             false => None,

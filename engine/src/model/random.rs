@@ -88,6 +88,12 @@ impl RandomModelSpec {
     }
 
     fn validate(&self) -> Result<()> {
+        if self.dtype == DType::I8 {
+            return Err(Error::invalid(
+                "dtype",
+                "random models are f32, bf16 or f16 (`strata model quantize` makes int8)",
+            ));
+        }
         for (name, v) in [
             ("hidden", self.hidden),
             ("layers", self.layers),
@@ -131,7 +137,12 @@ impl RandomModelSpec {
             "rope_theta": self.rope_theta,
             "hidden_act": "silu",
             "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": match self.dtype { DType::F32 => "float32", DType::BF16 => "bfloat16", DType::F16 => "float16" },
+            "torch_dtype": match self.dtype {
+                DType::F32 => "float32",
+                DType::BF16 => "bfloat16",
+                DType::F16 => "float16",
+                DType::I8 => "int8",
+            },
             "bos_token_id": 1,
             "eos_token_id": 2,
             "initializer_range": 0.02,
@@ -224,6 +235,7 @@ impl RandomModelSpec {
                 DType::F32 => bytemuck::cast_slice(&values).to_vec(),
                 DType::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
                 DType::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+                DType::I8 => values.iter().map(|v| v.round().clamp(-128.0, 127.0) as i8 as u8).collect(),
             };
             out.write_all(&bytes).map_err(|e| io(&path, e))?;
             written += bytes.len();

@@ -126,7 +126,8 @@ impl HostTensor {
         })
     }
 
-    /// The same tensor stored as `dtype` (a copy; rounding to nearest even when narrowing).
+    /// The same tensor stored as `dtype` (a copy; rounding to nearest even when narrowing;
+    /// int8 values convert as plain integers, saturating — scales are the caller's).
     pub fn cast(&self, dtype: DType) -> HostTensor {
         if dtype == self.dtype {
             return self.clone();
@@ -140,6 +141,7 @@ impl HostTensor {
             DType::F16 => {
                 values.iter().flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes()).collect()
             }
+            DType::I8 => values.iter().map(|&v| v.round().clamp(-128.0, 127.0) as i8 as u8).collect(),
         };
         let len = bytes.len();
         HostTensor {
@@ -165,6 +167,8 @@ impl HostTensor {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
                 .collect(),
+            // The stored integers, without their scales.
+            DType::I8 => b.iter().map(|&v| v as i8 as f32).collect(),
         }
     }
 }
@@ -223,6 +227,18 @@ impl Checkpoint {
 
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
+    }
+
+    /// Names of every tensor, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.tensors.keys().map(String::as_str)
+    }
+
+    /// The tensor `name`, whatever its shape.
+    pub fn tensor(&self, name: &str) -> Result<HostTensor> {
+        self.tensors.get(name).cloned().ok_or_else(|| {
+            Error::model_file(&self.dir, format!("tensor {name:?} is missing from the checkpoint"))
+        })
     }
 
     /// The tensor `name`, checked against the shape the model config implies.
@@ -317,10 +333,11 @@ fn tensor_extent(
         safetensors::Dtype::F32 => DType::F32,
         safetensors::Dtype::F16 => DType::F16,
         safetensors::Dtype::BF16 => DType::BF16,
+        safetensors::Dtype::I8 => DType::I8,
         other => {
             return Err(Error::model_file(
                 path,
-                format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16"),
+                format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16, I8"),
             ))
         }
     };

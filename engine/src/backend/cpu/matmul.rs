@@ -84,8 +84,43 @@ impl CpuWeight {
             DType::F32 => WeightData::F32(Elems::from_host(host)),
             DType::BF16 => WeightData::Bf16(Elems::from_host(host)),
             DType::F16 => WeightData::F16(Elems::from_host(host)),
+            DType::I8 => {
+                return Err(Error::model_file(
+                    host.file.as_path(),
+                    format!(
+                        "int8 tensor {:?} has no {:?} beside it",
+                        host.name,
+                        format!("{}_scale", host.name)
+                    ),
+                ))
+            }
         };
         Ok(CpuWeight { rows, cols, data })
+    }
+
+    /// An int8 matrix with one scale per output row, as `strata model quantize` stores it.
+    pub fn from_int8(q: &HostTensor, scales: &HostTensor) -> Result<Self> {
+        let (DType::I8, &[rows, cols], DType::F32) = (q.dtype, &q.shape[..], scales.dtype) else {
+            return Err(Error::model_file(
+                q.file.as_path(),
+                format!("{:?}: an int8 matrix needs 2-D I8 values and F32 scales", q.name),
+            ));
+        };
+        if scales.shape[..] != [rows] {
+            return Err(Error::model_file(
+                q.file.as_path(),
+                format!("{:?}: {rows} rows but scales of shape {:?}", q.name, scales.shape),
+            ));
+        }
+        Ok(Self::int8(rows, cols, bytemuck::cast_slice(q.bytes()).to_vec(), scales.to_f32_vec()))
+    }
+
+    /// The int8 values and per-row scales of a quantized weight.
+    pub fn int8_parts(&self) -> Option<(&[i8], &[f32])> {
+        match &self.data {
+            WeightData::Int8 { q, scales, .. } => Some((q, scales)),
+            _ => None,
+        }
     }
 
     /// An owned f32 matrix (tests and sharded copies).
@@ -111,6 +146,10 @@ impl CpuWeight {
                 }
             },
         );
+        Self::int8(rows, cols, q, scales)
+    }
+
+    fn int8(rows: usize, cols: usize, q: Vec<i8>, scales: Vec<f32>) -> Self {
         #[cfg(target_arch = "x86_64")]
         let sums = super::int8_vnni::row_sums(&q, cols);
         #[cfg(not(target_arch = "x86_64"))]

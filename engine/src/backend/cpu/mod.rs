@@ -114,7 +114,7 @@ impl Backend for CpuBackend {
 
     fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
         let w = match self.weight_dtype {
-            Some(d) if d != host.dtype => CpuWeight::from_host(&host.cast(d))?,
+            Some(d) if d != host.dtype && host.dtype != DType::I8 => CpuWeight::from_host(&host.cast(d))?,
             _ => CpuWeight::from_host(host)?,
         };
         if self.quantize == Some(super::Quantization::Int8) {
@@ -131,6 +131,10 @@ impl Backend for CpuBackend {
             });
         }
         Ok(w)
+    }
+
+    fn load_weight_int8(&self, q: &HostTensor, scales: &HostTensor) -> Result<CpuWeight> {
+        CpuWeight::from_int8(q, scales)
     }
 
     fn load_vector(&self, host: &HostTensor) -> Result<CpuTensor> {
