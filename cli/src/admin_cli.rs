@@ -81,6 +81,10 @@ pub struct DeployArgs {
     /// bf16, f16 or f32 (default: the checkpoint's).
     #[arg(long, default_value = "")]
     pub dtype: String,
+    /// cpu or cuda: ranks go only to workers of this kind with room for their shard and
+    /// KV cache (default: the coordinator's default_device).
+    #[arg(long, default_value = "", value_parser = ["", "cpu", "cuda"], hide_possible_values = true)]
+    pub device: String,
     /// Most sequences per engine step (0: the worker's default).
     #[arg(long, default_value_t = 0)]
     pub max_num_seqs: u32,
@@ -107,6 +111,7 @@ impl DeployArgs {
             name: self.name,
             model_dir: self.model,
             dtype: self.dtype,
+            device: self.device,
             tp: self.tp,
             pp: self.pp,
             replicas: self.replicas,
@@ -147,7 +152,8 @@ fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
         "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp,
         "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
         "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
-        "kv_cache_bytes": s.kv_cache_bytes, "generation": m.generation,
+        "kv_cache_bytes": s.kv_cache_bytes, "generation": m.generation, "device": m.device,
+        "weight_bytes_per_rank": m.weight_bytes_per_rank,
     })
 }
 
@@ -156,12 +162,27 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
         println!("{}", json!(models.iter().map(model_json).collect::<Vec<_>>()));
         return;
     }
-    println!("{:<24} {:>5} {:>3} {:>3} {:>7} {:>5}  DIR", "NAME", "DTYPE", "TP", "PP", "REPLICAS", "READY");
+    println!(
+        "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9}  DIR",
+        "NAME", "DEVICE", "DTYPE", "TP", "PP", "REPLICAS", "READY", "GiB/RANK"
+    );
+    let dash = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
     for m in models {
-        let dtype = if m.dtype.is_empty() { "-" } else { &m.dtype };
+        let per_rank = match m.weight_bytes_per_rank {
+            0 => "-".to_string(),
+            b => format!("{:.2}", b as f64 / (1u64 << 30) as f64),
+        };
         println!(
-            "{:<24} {:>5} {:>3} {:>3} {:>8} {:>5}  {}",
-            m.name, dtype, m.tp, m.pp, m.desired_replicas, m.ready_replicas, m.model_dir
+            "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9}  {}",
+            m.name,
+            dash(&m.device),
+            dash(&m.dtype),
+            m.tp,
+            m.pp,
+            m.desired_replicas,
+            m.ready_replicas,
+            per_rank,
+            m.model_dir
         );
     }
 }
@@ -300,6 +321,8 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
                 json!({
                     "id": w.id, "address": w.address, "device_kind": w.device_kind,
                     "device_count": w.device_count, "memory_bytes": w.memory_bytes,
+                    "memory_total_bytes": w.memory_total_bytes, "node": w.node,
+                    "kv_cache_bytes": w.kv_cache_bytes,
                     "replica": w.replica, "rank": w.rank, "shard_state": w.shard_state,
                     "draining": w.draining, "started_ms": w.started_ms,
                 })
@@ -309,16 +332,17 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
         return;
     }
     println!(
-        "{:<24} {:<22} {:<6} {:>9} {:<28} {:<8} DRAINING",
-        "WORKER", "ADDRESS", "DEVICE", "MEM GiB", "REPLICA", "SHARD"
+        "{:<24} {:<22} {:<16} {:<6} {:>9} {:<28} {:<8} DRAINING",
+        "WORKER", "ADDRESS", "NODE", "DEVICE", "FREE GiB", "REPLICA", "SHARD"
     );
     for w in workers {
         let replica =
             if w.replica.is_empty() { "-".to_string() } else { format!("{} #{}", w.replica, w.rank) };
         println!(
-            "{:<24} {:<22} {:<6} {:>9.1} {:<28} {:<8} {}",
+            "{:<24} {:<22} {:<16} {:<6} {:>9.1} {:<28} {:<8} {}",
             w.id,
             w.address,
+            if w.node.is_empty() { "-" } else { &w.node },
             w.device_kind,
             w.memory_bytes as f64 / (1u64 << 30) as f64,
             replica,

@@ -71,6 +71,9 @@ pub struct CoordinatorArgs {
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
+    /// The device kind a deployment runs on when it names none: cpu or cuda [default: cpu].
+    #[arg(long, env = "STRATA_DEFAULT_DEVICE")]
+    pub default_device: Option<String>,
 }
 
 impl CoordinatorArgs {
@@ -97,6 +100,7 @@ impl CoordinatorArgs {
         set(&mut c.failed_retention_s, &self.failed_retention);
         set(&mut c.route_wait_s, &self.route_wait);
         set(&mut c.drain_timeout_s, &self.drain_timeout);
+        set(&mut c.default_device, &self.default_device);
         Ok(())
     }
 }
@@ -130,6 +134,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         drain_timeout: secs(c.drain_timeout_s),
         tls,
         model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
+        default_device: c.default_device.clone(),
         caller_tls: caller_tls(c)?,
         http: http_options(c)?,
     };
@@ -170,6 +175,11 @@ pub struct WorkerArgs {
     /// probes that hold no cluster certificate (the kubelet's); port 0 picks a free one.
     #[arg(long, env = "STRATA_HEALTH_LISTEN")]
     pub health_listen: Option<std::net::SocketAddr>,
+    /// Cluster mode: the machine this worker runs on, as placement groups workers (ranks
+    /// of one TP group prefer one machine; Kubernetes: the node name) [default: host name].
+    /// A machine with several GPUs runs one worker per GPU (`--device cuda:N`).
+    #[arg(long, env = "STRATA_NODE")]
+    pub node: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// Seconds in-flight sequences get to finish after SIGTERM [default: 30].
@@ -209,6 +219,9 @@ impl WorkerArgs {
         }
         if self.health_listen.is_some() {
             w.health_listen = self.health_listen;
+        }
+        if self.node.is_some() {
+            w.node = self.node.clone();
         }
         set(&mut w.drain_timeout_s, &self.drain_timeout);
         Ok(())
@@ -263,6 +276,7 @@ pub fn worker(
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
         tls,
         health_listen: w.health_listen,
+        node: w.node.clone(),
     };
     let metrics = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)?;
     rt()?.block_on(async move {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use strata_common::cluster::{encode, Capacity, EngineLimits, ModelSpec, ReplicaState};
+use strata_common::cluster::{encode, EngineLimits, ModelSpec, ReplicaState};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::memory::MemoryRegistry;
 use strata_common::registry::Registry;
@@ -94,11 +94,7 @@ async fn start_worker(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
         ),
     );
-    let capacity = Capacity {
-        device_kind: agent.config().backend.device.kind().into(),
-        device_count: 1,
-        memory_bytes: strata_common::host::available_memory().unwrap_or(0),
-    };
+    let capacity = agent.config().capacity(None).map_err(|e| anyhow::anyhow!("{e}"))?;
     let announcement = Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 };
     let membership = Membership::start(registry.clone(), keys.clone(), agent, announcement);
     Ok(LocalWorker { membership, server })
@@ -111,6 +107,10 @@ async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Key
             name: m.name.as_str().into(),
             model_dir: m.dir.to_string_lossy().into_owned(),
             dtype: String::new(),
+            // The in-process workers are all of the command line's device; they were
+            // started for this model, so placement checks neither kind nor memory.
+            device: String::new(),
+            weight_bytes_per_rank: 0,
             tp: m.par.tp as u32,
             pp: m.par.pp as u32,
             replicas: m.replicas as u32,

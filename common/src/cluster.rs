@@ -14,15 +14,27 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::shard::Parallelism;
 
-/// What a worker offers.
+/// What a worker offers. A worker process drives one device (a machine with several GPUs
+/// runs one worker per GPU), so each placement slot is one registration.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
     /// "cpu" or "cuda".
     pub device_kind: String,
-    /// Devices the worker drives (CPU: 1).
+    /// Devices the worker drives (1).
     pub device_count: u32,
-    /// Memory available for weights and KV cache, in bytes.
+    /// Device memory free for weights and KV cache when the worker registered, bytes
+    /// (host memory for a CPU worker; the driver's free memory for a GPU).
     pub memory_bytes: u64,
+    /// The device's total memory, bytes (0: unknown).
+    #[serde(default)]
+    pub memory_total_bytes: u64,
+    /// The machine the worker runs on (Kubernetes: the node): ranks of one tensor-parallel
+    /// group prefer one machine. Empty: unknown.
+    #[serde(default)]
+    pub node: String,
+    /// The KV cache a shard gets here unless its deployment sets one, bytes.
+    #[serde(default)]
+    pub kv_cache_bytes: u64,
 }
 
 /// Where a worker's loaded shard stands.
@@ -84,6 +96,14 @@ pub struct ModelSpec {
     /// "bf16", "f16", "f32", or empty for the checkpoint's own dtype.
     #[serde(default)]
     pub dtype: String,
+    /// The device kind its ranks run on: "cpu" or "cuda" (empty: any, as specs written
+    /// before deployments named a device).
+    #[serde(default)]
+    pub device: String,
+    /// Estimated weight bytes of the largest rank (0: unknown, the model's files could not
+    /// be read when it was deployed); placement adds the KV cache to it.
+    #[serde(default)]
+    pub weight_bytes_per_rank: u64,
     pub tp: u32,
     pub pp: u32,
     pub replicas: u32,
@@ -119,6 +139,9 @@ impl ModelSpec {
                 "dtype",
                 format!("{:?}: expected bf16, f16, f32 or empty", self.dtype),
             ));
+        }
+        if !matches!(self.device.as_str(), "" | "cpu" | "cuda") {
+            return Err(Error::invalid("device", format!("{:?}: expected cpu or cuda", self.device)));
         }
         if self.tp == 0 || self.pp == 0 {
             return Err(Error::invalid(if self.tp == 0 { "tp" } else { "pp" }, "must be at least 1"));
@@ -236,6 +259,9 @@ impl WorkerRecord {
             ));
         }
         check_address("address", &self.address)?;
+        if self.capacity.node.len() > 253 {
+            return Err(Error::invalid("capacity.node", "longer than 253 bytes"));
+        }
         if let Some(a) = &self.assignment {
             if a.rank as usize >= MAX_RANKS {
                 return Err(Error::invalid("assignment.rank", format!("{} is out of range", a.rank)));
@@ -292,6 +318,8 @@ mod tests {
             name: "m".into(),
             model_dir: "/models/m".into(),
             dtype: String::new(),
+            device: "cpu".into(),
+            weight_bytes_per_rank: 0,
             tp: 1,
             pp: 1,
             replicas: 1,
@@ -312,6 +340,7 @@ mod tests {
         bad(|s| s.name = "a/b".into(), "name");
         bad(|s| s.model_dir.clear(), "model_dir");
         bad(|s| s.dtype = "int4".into(), "dtype");
+        bad(|s| s.device = "tpu".into(), "device");
         bad(|s| s.tp = 0, "tp");
         bad(|s| s.pp = 0, "pp");
         bad(|s| s.replicas = 5000, "replicas");
@@ -322,7 +351,13 @@ mod tests {
         let w = WorkerRecord {
             id: "w1".into(),
             address: "127.0.0.1:1".into(),
-            capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
+            capacity: Capacity {
+                device_kind: "cpu".into(),
+                device_count: 1,
+                memory_bytes: 1 << 30,
+                node: "host-a".into(),
+                ..Capacity::default()
+            },
             assignment: Some(Assignment {
                 replica: "m-1".into(),
                 model: "m".into(),

@@ -266,6 +266,8 @@ pub struct CoordinatorSettings {
     /// Seconds a request waits for a ready replica.
     pub route_wait_s: f64,
     pub drain_timeout_s: f64,
+    /// The device kind a deployment runs on when it names none: "cpu" or "cuda".
+    pub default_device: String,
 }
 
 impl Default for CoordinatorSettings {
@@ -289,6 +291,7 @@ impl Default for CoordinatorSettings {
             failed_retention_s: 30.0,
             route_wait_s: 60.0,
             drain_timeout_s: 30.0,
+            default_device: "cpu".into(),
         }
     }
 }
@@ -305,6 +308,9 @@ pub struct WorkerSettings {
     /// Where plaintext `grpc.health.v1` is served for probes that cannot present a
     /// cluster certificate (the kubelet's); None: only on the worker.v1 port.
     pub health_listen: Option<SocketAddr>,
+    /// The machine this worker runs on, as placement groups workers (Kubernetes: the
+    /// node's name); default: the host name.
+    pub node: Option<String>,
 }
 
 impl Default for WorkerSettings {
@@ -315,6 +321,7 @@ impl Default for WorkerSettings {
             id: None,
             drain_timeout_s: 30.0,
             health_listen: None,
+            node: None,
         }
     }
 }
@@ -390,6 +397,12 @@ impl Config {
             }
         }
         let c = &self.coordinator;
+        if !matches!(c.default_device.as_str(), "cpu" | "cuda") {
+            return Err(Error::invalid(
+                "coordinator.default_device",
+                format!("{:?}: give cpu or cuda", c.default_device),
+            ));
+        }
         for (key, v, min) in [
             ("coordinator.canary_interval_s", c.canary_interval_s, 0.05),
             ("coordinator.canary_timeout_s", c.canary_timeout_s, 0.05),

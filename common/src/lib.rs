@@ -43,4 +43,4 @@ pub use events::{EngineStats, SeqEvent, TokenLogprobs};
 pub use ids::{ModelName, ReplicaId, WorkerId};
 pub use model_config::{Architecture, ModelConfig, RopeScaling};
 pub use sampling::{FinishReason, SamplingParams};
-pub use shard::{Parallelism, RankShard, ShardPlan};
+pub use shard::{Parallelism, RankShard, ShardPlan, WeightBytes};

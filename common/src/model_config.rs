@@ -88,6 +88,9 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
     pub dtype: Option<String>,
+    /// `quantization_config.quant_method`, if any ("strata-int8": written by
+    /// `strata model quantize`).
+    pub quantization: Option<String>,
     pub bos_token_id: Option<u32>,
     /// End-of-sequence ids from config.json and generation_config.json together.
     pub eos_token_ids: Vec<u32>,
@@ -170,6 +173,11 @@ impl ModelConfig {
             dtype: obj
                 .get("torch_dtype")
                 .or_else(|| obj.get("dtype"))
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            quantization: obj
+                .get("quantization_config")
+                .and_then(|q| q.get("quant_method"))
                 .and_then(|v| v.as_str())
                 .map(str::to_owned),
             bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?.first().copied(),

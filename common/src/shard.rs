@@ -129,6 +129,76 @@ impl ShardPlan {
     }
 }
 
+/// Bytes per element of weights in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// 2-D tensors (projections, embedding, LM head); 1 means int8 with an f32 scale per
+    /// row.
+    pub matrix: u64,
+    /// 1-D tensors (norms, biases).
+    pub vector: u64,
+}
+
+impl WeightBytes {
+    /// How a model's weights sit in memory: int8 for a `strata model quantize` checkpoint,
+    /// else the requested dtype (`dtype`: "bf16", "f16", "f32"; empty: the checkpoint's)
+    /// where it is narrower than the checkpoint's (a wider one is widened inside the
+    /// matmuls, not stored).
+    pub fn of(config: &ModelConfig, dtype: &str) -> Self {
+        let size = |d: &str| match d.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" | "f16" | "fp16" | "float16" => Some(2),
+            "f32" | "fp32" | "float32" => Some(4),
+            _ => None,
+        };
+        let stored = config.dtype.as_deref().and_then(size).unwrap_or(4);
+        let vector = size(dtype).map_or(stored, |d| d.min(stored));
+        let int8 = config.quantization.as_deref() == Some("strata-int8");
+        WeightBytes { matrix: if int8 { 1 } else { vector }, vector }
+    }
+}
+
+impl RankShard {
+    /// Bytes of the weights this rank holds (what a worker needs before its KV cache;
+    /// ignores allocator padding and activations).
+    pub fn weight_bytes(&self, c: &ModelConfig, b: WeightBytes, last_stage: bool) -> u64 {
+        let len = |r: &Range<usize>| r.len() as u64;
+        let (h, d) = (c.hidden_size as u64, c.head_dim as u64);
+        let (q, kv, inter) = (len(&self.q_heads) * d, len(&self.kv_heads) * d, len(&self.intermediate));
+        // rows × columns of a matrix, with int8's f32 scale per row.
+        let matrix = |rows: u64, cols: u64| rows * cols * b.matrix + if b.matrix == 1 { rows * 4 } else { 0 };
+        let mut layer = matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q);
+        layer += 2 * matrix(inter, h) + matrix(h, inter) + 2 * h * b.vector;
+        if c.qkv_bias {
+            layer += (q + 2 * kv) * b.vector;
+        }
+        if c.o_bias {
+            layer += h * b.vector;
+        }
+        if c.mlp_bias {
+            layer += (2 * inter + h) * b.vector;
+        }
+        let vocab = matrix(len(&self.vocab), h);
+        let mut total = len(&self.layers) * layer;
+        if self.is_first_stage() {
+            total += vocab;
+        }
+        if last_stage {
+            // The LM head (a tied one is the embedding, held once when one stage is both).
+            let shared = c.tie_word_embeddings && self.is_first_stage();
+            total += h * b.vector + if shared { 0 } else { vocab };
+        }
+        total
+    }
+}
+
+impl ShardPlan {
+    /// The most weight bytes any rank holds.
+    pub fn max_weight_bytes(&self, config: &ModelConfig, bytes: WeightBytes) -> u64 {
+        let last = self.par.pp - 1;
+        self.ranks.iter().map(|r| r.weight_bytes(config, bytes, r.stage == last)).max().unwrap_or(0)
+    }
+}
+
 /// Part `i` of `n` contiguous parts of `len`; earlier parts take the remainder.
 fn split(len: usize, n: usize, i: usize) -> Range<usize> {
     let base = len / n;
@@ -184,5 +254,45 @@ mod tests {
         assert!(e.to_string().contains("layers"), "{e}");
         let e = ShardPlan::new(&config(12, 6, 2), Parallelism { tp: 4, pp: 1 }).unwrap_err();
         assert!(e.to_string().contains("num_key_value_heads"), "{e}");
+    }
+
+    fn llama_1b(extra: &str) -> ModelConfig {
+        ModelConfig::from_json_str(&format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"intermediate_size":8192,
+               "num_hidden_layers":16,"num_attention_heads":32,"num_key_value_heads":8,
+               "vocab_size":128256,"tie_word_embeddings":true,"torch_dtype":"bfloat16"{extra}}}"#
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn weight_bytes_count_every_parameter_once() {
+        // Llama-3.2-1B has 1,235,814,400 parameters (tied embeddings), 2 bytes each in bf16.
+        let c = llama_1b("");
+        let one = ShardPlan::new(&c, Parallelism::NONE).unwrap();
+        assert_eq!(one.max_weight_bytes(&c, WeightBytes::of(&c, "")), 1_235_814_400 * 2);
+        // f32 on a bf16 checkpoint is widened in the matmuls, not stored.
+        assert_eq!(WeightBytes::of(&c, "f32"), WeightBytes { matrix: 2, vector: 2 });
+        // Two stages: each holds half the layers; the last also the (tied) LM head.
+        let pp = ShardPlan::new(&c, Parallelism { tp: 1, pp: 2 }).unwrap();
+        let b = WeightBytes::of(&c, "");
+        let per: Vec<u64> = pp.ranks.iter().map(|r| r.weight_bytes(&c, b, r.stage == 1)).collect();
+        let (layer, vocab) = (60_821_504 * 2, 128_256 * 2048 * 2);
+        assert_eq!(per, vec![8 * layer + vocab, 8 * layer + vocab + 2048 * 2]);
+        // Tensor parallel: roughly a quarter each (norms are replicated).
+        let tp = ShardPlan::new(&c, Parallelism { tp: 4, pp: 1 }).unwrap();
+        let most = tp.max_weight_bytes(&c, b);
+        assert!(most > 1_235_814_400 / 2 && most < 1_235_814_400 / 2 + (1 << 20), "{most}");
+    }
+
+    #[test]
+    fn int8_checkpoints_count_a_byte_and_a_row_scale() {
+        let c = llama_1b(r#","quantization_config":{"quant_method":"strata-int8"}"#);
+        let b = WeightBytes::of(&c, "");
+        assert_eq!(b, WeightBytes { matrix: 1, vector: 2 });
+        let one = ShardPlan::new(&c, Parallelism::NONE).unwrap().max_weight_bytes(&c, b);
+        let rows = 128_256 + 16 * (2048 + 2 * 512 + 2048 + 2 * 8192 + 2048);
+        let vectors = (16 * 2 + 1) * 2048;
+        assert_eq!(one, (1_235_814_400 - vectors) + 4 * rows + 2 * vectors);
     }
 }

@@ -34,6 +34,8 @@ pub struct CoordinatorOptions {
     pub tls: Option<ClusterTls>,
     /// Where deployments may load models from.
     pub model_roots: ModelRoots,
+    /// The device kind ("cpu" or "cuda") of a deployment that names none.
+    pub default_device: String,
     /// TLS for callers of inference.v1 and admin.v1.
     pub caller_tls: Option<tonic::transport::ServerTlsConfig>,
     /// The OpenAI-style HTTP API.
@@ -62,7 +64,8 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
         catalog.clone(),
         opts.admin_auth,
     )
-    .with_model_roots(opts.model_roots.clone());
+    .with_model_roots(opts.model_roots.clone())
+    .with_default_device(&opts.default_device);
     if opts.model_roots.is_open() {
         tracing::warn!(
             "no --model-root: deployments may load models from any absolute path the workers can read"

@@ -59,6 +59,23 @@ pub fn check_device(device: Device) -> Result<()> {
     }
 }
 
+/// Free and total memory of `device`, bytes: the host's for the CPU, the driver's for a
+/// GPU (what a worker offers for weights and KV cache).
+pub fn device_memory(device: Device) -> Result<(u64, u64)> {
+    match device {
+        Device::Cpu => {
+            let free = strata_common::host::available_memory();
+            Ok((free.unwrap_or(0), strata_common::host::total_memory().or(free).unwrap_or(0)))
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => crate::backend::cuda::driver::memory_info(ordinal),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(n) => Err(Error::Unavailable(format!(
+            "--device cuda:{n}: this build has no CUDA support (build with `--features cuda`)"
+        ))),
+    }
+}
+
 /// Joins rank `rank`'s TCP mesh to the replica's communicator: the mesh itself on CPUs;
 /// NCCL for the TP groups on GPUs (every rank calls this at the same time, as NCCL's
 /// set-up is collective).

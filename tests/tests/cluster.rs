@@ -249,7 +249,7 @@ async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
             .cloned()
     })
     .await;
-    assert!(pending.reason.contains("waiting for 2 free workers (1 free)"), "{}", pending.reason);
+    assert!(pending.reason.contains("waiting for 2 free cpu workers (1 free)"), "{}", pending.reason);
     // One more worker: both replicas of "big" can be placed (2 × 2 ranks on 4 free workers).
     cluster.add_worker(&[], None);
     wait_ready(&a, "big", 2, Duration::from_secs(40)).await;

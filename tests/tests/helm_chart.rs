@@ -47,8 +47,19 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_schemas() {
     }
 }
 
+/// A loopback port free now and not handed out before by this test. Every port a
+/// rendered process listens on comes from here (none binds port 0): a process binding
+/// port 0 could be given a port picked for another that has not bound it yet.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap();
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// One rendered object by kind and name suffix.
@@ -108,6 +119,8 @@ impl World {
                 self.map(v, pod)
             } else if e["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name" {
                 pod.to_string()
+            } else if e["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName" {
+                "this-machine".to_string()
             } else if let Some(r) = e["valueFrom"]["secretKeyRef"].as_object() {
                 let key = (r["name"].as_str().unwrap().to_string(), r["key"].as_str().unwrap().to_string());
                 self.secrets
@@ -260,7 +273,7 @@ fn start_strata(
         let own = world.with(vec![
             ("0.0.0.0:50051".into(), format!("127.0.0.1:{port}")),
             ("0.0.0.0:8000".into(), format!("127.0.0.1:{http}")),
-            ("0.0.0.0:9400".into(), "127.0.0.1:0".into()),
+            ("0.0.0.0:9400".into(), format!("127.0.0.1:{}", free_port())),
         ]);
         procs.push(own.start(container(coordinator), &format!("strata-coordinator-{i}")));
     }
@@ -273,7 +286,7 @@ fn start_strata(
             (format!("{pod}.{worker_svc}.{ns}.svc:7000"), format!("127.0.0.1:{port}")),
             ("0.0.0.0:7000".into(), format!("127.0.0.1:{port}")),
             ("0.0.0.0:7001".into(), format!("127.0.0.1:{health}")),
-            ("0.0.0.0:9400".into(), "127.0.0.1:0".into()),
+            ("0.0.0.0:9400".into(), format!("127.0.0.1:{}", free_port())),
         ]);
         procs.push(own.start(container(worker), &pod));
     }
@@ -385,6 +398,25 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
         assert_serving(port, &w_service).await;
         assert_serving(port, "").await;
     }
+
+    // Workers name their node (the downward API's spec.nodeName) for placement, and the
+    // hook's deployment runs on the device kind of the chart's mode.
+    let token = world.secrets.iter().find(|((_, k), _)| k == "admin-token").map(|(_, v)| v.clone());
+    let token = token.expect("the chart's admin token");
+    fn with<T>(token: &str, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
+    }
+    use strata_proto::admin::v1 as apb;
+    let endpoint = format!("http://127.0.0.1:{coordinator_port}");
+    let mut admin = apb::admin_client::AdminClient::connect(endpoint).await.unwrap();
+    let ws = admin.list_workers(with(&token, apb::ListWorkersRequest {})).await;
+    let ws = ws.unwrap().into_inner().workers;
+    assert!(!ws.is_empty() && ws.iter().all(|w| w.node == "this-machine"), "{ws:?}");
+    let ms = admin.list_models(with(&token, apb::ListModelsRequest {})).await;
+    let ms = ms.unwrap().into_inner().models;
+    assert!(ms.iter().any(|m| m.name == "demo" && m.device == "cpu"), "{ms:?}");
 }
 
 /// What a kubelet gRPC probe of `service` on `port` sees: SERVING.

@@ -65,6 +65,8 @@ fn an_int8_checkpoint_equals_quantizing_at_load() {
         let config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
         assert_eq!(config["quantization_config"]["quant_method"], "strata-int8");
+        // What placement expects a rank to need is what the copy holds.
+        assert_eq!(weight_estimate(&out, ""), report["bytes_out"].as_u64().unwrap(), "{name}");
 
         let r = reference(&src);
         let short = ids(&r["prompt_ids"]);
@@ -81,6 +83,29 @@ fn an_int8_checkpoint_equals_quantizing_at_load() {
         }
         assert_eq!(greedy(&mut stored, &short, 12), greedy(&mut at_load, &short, 12), "{name}");
     }
+}
+
+/// The coordinator's estimate of one rank's weight bytes (what placement reserves).
+fn weight_estimate(dir: &Path, dtype: &str) -> u64 {
+    let config = strata_common::ModelConfig::from_dir(dir).unwrap();
+    let plan = strata_common::ShardPlan::new(&config, Parallelism::NONE).unwrap();
+    plan.max_weight_bytes(&config, strata_common::WeightBytes::of(&config, dtype))
+}
+
+/// Placement reserves a rank's weights from config.json alone (the coordinator need not
+/// read the weights): on every fixture — f32, f16, bf16, tied, biased, sharded files — the
+/// estimate for one rank is exactly the bytes of the checkpoint's tensors.
+#[test]
+fn weight_estimates_equal_the_checkpoint_bytes() {
+    let mut checked = 0;
+    for dir in strata_tests::fixture_models() {
+        let ck = strata_engine::model::weights::Checkpoint::open(&dir).unwrap();
+        let names: Vec<String> = ck.names().map(str::to_owned).collect();
+        let bytes: u64 = names.iter().map(|n| ck.tensor(n).unwrap().bytes().len() as u64).sum();
+        assert_eq!(weight_estimate(&dir, ""), bytes, "{}", dir.display());
+        checked += 1;
+    }
+    assert!(checked >= 9, "{checked} fixtures");
 }
 
 /// PP stages load whole matrices: bit-equal to one rank. Under TP each rank quantizes its

@@ -16,7 +16,7 @@ use std::net::{IpAddr, TcpListener};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use strata_common::cluster::{Assignment, ShardState};
+use strata_common::cluster::{Assignment, Capacity, ShardState};
 use strata_common::model_roots::ModelRoots;
 use strata_common::worker_api::ShardLoad;
 use strata_common::{EngineStats, Error, Parallelism, Result};
@@ -44,6 +44,23 @@ pub struct AgentConfig {
     pub runner: RunnerLimits,
     /// Directories a shard may be loaded from (and model files read from).
     pub model_roots: ModelRoots,
+}
+
+impl AgentConfig {
+    /// What this worker offers the cluster: its device, the device's free and total memory,
+    /// the machine (`node`; default: the host name) and the KV cache a shard gets here.
+    pub fn capacity(&self, node: Option<&str>) -> Result<Capacity> {
+        let device = self.backend.device;
+        let (free, total) = strata_engine::replica::device_memory(device)?;
+        Ok(Capacity {
+            device_kind: device.kind().to_string(),
+            device_count: 1,
+            memory_bytes: free,
+            memory_total_bytes: total,
+            node: node.map_or_else(strata_common::host::hostname, str::to_owned),
+            kv_cache_bytes: self.engine.kv_cache_bytes as u64,
+        })
+    }
 }
 
 enum Slot {

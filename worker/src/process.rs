@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use strata_common::cluster::Capacity;
 use strata_common::ready::announce;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
@@ -57,6 +56,8 @@ pub struct WorkerOptions {
     pub tls: Option<ClusterTls>,
     /// Plaintext grpc.health.v1 (only) for probes without a cluster certificate.
     pub health_listen: Option<SocketAddr>,
+    /// The machine, as placement groups workers (default: the host name).
+    pub node: Option<String>,
 }
 
 /// Serves grpc.health.v1 alone, in plaintext, on `addr` (announced on stdout as
@@ -126,11 +127,10 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         advertise.rsplit_once(':').map(|(h, _)| h.to_string()).unwrap_or(advertise.clone());
     let device = opts.agent.backend.device;
     let agent = WorkerAgent::new(opts.agent).map_err(|e| anyhow::anyhow!("--device {device}: {e}"))?;
-    let capacity = Capacity {
-        device_kind: device.kind().to_string(),
-        device_count: 1,
-        memory_bytes: strata_common::host::available_memory().unwrap_or(0),
-    };
+    let capacity = agent
+        .config()
+        .capacity(opts.node.as_deref())
+        .map_err(|e| anyhow::anyhow!("--device {device}: {e}"))?;
     // Ready (worker.v1 SERVING) once registered in the registry; the process itself
     // (service "") is healthy from the start.
     let (health_reporter, health) = tonic_health::server::health_reporter();

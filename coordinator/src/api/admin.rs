@@ -13,7 +13,7 @@ use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec, ReplicaSta
 use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
-use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WorkerId};
+use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WeightBytes, WorkerId};
 use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_server::Admin;
 use tokio::sync::watch;
@@ -36,6 +36,8 @@ pub struct ClusterAdmin {
     auth: AdminAuth,
     /// Where deployments may load models from.
     model_roots: ModelRoots,
+    /// The device kind of a deployment that names none.
+    default_device: String,
     audit: AuditLog,
 }
 
@@ -49,7 +51,14 @@ impl ClusterAdmin {
         auth: AdminAuth,
     ) -> Self {
         let audit = AuditLog::new(registry.clone(), keys.clone(), id.clone());
-        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots: ModelRoots::default(), audit }
+        let (model_roots, default_device) = (ModelRoots::default(), "cpu".into());
+        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots, default_device, audit }
+    }
+
+    /// The device kind ("cpu" or "cuda") of a deployment that names none.
+    pub fn with_default_device(mut self, device: &str) -> Self {
+        self.default_device = device.to_string();
+        self
     }
 
     /// Deployments must name a directory under one of `roots` (none: any absolute path).
@@ -89,18 +98,21 @@ impl ClusterAdmin {
                 kv_cache_bytes: spec.limits.kv_cache_bytes,
             }),
             generation: spec.generation,
+            device: spec.device.clone(),
+            weight_bytes_per_rank: spec.weight_bytes_per_rank,
         }
     }
 
-    /// Checks the model directory and the split, when the files can be reached.
-    async fn check_model(&self, spec: &ModelSpec) -> Result<()> {
+    /// Checks the model directory and the split, when the files can be reached, and
+    /// returns the weight bytes of the largest rank (0 when they cannot be reached).
+    async fn check_model(&self, spec: &ModelSpec) -> Result<u64> {
         let view = self.view();
         let dir = match self.catalog.files().locate(&spec.model_dir, &view).await {
             Ok(d) => d,
             // Nobody can read it right now: the workers check it when they load.
             Err(e) if e.class() == ErrorClass::Unavailable => {
                 info!(model = %spec.name, reason = %e, "deploying without checking the model files");
-                return Ok(());
+                return Ok(0);
             }
             Err(e) => return Err(e),
         };
@@ -113,8 +125,8 @@ impl ClusterAdmin {
                 }
                 other => other,
             })?;
-        ShardPlan::new(&config, spec.parallelism())?;
-        Ok(())
+        let plan = ShardPlan::new(&config, spec.parallelism())?;
+        Ok(plan.max_weight_bytes(&config, WeightBytes::of(&config, &spec.dtype)))
     }
 }
 
@@ -147,10 +159,14 @@ impl ClusterAdmin {
         let r = request.into_inner();
         self.model_roots.check(&r.model_dir).map_err(to_status)?;
         let limits = r.scheduler.unwrap_or_default();
+        let device =
+            if r.device.is_empty() { self.default_device.clone() } else { r.device.to_ascii_lowercase() };
         let mut spec = ModelSpec {
             name: r.name.into(),
             model_dir: r.model_dir,
             dtype: r.dtype.to_ascii_lowercase(),
+            device,
+            weight_bytes_per_rank: 0,
             tp: r.tp.max(1),
             pp: r.pp.max(1),
             replicas: if r.replicas == 0 { 1 } else { r.replicas },
@@ -162,12 +178,13 @@ impl ClusterAdmin {
             generation: 1,
         };
         spec.validate().map_err(to_status)?;
-        self.check_model(&spec).await.map_err(to_status)?;
+        spec.weight_bytes_per_rank = self.check_model(&spec).await.map_err(to_status)?;
         match self.spec(&spec.name).await {
             Ok(old) => {
+                // The weight estimate is derived, not asked for: it never rebuilds replicas.
                 let same = |a: &ModelSpec, b: &ModelSpec| {
-                    (&a.model_dir, &a.dtype, a.tp, a.pp, &a.limits)
-                        == (&b.model_dir, &b.dtype, b.tp, b.pp, &b.limits)
+                    (&a.model_dir, &a.dtype, &a.device, a.tp, a.pp, &a.limits)
+                        == (&b.model_dir, &b.dtype, &b.device, b.tp, b.pp, &b.limits)
                 };
                 spec.generation = if same(&old, &spec) { old.generation } else { old.generation + 1 };
             }
@@ -175,7 +192,7 @@ impl ClusterAdmin {
             Err(e) => return Err(to_status(e)),
         }
         self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
-        info!(model = %spec.name, dir = %spec.model_dir, tp = spec.tp, pp = spec.pp, replicas = spec.replicas, generation = spec.generation, "model deployed");
+        info!(model = %spec.name, dir = %spec.model_dir, device = %spec.device, tp = spec.tp, pp = spec.pp, replicas = spec.replicas, weight_bytes_per_rank = spec.weight_bytes_per_rank, generation = spec.generation, "model deployed");
         Ok(Response::new(pb::DeployModelResponse { model: Some(self.status(&spec)) }))
     }
 
@@ -241,8 +258,8 @@ impl Admin for ClusterAdmin {
         let r = request.get_ref();
         let target = r.name.clone();
         let detail = format!(
-            "model_dir={} tp={} pp={} replicas={} dtype={}",
-            r.model_dir, r.tp, r.pp, r.replicas, r.dtype
+            "model_dir={} tp={} pp={} replicas={} dtype={} device={}",
+            r.model_dir, r.tp, r.pp, r.replicas, r.dtype, r.device
         );
         let caller = self.caller(&request);
         self.audited("DeployModel", caller, &target, detail, self.do_deploy_model(request)).await
@@ -372,6 +389,9 @@ impl Admin for ClusterAdmin {
                 }
                 .to_string(),
                 started_ms: w.started_ms,
+                memory_total_bytes: w.capacity.memory_total_bytes,
+                node: w.capacity.node.clone(),
+                kv_cache_bytes: w.capacity.kv_cache_bytes,
             })
             .collect();
         Ok(Response::new(pb::ListWorkersResponse { workers }))

@@ -5,6 +5,7 @@
 
 pub mod leader;
 pub mod metrics;
+pub mod placement;
 pub mod plan;
 pub mod tasks;
 pub mod view;

@@ -6,8 +6,9 @@
 //! shows the result. Nothing here does I/O, so every policy is unit-tested:
 //!
 //! - **scale up**: missing replicas become `pending` records; a pending replica gets
-//!   `tp × pp` free workers as soon as there are that many (oldest pending first), else
-//!   its reason says how many it waits for;
+//!   `tp × pp` free workers of its device kind with room for a shard and its KV cache as
+//!   soon as there are that many (oldest pending first; see [`placement`]), else its
+//!   reason says what it waits for;
 //! - **scale down**: surplus pending replicas are deleted, then loading ones drained, then
 //!   the newest ready ones drained (in-flight requests finish first);
 //! - **replacement**: replicas on drained workers or built from an older spec are kept
@@ -25,6 +26,7 @@ use std::collections::{HashMap, HashSet};
 use strata_common::cluster::{ModelSpec, ReplicaRecord, ReplicaState, ShardState, WorkerRecord};
 use strata_common::{ModelName, ReplicaId, WorkerId};
 
+use super::placement;
 use super::view::ClusterView;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +93,7 @@ pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<A
 
 /// Workers free for placement, most memory first, then by id (deterministic): not listed
 /// by a live replica, holding no shard, not drained.
-fn free_workers(view: &ClusterView) -> Vec<&str> {
+fn free_workers(view: &ClusterView) -> Vec<&WorkerRecord> {
     let mut reserved: HashSet<&str> = HashSet::new();
     for r in view.all_replicas() {
         if r.state != ReplicaState::Failed {
@@ -106,7 +108,7 @@ fn free_workers(view: &ClusterView) -> Vec<&str> {
         .filter(|w| !view.drained.contains(&w.id))
         .collect();
     free.sort_by(|a, b| b.capacity.memory_bytes.cmp(&a.capacity.memory_bytes).then(a.id.cmp(&b.id)));
-    free.into_iter().map(|w| w.id.as_str()).collect()
+    free
 }
 
 /// Shards that no replica lists (at that rank) are released.
@@ -143,7 +145,7 @@ fn plan_model(
     view: &ClusterView,
     inputs: &Inputs<'_>,
     name: &ModelName,
-    free: &mut Vec<&str>,
+    free: &mut Vec<&WorkerRecord>,
     new_id: NewId<'_>,
     out: &mut Vec<Action>,
 ) {
@@ -277,24 +279,21 @@ fn place(
     inputs: &Inputs<'_>,
     name: &ModelName,
     to_place: Vec<ToPlace>,
-    free: &mut Vec<&str>,
+    free: &mut Vec<&WorkerRecord>,
     out: &mut Vec<Action>,
 ) {
-    let world = spec.world();
     let m = name.clone();
     for (id, current, exists) in to_place {
         let reason = match inputs.backoff.get(name.as_str()) {
             Some(why) => why.clone(),
-            None if free.len() >= world => {
-                let workers: Vec<WorkerId> = free.drain(..world).map(WorkerId::from).collect();
-                out.push(Action::Assign { model: m.clone(), id, workers });
-                continue;
-            }
-            None => format!(
-                "waiting for {world} free worker{} ({} free)",
-                if world == 1 { "" } else { "s" },
-                free.len()
-            ),
+            None => match placement::choose(spec, free) {
+                Ok(workers) => {
+                    free.retain(|w| !workers.contains(&w.id));
+                    out.push(Action::Assign { model: m.clone(), id, workers });
+                    continue;
+                }
+                Err(why) => why,
+            },
         };
         if !exists {
             out.push(Action::CreatePending { model: m.clone(), id, generation: spec.generation, reason });

@@ -447,11 +447,7 @@ fn placeholder(id: &WorkerId) -> WorkerRecord {
     WorkerRecord {
         id: id.clone(),
         address: String::new(),
-        capacity: strata_common::cluster::Capacity {
-            device_kind: String::new(),
-            device_count: 0,
-            memory_bytes: 0,
-        },
+        capacity: strata_common::cluster::Capacity::default(),
         assignment: None,
         started_ms: 0,
     }

@@ -8,7 +8,12 @@ fn worker(id: &str) -> WorkerRecord {
     WorkerRecord {
         id: id.into(),
         address: format!("{id}:1"),
-        capacity: Capacity { device_kind: "cpu".into(), device_count: 1, memory_bytes: 1 << 30 },
+        capacity: Capacity {
+            device_kind: "cpu".into(),
+            device_count: 1,
+            memory_bytes: 1 << 30,
+            ..Capacity::default()
+        },
         assignment: None,
         started_ms: 0,
     }
@@ -19,6 +24,8 @@ pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
         name: name.into(),
         model_dir: "/m".into(),
         dtype: String::new(),
+        device: String::new(),
+        weight_bytes_per_rank: 0,
         tp,
         pp: 1,
         replicas,

@@ -82,6 +82,18 @@ fn compiled(arch: &str) -> Result<Ptx> {
     Ok(Ptx::from_src(src))
 }
 
+/// Free and total memory of CUDA device `ordinal`, bytes, from the driver.
+pub fn memory_info(ordinal: usize) -> Result<(u64, u64)> {
+    probe(&[DRIVER])?;
+    let count = CudaContext::device_count().map_err(drv("device count"))?;
+    if ordinal as i32 >= count {
+        return Err(Error::Unavailable(format!("cuda:{ordinal}: this machine has {count} CUDA device(s)")));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(drv("context"))?;
+    let (free, total) = ctx.mem_get_info().map_err(drv("memory info"))?;
+    Ok((free as u64, total as u64))
+}
+
 pub struct CudaGpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
