@@ -38,6 +38,8 @@ pub trait StepExecutor: Send {
     ) -> Result<StepLogits>;
     /// Weight bytes on the leader rank.
     fn weight_bytes(&self) -> usize;
+    /// Bytes of one K or V element in the KV cache (every rank runs the same backend).
+    fn kv_element_bytes(&self) -> usize;
     /// Weight bytes the leader rank reads per decode step.
     fn decode_bytes_per_token(&self) -> usize;
     /// The leader's communication counters (None on a single rank).
@@ -48,24 +50,26 @@ pub trait StepExecutor: Send {
 
 /// KV bytes per position on the rank that needs the most (all ranks allocate the same
 /// number of blocks, so the busiest rank decides).
-fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism) -> Result<usize> {
+fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism, element: usize) -> Result<usize> {
     let plan = ShardPlan::new(config, par)?;
     Ok(plan
         .ranks
         .iter()
-        .map(|r| 2 * r.layers.len() * r.kv_heads.len() * config.head_dim * 4)
+        .map(|r| 2 * r.layers.len() * r.kv_heads.len() * config.head_dim * element)
         .max()
         .unwrap_or(0))
 }
 
-/// Blocks of `block_size` positions that `kv_cache_bytes` buys on every rank.
+/// Blocks of `block_size` positions that `kv_cache_bytes` buys on every rank, at
+/// `element` bytes per K or V value.
 pub fn kv_blocks(
     config: &ModelConfig,
     par: Parallelism,
     kv_cache_bytes: usize,
     block_size: usize,
+    element: usize,
 ) -> Result<usize> {
-    let per_block = max_kv_bytes_per_position(config, par)? * block_size;
+    let per_block = max_kv_bytes_per_position(config, par, element)? * block_size;
     let n = kv_cache_bytes / per_block.max(1);
     if n == 0 {
         return Err(Error::invalid(
@@ -119,6 +123,9 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
+    }
+    fn kv_element_bytes(&self) -> usize {
+        self.model.backend().kv_element_bytes()
     }
     fn decode_bytes_per_token(&self) -> usize {
         self.model.decode_bytes_per_token()
@@ -181,6 +188,9 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
+    }
+    fn kv_element_bytes(&self) -> usize {
+        self.model.backend().kv_element_bytes()
     }
     fn decode_bytes_per_token(&self) -> usize {
         self.model.decode_bytes_per_token()

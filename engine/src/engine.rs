@@ -141,7 +141,8 @@ impl Engine {
             ));
         }
         check_kv_memory(config)?;
-        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, config.block_size)?;
+        let element = exec.kv_element_bytes();
+        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, config.block_size, element)?;
         exec.alloc_kv(num_blocks, config.block_size)?;
         debug!(num_blocks, block_size = config.block_size, "KV cache allocated");
         let pool = BlockPool::with_prefix_caching(num_blocks, config.block_size, config.prefix_caching);

@@ -322,8 +322,12 @@ fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &C
             }
         }
         let t = layout.positions.len();
-        let k = random(rng, t * kv_dim, 1.0);
-        let v = random(rng, t * kv_dim, 1.0);
+        // K and V bf16-representable: a device's cache may hold bf16 (the CUDA backend's
+        // does), so the comparison stays at f32 round-off and still sees any misread slot.
+        let bf16_exact =
+            |x: Vec<f32>| -> Vec<f32> { x.into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect() };
+        let k = bf16_exact(random(rng, t * kv_dim, 1.0));
+        let v = bf16_exact(random(rng, t * kv_dim, 1.0));
         let (kd, kc) = run.pair(&k, t, kv_dim)?;
         let (vd, vc) = run.pair(&v, t, kv_dim)?;
         dev.write_kv(&mut cd, &kd, &vd, &layout)?;

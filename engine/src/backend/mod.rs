@@ -24,8 +24,8 @@ pub struct BackendOptions {
     pub device: Device,
     /// The model's dtype (`--dtype`), None for the checkpoint's. Weight matrices are kept
     /// in it, and the compute follows it as in HF transformers and vLLM: bf16 weights run
-    /// bf16 × bf16 matmuls with f32 accumulation (norms, softmax, residual sums and the KV
-    /// cache stay f32); `F32` keeps the checkpoint's weights and widens them to f32 inside
+    /// bf16 × bf16 matmuls with f32 accumulation (norms, softmax and residual sums stay
+    /// f32; the CPU's KV cache is f32, the GPU's bf16); `F32` keeps the checkpoint's weights and widens them to f32 inside
     /// every matmul, which is bit-for-bit the upcast model without a second copy.
     pub dtype: Option<crate::model::weights::DType>,
     /// CPU: quantize weight matrices at load.
@@ -122,6 +122,10 @@ pub trait Backend: Send + Sync + 'static {
     fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor>;
     /// Allocates `num_blocks` blocks of `block_size` positions for `kv_heads × head_dim`.
     fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
+    /// Bytes one K or V element takes in the cache (the KV budget buys blocks at this size).
+    fn kv_element_bytes(&self) -> usize {
+        4
+    }
 
     /// Bytes a weight occupies in memory.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;

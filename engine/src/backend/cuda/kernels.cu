@@ -14,8 +14,10 @@
 //   SYNC()          __syncthreads()
 //
 // Layout conventions (as the Backend trait's): activations are row-major f32
-// [rows, cols]; weights are bf16 stored as 16-bit patterns; the KV cache is f32, one
-// [slots, kv_dim] array each for K and V, where slot = block * block_size + offset.
+// [rows, cols]; weights are bf16 stored as 16-bit patterns; the KV cache is bf16 (half the
+// memory of f32, twice the sequences; HF transformers keeps a bf16 model's cache in bf16
+// too), one [slots, kv_dim] array each for K and V, where slot = block * block_size +
+// offset; attention widens it to f32 and accumulates in f32.
 
 typedef unsigned short bf16_t;
 
@@ -122,13 +124,13 @@ KERNEL void embed(const bf16_t* table, const int* ids, float* out, int cols, int
     }
 }
 
-// One block per new token: its K and V rows into its cache slot.
-KERNEL void write_kv(float* k_cache, float* v_cache, const float* k, const float* v, const int* slots, int kv_dim) {
+// One block per new token: its K and V rows, rounded to bf16, into its cache slot.
+KERNEL void write_kv(bf16_t* k_cache, bf16_t* v_cache, const float* k, const float* v, const int* slots, int kv_dim) {
     long long dst = (long long)slots[blockIdx.x] * kv_dim;
     long long src = (long long)blockIdx.x * kv_dim;
     for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
-        k_cache[dst + c] = k[src + c];
-        v_cache[dst + c] = v[src + c];
+        k_cache[dst + c] = f32_to_bf16(k[src + c]);
+        v_cache[dst + c] = f32_to_bf16(v[src + c]);
     }
 }
 
@@ -214,7 +216,7 @@ KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
 // positions already cached before this step seq_ctx[s], and its block table at
 // block_tables[bt_offset[s] ..]. GQA: query head h reads KV head h / (heads / kv_heads).
 // Dynamic shared memory: (head_dim + 3 × blockDim.x) floats. blockDim.x is a power of two.
-KERNEL void paged_attention(const float* q, const float* k_cache, const float* v_cache, float* out,
+KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                             const int* tok_seq, const int* seq_start, const int* seq_ctx,
                             const int* bt_offset, const int* block_tables, int num_heads, int num_kv_heads,
                             int head_dim, int kv_dim, int block_size, float scale, int window) {
@@ -252,10 +254,10 @@ KERNEL void paged_attention(const float* q, const float* k_cache, const float* v
         if (valid) {
             int slot = table[p / block_size] * block_size + p % block_size;
             slot_of[tid] = slot;
-            const float* k = k_cache + (long long)slot * kv_dim + kv_off;
+            const bf16_t* k = k_cache + (long long)slot * kv_dim + kv_off;
             float dot = 0.0f;
             for (int d = 0; d < head_dim; d++) {
-                dot += qs[d] * k[d];
+                dot += qs[d] * bf16_to_f32(k[d]);
             }
             score = dot;
         }
@@ -287,7 +289,7 @@ KERNEL void paged_attention(const float* q, const float* k_cache, const float* v
             if (d < head_dim) {
                 float a = acc[i] * correction;
                 for (int j = 0; j < count; j++) {
-                    a += probs[j] * v_cache[(long long)slot_of[j] * kv_dim + kv_off + d];
+                    a += probs[j] * bf16_to_f32(v_cache[(long long)slot_of[j] * kv_dim + kv_off + d]);
                 }
                 acc[i] = a;
             }

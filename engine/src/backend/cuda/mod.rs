@@ -1,4 +1,4 @@
-//! The CUDA backend: bf16 weights and a paged f32 KV cache in device memory, f32
+//! The CUDA backend: bf16 weights and a paged bf16 KV cache in device memory, f32
 //! activations, GEMMs through cuBLAS (bf16 × bf16, f32 accumulation and output), every
 //! other op a kernel of `kernels.cu` compiled by NVRTC at start-up.
 //!
@@ -38,6 +38,8 @@ const ATTN_THREADS: u32 = 128;
 /// Most head dimensions the attention kernel handles (ATTN_MAX_DIMS × ATTN_THREADS).
 const MAX_HEAD_DIM: usize = 4 * ATTN_THREADS as usize;
 const ELEMENTWISE_THREADS: u32 = 256;
+/// The KV cache holds bf16.
+const KV_ELEMENT_BYTES: usize = 2;
 const ROW_THREADS: u32 = 256;
 
 /// Row-major f32 activations on the device.
@@ -54,7 +56,7 @@ pub struct GpuWeight<B> {
     pub cols: usize,
 }
 
-/// One layer's paged K and V, f32, `[slots, kv_dim]` each.
+/// One layer's paged K and V, bf16, `[slots, kv_dim]` each.
 pub struct GpuKv<B> {
     k: B,
     v: B,
@@ -237,9 +239,13 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let bytes = num_blocks
             .checked_mul(block_size)
             .and_then(|n| n.checked_mul(kv_dim))
-            .and_then(|n| n.checked_mul(4))
+            .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
             .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
         Ok(GpuKv { k: self.gpu.alloc(bytes.max(4))?, v: self.gpu.alloc(bytes.max(4))?, kv_dim })
+    }
+
+    fn kv_element_bytes(&self) -> usize {
+        KV_ELEMENT_BYTES
     }
 
     fn weight_bytes(&self, w: &Self::Weight) -> usize {

@@ -59,6 +59,8 @@ fn a_whole_model_matches_the_cpu_backend() {
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
     let mut cpu = Engine::new(Model::load(dir.path(), CpuBackend::new()).unwrap(), &config).unwrap();
     let mut gpu = Engine::new(Model::load(dir.path(), backend()).unwrap(), &config).unwrap();
+    // The device's KV cache is bf16: the same budget holds twice the blocks.
+    assert_eq!(gpu.total_blocks(), 2 * cpu.total_blocks());
     let prompt: Vec<u32> = vec![1, 17, 300, 42, 9, 511, 3];
     let want = cpu.prompt_logits(&prompt).unwrap();
     let got = gpu.prompt_logits(&prompt).unwrap();
@@ -66,7 +68,7 @@ fn a_whole_model_matches_the_cpu_backend() {
     let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
     eprintln!("prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
     assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
-    // Greedy decoding over the paged cache (prefill, then decode steps across blocks).
+    // Greedy decoding over the paged (bf16) cache: prefill, then decode steps across blocks.
     let a = greedy(&mut cpu, &prompt, 6);
     let b = greedy(&mut gpu, &prompt, 6);
     assert_eq!(a, b, "greedy tokens");
