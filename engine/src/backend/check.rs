@@ -134,6 +134,7 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     check_elementwise(&mut run, &mut rng, s, &input)?;
     check_rope_and_picks(&mut run, &mut rng, s)?;
     check_attention(&mut run, &mut rng, s)?;
+    check_rope_write_kv(&mut run, &mut rng, s)?;
     Ok(run.out)
 }
 
@@ -222,6 +223,15 @@ fn check_elementwise<B: Backend>(
     run.cpu.add_bias(&mut ac, &wc)?;
     run.record("add + add_bias", format!("[{n}, {h}]"), &dev.to_host(&ad)?, &run.cpu.to_host(&ac)?, F32_TOL);
 
+    // The residual add fused with the norm after it: both the sum and its norm.
+    let (mut fd, mut fc) = run.pair(x, n, h)?;
+    let got = dev.to_host(&dev.add_rms_norm(&mut fd, &yd, &wd, 1e-5)?)?;
+    let want = run.cpu.to_host(&run.cpu.add_rms_norm(&mut fc, &yc, &wc, 1e-5)?)?;
+    let (mut g, mut w2) = (dev.to_host(&fd)?, run.cpu.to_host(&fc)?);
+    g.extend(got);
+    w2.extend(want);
+    run.record("add_rms_norm (sum, norm)", format!("[{n}, {h}]"), &g, &w2, F32_TOL);
+
     let got = dev.to_host(&dev.silu_mul(xd, &yd)?)?;
     let want = run.cpu.to_host(&run.cpu.silu_mul(xc, &yc)?)?;
     run.record("silu_mul", format!("[{n}, {h}]"), &got, &want, F32_TOL);
@@ -283,6 +293,16 @@ fn check_rope_and_picks<B: Backend>(
     Ok(())
 }
 
+fn attention_shape(s: &CheckSizes, sliding_window: Option<usize>) -> AttentionShape {
+    AttentionShape {
+        num_heads: s.heads,
+        num_kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        scale: 1.0 / (s.head_dim as f32).sqrt(),
+        sliding_window,
+    }
+}
+
 fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &CheckSizes) -> Result<()> {
     let dev = run.dev;
     let n = s.rows;
@@ -338,13 +358,7 @@ fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &C
         let q = random(rng, t * s.heads * d, 1.0);
         let (qd, qc) = run.pair(&q, t, s.heads * d)?;
         for window in [None, Some(bs + 1)] {
-            let shape = AttentionShape {
-                num_heads: s.heads,
-                num_kv_heads: s.kv_heads,
-                head_dim: d,
-                scale: 1.0 / (d as f32).sqrt(),
-                sliding_window: window,
-            };
+            let shape = attention_shape(s, window);
             let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape)?)?;
             let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape)?)?;
             let what = if window.is_some() { "paged attention (sliding window)" } else { "paged attention" };
@@ -357,5 +371,48 @@ fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &C
             );
         }
     }
+    Ok(())
+}
+
+/// RoPE fused with the KV write: one sequence prefilling `rows` tokens into scattered
+/// blocks. The rotated q and k match at f32 round-off; attention over the cache they
+/// wrote matches at bf16 tolerance (a device's cache may round the rotated K to bf16).
+fn check_rope_write_kv<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &CheckSizes) -> Result<()> {
+    let dev = run.dev;
+    let (n, d, bs) = (s.rows, s.head_dim, s.block_size);
+    let kv_dim = s.kv_heads * d;
+    let blocks = n.div_ceil(bs);
+    let table: Vec<u32> = (0..blocks as u32).rev().map(|b| b * 2 + 1).collect();
+    let mut layout = BatchLayout { block_size: bs, ..Default::default() };
+    layout.seqs.push(SeqSlice {
+        token_start: 0,
+        num_tokens: n,
+        context_before: 0,
+        block_table: table.clone(),
+    });
+    for p in 0..n {
+        layout.positions.push(p as u32);
+        layout.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
+    }
+    let inv_freq: Vec<f32> = (0..d / 2).map(|i| 1.0 / 10000f32.powf((2 * i) as f32 / d as f32)).collect();
+    let rope = RopeTable { inv_freq };
+    let (q, k, v) =
+        (random(rng, n * s.heads * d, 1.0), random(rng, n * kv_dim, 1.0), random(rng, n * kv_dim, 1.0));
+    let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
+    let (mut kd, mut kc) = run.pair(&k, n, kv_dim)?;
+    let (vd, vc) = run.pair(&v, n, kv_dim)?;
+    let mut cd = dev.alloc_kv(2 * blocks, bs, kv_dim)?;
+    let mut cc = run.cpu.alloc_kv(2 * blocks, bs, kv_dim)?;
+    dev.rope_write_kv(&mut qd, &mut kd, &vd, &mut cd, &layout, d, &rope)?;
+    run.cpu.rope_write_kv(&mut qc, &mut kc, &vc, &mut cc, &layout, d, &rope)?;
+    let (mut got, mut want) = (dev.to_host(&qd)?, run.cpu.to_host(&qc)?);
+    got.extend(dev.to_host(&kd)?);
+    want.extend(run.cpu.to_host(&kc)?);
+    let what = format!("{n} tokens, {}/{} heads × {d}", s.heads, s.kv_heads);
+    run.record("rope_write_kv (q, k)", what.clone(), &got, &want, F32_TOL);
+    let shape = attention_shape(s, None);
+    let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape)?)?;
+    let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape)?)?;
+    run.record("attention after rope_write_kv", what, &got, &want, BF16_TOL);
     Ok(())
 }

@@ -145,6 +145,18 @@ pub trait Backend: Send + Sync + 'static {
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor>;
+    /// `x += delta`, then the norm of the new `x`: a residual connection and the norm
+    /// after it, which a device backend fuses into one pass over the rows.
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        self.add_assign(x, delta)?;
+        self.rms_norm(x, weight, eps)
+    }
     /// Rotates each `head_dim` group of every row by its token's position (rotate-half form).
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()>;
     /// `silu(gate) * up`.
@@ -157,6 +169,23 @@ pub trait Backend: Send + Sync + 'static {
         v: &Self::Tensor,
         layout: &BatchLayout,
     ) -> Result<()>;
+    /// RoPE on `q` and `k` (in place), then `k` and `v` into the cache: one pass on a
+    /// device backend.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_write_kv(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvLayer,
+        layout: &BatchLayout,
+        head_dim: usize,
+        rope: &RopeTable,
+    ) -> Result<()> {
+        self.rope(q, head_dim, &layout.positions, rope)?;
+        self.rope(k, head_dim, &layout.positions, rope)?;
+        self.write_kv(cache, k, v, layout)
+    }
     /// Causal attention of each new token over its sequence's cached positions.
     fn attention(
         &self,

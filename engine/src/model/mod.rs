@@ -221,22 +221,25 @@ impl<B: Backend> Model<B> {
             sliding_window: c.sliding_window,
         };
         let eps = c.rms_norm_eps as f32;
-        for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
-            let normed = b.rms_norm(&x, &layer.input_norm, eps)?;
+        let Some(first) = self.layers.first() else { return Ok(x) };
+        // Each residual add is fused with the norm that reads its result (a device backend
+        // does both in one pass); the last layer's sum goes on un-normed.
+        let mut normed = b.rms_norm(&x, &first.input_norm, eps)?;
+        for (i, (layer, cache)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
             let [mut q, mut k, v] = self.linears(&normed, [&layer.q, &layer.k, &layer.v])?;
-            b.rope(&mut q, c.head_dim, &layout.positions, &self.rope)?;
-            b.rope(&mut k, c.head_dim, &layout.positions, &self.rope)?;
-            b.write_kv(cache, &k, &v, layout)?;
+            b.rope_write_kv(&mut q, &mut k, &v, cache, layout, c.head_dim, &self.rope)?;
             let attn = b.attention(&q, cache, layout, shape)?;
             let mut o = self.linear(&attn, &layer.o)?;
             self.all_reduce(&mut o, layout.positions.len(), comm)?;
-            b.add_assign(&mut x, &o)?;
+            let post = b.add_rms_norm(&mut x, &o, &layer.post_norm, eps)?;
 
-            let normed = b.rms_norm(&x, &layer.post_norm, eps)?;
-            let [gate, up] = self.linears(&normed, [&layer.gate, &layer.up])?;
+            let [gate, up] = self.linears(&post, [&layer.gate, &layer.up])?;
             let mut down = self.linear(&b.silu_mul(&gate, &up)?, &layer.down)?;
             self.all_reduce(&mut down, layout.positions.len(), comm)?;
-            b.add_assign(&mut x, &down)?;
+            match self.layers.get(i + 1) {
+                Some(next) => normed = b.add_rms_norm(&mut x, &down, &next.input_norm, eps)?,
+                None => b.add_assign(&mut x, &down)?,
+            }
         }
         Ok(x)
     }

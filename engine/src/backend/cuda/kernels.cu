@@ -68,6 +68,20 @@ KERNEL void silu_mul(const float* g, const float* u, float* y, int n) {
     }
 }
 
+// 1 / sqrt(mean + eps) of a row of `cols` whose squares the block's threads summed into
+// `sum` each; `partial` is blockDim.x floats of shared memory. Every thread gets it.
+DEVICE float block_inv_rms(float* partial, float sum, int cols, float eps) {
+    partial[threadIdx.x] = sum;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if ((int)threadIdx.x < stride) {
+            partial[threadIdx.x] += partial[threadIdx.x + stride];
+        }
+        SYNC();
+    }
+    return 1.0f / sqrtf(partial[0] / (float)cols + eps);
+}
+
 // One block per row: y = w * x / sqrt(mean(x²) + eps). blockDim.x is a power of two ≤ 1024.
 KERNEL void rms_norm(const float* x, const float* w, float* y, int cols, float eps) {
     SHARED float partial[1024];
@@ -77,17 +91,67 @@ KERNEL void rms_norm(const float* x, const float* w, float* y, int cols, float e
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         sum += row[c] * row[c];
     }
-    partial[threadIdx.x] = sum;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if ((int)threadIdx.x < stride) {
-            partial[threadIdx.x] += partial[threadIdx.x + stride];
-        }
-        SYNC();
-    }
-    float inv = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    float inv = block_inv_rms(partial, sum, cols, eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         out[c] = w[c] * (row[c] * inv);
+    }
+}
+
+// One block per row, fusing a residual connection with the norm after it:
+// x += d, then y = w * x / sqrt(mean(x²) + eps) — the same arithmetic as add then
+// rms_norm, in one pass. blockDim.x is a power of two ≤ 1024.
+KERNEL void add_rms_norm(float* x, const float* d, const float* w, float* y, int cols, float eps) {
+    SHARED float partial[1024];
+    float* row = x + (long long)blockIdx.x * cols;
+    const float* delta = d + (long long)blockIdx.x * cols;
+    float* out = y + (long long)blockIdx.x * cols;
+    float sum = 0.0f;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        float v = row[c] + delta[c];
+        row[c] = v;
+        sum += v * v;
+    }
+    float inv = block_inv_rms(partial, sum, cols, eps);
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        out[c] = w[c] * (row[c] * inv);
+    }
+}
+
+// Rotates pair i of one head (its halves' i-th elements) by angle pos × inv_freq[i].
+DEVICE void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq) {
+    float angle = pos * inv_freq[i];
+    float c = cosf(angle);
+    float s = sinf(angle);
+    float x1 = head[i];
+    float x2 = head[i + half];
+    head[i] = x1 * c - x2 * s;
+    head[i + half] = x2 * c + x1 * s;
+}
+
+// One block per new token, fusing RoPE with the KV write: rotates the token's q and k
+// heads in place, then stores k and v, rounded to bf16, at its cache slot.
+KERNEL void rope_write_kv(float* q, float* k, const float* v, bf16_t* k_cache, bf16_t* v_cache,
+                          const int* positions, const int* slots, const float* inv_freq, int q_cols,
+                          int kv_dim, int head_dim) {
+    int t = blockIdx.x;
+    float pos = (float)positions[t];
+    int half = head_dim / 2;
+    float* q_row = q + (long long)t * q_cols;
+    for (int j = threadIdx.x; j < q_cols / 2; j += blockDim.x) {
+        rotate_pair(q_row + (j / half) * head_dim, j % half, half, pos, inv_freq);
+    }
+    float* k_row = k + (long long)t * kv_dim;
+    const float* v_row = v + (long long)t * kv_dim;
+    long long dst = (long long)slots[t] * kv_dim;
+    for (int j = threadIdx.x; j < kv_dim / 2; j += blockDim.x) {
+        int head = (j / half) * head_dim;
+        int i = j % half;
+        rotate_pair(k_row + head, i, half, pos, inv_freq);
+        k_cache[dst + head + i] = f32_to_bf16(k_row[head + i]);
+        k_cache[dst + head + i + half] = f32_to_bf16(k_row[head + i + half]);
+    }
+    for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+        v_cache[dst + c] = f32_to_bf16(v_row[c]);
     }
 }
 
@@ -99,16 +163,7 @@ KERNEL void rope(float* x, const int* positions, const float* inv_freq, int cols
     int half = head_dim / 2;
     int pairs = cols / 2;
     for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-        int head = j / half;
-        int i = j % half;
-        float angle = pos * inv_freq[i];
-        float c = cosf(angle);
-        float s = sinf(angle);
-        float* h = row + head * head_dim;
-        float x1 = h[i];
-        float x2 = h[i + half];
-        h[i] = x1 * c - x2 * s;
-        h[i + half] = x2 * c + x1 * s;
+        rotate_pair(row + (j / half) * head_dim, j % half, half, pos, inv_freq);
     }
 }
 

@@ -34,7 +34,9 @@ pub enum Kernel {
     Add,
     SiluMul,
     RmsNorm,
+    AddRmsNorm,
     Rope,
+    RopeWriteKv,
     Embed,
     WriteKv,
     GatherRows,
@@ -43,13 +45,15 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 11] = [
+    pub const ALL: [Kernel; 13] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
         Kernel::SiluMul,
         Kernel::RmsNorm,
+        Kernel::AddRmsNorm,
         Kernel::Rope,
+        Kernel::RopeWriteKv,
         Kernel::Embed,
         Kernel::WriteKv,
         Kernel::GatherRows,
@@ -65,7 +69,9 @@ impl Kernel {
             Kernel::Add => "add",
             Kernel::SiluMul => "silu_mul",
             Kernel::RmsNorm => "rms_norm",
+            Kernel::AddRmsNorm => "add_rms_norm",
             Kernel::Rope => "rope",
+            Kernel::RopeWriteKv => "rope_write_kv",
             Kernel::Embed => "embed",
             Kernel::WriteKv => "write_kv",
             Kernel::GatherRows => "gather_rows",

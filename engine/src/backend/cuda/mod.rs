@@ -358,6 +358,77 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         )
     }
 
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        if (x.rows, x.cols) != (delta.rows, delta.cols) || weight.rows * weight.cols != x.cols {
+            return Err(Error::Internal("add_rms_norm of tensors of different shapes".into()));
+        }
+        let y = self.tensor(x.rows, x.cols)?;
+        self.launch(
+            Kernel::AddRmsNorm,
+            Launch::rows(x.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&x.buf),
+                Arg::Buf(&delta.buf),
+                Arg::Buf(&weight.buf),
+                Arg::Buf(&y.buf),
+                Arg::I32(dim(x.cols)?),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(y)
+    }
+
+    fn rope_write_kv(
+        &self,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &Self::Tensor,
+        cache: &mut Self::KvLayer,
+        layout: &BatchLayout,
+        head_dim: usize,
+        rope: &RopeTable,
+    ) -> Result<()> {
+        let rows = layout.positions.len();
+        let shapes_ok = q.rows == rows && k.rows == rows && v.rows == rows && layout.slots.len() == rows;
+        let heads_ok = head_dim > 0
+            && head_dim.is_multiple_of(2)
+            && q.cols.is_multiple_of(head_dim)
+            && k.cols == cache.kv_dim
+            && v.cols == cache.kv_dim
+            && cache.kv_dim.is_multiple_of(head_dim);
+        if !shapes_ok || !heads_ok {
+            return Err(Error::Internal(format!(
+                "rope_write_kv of q [{}, {}], k [{}, {}] for {rows} positions, head_dim {head_dim}, kv_dim {}",
+                q.rows, q.cols, k.rows, k.cols, cache.kv_dim
+            )));
+        }
+        let l = self.device_layout(layout)?;
+        let freqs = self.rope_table(rope)?;
+        self.launch(
+            Kernel::RopeWriteKv,
+            Launch::rows(rows, ROW_THREADS),
+            &[
+                Arg::Buf(&q.buf),
+                Arg::Buf(&k.buf),
+                Arg::Buf(&v.buf),
+                Arg::Buf(&cache.k),
+                Arg::Buf(&cache.v),
+                Arg::Buf(&l.positions),
+                Arg::Buf(&l.slots),
+                Arg::Buf(&freqs),
+                Arg::I32(dim(q.cols)?),
+                Arg::I32(dim(cache.kv_dim)?),
+                Arg::I32(dim(head_dim)?),
+            ],
+        )
+    }
+
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         let y = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
