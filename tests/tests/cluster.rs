@@ -245,11 +245,12 @@ async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
     let pending = eventually("a pending replica with a reason", Duration::from_secs(20), || async {
         let rs = replicas(&a, "big").await;
         rs.iter()
-            .find(|r| r.state == apb::ReplicaState::Pending as i32 && r.reason.contains("free worker"))
+            .find(|r| r.state == apb::ReplicaState::Pending as i32 && r.reason.contains("waiting for"))
             .cloned()
     })
     .await;
-    assert!(pending.reason.contains("waiting for 2 free cpu workers (1 free)"), "{}", pending.reason);
+    let why = &pending.reason;
+    assert!(why.starts_with("waiting for 2 free cpu workers with ≥ ") && why.ends_with(" (1 free)"), "{why}");
     // One more worker: both replicas of "big" can be placed (2 × 2 ranks on 4 free workers).
     cluster.add_worker(&[], None);
     wait_ready(&a, "big", 2, Duration::from_secs(40)).await;
