@@ -7,7 +7,8 @@
 #   3. greedy tokens of every fixture model on the GPU against the CPU backend and HF's
 #      reference (a difference is reported as a bf16 near-tie or a mismatch);
 #   4. the communicator contract over NCCL, one rank per GPU (needs 2 GPUs; with one,
-#      NCCL's loading and a one-rank communicator);
+#      NCCL's loading and a one-rank communicator), and NCCL's all-reduce of device
+#      buffers (the CUDA backend's tensor-parallel path) with its bus bandwidth;
 #   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
 #      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
 #      bandwidth measured here).
@@ -99,6 +100,9 @@ else
   row "| communicator contract | FAILED | see comm.jsonl and gpu-check.log |"
 fi
 cat "$OUT/comm.jsonl" >>"$LOG" 2>/dev/null
+if grep -q all_reduce_device "$OUT/comm.jsonl" 2>/dev/null; then
+  row "| NCCL all-reduce of device buffers | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'all_reduce_device' in l][-1]; print(f\"{'ok' if r['ok'] else 'WRONG SUM'}: {r['world']} rank(s), {r['mib']} MiB in {r['median_ms']:.2f} ms, bus bandwidth {r['busbw_gb_per_s']:.0f} GB/s\")" "$OUT/comm.jsonl") | |"
+fi
 
 # 5. Decode speed vs the roofline.
 for preset in $PRESETS; do

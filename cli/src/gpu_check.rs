@@ -9,7 +9,9 @@
 //! - `bandwidth`: the device-to-device copy bandwidth alone;
 //! - `comm`: the communicator contract (`strata_engine::comm::contract`, the checks the
 //!   TCP communicator's tests run) over NCCL, one rank per GPU, for every group size from 2
-//!   to the number of GPUs (NCCL allows one rank per GPU: one GPU cannot check it).
+//!   to the number of GPUs (NCCL allows one rank per GPU: one GPU cannot check it), then
+//!   NCCL's all-reduce of device buffers (the CUDA backend's path) with its bus bandwidth
+//!   (one GPU: a one-rank all-reduce, which checks the path).
 //!
 //! Every subcommand prints JSON objects, one per line. `--device cpu` runs the same code
 //! with the CPU backend as the "device" (a self-check, used by the tests).
@@ -304,6 +306,9 @@ fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {
         if let Some(e) = error {
             bail!("NCCL could not form a one-rank communicator: {e}");
         }
+        if available == 1 {
+            device_all_reduce(device, 1, 64)?;
+        }
         return Ok(());
     }
     let mut failed = 0;
@@ -320,5 +325,46 @@ fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {
     if failed > 0 {
         bail!("{failed} communicator check(s) failed");
     }
+    device_all_reduce(device, available, 256)
+}
+
+/// NCCL all-reduce of device buffers (the CUDA backend's path, ordered on a compute
+/// stream) across `world` GPUs: whether it summed, the median time, and the bus bandwidth
+/// as nccl-tests define it (2(n−1)/n × bytes ÷ time; 0 for one rank).
+fn device_all_reduce(device: Device, world: usize, mib: usize) -> anyhow::Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(first) = device {
+        use strata_engine::comm::nccl;
+        let group: Vec<usize> = (0..world).collect();
+        let comms = nccl::local_group(first, world, std::slice::from_ref(&group))?;
+        let count = (mib << 20) / 4;
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(r, mut c)| {
+                    let group = &group;
+                    s.spawn(move || c.bench_all_reduce(first + r, group, count, 20))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().map_err(|_| anyhow::anyhow!("an NCCL rank panicked"))?.map_err(Into::into))
+                .collect::<anyhow::Result<Vec<_>>>()
+        })?;
+        let seconds = results.iter().map(|r| r.seconds).fold(0f64, f64::max);
+        let bytes = (count * 4) as f64;
+        let ok = results.iter().all(|r| r.correct);
+        println!(
+            "{}",
+            json!({"communicator": "nccl", "world": world, "check": "all_reduce_device", "ok": ok,
+                   "mib": mib, "median_ms": seconds * 1e3, "algbw_gb_per_s": bytes / seconds / 1e9,
+                   "busbw_gb_per_s": 2.0 * (world - 1) as f64 / world as f64 * bytes / seconds / 1e9})
+        );
+        if !ok {
+            bail!("NCCL's all-reduce of device buffers did not sum");
+        }
+    }
+    let _ = (device, world, mib);
     Ok(())
 }

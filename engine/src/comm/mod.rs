@@ -3,8 +3,10 @@
 //! - [`Collectives`]: what the model's math needs — an all-reduce after the row-parallel
 //!   matmuls, `all_gather` after the vocabulary-split LM head, over the group of ranks
 //!   they run in (a pipeline stage's TP group). The model reduces a backend tensor through
-//!   `Backend::all_reduce`, whose default goes through host memory; a device backend
-//!   overrides it to reduce device buffers (NCCL), so the model calls nothing else.
+//!   `Backend::all_reduce`, whose default goes through host memory; the CUDA backend
+//!   hands an NCCL communicator ([`Collectives::as_any_mut`]) its device buffer instead,
+//!   ordered on the backend's stream (no host copy, no host synchronisation), and falls
+//!   back to the host path for any other communicator, so the model calls nothing else.
 //! - [`StepChannel`]: what the replica's plumbing needs — the leader's messages to every
 //!   rank ([`plan`]: KV cache size, step plans, shutdown) and the hidden states pipeline
 //!   stages pass on, as bytes.
@@ -42,6 +44,11 @@ pub trait Collectives: Send {
     /// Returns once every member of `group` has called it.
     fn barrier(&mut self, group: &[usize]) -> Result<()>;
     fn stats(&self) -> CommStats;
+    /// This communicator as `Any`, for a device backend that hands a device communicator
+    /// (NCCL) its buffers directly; None for communicators of host memory (TCP).
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// Point-to-point messages between the ranks of a replica.

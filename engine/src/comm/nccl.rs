@@ -4,8 +4,9 @@
 //! group's NCCL unique id: the replica's leader (rank 0) creates them and hands them out
 //! over the bootstrap communicator (the same TCP mesh the replica already uses for step
 //! plans), then every member of a group joins that group's NCCL communicator. Collectives
-//! run on device buffers; the host-slice interface here copies in and out around them, the
-//! seam through which a CUDA backend later hands device tensors directly. Point-to-point
+//! run on device buffers: the CUDA backend hands its tensors to [`NcclComm::all_reduce_device`]
+//! (ordered on its stream, no host copy); the host-slice interface copies in and out
+//! around them for everything else (the contract checks, gathers). Point-to-point
 //! messages (step plans, hidden states between stages) go over the bootstrap mesh.
 //!
 //! `cudarc` loads CUDA and NCCL at run time and panics on its first call when a library is
@@ -87,6 +88,28 @@ impl NcclComm {
         Ok(NcclComm { stream, groups: map, bootstrap, stats: CommStats::default() })
     }
 
+    /// Sums `data`, f32s on this rank's GPU, across `group` in place. NCCL runs on this
+    /// communicator's stream, ordered after the work already queued on `on` (the
+    /// backend's stream) and before anything queued there next, through events: no host
+    /// copy and no host synchronisation. A one-rank group still runs NCCL (a check of the
+    /// plumbing).
+    pub fn all_reduce_device(
+        &mut self,
+        group: &[usize],
+        data: &mut cudarc::driver::CudaViewMut<'_, f32>,
+        on: &CudaStream,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let count = data.len();
+        let comm = self.group(group)?;
+        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
+        comm.all_reduce_in_place(data, &ReduceOp::Sum).map_err(nccl_err("all-reduce"))?;
+        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
+        self.stats.bytes_sent += (count * 4) as u64;
+        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
     fn group(&self, group: &[usize]) -> Result<&Comm> {
         self.groups
             .get(group)
@@ -150,6 +173,9 @@ impl Collectives for NcclComm {
     fn barrier(&mut self, group: &[usize]) -> Result<()> {
         self.bootstrap.barrier(group)
     }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
     fn stats(&self) -> CommStats {
         let b = self.bootstrap.stats();
         CommStats {
@@ -171,6 +197,52 @@ impl StepChannel for NcclComm {
     }
     fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
         self.bootstrap.recv_idle(from)
+    }
+}
+
+/// What [`NcclComm::bench_all_reduce`] measured on one rank.
+#[derive(Debug, Clone, Copy)]
+pub struct AllReduceBench {
+    /// Median seconds per all-reduce.
+    pub seconds: f64,
+    /// The first all-reduce of ones gave the group size everywhere.
+    pub correct: bool,
+}
+
+impl NcclComm {
+    /// Times in-place all-reduces of `count` f32s on GPU `device` across `group` (every
+    /// member calls it at once) through [`NcclComm::all_reduce_device`], the path the CUDA
+    /// backend takes, on a stream of its own; checks the first result.
+    pub fn bench_all_reduce(
+        &mut self,
+        device: usize,
+        group: &[usize],
+        count: usize,
+        iters: usize,
+    ) -> Result<AllReduceBench> {
+        let ctx = CudaContext::new(device).map_err(cuda_err("context"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
+        let mut buf = stream.clone_htod(&vec![1f32; count.max(1)]).map_err(cuda_err("copy to device"))?;
+        let mut run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<f64> {
+            let started = Instant::now();
+            self.all_reduce_device(group, &mut buf.as_view_mut(), &stream)?;
+            stream.synchronize().map_err(cuda_err("synchronize"))?;
+            Ok(started.elapsed().as_secs_f64())
+        };
+        run(&mut buf)?;
+        let mut first = vec![0f32; count.clamp(1, 1024)];
+        stream.memcpy_dtoh(&buf.slice(..first.len()), &mut first).map_err(cuda_err("copy to host"))?;
+        let correct = first.iter().all(|&v| v == group.len() as f32);
+        // Values grow by the group size each time; refill before they could overflow.
+        let mut times = Vec::with_capacity(iters);
+        for i in 0..iters {
+            if i % 8 == 7 {
+                stream.memcpy_htod(&vec![1f32; count.max(1)], &mut buf).map_err(cuda_err("refill"))?;
+            }
+            times.push(run(&mut buf)?);
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(AllReduceBench { seconds: times.get(times.len() / 2).copied().unwrap_or(0.0), correct })
     }
 }
 

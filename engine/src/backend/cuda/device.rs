@@ -73,4 +73,16 @@ pub trait Gpu: Send + Sync + 'static {
     ) -> Result<()>;
     /// Free and total device memory, bytes.
     fn memory(&self) -> Result<(usize, usize)>;
+    /// Sums the first `count` f32s of `buf` across `group` in place through `comm`, on
+    /// the device, when `comm` is a communicator of this device's buffers (NCCL); false
+    /// when it is not (the backend then goes through host memory).
+    fn all_reduce_sum(
+        &self,
+        _buf: &mut Self::Buf,
+        _count: usize,
+        _group: &[usize],
+        _comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        Ok(false)
+    }
 }

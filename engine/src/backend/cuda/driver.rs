@@ -276,6 +276,25 @@ impl Gpu for CudaGpu {
     fn memory(&self) -> Result<(usize, usize)> {
         self.ctx.mem_get_info().map_err(drv("memory info"))
     }
+
+    fn all_reduce_sum(
+        &self,
+        buf: &mut CudaSlice<u8>,
+        count: usize,
+        group: &[usize],
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        let Some(nccl) = comm.as_any_mut().and_then(|c| c.downcast_mut::<crate::comm::nccl::NcclComm>())
+        else {
+            return Ok(false);
+        };
+        // SAFETY: the buffer holds f32 activations (a GpuTensor's), at least `count` of them
+        // (checked by transmute_mut's length check).
+        let mut view = unsafe { buf.transmute_mut::<f32>(count) }
+            .ok_or_else(|| Error::Internal(format!("all-reduce of {count} f32s from a smaller buffer")))?;
+        nccl.all_reduce_device(group, &mut view, &self.stream)?;
+        Ok(true)
+    }
 }
 
 #[cfg(test)]

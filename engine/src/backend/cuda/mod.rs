@@ -429,6 +429,22 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         )
     }
 
+    fn all_reduce(
+        &self,
+        x: &mut Self::Tensor,
+        group: &[usize],
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<()> {
+        if group.len() <= 1 {
+            return Ok(());
+        }
+        // NCCL on the device buffer where the communicator is one; else through the host.
+        if self.gpu.all_reduce_sum(&mut x.buf, x.rows * x.cols, group, comm)? {
+            return Ok(());
+        }
+        self.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
+    }
+
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         let y = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;

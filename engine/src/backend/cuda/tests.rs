@@ -34,6 +34,33 @@ fn every_op_matches_the_cpu_backend() {
     assert!(bad.is_empty(), "ops beyond tolerance: {bad:?}");
 }
 
+/// A communicator of host memory (TCP) is not handed device buffers: the all-reduce goes
+/// through the host and still sums across ranks. (NCCL on device buffers needs a GPU per
+/// rank: `strata gpu-check comm` runs it.)
+#[test]
+fn all_reduce_through_a_host_communicator_sums_across_ranks() {
+    use crate::backend::Backend;
+    let comms = crate::comm::tcp::local_group(2, std::time::Duration::from_secs(20)).unwrap();
+    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut comm)| {
+                s.spawn(move || {
+                    let b = backend();
+                    let data: Vec<f32> = (0..12).map(|i| (i * (rank + 1)) as f32).collect();
+                    let mut x = b.upload(data, 3, 4).unwrap();
+                    b.all_reduce(&mut x, &[0, 1], &mut comm).unwrap();
+                    b.to_host(&x).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let want: Vec<f32> = (0..12).map(|i| (i * 3) as f32).collect();
+    assert_eq!(sums, vec![want.clone(), want]);
+}
+
 fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
     e.add(
         crate::SeqId(0),
