@@ -11,7 +11,8 @@
 #      buffers (the CUDA backend's tensor-parallel path) with its bus bandwidth;
 #   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
 #      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
-#      bandwidth measured here).
+#      bandwidth measured here), decode tokens/s at 8, 32 and 128 sequences, and prefill
+#      tokens/s of a 512-token prompt.
 # Full logs go to $OUT (or target/gpu-check-out); a short table is printed last.
 #
 #   scripts/gpu-check.sh            # STRATA=path/to/strata built with --features cuda
@@ -111,11 +112,13 @@ for preset in $PRESETS; do
     say "== writing $dir"
     "$STRATA" model random --preset "$preset" --dtype bf16 --out "$dir" >>"$LOG" 2>&1 || { row "| decode $preset | could not write the model | |"; continue; }
   fi
-  if "$STRATA" gpu-check --device "$DEVICE" decode --model "$dir" --tokens 64 >"$OUT/decode-$preset.json" 2>>"$LOG"; then
+  if "$STRATA" gpu-check --device "$DEVICE" decode --model "$dir" --tokens 64 --kv-cache-mib 4096 >"$OUT/decode-$preset.json" 2>>"$LOG"; then
     row "| decode batch 1, $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['decode_tokens_per_s']:.1f} tok/s ({100*r['share_of_roofline']:.0f}% of roofline {r['roofline_tokens_per_s']:.1f})\")" "$OUT/decode-$preset.json") | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['weight_bytes_per_token']/1e9:.2f} GB/token, copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, load {r['load_s']:.1f} s\")" "$OUT/decode-$preset.json") |"
   else
     row "| decode batch 1, $preset bf16 | FAILED | see gpu-check.log |"
+    continue
   fi
+  row "| batched decode and prefill, $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(', '.join(f\"{b['batch']} seqs {b['tokens_per_s']:.0f} tok/s\" for b in r['batched_decode']))" "$OUT/decode-$preset.json") | prefill $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['prefill_len']} tokens at {r['prefill_tokens_per_s']:.0f} tok/s\")" "$OUT/decode-$preset.json") |"
 done
 
 say ""

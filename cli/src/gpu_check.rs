@@ -5,7 +5,8 @@
 //!   (and HF transformers' reference.json when the directory has one); a difference is
 //!   classified as a bf16 near-tie (the CPU's two candidates are closer than bf16 rounding
 //!   moves logits) or a real mismatch;
-//! - `decode`: batch-1 decode tokens/s beside the roofline from the device's copy bandwidth;
+//! - `decode`: batch-1 decode tokens/s beside the roofline from the device's copy bandwidth,
+//!   decode tokens/s of batches (8, 32, 128 sequences) and prefill tokens/s;
 //! - `bandwidth`: the device-to-device copy bandwidth alone;
 //! - `comm`: the communicator contract (`strata_engine::comm::contract`, the checks the
 //!   TCP communicator's tests run) over NCCL, one rank per GPU, for every group size from 2
@@ -57,7 +58,8 @@ pub enum GpuCheckCommand {
         #[arg(long, default_value_t = 24)]
         tokens: u32,
     },
-    /// Batch-1 decode speed against the copy-bandwidth roofline.
+    /// Batch-1 decode speed against the copy-bandwidth roofline, decode of larger
+    /// batches, and prefill speed.
     Decode {
         #[arg(long)]
         model: PathBuf,
@@ -66,6 +68,12 @@ pub enum GpuCheckCommand {
         /// KV cache, MiB.
         #[arg(long, default_value_t = 1024)]
         kv_cache_mib: usize,
+        /// Batched decode: how many sequences decode together, each size in turn.
+        #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
+        batches: Vec<usize>,
+        /// Prefill: the prompt's length in tokens (0: skip).
+        #[arg(long, default_value_t = 512)]
+        prefill_len: usize,
     },
     /// The communicator contract over NCCL (over TCP with `--device cpu`), one rank per GPU.
     Comm {
@@ -132,8 +140,9 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     match args.command {
         GpuCheckCommand::Ops { large, seed } => ops(device, large, seed),
         GpuCheckCommand::Tokens { model, tokens: n } => tokens(device, model, n),
-        GpuCheckCommand::Decode { model, tokens, kv_cache_mib } => {
-            decode(device, &model, tokens, kv_cache_mib)
+        GpuCheckCommand::Decode { model, tokens, kv_cache_mib, batches, prefill_len } => {
+            let sizes = DecodeSizes { tokens, kv_cache_mib, batches, prefill_len };
+            decode(device, &model, &sizes)
         }
         GpuCheckCommand::Comm { max_world } => comm(device, max_world),
         GpuCheckCommand::Bandwidth { mib } => {
@@ -232,28 +241,34 @@ fn tokens(device: Device, models: Vec<std::path::PathBuf>, tokens: u32) -> anyho
     Ok(())
 }
 
-fn decode(device: Device, model: &std::path::Path, tokens: usize, kv_cache_mib: usize) -> anyhow::Result<()> {
+/// What `decode` measures.
+struct DecodeSizes {
+    tokens: usize,
+    kv_cache_mib: usize,
+    batches: Vec<usize>,
+    prefill_len: usize,
+}
+
+fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyhow::Result<()> {
+    let tokens = sizes.tokens;
     if tokens < 2 {
         bail!("--tokens must be at least 2");
     }
     let t = Instant::now();
-    let mut e = local_replica(model, Parallelism::NONE, &engine_config(device, kv_cache_mib))?;
+    let mut config = engine_config(device, sizes.kv_cache_mib);
+    let most = sizes.batches.iter().copied().max().unwrap_or(1);
+    config.scheduler.max_num_seqs = config.scheduler.max_num_seqs.max(most);
+    let mut e = local_replica(model, Parallelism::NONE, &config)?;
     let load_s = t.elapsed().as_secs_f64();
     let bytes = e.executor().decode_bytes_per_token();
-    let prompt: Vec<u32> = vec![1, 2, 3, 4, 5, 6, 7, 8];
-    e.add(
-        strata_engine::SeqId(7),
-        prompt,
-        SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() },
-    )?;
-    e.step()?; // prefill
-    let mut steps = Vec::new();
-    while e.has_work() {
-        let t = Instant::now();
-        e.step()?;
-        steps.push(t.elapsed().as_secs_f64());
+    let step = median(&decode_steps(&mut e, 1, tokens)?);
+    let mut batched = Vec::new();
+    for &b in &sizes.batches {
+        info!(batch = b, "batched decode");
+        let step = median(&decode_steps(&mut e, b, tokens)?);
+        batched.push(json!({"batch": b, "step_ms_median": step * 1e3, "tokens_per_s": b as f64 / step}));
     }
-    let step = median(&steps);
+    let prefill = if sizes.prefill_len > 0 { Some(prefill_speed(&mut e, sizes.prefill_len)?) } else { None };
     info!("measuring the copy bandwidth");
     let bw = bandwidth(device, 1024)?;
     let roofline = bw / bytes as f64;
@@ -261,13 +276,58 @@ fn decode(device: Device, model: &std::path::Path, tokens: usize, kv_cache_mib: 
         "{}",
         json!({
             "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
-            "decode_tokens": steps.len(), "decode_step_ms_median": step * 1e3,
+            "decode_tokens": tokens, "decode_step_ms_median": step * 1e3,
             "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
             "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,
             "share_of_roofline": 1.0 / step / roofline,
+            "batched_decode": batched,
+            "prefill_len": sizes.prefill_len, "prefill_tokens_per_s": prefill,
         })
     );
     Ok(())
+}
+
+/// Seconds of each step in which all `batch` sequences (8-token prompts) decoded a token
+/// and nothing prefilled, over `tokens` tokens each.
+fn decode_steps(e: &mut Engine, batch: usize, tokens: usize) -> anyhow::Result<Vec<f64>> {
+    let vocab = e.executor().config().vocab_size as u32;
+    for s in 0..batch {
+        let prompt: Vec<u32> = (0..8).map(|i| 1 + (s as u32 * 8 + i) % (vocab - 1)).collect();
+        let params =
+            SamplingParams { max_new_tokens: tokens as u32 + 1, ignore_eos: true, ..Default::default() };
+        e.add(strata_engine::SeqId(1_000 + s as u64), prompt, params)?;
+    }
+    let mut steps = Vec::new();
+    while e.has_work() {
+        let t = Instant::now();
+        let events = e.step()?;
+        let seconds = t.elapsed().as_secs_f64();
+        if events.len() == batch && e.last_step_tokens() == batch {
+            steps.push(seconds);
+        }
+    }
+    if steps.is_empty() {
+        bail!("no step decoded all {batch} sequences at once (max_num_seqs, KV cache?)");
+    }
+    Ok(steps)
+}
+
+/// Prefill tokens/s of a `len`-token prompt: the median of three prompts that share no
+/// prefix (so the prefix cache cannot help).
+fn prefill_speed(e: &mut Engine, len: usize) -> anyhow::Result<f64> {
+    let vocab = e.executor().config().vocab_size as u32;
+    let mut speeds = Vec::new();
+    for r in 0..3u32 {
+        let prompt: Vec<u32> = (0..len as u32).map(|i| 1 + (i * 7 + r * 13) % (vocab - 1)).collect();
+        let params = SamplingParams { max_new_tokens: 1, ignore_eos: true, ..Default::default() };
+        e.add(strata_engine::SeqId(9_000 + r as u64), prompt, params)?;
+        let t = Instant::now();
+        while e.has_work() {
+            e.step()?;
+        }
+        speeds.push(len as f64 / t.elapsed().as_secs_f64());
+    }
+    Ok(median(&speeds))
 }
 
 fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {

@@ -400,6 +400,15 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     assert_eq!(comm.len(), 10, "{comm:?}");
     assert!(comm.iter().all(|r| r["ok"] == true && r["communicator"] == "tcp"), "{comm:?}");
     assert_eq!(comm.last().unwrap()["world"], 3);
+    // Decode at batch 1 and in batches, and prefill.
+    let args = ["decode", "--model", dir.to_str().unwrap(), "--tokens", "4", "--batches", "2,5"];
+    let d = run(&[&args[..], &["--prefill-len", "24", "--kv-cache-mib", "16"]].concat());
+    assert!(d[0]["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
+    let batches: Vec<u64> =
+        d[0]["batched_decode"].as_array().unwrap().iter().map(|b| b["batch"].as_u64().unwrap()).collect();
+    assert_eq!(batches, [2, 5], "{d:?}");
+    assert!(d[0]["batched_decode"][1]["tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
+    assert!(d[0]["prefill_tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
 }
 
 fn compare_json(args: &[&str]) -> Value {
