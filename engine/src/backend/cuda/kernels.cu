@@ -271,10 +271,14 @@ KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
 // positions already cached before this step seq_ctx[s], and its block table at
 // block_tables[bt_offset[s] ..]. GQA: query head h reads KV head h / (heads / kv_heads).
 // Dynamic shared memory: (head_dim + 3 × blockDim.x) floats. blockDim.x is a power of two.
+//
+// With use_rows, block x serves token rows[x] (the decoding tokens of a step whose prefill
+// chunks go to tiled_attention); else token x.
 KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                             const int* tok_seq, const int* seq_start, const int* seq_ctx,
                             const int* bt_offset, const int* block_tables, int num_heads, int num_kv_heads,
-                            int head_dim, int kv_dim, int block_size, float scale, int window) {
+                            int head_dim, int kv_dim, int block_size, float scale, int window,
+                            const int* rows, int use_rows) {
     DYN_SHARED(float, smem);
     int nt = blockDim.x;
     int tid = threadIdx.x;
@@ -283,7 +287,7 @@ KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t*
     float* red = probs + nt;             // nt: reduction scratch
     int* slot_of = (int*)(red + nt);     // nt: this chunk's cache slots
 
-    int t = blockIdx.x;
+    int t = use_rows ? rows[blockIdx.x] : (int)blockIdx.x;
     int h = blockIdx.y;
     int s = tok_seq[t];
     int pos = seq_ctx[s] + (t - seq_start[s]);
@@ -357,6 +361,137 @@ KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t*
         int d = tid + i * nt;
         if (d < head_dim) {
             o[d] = acc[i] / l;
+        }
+    }
+}
+
+// Queries per tile of tiled_attention, and the most (query, dimension) pairs one thread
+// accumulates: TILE_Q × head_dim ≤ TILE_MAX_ACC × blockDim.x.
+#define TILE_Q 16
+#define TILE_MAX_ACC 32
+
+// Tiled (flash-style) causal attention for prefill chunks, one block per (tile of up to
+// TILE_Q consecutive tokens of one sequence, query head): each K/V chunk of tile_k
+// positions is read from the paged cache once into shared memory and used by every query
+// of the tile (the per-token kernel reads it once per query). Per chunk: scores of every
+// (query, key) pair the causal mask and window allow, an online-softmax update per query
+// (running max and sum, rescaling what was accumulated), then probabilities × V into the
+// accumulators, which each thread keeps in registers for its (query, dimension) pairs.
+//
+// Tile x starts at token row tiles[x] and holds tile_len[x] rows; the sequence layout is
+// paged_attention's. Dynamic shared memory: (TILE_Q × head_dim + 2 × tile_k × head_dim +
+// TILE_Q × tile_k + 3 × TILE_Q) floats.
+KERNEL void tiled_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
+                            const int* tiles, const int* tile_len, const int* tok_seq, const int* seq_start,
+                            const int* seq_ctx, const int* bt_offset, const int* block_tables, int num_heads,
+                            int num_kv_heads, int head_dim, int kv_dim, int block_size, float scale,
+                            int window, int tile_k) {
+    DYN_SHARED(float, smem);
+    int nt = blockDim.x;
+    int tid = threadIdx.x;
+    int t0 = tiles[blockIdx.x];
+    int nq = tile_len[blockIdx.x];
+    int h = blockIdx.y;
+    int s = tok_seq[t0];
+    int pos0 = seq_ctx[s] + (t0 - seq_start[s]);
+    int kv_off = (h / (num_heads / num_kv_heads)) * head_dim;
+    const int* table = block_tables + bt_offset[s];
+    float* qs = smem;                        // TILE_Q × head_dim: the scaled queries
+    float* ks = qs + TILE_Q * head_dim;      // tile_k × head_dim: this chunk's keys
+    float* vs = ks + tile_k * head_dim;      // tile_k × head_dim: this chunk's values
+    float* sc = vs + tile_k * head_dim;      // TILE_Q × tile_k: scores, then probabilities
+    float* m_run = sc + TILE_Q * tile_k;     // TILE_Q: running max
+    float* l_run = m_run + TILE_Q;           // TILE_Q: running sum
+    float* rescale = l_run + TILE_Q;         // TILE_Q: this chunk's rescale of the sums
+    int pairs = TILE_Q * head_dim;
+    for (int p = tid; p < pairs; p += nt) {
+        int i = p / head_dim;
+        qs[p] = i < nq ? q[((long long)(t0 + i) * num_heads + h) * head_dim + p % head_dim] * scale : 0.0f;
+    }
+    for (int i = tid; i < TILE_Q; i += nt) {
+        m_run[i] = -INFINITY;
+        l_run[i] = 0.0f;
+    }
+    float acc[TILE_MAX_ACC];
+    for (int a = 0; a < TILE_MAX_ACC; a++) {
+        acc[a] = 0.0f;
+    }
+    int last = pos0 + nq - 1;
+    int lo = window > 0 && pos0 + 1 - window > 0 ? pos0 + 1 - window : 0;
+    SYNC();
+    for (int base = lo; base <= last; base += tile_k) {
+        int nk = last - base + 1 < tile_k ? last - base + 1 : tile_k;
+        for (int p = tid; p < tile_k * head_dim; p += nt) {
+            int j = p / head_dim;
+            float kx = 0.0f;
+            float vx = 0.0f;
+            if (j < nk) {
+                int kpos = base + j;
+                long long slot = (long long)table[kpos / block_size] * block_size + kpos % block_size;
+                kx = bf16_to_f32(k_cache[slot * kv_dim + kv_off + p % head_dim]);
+                vx = bf16_to_f32(v_cache[slot * kv_dim + kv_off + p % head_dim]);
+            }
+            ks[p] = kx;
+            vs[p] = vx;
+        }
+        SYNC();
+        for (int p = tid; p < TILE_Q * tile_k; p += nt) {
+            int i = p / tile_k;
+            int j = p % tile_k;
+            int qpos = pos0 + i;
+            int kpos = base + j;
+            bool seen = i < nq && j < nk && kpos <= qpos && (window <= 0 || kpos > qpos - window);
+            float dot = -INFINITY;
+            if (seen) {
+                dot = 0.0f;
+                for (int d = 0; d < head_dim; d++) {
+                    dot += qs[i * head_dim + d] * ks[j * head_dim + d];
+                }
+            }
+            sc[p] = dot;
+        }
+        SYNC();
+        for (int i = tid; i < TILE_Q; i += nt) {
+            float m = m_run[i];
+            float m_new = m;
+            for (int j = 0; j < nk; j++) {
+                m_new = fmaxf(m_new, sc[i * tile_k + j]);
+            }
+            float c = 1.0f;
+            float sum = 0.0f;
+            for (int j = 0; j < nk; j++) {
+                // Nothing seen yet (m_new = -inf): every probability is 0.
+                float e = m_new == -INFINITY ? 0.0f : expf(sc[i * tile_k + j] - m_new);
+                sc[i * tile_k + j] = e;
+                sum += e;
+            }
+            if (m_new != -INFINITY) {
+                c = expf(m - m_new);
+            }
+            m_run[i] = m_new;
+            l_run[i] = l_run[i] * c + sum;
+            rescale[i] = c;
+        }
+        SYNC();
+        for (int a = 0; a < TILE_MAX_ACC; a++) {
+            int p = tid + a * nt;
+            if (p < pairs) {
+                int i = p / head_dim;
+                int d = p % head_dim;
+                float v = acc[a] * rescale[i];
+                for (int j = 0; j < nk; j++) {
+                    v += sc[i * tile_k + j] * vs[j * head_dim + d];
+                }
+                acc[a] = v;
+            }
+        }
+        SYNC();
+    }
+    for (int a = 0; a < TILE_MAX_ACC; a++) {
+        int p = tid + a * nt;
+        int i = p / head_dim;
+        if (p < pairs && i < nq) {
+            out[((long long)(t0 + i) * num_heads + h) * head_dim + p % head_dim] = acc[a] / l_run[i];
         }
     }
 }

@@ -42,10 +42,11 @@ pub enum Kernel {
     GatherRows,
     GreedyPick,
     PagedAttention,
+    TiledAttention,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 13] = [
+    pub const ALL: [Kernel; 14] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -59,6 +60,7 @@ impl Kernel {
         Kernel::GatherRows,
         Kernel::GreedyPick,
         Kernel::PagedAttention,
+        Kernel::TiledAttention,
     ];
 
     /// The `extern "C"` name in the source.
@@ -77,6 +79,7 @@ impl Kernel {
             Kernel::GatherRows => "gather_rows",
             Kernel::GreedyPick => "greedy_pick",
             Kernel::PagedAttention => "paged_attention",
+            Kernel::TiledAttention => "tiled_attention",
         }
     }
 }

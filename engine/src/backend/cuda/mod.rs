@@ -33,8 +33,12 @@ use super::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::logits::{picks_from_f32s, Pick};
 use crate::model::weights::{DType, HostTensor};
 
-/// Threads per block of the attention kernel (a power of two).
+/// Threads per block of the attention kernels (a power of two).
 const ATTN_THREADS: u32 = 128;
+/// Queries per tile of the tiled prefill attention (`TILE_Q` in kernels.cu).
+const TILE_Q: usize = 16;
+/// Largest head the tiled kernel takes: TILE_Q × head_dim ≤ TILE_MAX_ACC (32) × ATTN_THREADS.
+const TILED_MAX_HEAD_DIM: usize = 32 * ATTN_THREADS as usize / TILE_Q;
 /// Most head dimensions the attention kernel handles (ATTN_MAX_DIMS × ATTN_THREADS).
 const MAX_HEAD_DIM: usize = 4 * ATTN_THREADS as usize;
 const ELEMENTWISE_THREADS: u32 = 256;
@@ -74,6 +78,13 @@ struct DeviceLayout<B> {
     seq_ctx: B,
     bt_offset: B,
     block_tables: B,
+    /// Prefill chunks in tiles for tiled_attention: each tile's first token row and rows.
+    tiles: B,
+    tile_len: B,
+    num_tiles: usize,
+    /// Rows of the decoding sequences (one new token each), for paged_attention.
+    decode_rows: B,
+    num_decode_rows: usize,
 }
 
 /// The rotary frequencies last uploaded, and their device copy.
@@ -93,6 +104,25 @@ fn to_i32(v: impl IntoIterator<Item = usize>) -> Result<Vec<i32>> {
     v.into_iter()
         .map(|x| i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a kernel's i32"))))
         .collect()
+}
+
+/// How a step's attention splits: prefill chunks (sequences with several new tokens) into
+/// tiles of up to [`TILE_Q`] rows (first row, rows), and the rows of decoding sequences.
+type AttentionWork = (Vec<i32>, Vec<i32>, Vec<i32>);
+
+fn attention_work(layout: &BatchLayout) -> Result<AttentionWork> {
+    let (mut tiles, mut tile_len, mut decode_rows) = (Vec::new(), Vec::new(), Vec::new());
+    for seq in &layout.seqs {
+        if seq.num_tokens == 1 {
+            decode_rows.push(dim(seq.token_start)?);
+            continue;
+        }
+        for first in (0..seq.num_tokens).step_by(TILE_Q) {
+            tiles.push(dim(seq.token_start + first)?);
+            tile_len.push(dim(TILE_Q.min(seq.num_tokens - first))?);
+        }
+    }
+    Ok((tiles, tile_len, decode_rows))
 }
 
 fn dim(x: usize) -> Result<i32> {
@@ -174,6 +204,7 @@ impl<G: Gpu> CudaBackend<G> {
                 return Ok(l.clone());
             }
         }
+        let (tiles, tile_len, decode_rows) = attention_work(layout)?;
         let up = |v: &[i32]| self.gpu.upload(i32_bytes(if v.is_empty() { &[0] } else { v }));
         let positions = to_i32(layout.positions.iter().map(|&p| p as usize))?;
         let slots = to_i32(layout.slots.iter().map(|&p| p as usize))?;
@@ -185,6 +216,11 @@ impl<G: Gpu> CudaBackend<G> {
             seq_ctx: up(&seq_ctx)?,
             bt_offset: up(&bt_offset)?,
             block_tables: up(&tables)?,
+            tiles: up(&tiles)?,
+            tile_len: up(&tile_len)?,
+            num_tiles: tiles.len(),
+            decode_rows: up(&decode_rows)?,
+            num_decode_rows: decode_rows.len(),
             key,
         });
         *cached = Some(l.clone());
@@ -201,6 +237,54 @@ impl<G: Gpu> CudaBackend<G> {
         let buf = Arc::new(self.gpu.upload(bytemuck::cast_slice(&rope.inv_freq))?);
         *cached = Some((rope.inv_freq.clone(), buf.clone()));
         Ok(buf)
+    }
+}
+
+impl<G: Gpu> CudaBackend<G> {
+    /// tiled_attention over the step's prefill tiles, into `out`.
+    fn launch_tiled(
+        &self,
+        q: &GpuTensor<G::Buf>,
+        cache: &GpuKv<G::Buf>,
+        out: &GpuTensor<G::Buf>,
+        l: &DeviceLayout<G::Buf>,
+        block_size: usize,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window } = shape;
+        // Key chunk: 16 positions, fewer for wide heads (dynamic shared memory ≤ 48 KiB).
+        let tile_k = if head_dim <= 128 { 16 } else { 8 };
+        let floats = TILE_Q * head_dim + 2 * tile_k * head_dim + TILE_Q * tile_k + 3 * TILE_Q;
+        let launch = Launch {
+            grid: (l.num_tiles as u32, num_heads as u32, 1),
+            block: ATTN_THREADS,
+            shared_bytes: (floats * 4) as u32,
+        };
+        self.launch(
+            Kernel::TiledAttention,
+            launch,
+            &[
+                Arg::Buf(&q.buf),
+                Arg::Buf(&cache.k),
+                Arg::Buf(&cache.v),
+                Arg::Buf(&out.buf),
+                Arg::Buf(&l.tiles),
+                Arg::Buf(&l.tile_len),
+                Arg::Buf(&l.tok_seq),
+                Arg::Buf(&l.seq_start),
+                Arg::Buf(&l.seq_ctx),
+                Arg::Buf(&l.bt_offset),
+                Arg::Buf(&l.block_tables),
+                Arg::I32(dim(num_heads)?),
+                Arg::I32(dim(num_kv_heads)?),
+                Arg::I32(dim(head_dim)?),
+                Arg::I32(dim(cache.kv_dim)?),
+                Arg::I32(dim(block_size)?),
+                Arg::F32(scale),
+                Arg::I32(dim(sliding_window.unwrap_or(0))?),
+                Arg::I32(dim(tile_k)?),
+            ],
+        )
     }
 }
 
@@ -496,9 +580,17 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         }
         let out = self.tensor(q.rows, num_heads * head_dim)?;
         let l = self.device_layout(layout)?;
+        let shape = AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window };
+        // Prefill chunks in tiles (K/V read once per tile, not per query); decoding tokens
+        // one block each (their positions spread over the block's threads).
+        let tiled = l.num_tiles > 0 && head_dim <= TILED_MAX_HEAD_DIM;
+        if tiled {
+            self.launch_tiled(q, cache, &out, &l, layout.block_size, shape)?;
+        }
+        let (rows, use_rows) = if tiled { (l.num_decode_rows, 1) } else { (q.rows, 0) };
         let shared = ((head_dim + 3 * ATTN_THREADS as usize) * 4) as u32;
         let launch =
-            Launch { grid: (q.rows as u32, num_heads as u32, 1), block: ATTN_THREADS, shared_bytes: shared };
+            Launch { grid: (rows as u32, num_heads as u32, 1), block: ATTN_THREADS, shared_bytes: shared };
         self.launch(
             Kernel::PagedAttention,
             launch,
@@ -519,6 +611,8 @@ impl<G: Gpu> Backend for CudaBackend<G> {
                 Arg::I32(dim(layout.block_size)?),
                 Arg::F32(scale),
                 Arg::I32(dim(sliding_window.unwrap_or(0))?),
+                Arg::Buf(&l.decode_rows),
+                Arg::I32(use_rows),
             ],
         )?;
         Ok(out)

@@ -22,10 +22,21 @@ fn backend() -> CudaBackend<EmulatedGpu> {
 fn every_op_matches_the_cpu_backend() {
     // Tiny shapes, then a long context (several attention chunks), MQA and a head wider
     // than the attention block (several output dimensions per thread).
-    let wide =
-        CheckSizes { heads: 2, kv_heads: 1, head_dim: 160, context: 300, hidden: 40, ..CheckSizes::tiny() };
+    // Prefills of 37 and 20 tokens take several query tiles and key chunks of the tiled
+    // kernel (16-position chunks; 8 for the wide head).
+    let wide = CheckSizes {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 160,
+        context: 300,
+        hidden: 40,
+        rows: 20,
+        ..CheckSizes::tiny()
+    };
+    let long = CheckSizes { rows: 37, context: 45, ..CheckSizes::tiny() };
     let mut report = check_ops(&backend(), &CheckSizes::tiny(), 7).unwrap();
     report.extend(check_ops(&backend(), &wide, 8).unwrap());
+    report.extend(check_ops(&backend(), &long, 9).unwrap());
     for r in &report {
         eprintln!("{:<34} {:<50} rel err {:.2e} (tolerance {:.0e})", r.op, r.shape, r.rel_err, r.tolerance);
     }
