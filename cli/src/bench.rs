@@ -181,6 +181,8 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
             max_tokens: Some(args.output_len),
             ignore_eos: true,
+            // A benchmark measures the replicas, never the response cache.
+            cache: Some(false),
             ..Default::default()
         };
         let client = InferenceClient::new(channel.clone());

@@ -28,6 +28,7 @@ pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs,
         request_id: String::new(),
+        cache: None,
     }
 }
 

@@ -124,6 +124,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
     });
     let (lease_ttl, keepalive) = lease_timings(&cfg.registry)?;
     let tls = cluster_tls(&cfg.security, c.listen, Role::Coordinator)?;
+    crate::security_args::response_cache(c)?;
     let opts = CoordinatorOptions {
         keys: Keys::new(&cfg.registry.prefix),
         listen: c.listen,

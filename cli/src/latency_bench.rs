@@ -45,6 +45,8 @@ pub async fn over_grpc(endpoint: &str, model: &str, requests: usize) -> anyhow::
         model: model.into(),
         prompt: Some(pb::generate_request::Prompt::Text(PROMPT.into())),
         max_tokens: Some(1),
+        // A benchmark measures the replicas, never the response cache.
+        cache: Some(false),
         ..Default::default()
     };
     let mut samples = Vec::with_capacity(requests);
@@ -96,10 +98,13 @@ pub async fn streaming_grpc_vs_http(
         prompt: Some(pb::generate_request::Prompt::Text(PROMPT.into())),
         max_tokens: Some(tokens),
         ignore_eos: true,
+        // A benchmark measures the replicas, never the response cache.
+        cache: Some(false),
         ..Default::default()
     };
     let body = serde_json::json!({
         "model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": true, "stream": true,
+        "cache": false,
     })
     .to_string();
     let url = format!("{}/v1/completions", http.trim_end_matches('/').trim_end_matches("/v1"));

@@ -108,6 +108,11 @@ pub struct CallerArgs {
     /// Most batch requests in flight at once [default: 32] (coordinator.batch_concurrency).
     #[arg(long, env = "STRATA_BATCH_CONCURRENCY")]
     pub batch_concurrency: Option<usize>,
+    /// Memory for responses to deterministic requests (greedy, or seeded sampling), replayed
+    /// for identical requests: a size, or 0 to turn it off [default: 64MiB]
+    /// (coordinator.response_cache_memory).
+    #[arg(long, env = "STRATA_RESPONSE_CACHE_MEMORY", value_name = "SIZE")]
+    pub response_cache_memory: Option<String>,
 }
 
 impl CallerArgs {
@@ -129,7 +134,18 @@ impl CallerArgs {
         if let Some(n) = self.batch_concurrency {
             c.batch_concurrency = n;
         }
+        if let Some(m) = &self.response_cache_memory {
+            c.response_cache_memory = m.clone();
+        }
     }
+}
+
+/// Sizes the process's response cache from `coordinator.response_cache_memory`.
+pub fn response_cache(c: &CoordinatorSettings) -> anyhow::Result<()> {
+    let bytes = strata_common::config::parse_memory(&c.response_cache_memory)
+        .context("--response-cache-memory (coordinator.response_cache_memory)")?;
+    strata_coordinator::request::cache::ResponseCache::configure(bytes);
+    Ok(())
 }
 
 /// Largest key file read.

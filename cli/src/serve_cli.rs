@@ -158,6 +158,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let par = Parallelism { tp: s.tp, pp: s.pp };
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
+    crate::security_args::response_cache(&cfg.coordinator)?;
     let client_auth = ClientAuth::with_keys(client_keys(&cfg.coordinator)?).context("--api-key")?;
     let client_auth_for_reload = client_auth.clone();
     let admin_auth =

@@ -268,6 +268,9 @@ pub struct CoordinatorSettings {
     pub drain_timeout_s: f64,
     /// The device kind a deployment runs on when it names none: "cpu" or "cuda".
     pub default_device: String,
+    /// Memory for responses to deterministic requests, replayed when an identical
+    /// request comes again (a size: "64MiB"; "0": off).
+    pub response_cache_memory: String,
 }
 
 impl Default for CoordinatorSettings {
@@ -292,6 +295,7 @@ impl Default for CoordinatorSettings {
             route_wait_s: 60.0,
             drain_timeout_s: 30.0,
             default_device: "cpu".into(),
+            response_cache_memory: "64MiB".into(),
         }
     }
 }
@@ -397,6 +401,8 @@ impl Config {
             }
         }
         let c = &self.coordinator;
+        parse_memory(&c.response_cache_memory)
+            .map_err(|err| rename(err, "coordinator.response_cache_memory"))?;
         if !matches!(c.default_device.as_str(), "cpu" | "cuda") {
             return Err(Error::invalid(
                 "coordinator.default_device",

@@ -54,8 +54,22 @@ async fn request_metrics_agree_with_the_client() {
     };
     assert!(c.generate(bad).await.is_err());
 
-    let text = scrape(&metrics);
     let m = [("model", "m")];
+    // A quiet moment: no canary step in flight, and both ranks' records of the last step in.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let text = scrape(&metrics);
+        let steps = sample(&text, "strata_batch_tokens_count", &m);
+        let rank_steps =
+            |r: &str| sample(&text, "strata_rank_step_seconds_count", &[("model", "m"), ("rank", r)]);
+        let idle = sample(&text, "strata_num_requests_running", &m) == Some(0.0)
+            && sample(&text, "strata_kv_blocks_used", &m) == Some(0.0);
+        if idle && rank_steps("0") == steps && rank_steps("1") == steps {
+            break text;
+        }
+        assert!(std::time::Instant::now() < deadline, "the server never went quiet: {text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(
         sample(&text, "strata_requests_total", &[("model", "m"), ("finish_reason", "length")]),
         Some(6.0),
@@ -112,4 +126,109 @@ async fn request_metrics_agree_with_the_client() {
     assert_eq!(grpc("GenerateStream", "OK"), Some(1.0));
     let handling = [("grpc_service", "strata.inference.v1.Inference"), ("grpc_method", "Generate")];
     assert_eq!(sample(&text, "strata_grpc_server_handling_seconds_count", &handling), Some(6.0));
+}
+
+/// Repeated deterministic requests are answered from the coordinator's response cache:
+/// the same tokens, text and finish, streamed or unary, with no engine work (the engine's
+/// per-sequence queue count does not move) and the hits in the metrics. Sampling without a
+/// seed is never cached; with a seed it is; a caller can opt out; a changed deployment (a
+/// new revision) does not answer from the old one's responses.
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_deterministic_requests_come_from_the_response_cache() {
+    use strata_proto::inference::v1 as pb;
+    let model = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let spare = ["--spare-workers", "1", "--metrics-listen", "127.0.0.1:0"];
+    let mut server = Server::spawn(&[&["--model", &model, "--name", "m"][..], &spare].concat());
+    let metrics = server.out.wait_event("metrics", Duration::from_secs(60), "strata serve");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    server.addr = server.wait_ready();
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let m = [("model", "m")];
+    let count = |name: &str| sample(&scrape(&metrics), name, &m).unwrap_or(0.0);
+    // Sequences the engines took, summed over replicas (a new revision is a new series).
+    let engine_seqs = || {
+        let text = scrape(&metrics);
+        let series = text.lines().filter(|l| l.starts_with("strata_request_queue_time_seconds_count{"));
+        series.filter_map(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()).sum::<f64>()
+    };
+
+    let greedy = token_request("m", vec![1, 5, 9], 6);
+    let first = c.generate(greedy.clone()).await.unwrap().into_inner();
+    assert_eq!((engine_seqs(), count("strata_response_cache_misses_total")), (1.0, 1.0));
+    let again = c.generate(greedy.clone()).await.unwrap().into_inner();
+    assert_eq!(
+        (again.token_ids, again.text, again.finish_reason),
+        (first.token_ids.clone(), first.text, first.finish_reason)
+    );
+    let mut s = c.generate_stream(greedy.clone()).await.unwrap().into_inner();
+    let mut streamed = Vec::new();
+    while let Some(msg) = s.message().await.unwrap() {
+        streamed.extend(msg.token_ids);
+    }
+    assert_eq!(streamed, first.token_ids, "the stream replays the same tokens");
+    assert_eq!(engine_seqs(), 1.0, "no replica step for the two repeats");
+    assert_eq!(count("strata_response_cache_hits_total"), 2.0);
+    let finished =
+        sample(&scrape(&metrics), "strata_requests_total", &[("model", "m"), ("finish_reason", "length")]);
+    assert_eq!(finished, Some(3.0), "replayed requests are requests");
+
+    // Opting out generates.
+    let fresh = pb::GenerateRequest { cache: Some(false), ..greedy.clone() };
+    assert_eq!(c.generate(fresh).await.unwrap().into_inner().token_ids, first.token_ids);
+    assert_eq!(engine_seqs(), 2.0);
+
+    // Sampling: never cached without a seed; cached with one.
+    let sampled = |seed: Option<u64>| pb::GenerateRequest {
+        sampling: Some(pb::SamplingParams { temperature: 0.9, seed, ..Default::default() }),
+        ..token_request("m", vec![2, 4, 6], 8)
+    };
+    for _ in 0..2 {
+        c.generate(sampled(None)).await.unwrap();
+    }
+    assert_eq!(engine_seqs(), 4.0, "an unseeded sample is drawn anew every time");
+    let a = c.generate(sampled(Some(11))).await.unwrap().into_inner();
+    let b = c.generate(sampled(Some(11))).await.unwrap().into_inner();
+    assert_eq!(a.token_ids, b.token_ids);
+    assert_eq!((engine_seqs(), count("strata_response_cache_hits_total")), (5.0, 3.0));
+
+    // A changed deployment is a new revision: its first answer is generated again.
+    new_revision(&server.endpoint()).await;
+    let (before, hits) = (engine_seqs(), count("strata_response_cache_hits_total"));
+    let renewed = c.generate(greedy.clone()).await.unwrap().into_inner();
+    assert_eq!(renewed.token_ids, first.token_ids, "same weights, same tokens");
+    assert_eq!(count("strata_response_cache_hits_total"), hits, "not from the old revision's cache");
+    assert_eq!(engine_seqs(), before + 1.0, "the new revision generated it");
+}
+
+/// Redeploys model `m` with a changed spec and waits until only replicas of the new
+/// revision serve it.
+async fn new_revision(endpoint: &str) {
+    use strata_proto::admin::v1 as apb;
+    let mut admin = apb::admin_client::AdminClient::connect(endpoint.to_string()).await.unwrap();
+    let spec = admin.list_models(apb::ListModelsRequest {}).await.unwrap().into_inner().models;
+    let old = spec.iter().find(|s| s.name == "m").unwrap().clone();
+    let changed = apb::DeployModelRequest {
+        name: "m".into(),
+        model_dir: old.model_dir.clone(),
+        tp: 1,
+        pp: 1,
+        replicas: 1,
+        scheduler: Some(apb::SchedulerLimits { max_num_seqs: 7, ..Default::default() }),
+        ..Default::default()
+    };
+    let generation = admin.deploy_model(changed).await.unwrap().into_inner().model.unwrap().generation;
+    assert_eq!(generation, old.generation + 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let rs =
+            admin.list_replicas(apb::ListReplicasRequest { name: "m".into() }).await.unwrap().into_inner();
+        let ready = apb::ReplicaState::Ready as i32;
+        if rs.replicas.iter().all(|r| r.generation == generation && r.state == ready)
+            && !rs.replicas.is_empty()
+        {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the new revision never took over: {rs:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -49,6 +49,7 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
         fill_context: false,
         priority: Priority::Online,
         params,
+        cache: req.cache.unwrap_or(true),
     }
 }
 

@@ -42,6 +42,9 @@ pub struct GenerateRequest {
     /// How to sample; `max_new_tokens` is set by admission from `max_tokens`.
     pub params: SamplingParams,
     pub priority: Priority,
+    /// May be answered from the response cache (when deterministic); false always
+    /// generates.
+    pub cache: bool,
 }
 
 /// Default `max_tokens` when a request leaves it out.

@@ -29,6 +29,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument, Span};
 
 use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
+use crate::request::cache::{Key, Response, ResponseCache, StoredChunk};
 use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
@@ -107,6 +108,7 @@ pub async fn begin(
 ) -> Result<Started> {
     // Unknown names share one label, so a caller cannot grow the metrics without bound.
     let model = models.get(&request.model).inspect_err(|e| failed("(unknown)", e))?;
+    let cache_wanted = request.cache;
     let admitted = match request.prompt {
         Some(Prompt::Text(_) | Prompt::Chat(_)) => {
             let entry = model.clone();
@@ -118,9 +120,49 @@ pub async fn begin(
     };
     let admitted = admitted.inspect_err(|e| failed(&model.name, e))?;
     let prompt_ids = admitted.prompt_ids.clone();
-    let rx = start(model.clone(), admitted, request_id, deadline, limits).await?;
+    let revision = model.routes.revision();
+    let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
+    if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
+        let rx = replay(&model, &admitted, response);
+        return Ok(Started { model, prompt_ids, rx });
+    }
+    let rx = start(model.clone(), admitted, request_id, deadline, limits, key).await?;
     Ok(Started { model, prompt_ids, rx })
 }
+
+/// A cached response, streamed as it was the first time (counted as a request, served by
+/// no replica).
+fn replay(model: &ModelEntry, admitted: &Admitted, response: Response) -> ChunkRx {
+    let span = Span::current();
+    span::admitted(&span, &model.name, &admitted.params, admitted.prompt_ids.len());
+    let mut timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(
+        async move {
+            for (i, c) in response.iter().enumerate() {
+                let chunk = Chunk {
+                    text: c.text.clone(),
+                    token_ids: c.token_ids.clone(),
+                    logprobs: c.logprobs.clone(),
+                    finish: c.finish,
+                };
+                if tx.send(Ok(chunk)).await.is_err() {
+                    return;
+                }
+                timer.token();
+                if let Some(reason) = c.finish {
+                    timer.finished(reason);
+                    span::finished(&Span::current(), CACHE_REPLICA, 0, 0, i + 1, Ok(reason));
+                }
+            }
+        }
+        .instrument(span),
+    );
+    rx
+}
+
+/// What responses replayed from the cache name as their replica (spans, logs).
+pub const CACHE_REPLICA: &str = "response-cache";
 
 /// Submits the request and streams its chunks. Errors that happen before the first
 /// token (bad request, every replica full, none ready) are returned here, so they become
@@ -131,6 +173,7 @@ pub async fn start(
     request_id: String,
     deadline: Option<Instant>,
     limits: RouteLimits,
+    key: Option<Key>,
 ) -> Result<ChunkRx> {
     let online = OnlineGuard::new(admitted.priority);
     let stop = admitted.params.stop.clone();
@@ -153,6 +196,7 @@ pub async fn start(
         timer,
         span: span.clone(),
         attempt: Attempt::default(),
+        record: key.map(|k| (k, Vec::new())),
         _online: online,
     };
     let (replica, stream) = run.submit().await.inspect_err(|e| run.fail_now(e))?;
@@ -180,6 +224,8 @@ struct Run {
     /// The request's span, and the attempt now streaming (its child).
     span: Span,
     attempt: Attempt,
+    /// A cacheable request: its key and the chunks streamed so far.
+    record: Option<(Key, Vec<StoredChunk>)>,
     _online: Option<OnlineGuard>,
 }
 
@@ -315,6 +361,7 @@ impl Run {
                         Err(e) => return self.fail(&tx, e).await,
                     };
                     let finish = chunk.finish;
+                    self.keep(&chunk);
                     if tx.send(Ok(chunk)).await.is_err() {
                         return; // dropping `events` cancels the sequence if it still runs
                     }
@@ -322,6 +369,7 @@ impl Run {
                     if let Some(reason) = finish {
                         self.timer.finished(reason);
                         self.record_end(Ok(reason));
+                        self.store(&replica);
                         return;
                     }
                     continue;
@@ -352,6 +400,26 @@ impl Run {
                 }
                 Err(e) => return self.fail(&tx, e).await,
             }
+        }
+    }
+
+    /// Keeps a copy of `chunk` for the response cache (cacheable requests only).
+    fn keep(&mut self, chunk: &Chunk) {
+        if let Some((_, chunks)) = &mut self.record {
+            chunks.push(StoredChunk {
+                text: chunk.text.clone(),
+                token_ids: chunk.token_ids.clone(),
+                logprobs: chunk.logprobs.clone(),
+                finish: chunk.finish,
+            });
+        }
+    }
+
+    /// Stores the finished response when one replica of the key's revision made all of it.
+    fn store(&mut self, replica: &str) {
+        let Some((key, chunks)) = self.record.take() else { return };
+        if self.failovers == 0 && self.model.routes.replica_revision(replica) == Some(key.revision()) {
+            ResponseCache::global().put(key, chunks);
         }
     }
 

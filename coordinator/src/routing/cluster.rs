@@ -110,6 +110,15 @@ impl ClusterRoutes {
 
 #[async_trait::async_trait]
 impl Routes for ClusterRoutes {
+    fn revision(&self) -> u64 {
+        self.view.borrow().models.get(self.model.as_str()).map_or(0, |spec| spec.generation)
+    }
+
+    fn replica_revision(&self, replica: &str) -> Option<u64> {
+        let view = self.view.borrow();
+        view.replicas.get(self.model.as_str())?.get(replica).map(|r| r.generation)
+    }
+
     fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
         let suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).current(Instant::now());
         let ready: Vec<(String, String)> = self

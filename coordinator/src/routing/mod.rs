@@ -56,6 +56,15 @@ pub trait Routes: Send + Sync {
     }
     /// Ready replicas.
     fn ready(&self) -> usize;
+    /// The model's revision now (a deployment's spec generation): responses are cached
+    /// per revision.
+    fn revision(&self) -> u64 {
+        0
+    }
+    /// The revision `replica` was built from, when known.
+    fn replica_revision(&self, _replica: &str) -> Option<u64> {
+        Some(0)
+    }
     /// Load over all ready replicas, as they report it now.
     async fn stats(&self) -> EngineStats;
 }

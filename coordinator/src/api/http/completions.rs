@@ -79,6 +79,7 @@ fn choices(common: &Common, prompts: Vec<Prompt>, fill_context: bool) -> Result<
                     fill_context,
                     params,
                     priority: Priority::Online,
+                    cache: common.cache,
                 },
             });
         }

@@ -3,7 +3,8 @@
 //!
 //! Unknown fields are ignored (clients send fields of newer API versions); `null` is the
 //! same as leaving a field out. Besides OpenAI's parameters, the vLLM-style extensions
-//! `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are read.
+//! `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are read, and
+//! `cache` (false: never answer from the response cache).
 
 use serde_json::{Map, Value as Json};
 use strata_common::sampling::MAX_LOGPROBS;
@@ -104,6 +105,8 @@ pub struct Common {
     pub params: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
+    /// May be answered from the response cache.
+    pub cache: bool,
 }
 
 /// Reads the shared fields. `max_tokens_names` are the names the output length may go by
@@ -172,7 +175,8 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
         stop: stop(f)?,
         ..d
     };
-    Ok(Common { model, max_tokens, max_tokens_field, n, params, stream, include_usage })
+    let cache = boolean(f, "cache")?.unwrap_or(true);
+    Ok(Common { model, max_tokens, max_tokens_field, n, params, stream, include_usage, cache })
 }
 
 fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
@@ -263,6 +267,7 @@ mod tests {
             (json!({"model": "m", "stream_options": {"include_usage": true}}), "stream_options"),
             (json!({"model": "m", "logit_bias": {"5": 10}}), "logit_bias"),
             (json!({"model": "m", "best_of": 3}), "best_of"),
+            (json!({"model": "m", "cache": "no"}), "cache"),
         ];
         for (body, param) in cases {
             let e = common(&fields(body.clone()), &["max_tokens"]).unwrap_err();
@@ -278,7 +283,9 @@ mod tests {
             common(&fields(json!({"model": "m", "seed": -1, "temperature": null})), &["max_tokens"]).unwrap();
         assert_eq!(c.params.temperature, 1.0);
         assert_eq!(c.params.seed, Some(u64::MAX));
-        assert_eq!((c.n, c.stream, c.max_tokens), (1, false, None));
+        assert_eq!((c.n, c.stream, c.max_tokens, c.cache), (1, false, None, true));
+        let opted_out = common(&fields(json!({"model": "m", "cache": false})), &["max_tokens"]).unwrap();
+        assert!(!opted_out.cache);
         let f = fields(json!({"logprobs": true, "top_logprobs": 3}));
         assert_eq!(chat_logprobs(&f).unwrap(), Some(3));
         assert!(chat_logprobs(&fields(json!({"top_logprobs": 3}))).is_err());

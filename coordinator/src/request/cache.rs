@@ -1,0 +1,266 @@
+//! The response cache: identical deterministic requests answered without a replica.
+//!
+//! A request whose output is determined by its inputs — greedy decoding, or sampling with
+//! the caller's own seed — on the same model revision gets the same tokens every time, so
+//! the coordinator keeps finished responses in memory and replays them. The key is the
+//! model, its revision (the deployment's spec generation: a changed deployment never
+//! answers from an older one's responses), the prompt's token ids and every generation
+//! parameter (sampling knobs, seed, max tokens, stops, logprobs). A sampled request without
+//! a seed is never cached (the coordinator picks it a fresh seed); a caller may opt out
+//! per request. A response is stored only when it finished normally on one replica of the
+//! key's revision (no failover, no error, no cancellation).
+//!
+//! The cache is bounded in bytes (keys and responses as they sit in memory, roughly) and
+//! evicts the least recently used response first; one process-wide cache serves every
+//! front end (gRPC, HTTP, batch jobs). Hits, misses, evictions and the bytes held are
+//! metrics.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use lru::LruCache;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use strata_common::metrics::register;
+use strata_common::{FinishReason, SamplingParams, TokenLogprobs};
+
+use super::metrics::ModelLabel;
+
+/// What identifies a response.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    model: String,
+    revision: u64,
+    prompt: Vec<u32>,
+    /// The generation parameters, canonically serialized.
+    params: String,
+}
+
+impl Key {
+    /// The key of a request, or None when its output is not determined by its inputs
+    /// (sampled without the caller's seed) or the caller opted out.
+    pub fn of(
+        model: &str,
+        revision: u64,
+        prompt: &[u32],
+        params: &SamplingParams,
+        wanted: bool,
+    ) -> Option<Key> {
+        if !wanted || (!params.is_greedy() && params.seed.is_none()) {
+            return None;
+        }
+        let params = serde_json::to_string(params).ok()?;
+        Some(Key { model: model.to_string(), revision, prompt: prompt.to_vec(), params })
+    }
+
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<Key>() + self.model.len() + 4 * self.prompt.len() + self.params.len()
+    }
+}
+
+/// One chunk of a stored response, as it was streamed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredChunk {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprobs>,
+    pub finish: Option<FinishReason>,
+}
+
+impl StoredChunk {
+    fn bytes(&self) -> usize {
+        let alternatives: usize = self.logprobs.iter().map(|l| l.top.len()).sum();
+        std::mem::size_of::<StoredChunk>()
+            + self.text.len()
+            + 4 * self.token_ids.len()
+            + self.logprobs.len() * std::mem::size_of::<TokenLogprobs>()
+            + alternatives * 8
+    }
+}
+
+/// A finished response.
+pub type Response = Arc<Vec<StoredChunk>>;
+
+struct Inner {
+    entries: LruCache<Key, (Response, usize)>,
+    bytes: usize,
+}
+
+/// A byte-bounded LRU map from request keys to finished responses.
+pub struct ResponseCache {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+impl ResponseCache {
+    /// A cache holding at most `capacity` bytes (0: nothing is stored).
+    pub fn new(capacity: usize) -> Self {
+        ResponseCache { capacity, inner: Mutex::new(Inner { entries: LruCache::unbounded(), bytes: 0 }) }
+    }
+
+    /// The process's cache (64 MiB until [`ResponseCache::configure`] says otherwise).
+    pub fn global() -> &'static ResponseCache {
+        GLOBAL.get_or_init(|| ResponseCache::new(DEFAULT_CAPACITY))
+    }
+
+    /// Sizes the process's cache; only before its first use (false after).
+    pub fn configure(capacity: usize) -> bool {
+        GLOBAL.set(ResponseCache::new(capacity)).is_ok()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The stored response for `key` (now the most recently used), counting a hit or a miss.
+    pub fn get(&self, key: &Key) -> Option<Response> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let found = self.lock().entries.get(key).map(|(r, _)| r.clone());
+        let label = ModelLabel { model: key.model.clone() };
+        let m = metrics();
+        match &found {
+            Some(_) => m.hits.get_or_create(&label).inc(),
+            None => m.misses.get_or_create(&label).inc(),
+        };
+        found
+    }
+
+    /// Stores `response` under `key`, evicting the least recently used responses until it
+    /// fits; a response larger than the whole cache is not stored.
+    pub fn put(&self, key: Key, response: Vec<StoredChunk>) {
+        let size = key.bytes() + response.iter().map(StoredChunk::bytes).sum::<usize>();
+        if size > self.capacity {
+            return;
+        }
+        let mut inner = self.lock();
+        if let Some((_, old)) = inner.entries.pop(&key) {
+            inner.bytes -= old;
+        }
+        let mut evicted = 0u64;
+        while inner.bytes + size > self.capacity {
+            let Some((_, (_, freed))) = inner.entries.pop_lru() else { break };
+            inner.bytes -= freed;
+            evicted += 1;
+        }
+        inner.entries.put(key, (Arc::new(response), size));
+        inner.bytes += size;
+        let m = metrics();
+        m.evictions.inc_by(evicted);
+        m.bytes.set(inner.bytes as i64);
+        m.entries.set(inner.entries.len() as i64);
+    }
+
+    /// Bytes held now.
+    pub fn bytes(&self) -> usize {
+        self.lock().bytes
+    }
+}
+
+const DEFAULT_CAPACITY: usize = 64 << 20;
+
+static GLOBAL: OnceLock<ResponseCache> = OnceLock::new();
+
+struct CacheMetrics {
+    hits: Family<ModelLabel, Counter>,
+    misses: Family<ModelLabel, Counter>,
+    evictions: Counter,
+    bytes: Gauge,
+    entries: Gauge,
+}
+
+fn metrics() -> &'static CacheMetrics {
+    static METRICS: OnceLock<CacheMetrics> = OnceLock::new();
+    METRICS.get_or_init(|| {
+        let m = CacheMetrics {
+            hits: Family::default(),
+            misses: Family::default(),
+            evictions: Counter::default(),
+            bytes: Gauge::default(),
+            entries: Gauge::default(),
+        };
+        register(
+            "response_cache_hits",
+            "Deterministic requests answered from the response cache, by model",
+            m.hits.clone(),
+        );
+        register(
+            "response_cache_misses",
+            "Cacheable requests the response cache did not hold, by model",
+            m.misses.clone(),
+        );
+        register("response_cache_evictions", "Responses evicted to make room", m.evictions.clone());
+        register("response_cache_bytes", "Bytes the response cache holds", m.bytes.clone());
+        register("response_cache_entries", "Responses the response cache holds", m.entries.clone());
+        m
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(text: &str, token: u32, finish: Option<FinishReason>) -> StoredChunk {
+        StoredChunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish }
+    }
+
+    fn greedy() -> SamplingParams {
+        SamplingParams { max_new_tokens: 4, ..Default::default() }
+    }
+
+    #[test]
+    fn only_deterministic_requests_have_keys() {
+        assert!(Key::of("m", 1, &[1, 2], &greedy(), true).is_some());
+        assert!(Key::of("m", 1, &[1, 2], &greedy(), false).is_none(), "opted out");
+        let sampled = SamplingParams { temperature: 0.8, ..greedy() };
+        assert!(Key::of("m", 1, &[1, 2], &sampled, true).is_none(), "no seed: a fresh draw each time");
+        let seeded = SamplingParams { seed: Some(7), ..sampled };
+        assert!(Key::of("m", 1, &[1, 2], &seeded, true).is_some());
+        // Every input is part of the key.
+        let k = Key::of("m", 1, &[1, 2], &greedy(), true);
+        assert_ne!(k, Key::of("m", 2, &[1, 2], &greedy(), true), "revision");
+        assert_ne!(k, Key::of("m", 1, &[1, 3], &greedy(), true), "prompt");
+        assert_ne!(k, Key::of("n", 1, &[1, 2], &greedy(), true), "model");
+        let longer = SamplingParams { max_new_tokens: 5, ..greedy() };
+        assert_ne!(k, Key::of("m", 1, &[1, 2], &longer, true), "max tokens");
+    }
+
+    #[test]
+    fn the_least_recently_used_response_goes_first_and_bytes_stay_bounded() {
+        let key = |i: u32| Key::of("m", 1, &[i], &greedy(), true).unwrap();
+        let response = |i: u32| vec![chunk("a", i, None), chunk("b", i + 1, Some(FinishReason::Length))];
+        let one = key(0).bytes() + response(0).iter().map(StoredChunk::bytes).sum::<usize>();
+        let cache = ResponseCache::new(3 * one);
+        for i in 0..3 {
+            cache.put(key(i), response(i));
+        }
+        assert!(cache.get(&key(0)).is_some(), "0 is now the most recently used");
+        cache.put(key(3), response(3));
+        assert!(cache.get(&key(1)).is_none(), "1 was the least recently used");
+        for i in [0, 2, 3] {
+            assert_eq!(*cache.get(&key(i)).unwrap(), response(i));
+        }
+        assert!(cache.bytes() <= cache.capacity());
+        // Larger than the whole cache: not stored, nothing evicted.
+        let huge = vec![chunk(&"x".repeat(4 * one), 9, Some(FinishReason::Stop))];
+        cache.put(key(9), huge);
+        assert!(cache.get(&key(9)).is_none() && cache.get(&key(0)).is_some());
+        // A zero-sized cache stores nothing.
+        let off = ResponseCache::new(0);
+        off.put(key(0), response(0));
+        assert!(off.get(&key(0)).is_none());
+    }
+}
