@@ -1,6 +1,7 @@
 //! The OpenAI-style HTTP API of a real `strata serve`: OpenAI's official Python client
 //! (tests/python/openai_client.py), the same tokens as gRPC and as HF transformers, the
-//! probes, API keys, and a client that disconnects cancelling its sequence.
+//! probes, API keys, a client that disconnects cancelling its sequence, and the response
+//! cache.
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -277,4 +278,31 @@ async fn a_full_queue_answers_429() {
     let (_, json) = raw.split_once("\r\n\r\n").unwrap();
     let json: serde_json::Value = serde_json::from_str(json).unwrap();
     assert_eq!(json["error"]["type"], "rate_limit_error", "{json}");
+}
+
+/// The response cache over HTTP: a repeated greedy completion is the same response, taken
+/// from the cache (its hit counted); `"cache": false` generates again.
+#[test]
+fn a_repeated_greedy_completion_comes_from_the_response_cache() {
+    let dir = fixtures_dir().join("llama_gqa");
+    let (server, http) = serve_http(&dir, &["--metrics-listen", "127.0.0.1:0"]);
+    let metrics = server.out.passed("metrics").expect("the metrics address is announced");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    let hits = || {
+        let (status, text) = request(&metrics, "GET", "/metrics", None, None).expect("scrape /metrics");
+        assert_eq!(status, 200);
+        let line = text.lines().find(|l| l.starts_with("strata_response_cache_hits_total{model=\"m\"}"));
+        line.and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let body = json!({"model": "m", "prompt": [3, 1, 4, 1, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": true});
+    let (status, first) = post(&http, "/v1/completions", None, &body);
+    assert_eq!(status, 200, "{first}");
+    let (_, again) = post(&http, "/v1/completions", None, &body);
+    assert_eq!((&again["choices"], &again["usage"]), (&first["choices"], &first["usage"]));
+    assert_eq!(hits(), 1.0);
+    let mut fresh = body.clone();
+    fresh["cache"] = json!(false);
+    let (_, generated) = post(&http, "/v1/completions", None, &fresh);
+    assert_eq!(generated["choices"], first["choices"]);
+    assert_eq!(hits(), 1.0, "an opted-out request is generated");
 }
