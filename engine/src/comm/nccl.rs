@@ -232,6 +232,7 @@ impl NcclComm {
         run(&mut buf)?;
         let mut first = vec![0f32; count.clamp(1, 1024)];
         stream.memcpy_dtoh(&buf.slice(..first.len()), &mut first).map_err(cuda_err("copy to host"))?;
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
         let correct = first.iter().all(|&v| v == group.len() as f32);
         // Values grow by the group size each time; refill before they could overflow.
         let mut times = Vec::with_capacity(iters);
