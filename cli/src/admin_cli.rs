@@ -83,8 +83,8 @@ pub struct DeployArgs {
     pub dtype: String,
     /// cpu or cuda: ranks go only to workers of this kind with room for their shard and
     /// KV cache (default: the coordinator's default_device).
-    #[arg(long, default_value = "", value_parser = ["", "cpu", "cuda"], hide_possible_values = true)]
-    pub device: String,
+    #[arg(long, value_parser = ["cpu", "cuda"])]
+    pub device: Option<String>,
     /// Most sequences per engine step (0: the worker's default).
     #[arg(long, default_value_t = 0)]
     pub max_num_seqs: u32,
@@ -111,7 +111,7 @@ impl DeployArgs {
             name: self.name,
             model_dir: self.model,
             dtype: self.dtype,
-            device: self.device,
+            device: self.device.unwrap_or_default(),
             tp: self.tp,
             pp: self.pp,
             replicas: self.replicas,

@@ -198,7 +198,9 @@ pub fn write_slow_model(dir: &Path) {
 }
 
 /// A greedy `Generate` request for token ids, ignoring EOS (so it yields exactly
-/// `max_tokens` tokens).
+/// `max_tokens` tokens). It opts out of the response cache: the tests that send it load
+/// replicas, kill them mid-stream or fill their queues, and a repeated request must reach
+/// a replica (the cache's own tests set `cache` back).
 pub fn token_request(
     model: &str,
     prompt: Vec<u32>,
@@ -210,6 +212,7 @@ pub fn token_request(
         prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
         max_tokens: Some(max_tokens),
         ignore_eos: true,
+        cache: Some(false),
         ..Default::default()
     }
 }

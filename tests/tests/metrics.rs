@@ -152,7 +152,7 @@ async fn repeated_deterministic_requests_come_from_the_response_cache() {
         series.filter_map(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()).sum::<f64>()
     };
 
-    let greedy = token_request("m", vec![1, 5, 9], 6);
+    let greedy = pb::GenerateRequest { cache: None, ..token_request("m", vec![1, 5, 9], 6) };
     let first = c.generate(greedy.clone()).await.unwrap().into_inner();
     assert_eq!((engine_seqs(), count("strata_response_cache_misses_total")), (1.0, 1.0));
     let again = c.generate(greedy.clone()).await.unwrap().into_inner();
@@ -180,6 +180,7 @@ async fn repeated_deterministic_requests_come_from_the_response_cache() {
     // Sampling: never cached without a seed; cached with one.
     let sampled = |seed: Option<u64>| pb::GenerateRequest {
         sampling: Some(pb::SamplingParams { temperature: 0.9, seed, ..Default::default() }),
+        cache: None,
         ..token_request("m", vec![2, 4, 6], 8)
     };
     for _ in 0..2 {
