@@ -69,7 +69,7 @@ CASES = {
         "models": [
             {"name": "a", "path": "a", "tp": 2, "replicas": 1},
             {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
-            {"name": "c", "path": "c"},
+            {"name": "c", "path": "c", "device": "cpu"},
         ]
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
@@ -99,6 +99,8 @@ BAD_VALUES = {
     "existingSecret mode without a secret": {"clusterTls": {"mode": "existingSecret"}},
     "negative port": {"coordinator": {"grpcPort": -1}},
     "short API key": {"auth": {"apiKeys": ["short"]}},
+    "model device outside the enum": {"models": [{"name": "a", "path": "x", "device": "tpu"}]},
+    "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
 }
 
 # Values the schema accepts but the templates refuse, with what the refusal must say.
@@ -183,6 +185,27 @@ def check_batch_volume(objs):
         fail(f"batch: the coordinator mounts {claims}, not the claim")
 
 
+def check_devices(objs):
+    """gpu mode: deployments default to cuda, a model may name cpu; workers name their node."""
+    by_kind = {(o["kind"], o["metadata"]["name"]): o for _, o in objs}
+    job = next(o for (k, n), o in by_kind.items() if k == "Job" and n.endswith("-deploy-models"))
+    devices = {}
+    for c in job["spec"]["template"]["spec"]["initContainers"]:
+        args = c["args"]
+        name = next(a.split("=", 1)[1] for a in args if a.startswith("--name="))
+        devices[name] = [a.split("=", 1)[1] for a in args if a.startswith("--device=")]
+    if devices != {"a": ["cuda"], "b": ["cuda"], "c": ["cpu"]}:
+        fail(f"three-models: deploy devices {devices}")
+    coord = next(o for (k, n), o in by_kind.items() if k == "Deployment" and n.endswith("-coordinator"))
+    if "--default-device=cuda" not in coord["spec"]["template"]["spec"]["containers"][0]["args"]:
+        fail("three-models: the coordinator's default device is not cuda in gpu mode")
+    worker = next(o for (k, n), o in by_kind.items() if k == "StatefulSet" and n.endswith("-worker"))
+    env = {e["name"]: e for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
+    node = env.get("STRATA_NODE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    if node != "spec.nodeName":
+        fail(f"three-models: workers' STRATA_NODE comes from {node!r}, not spec.nodeName")
+
+
 def check_dashboards():
     src = os.path.join(ROOT, "deploy", "grafana", "dashboards")
     dst = os.path.join(CHART, "dashboards")
@@ -240,6 +263,8 @@ def main():
     check_render_failures()
     if rendered.get("batch"):
         check_batch_volume(rendered["batch"])
+    if rendered.get("three-models"):
+        check_devices(rendered["three-models"])
     check_dashboards()
     check_dockerfiles()
     if render_dir and rendered.get("cpu"):
