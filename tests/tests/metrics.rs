@@ -171,12 +171,10 @@ async fn repeated_deterministic_requests_come_from_the_response_cache() {
     let finished =
         sample(&scrape(&metrics), "strata_requests_total", &[("model", "m"), ("finish_reason", "length")]);
     assert_eq!(finished, Some(3.0), "replayed requests are requests");
-
     // Opting out generates.
     let fresh = pb::GenerateRequest { cache: Some(false), ..greedy.clone() };
     assert_eq!(c.generate(fresh).await.unwrap().into_inner().token_ids, first.token_ids);
     assert_eq!(engine_seqs(), 2.0);
-
     // Sampling: never cached without a seed; cached with one.
     let sampled = |seed: Option<u64>| pb::GenerateRequest {
         sampling: Some(pb::SamplingParams { temperature: 0.9, seed, ..Default::default() }),
@@ -191,7 +189,6 @@ async fn repeated_deterministic_requests_come_from_the_response_cache() {
     let b = c.generate(sampled(Some(11))).await.unwrap().into_inner();
     assert_eq!(a.token_ids, b.token_ids);
     assert_eq!((engine_seqs(), count("strata_response_cache_hits_total")), (5.0, 3.0));
-
     // A changed deployment is a new revision: its first answer is generated again.
     new_revision(&server.endpoint()).await;
     let (before, hits) = (engine_seqs(), count("strata_response_cache_hits_total"));
