@@ -142,7 +142,7 @@ impl CallerArgs {
 
 /// Sizes the process's response cache from `coordinator.response_cache_memory`.
 pub fn response_cache(c: &CoordinatorSettings) -> anyhow::Result<()> {
-    let bytes = strata_common::config::parse_memory(&c.response_cache_memory)
+    let bytes = strata_common::config::parse_memory_or_zero(&c.response_cache_memory)
         .context("--response-cache-memory (coordinator.response_cache_memory)")?;
     strata_coordinator::request::cache::ResponseCache::configure(bytes);
     Ok(())

@@ -401,7 +401,7 @@ impl Config {
             }
         }
         let c = &self.coordinator;
-        parse_memory(&c.response_cache_memory)
+        parse_memory_or_zero(&c.response_cache_memory)
             .map_err(|err| rename(err, "coordinator.response_cache_memory"))?;
         if !matches!(c.default_device.as_str(), "cpu" | "cuda") {
             return Err(Error::invalid(
@@ -463,6 +463,14 @@ pub fn seconds(key: &str, v: f64, min: f64) -> Result<std::time::Duration> {
 }
 
 /// Parses "512MiB", "2GiB", "1000000" (bytes) or a fraction of available memory ("0.2").
+/// [`parse_memory`], or 0 for "0" (a cache turned off).
+pub fn parse_memory_or_zero(text: &str) -> Result<usize> {
+    if text.trim() == "0" {
+        return Ok(0);
+    }
+    parse_memory(text)
+}
+
 pub fn parse_memory(text: &str) -> Result<usize> {
     let bad = |reason: String| Error::invalid("memory", format!("{text:?}: {reason}"));
     let t = text.trim();
@@ -526,6 +534,10 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.device"));
         let cfg = Config::from_toml("[engine]\nkv_cache_memory = \"lots\"\n").unwrap();
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.kv_cache_memory"));
+        let cfg = Config::from_toml("[coordinator]\nresponse_cache_memory = \"lots\"\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("coordinator.response_cache_memory"));
+        let cfg = Config::from_toml("[coordinator]\nresponse_cache_memory = \"0\"\n").unwrap();
+        assert!(cfg.validate().is_ok(), "0 turns the response cache off");
     }
 
     #[test]
@@ -535,5 +547,9 @@ mod tests {
         assert_eq!(parse_memory("4096").unwrap(), 4096);
         assert!(parse_memory("-1MiB").is_err());
         assert!(parse_memory("2.5").is_err());
+        // A cache may be turned off; a KV cache may not.
+        assert_eq!(parse_memory_or_zero("0").unwrap(), 0);
+        assert_eq!(parse_memory_or_zero("64MiB").unwrap(), 64 << 20);
+        assert!(parse_memory("0").is_err() && parse_memory_or_zero("lots").is_err());
     }
 }

@@ -101,6 +101,7 @@ BAD_VALUES = {
     "short API key": {"auth": {"apiKeys": ["short"]}},
     "model device outside the enum": {"models": [{"name": "a", "path": "x", "device": "tpu"}]},
     "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
+    "response cache size not a size": {"coordinator": {"responseCacheMemory": "lots"}},
 }
 
 # Values the schema accepts but the templates refuse, with what the refusal must say.
