@@ -71,7 +71,7 @@ pub type NewId<'a> = &'a mut dyn FnMut(&str) -> ReplicaId;
 
 pub fn plan(view: &ClusterView, inputs: &Inputs<'_>, new_id: NewId<'_>) -> Vec<Action> {
     let mut out = Vec::new();
-    let mut free = free_workers(view);
+    let mut free = placement::Free::new(free_workers(view));
     release_leftovers(view, inputs, &mut out);
     let mut names: Vec<&ModelName> = view.models.keys().chain(view.replicas.keys()).collect();
     names.sort();
@@ -145,7 +145,7 @@ fn plan_model(
     view: &ClusterView,
     inputs: &Inputs<'_>,
     name: &ModelName,
-    free: &mut Vec<&WorkerRecord>,
+    free: &mut placement::Free<'_>,
     new_id: NewId<'_>,
     out: &mut Vec<Action>,
 ) {
@@ -279,16 +279,15 @@ fn place(
     inputs: &Inputs<'_>,
     name: &ModelName,
     to_place: Vec<ToPlace>,
-    free: &mut Vec<&WorkerRecord>,
+    free: &mut placement::Free<'_>,
     out: &mut Vec<Action>,
 ) {
     let m = name.clone();
     for (id, current, exists) in to_place {
         let reason = match inputs.backoff.get(name.as_str()) {
             Some(why) => why.clone(),
-            None => match placement::choose(spec, free) {
+            None => match free.take(spec) {
                 Ok(workers) => {
-                    free.retain(|w| !workers.contains(&w.id));
                     out.push(Action::Assign { model: m.clone(), id, workers });
                     continue;
                 }

@@ -1,8 +1,9 @@
 //! Placement on hand-built worker lists: kinds, memory, nodes.
 
 use strata_common::cluster::{Capacity, EngineLimits, ModelSpec, WorkerRecord};
+use strata_common::WorkerId;
 
-use super::choose;
+use super::Free;
 
 const GIB: u64 = 1 << 30;
 
@@ -42,7 +43,7 @@ fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
 fn pick(spec: &ModelSpec, workers: &[WorkerRecord]) -> Result<Vec<String>, String> {
     let mut free: Vec<&WorkerRecord> = workers.iter().collect();
     free.sort_by(|a, b| b.capacity.memory_bytes.cmp(&a.capacity.memory_bytes).then(a.id.cmp(&b.id)));
-    choose(spec, &free).map(|ws| ws.into_iter().map(|w| w.to_string()).collect())
+    Free::new(free).take(spec).map(|ws| ws.into_iter().map(|w| w.to_string()).collect())
 }
 
 #[test]
@@ -114,4 +115,28 @@ fn workers_with_unknown_machines_are_never_grouped_as_one() {
         worker("z2", "cuda", 60, "z"),
     ];
     assert_eq!(pick(&spec("cuda", 2, 1, 10), &ws).unwrap(), ["z1", "z2"]);
+}
+
+#[test]
+fn cpu_workers_of_one_machine_share_its_memory() {
+    // Three CPU workers on machine "h", each seeing its 10 GiB free; a rank needs 4 GiB of
+    // weights and the worker's 2 GiB KV cache: the machine holds one rank, not three.
+    let ws = [worker("a", "cpu", 10, "h"), worker("b", "cpu", 10, "h"), worker("c", "cpu", 10, "h")];
+    let why = pick(&spec("cpu", 2, 1, 4), &ws).unwrap_err();
+    assert_eq!(
+        why,
+        "waiting for 2 free cpu workers with ≥ 4.0 GiB free besides their KV cache \
+         (3 free, 3 fit one rank each, but their machines' shared memory holds fewer than 2)"
+    );
+    // Two replicas of one rank in the same pass: the second finds the machine full.
+    let mut free = Free::new(ws.iter().collect());
+    assert_eq!(free.take(&spec("cpu", 1, 1, 4)).unwrap(), [WorkerId::from("a")]);
+    let why = free.take(&spec("cpu", 1, 1, 4)).unwrap_err();
+    assert!(why.ends_with("(2 free: 0 fit, 2 with too little memory)"), "{why}");
+    // A second machine takes the other rank of a TP group.
+    let two = [worker("a", "cpu", 10, "h"), worker("b", "cpu", 10, "h"), worker("x", "cpu", 9, "i")];
+    assert_eq!(pick(&spec("cpu", 2, 1, 4), &two).unwrap(), ["a", "x"]);
+    // GPUs on one machine each have their own memory.
+    let gpus = [worker("g0", "cuda", 10, "h"), worker("g1", "cuda", 10, "h")];
+    assert_eq!(pick(&spec("cuda", 2, 1, 4), &gpus).unwrap(), ["g0", "g1"]);
 }
