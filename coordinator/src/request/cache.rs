@@ -22,8 +22,9 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use strata_common::metrics::register;
-use strata_common::{FinishReason, SamplingParams, TokenLogprobs};
+use strata_common::{SamplingParams, TokenLogprobs};
 
+use super::generation::Chunk;
 use super::metrics::ModelLabel;
 
 /// What identifies a response.
@@ -53,10 +54,6 @@ impl Key {
         Some(Key { model: model.to_string(), revision, prompt: prompt.to_vec(), params })
     }
 
-    pub fn model(&self) -> &str {
-        &self.model
-    }
-
     pub fn revision(&self) -> u64 {
         self.revision
     }
@@ -66,28 +63,18 @@ impl Key {
     }
 }
 
-/// One chunk of a stored response, as it was streamed.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StoredChunk {
-    pub text: String,
-    pub token_ids: Vec<u32>,
-    pub logprobs: Vec<TokenLogprobs>,
-    pub finish: Option<FinishReason>,
+/// Bytes a stored chunk holds, roughly.
+fn chunk_bytes(c: &Chunk) -> usize {
+    let alternatives: usize = c.logprobs.iter().map(|l| l.top.len()).sum();
+    std::mem::size_of::<Chunk>()
+        + c.text.len()
+        + 4 * c.token_ids.len()
+        + c.logprobs.len() * std::mem::size_of::<TokenLogprobs>()
+        + alternatives * 8
 }
 
-impl StoredChunk {
-    fn bytes(&self) -> usize {
-        let alternatives: usize = self.logprobs.iter().map(|l| l.top.len()).sum();
-        std::mem::size_of::<StoredChunk>()
-            + self.text.len()
-            + 4 * self.token_ids.len()
-            + self.logprobs.len() * std::mem::size_of::<TokenLogprobs>()
-            + alternatives * 8
-    }
-}
-
-/// A finished response.
-pub type Response = Arc<Vec<StoredChunk>>;
+/// A finished response: its chunks, as they were streamed.
+pub type Response = Arc<Vec<Chunk>>;
 
 struct Inner {
     entries: LruCache<Key, (Response, usize)>,
@@ -141,8 +128,8 @@ impl ResponseCache {
 
     /// Stores `response` under `key`, evicting the least recently used responses until it
     /// fits; a response larger than the whole cache is not stored.
-    pub fn put(&self, key: Key, response: Vec<StoredChunk>) {
-        let size = key.bytes() + response.iter().map(StoredChunk::bytes).sum::<usize>();
+    pub fn put(&self, key: Key, response: Vec<Chunk>) {
+        let size = key.bytes() + response.iter().map(chunk_bytes).sum::<usize>();
         if size > self.capacity {
             return;
         }
@@ -212,9 +199,10 @@ fn metrics() -> &'static CacheMetrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use strata_common::FinishReason;
 
-    fn chunk(text: &str, token: u32, finish: Option<FinishReason>) -> StoredChunk {
-        StoredChunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish }
+    fn chunk(text: &str, token: u32, finish: Option<FinishReason>) -> Chunk {
+        Chunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish }
     }
 
     fn greedy() -> SamplingParams {
@@ -242,7 +230,7 @@ mod tests {
     fn the_least_recently_used_response_goes_first_and_bytes_stay_bounded() {
         let key = |i: u32| Key::of("m", 1, &[i], &greedy(), true).unwrap();
         let response = |i: u32| vec![chunk("a", i, None), chunk("b", i + 1, Some(FinishReason::Length))];
-        let one = key(0).bytes() + response(0).iter().map(StoredChunk::bytes).sum::<usize>();
+        let one = key(0).bytes() + response(0).iter().map(chunk_bytes).sum::<usize>();
         let cache = ResponseCache::new(3 * one);
         for i in 0..3 {
             cache.put(key(i), response(i));

@@ -29,14 +29,14 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument, Span};
 
 use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
-use crate::request::cache::{Key, Response, ResponseCache, StoredChunk};
+use crate::request::cache::{Key, Response, ResponseCache};
 use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
 use crate::routing::{Catalog, EventStream, Job, ModelEntry};
 
 /// What one generated token adds to a response.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct Chunk {
     pub text: String,
     pub token_ids: Vec<u32>,
@@ -140,13 +140,7 @@ fn replay(model: &ModelEntry, admitted: &Admitted, response: Response) -> ChunkR
     tokio::spawn(
         async move {
             for (i, c) in response.iter().enumerate() {
-                let chunk = Chunk {
-                    text: c.text.clone(),
-                    token_ids: c.token_ids.clone(),
-                    logprobs: c.logprobs.clone(),
-                    finish: c.finish,
-                };
-                if tx.send(Ok(chunk)).await.is_err() {
+                if tx.send(Ok(c.clone())).await.is_err() {
                     return;
                 }
                 timer.token();
@@ -162,7 +156,7 @@ fn replay(model: &ModelEntry, admitted: &Admitted, response: Response) -> ChunkR
 }
 
 /// What responses replayed from the cache name as their replica (spans, logs).
-pub const CACHE_REPLICA: &str = "response-cache";
+const CACHE_REPLICA: &str = "response-cache";
 
 /// Submits the request and streams its chunks. Errors that happen before the first
 /// token (bad request, every replica full, none ready) are returned here, so they become
@@ -225,7 +219,7 @@ struct Run {
     span: Span,
     attempt: Attempt,
     /// A cacheable request: its key and the chunks streamed so far.
-    record: Option<(Key, Vec<StoredChunk>)>,
+    record: Option<(Key, Vec<Chunk>)>,
     _online: Option<OnlineGuard>,
 }
 
@@ -406,12 +400,7 @@ impl Run {
     /// Keeps a copy of `chunk` for the response cache (cacheable requests only).
     fn keep(&mut self, chunk: &Chunk) {
         if let Some((_, chunks)) = &mut self.record {
-            chunks.push(StoredChunk {
-                text: chunk.text.clone(),
-                token_ids: chunk.token_ids.clone(),
-                logprobs: chunk.logprobs.clone(),
-                finish: chunk.finish,
-            });
+            chunks.push(chunk.clone());
         }
     }
 

@@ -580,7 +580,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         }
         let out = self.tensor(q.rows, num_heads * head_dim)?;
         let l = self.device_layout(layout)?;
-        let shape = AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window };
         // Prefill chunks in tiles (K/V read once per tile, not per query); decoding tokens
         // one block each (their positions spread over the block's threads).
         let tiled = l.num_tiles > 0 && head_dim <= TILED_MAX_HEAD_DIM;
