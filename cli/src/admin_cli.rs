@@ -63,6 +63,14 @@ pub enum AdminCommand {
     },
     /// Which coordinator leads (reconciles).
     Leader,
+    /// Tenants: their limits and keys (docs/TENANTS.md).
+    #[command(subcommand)]
+    Tenant(crate::tenant_cli::TenantCommand),
+    /// A tenant's API keys.
+    #[command(subcommand)]
+    Key(crate::tenant_cli::KeyCommand),
+    /// What tenants used, by tenant and model, over all coordinators.
+    Usage(crate::tenant_cli::UsageArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -120,7 +128,7 @@ impl DeployArgs {
     }
 }
 
-fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T>> {
+pub fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T>> {
     let mut r = tonic::Request::new(msg);
     if let Some(t) = token {
         r.metadata_mut().insert(
@@ -131,7 +139,7 @@ fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Request<T
     Ok(r)
 }
 
-fn status_error(s: tonic::Status) -> anyhow::Error {
+pub fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow!("{:?}: {}", s.code(), s.message())
 }
 
@@ -253,6 +261,9 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .into_inner();
             print_audit(&r.entries, j);
         }
+        AdminCommand::Tenant(cmd) => crate::tenant_cli::tenant(&mut c, t, j, cmd).await?,
+        AdminCommand::Key(cmd) => crate::tenant_cli::key(&mut c, t, j, cmd).await?,
+        AdminCommand::Usage(a) => crate::tenant_cli::usage(&mut c, t, j, a).await?,
         AdminCommand::Leader => {
             let r =
                 c.get_leader(request(t, pb::GetLeaderRequest {})?).await.map_err(status_error)?.into_inner();

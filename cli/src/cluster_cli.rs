@@ -116,7 +116,8 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         drain_timeout: secs(c.replica_drain_timeout_s),
         failed_retention: secs(c.failed_retention_s),
     };
-    let client_auth = ClientAuth::with_keys(client_keys(c)?).context("--api-key")?;
+    let client_auth = ClientAuth::with_tenants(client_keys(c)?, c.tenants.clone())
+        .context("--api-key, coordinator.tenants")?;
     let reload = (c.clone(), client_auth.clone());
     let admin_auth = AdminAuth::new(c.admin_token.clone(), &client_auth).context("--admin-token")?;
     let id = c.id.clone().unwrap_or_else(|| {

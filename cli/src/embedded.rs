@@ -169,6 +169,10 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     }
     let watcher = Watcher::start(registry.clone(), keys.clone());
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let tenants = opts.serve.client_auth.tenants().clone();
+    let following = tenants.follow_view(watcher.subscribe());
+    let ledger = strata_coordinator::tenant::usage::ledger();
+    let flushing = ledger.attach(registry.clone(), keys.clone(), "serve");
     let leader = LeaderConfig {
         id: "serve".into(),
         lease_ttl: LEASE_TTL,
@@ -188,9 +192,13 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         catalog.clone(),
         opts.admin_auth.clone(),
     )
-    .with_model_roots(opts.model_roots.clone());
+    .with_model_roots(opts.model_roots.clone())
+    .with_tenants(tenants);
     let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
     election.resign().await;
+    following.abort();
+    flushing.abort();
+    let _ = ledger.flush().await;
     for w in workers {
         w.membership.leave().await;
         w.server.abort();

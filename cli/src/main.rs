@@ -25,6 +25,7 @@ mod model_tools;
 mod rendezvous;
 mod security_args;
 mod serve_cli;
+mod tenant_cli;
 mod unimplemented_admin;
 
 fn main() -> std::process::ExitCode {

@@ -159,7 +159,9 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
     crate::security_args::response_cache(&cfg.coordinator)?;
-    let client_auth = ClientAuth::with_keys(client_keys(&cfg.coordinator)?).context("--api-key")?;
+    let client_auth =
+        ClientAuth::with_tenants(client_keys(&cfg.coordinator)?, cfg.coordinator.tenants.clone())
+            .context("--api-key, coordinator.tenants")?;
     let client_auth_for_reload = client_auth.clone();
     let admin_auth =
         AdminAuth::new(cfg.coordinator.admin_token.clone(), &client_auth).context("--admin-token")?;

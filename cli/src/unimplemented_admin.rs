@@ -72,4 +72,40 @@ impl Admin for EmbeddedAdmin {
     ) -> Result<Response<pb::ListAuditResponse>, Status> {
         cluster_only("ListAudit")
     }
+    async fn set_tenant(
+        &self,
+        _: Request<pb::SetTenantRequest>,
+    ) -> Result<Response<pb::SetTenantResponse>, Status> {
+        cluster_only("SetTenant")
+    }
+    async fn delete_tenant(
+        &self,
+        _: Request<pb::DeleteTenantRequest>,
+    ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
+        cluster_only("DeleteTenant")
+    }
+    async fn list_tenants(
+        &self,
+        _: Request<pb::ListTenantsRequest>,
+    ) -> Result<Response<pb::ListTenantsResponse>, Status> {
+        cluster_only("ListTenants")
+    }
+    async fn create_api_key(
+        &self,
+        _: Request<pb::CreateApiKeyRequest>,
+    ) -> Result<Response<pb::CreateApiKeyResponse>, Status> {
+        cluster_only("CreateApiKey")
+    }
+    async fn revoke_api_key(
+        &self,
+        _: Request<pb::RevokeApiKeyRequest>,
+    ) -> Result<Response<pb::RevokeApiKeyResponse>, Status> {
+        cluster_only("RevokeApiKey")
+    }
+    async fn get_usage(
+        &self,
+        _: Request<pb::GetUsageRequest>,
+    ) -> Result<Response<pb::GetUsageResponse>, Status> {
+        cluster_only("GetUsage")
+    }
 }

@@ -271,6 +271,9 @@ pub struct CoordinatorSettings {
     /// Memory for responses to deterministic requests, replayed when an identical
     /// request comes again (a size: "64MiB"; "0": off).
     pub response_cache_memory: String,
+    /// Tenants: their API keys and limits (`[[coordinator.tenants]]`; more can be made
+    /// through the admin API). See docs/TENANTS.md.
+    pub tenants: Vec<crate::tenant::TenantConfig>,
 }
 
 impl Default for CoordinatorSettings {
@@ -296,6 +299,7 @@ impl Default for CoordinatorSettings {
             drain_timeout_s: 30.0,
             default_device: "cpu".into(),
             response_cache_memory: "64MiB".into(),
+            tenants: Vec::new(),
         }
     }
 }
@@ -401,6 +405,15 @@ impl Config {
             }
         }
         let c = &self.coordinator;
+        for (i, t) in c.tenants.iter().enumerate() {
+            t.validate(i)?;
+            if c.tenants[..i].iter().any(|o| o.name == t.name) {
+                return Err(Error::invalid(
+                    format!("coordinator.tenants[{i}].name"),
+                    format!("tenant {:?} is declared twice", t.name),
+                ));
+            }
+        }
         parse_memory_or_zero(&c.response_cache_memory)
             .map_err(|err| rename(err, "coordinator.response_cache_memory"))?;
         if !matches!(c.default_device.as_str(), "cpu" | "cuda") {

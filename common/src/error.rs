@@ -49,6 +49,11 @@ pub enum Error {
     #[error("overloaded: {0}")]
     Overloaded(String),
 
+    /// A limit of the caller's (its tenant's rate, tokens or streams) refused the request;
+    /// it may succeed after `retry_after`.
+    #[error("rate limited: {reason}; retry in {:.1} s", retry_after.as_secs_f64())]
+    RateLimited { reason: String, retry_after: std::time::Duration },
+
     #[error("unavailable: {0}")]
     Unavailable(String),
 
@@ -81,13 +86,21 @@ impl Error {
         Error::ModelFile { path: path.into(), reason: reason.into() }
     }
 
+    /// When a refused request may be tried again, if the refusal says.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            Error::RateLimited { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
     pub fn class(&self) -> ErrorClass {
         match self {
             Error::InvalidArgument { .. } | Error::ModelFile { .. } | Error::Unsupported(_) => {
                 ErrorClass::InvalidInput
             }
             Error::NotFound(_) => ErrorClass::NotFound,
-            Error::Overloaded(_) => ErrorClass::Overloaded,
+            Error::Overloaded(_) | Error::RateLimited { .. } => ErrorClass::Overloaded,
             Error::Unavailable(_) => ErrorClass::Unavailable,
             Error::FailedPrecondition(_) => ErrorClass::FailedPrecondition,
             Error::DeadlineExceeded(_) => ErrorClass::DeadlineExceeded,

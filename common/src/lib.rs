@@ -30,6 +30,7 @@ pub mod stats;
 pub mod status;
 #[cfg(feature = "telemetry")]
 pub mod telemetry;
+pub mod tenant;
 #[cfg(feature = "grpc")]
 pub mod tls;
 pub mod trace;

@@ -31,7 +31,26 @@ pub fn to_status(e: Error) -> Status {
         ErrorClass::PermissionDenied => Code::PermissionDenied,
         ErrorClass::Internal => Code::Internal,
     };
-    Status::new(code, bounded(e.to_string()))
+    let retry = e.retry_after();
+    let message = bounded(e.to_string());
+    match retry {
+        // The standard hint (google.rpc.RetryInfo in grpc-status-details-bin) and a plain
+        // `retry-after` in whole seconds, as HTTP spells it, for clients without the former.
+        Some(after) => {
+            let mut metadata = tonic::metadata::MetadataMap::new();
+            metadata.insert("retry-after", retry_after_seconds(after).into());
+            let details = tonic_types::ErrorDetails::with_retry_info(Some(after));
+            <Status as tonic_types::StatusExt>::with_error_details_and_metadata(
+                code, message, details, metadata,
+            )
+        }
+        None => Status::new(code, message),
+    }
+}
+
+/// Whole seconds to wait, rounded up (at least 1), as a `retry-after` header says it.
+pub fn retry_after_seconds(after: std::time::Duration) -> u64 {
+    after.as_secs_f64().ceil().max(1.0) as u64
 }
 
 /// A status another Strata process answered with, as an error of the same class.
@@ -62,5 +81,16 @@ mod tests {
         assert!(s.message().len() <= MAX_STATUS_MESSAGE + 20, "{}", s.message().len());
         assert!(s.message().starts_with("invalid model") && s.message().ends_with("(truncated)"));
         assert_eq!(to_status(Error::NotFound("m".into())).message(), "not found: m");
+    }
+
+    #[test]
+    fn rate_limits_carry_retry_hints() {
+        use tonic_types::StatusExt;
+        let after = std::time::Duration::from_millis(1500);
+        let s = to_status(Error::RateLimited { reason: "tenant t: 2 requests/s".into(), retry_after: after });
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert_eq!(s.metadata().get("retry-after").unwrap(), "2");
+        assert_eq!(s.get_details_retry_info().unwrap().retry_delay, Some(after));
+        assert!(s.message().contains("tenant t"), "{}", s.message());
     }
 }

@@ -7,6 +7,7 @@
 //!   failover;
 //! - [`routing`]: the Catalog/Routes/Replica seam, routing policy, the `WorkerApi` clients;
 //! - [`control`]: the registry view, leader election and the reconciler;
+//! - [`tenant`]: who a key belongs to, the tenant's limits, usage accounting;
 //! - [`node`]: `strata coordinator` wired from those parts.
 
 pub mod api;
@@ -15,3 +16,4 @@ pub mod control;
 pub mod node;
 pub mod request;
 pub mod routing;
+pub mod tenant;

@@ -49,6 +49,10 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
     let gauges = tokio::spawn(crate::control::metrics::follow(watcher.subscribe(), opts.leader.id.clone()));
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let tenants = opts.client_auth.tenants().clone();
+    let following = tenants.follow_view(watcher.subscribe());
+    let flushing =
+        crate::tenant::usage::ledger().attach(registry.clone(), opts.keys.clone(), &opts.leader.id);
     let election = Election::start(
         registry.clone(),
         opts.keys.clone(),
@@ -65,7 +69,8 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
         opts.admin_auth,
     )
     .with_model_roots(opts.model_roots.clone())
-    .with_default_device(&opts.default_device);
+    .with_default_device(&opts.default_device)
+    .with_tenants(tenants);
     if opts.model_roots.is_open() {
         tracing::warn!(
             "no --model-root: deployments may load models from any absolute path the workers can read"
@@ -89,6 +94,11 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     .await;
     election.resign().await;
     gauges.abort();
+    following.abort();
+    flushing.abort();
+    if let Err(e) = crate::tenant::usage::ledger().flush().await {
+        tracing::warn!(error = %e, "the last usage records were not written");
+    }
     drop(watcher);
     served
 }

@@ -6,6 +6,11 @@
 //! <prefix>/replicas/<model-name>/<replica>  ReplicaRecord: actual state (leader coordinator)
 //! <prefix>/drain/<worker-id>                a worker an operator drained (persistent)
 //! <prefix>/leader                           the leader coordinator's id, bound to its lease
+//! <prefix>/tenants/<name>                   TenantRecord: a tenant made through the admin API
+//! <prefix>/coordinators/<id>                a live coordinator, bound to its lease
+//! <prefix>.usage/<tenant>/<model>/<hour>/<instance>
+//!                                           UsageCounts one coordinator process counted in
+//!                                           one hour (outside the watched tree)
 //! <prefix>.audit/<ms>-<coordinator>-<n>      AuditEntry of one admin action (outside the
 //!                                           watched tree: coordinators never load it)
 //! ```
@@ -69,6 +74,32 @@ impl Keys {
         format!("{}/leader", self.prefix)
     }
 
+    pub fn tenants(&self) -> String {
+        format!("{}/tenants/", self.prefix)
+    }
+
+    pub fn tenant(&self, name: &str) -> String {
+        format!("{}/tenants/{name}", self.prefix)
+    }
+
+    pub fn coordinator(&self, id: &str) -> String {
+        format!("{}/coordinators/{id}", self.prefix)
+    }
+
+    /// Usage records, beside (not under) [`Keys::root`]; `tenant` None: every tenant's.
+    pub fn usages(&self, tenant: Option<&str>) -> String {
+        match tenant {
+            Some(t) => format!("{}.usage/{t}/", self.prefix),
+            None => format!("{}.usage/", self.prefix),
+        }
+    }
+
+    /// One process's usage of `model` by `tenant` in the hour starting at `hour_s`
+    /// (Unix seconds; zero-padded so keys sort by time).
+    pub fn usage(&self, tenant: &str, model: &str, hour_s: u64, instance: &str) -> String {
+        format!("{}.usage/{tenant}/{model}/{hour_s:012}/{instance}", self.prefix)
+    }
+
     /// The audit log, beside (not under) [`Keys::root`].
     pub fn audits(&self) -> String {
         format!("{}.audit/", self.prefix)
@@ -91,6 +122,8 @@ impl Keys {
             }
             "drain" if !name.is_empty() => Some(KeyKind::Drain(name)),
             "leader" if name.is_empty() => Some(KeyKind::Leader),
+            "tenants" if !name.is_empty() => Some(KeyKind::Tenant(name)),
+            "coordinators" if !name.is_empty() => Some(KeyKind::Coordinator(name)),
             _ => None,
         }
     }
@@ -104,6 +137,8 @@ pub enum KeyKind<'a> {
     Replica { model: &'a str, id: &'a str },
     Drain(&'a str),
     Leader,
+    Tenant(&'a str),
+    Coordinator(&'a str),
 }
 
 /// Names (model names, worker ids) end up inside keys: no slashes, no spaces, not empty.
@@ -126,6 +161,10 @@ mod tests {
         assert_eq!(k.parse(&k.replica("m", "r-1")), Some(KeyKind::Replica { model: "m", id: "r-1" }));
         assert_eq!(k.parse(&k.drain("w2")), Some(KeyKind::Drain("w2")));
         assert_eq!(k.parse(&k.leader()), Some(KeyKind::Leader));
+        assert_eq!(k.parse(&k.tenant("t")), Some(KeyKind::Tenant("t")));
+        assert_eq!(k.parse(&k.coordinator("c1")), Some(KeyKind::Coordinator("c1")));
+        assert_eq!(k.parse(&k.usage("t", "m", 3600, "c1")), None, "usage is outside the watched tree");
+        assert!(k.usage("t", "m", 3600, "c1").starts_with(&k.usages(Some("t"))));
         assert_eq!(k.parse("/other/workers/w1"), None);
         assert_eq!(k.parse("/strataX/workers/w1"), None);
         assert_eq!(k.parse("/strata/replicas/m"), None);

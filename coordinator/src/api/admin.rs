@@ -24,6 +24,7 @@ use super::audit::{caller, AuditLog};
 use super::auth::AdminAuth;
 use crate::control::view::ClusterView;
 use crate::routing::catalog::ClusterCatalog;
+use crate::tenant::Tenants;
 use strata_common::status::to_status;
 
 pub struct ClusterAdmin {
@@ -39,6 +40,8 @@ pub struct ClusterAdmin {
     /// The device kind of a deployment that names none.
     default_device: String,
     audit: AuditLog,
+    /// The tenant directory this coordinator authenticates inference calls with.
+    tenants: Tenants,
 }
 
 impl ClusterAdmin {
@@ -52,7 +55,34 @@ impl ClusterAdmin {
     ) -> Self {
         let audit = AuditLog::new(registry.clone(), keys.clone(), id.clone());
         let (model_roots, default_device) = (ModelRoots::default(), "cpu".into());
-        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots, default_device, audit }
+        let tenants = Tenants::default();
+        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots, default_device, audit, tenants }
+    }
+
+    /// The directory inference calls are checked against (tenants made here join it).
+    pub fn with_tenants(mut self, tenants: Tenants) -> Self {
+        self.tenants = tenants;
+        self
+    }
+
+    pub(super) fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    pub(super) fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    pub(super) fn registry(&self) -> &Arc<dyn Registry> {
+        &self.registry
+    }
+
+    pub(super) fn auth(&self) -> &AdminAuth {
+        &self.auth
+    }
+
+    pub(super) fn view_rx(&self) -> watch::Receiver<Arc<ClusterView>> {
+        self.view.clone()
     }
 
     /// The device kind ("cpu" or "cuda") of a deployment that names none.
@@ -292,6 +322,56 @@ impl Admin for ClusterAdmin {
             (request.get_ref().worker_id.clone(), format!("undrain={}", request.get_ref().undrain));
         let caller = self.caller(&request);
         self.audited("DrainWorker", caller, &target, detail, self.do_drain_worker(request)).await
+    }
+
+    async fn set_tenant(
+        &self,
+        request: Request<pb::SetTenantRequest>,
+    ) -> Result<Response<pb::SetTenantResponse>, Status> {
+        let r = request.get_ref();
+        let detail = format!("weight={:?} limits={:?}", r.weight, r.limits);
+        let (target, caller) = (r.name.clone(), self.caller(&request));
+        self.audited("SetTenant", caller, &target, detail, self.do_set_tenant(request)).await
+    }
+
+    async fn delete_tenant(
+        &self,
+        request: Request<pb::DeleteTenantRequest>,
+    ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
+        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
+        self.audited("DeleteTenant", caller, &target, String::new(), self.do_delete_tenant(request)).await
+    }
+
+    async fn list_tenants(
+        &self,
+        request: Request<pb::ListTenantsRequest>,
+    ) -> Result<Response<pb::ListTenantsResponse>, Status> {
+        self.do_list_tenants(request).await
+    }
+
+    async fn create_api_key(
+        &self,
+        request: Request<pb::CreateApiKeyRequest>,
+    ) -> Result<Response<pb::CreateApiKeyResponse>, Status> {
+        let (target, caller) = (request.get_ref().tenant.clone(), self.caller(&request));
+        self.audited("CreateApiKey", caller, &target, String::new(), self.do_create_api_key(request)).await
+    }
+
+    async fn revoke_api_key(
+        &self,
+        request: Request<pb::RevokeApiKeyRequest>,
+    ) -> Result<Response<pb::RevokeApiKeyResponse>, Status> {
+        let r = request.get_ref();
+        let (target, detail, caller) =
+            (r.tenant.clone(), format!("key_id={}", r.key_id), self.caller(&request));
+        self.audited("RevokeApiKey", caller, &target, detail, self.do_revoke_api_key(request)).await
+    }
+
+    async fn get_usage(
+        &self,
+        request: Request<pb::GetUsageRequest>,
+    ) -> Result<Response<pb::GetUsageResponse>, Status> {
+        self.do_get_usage(request).await
     }
 
     async fn list_audit(

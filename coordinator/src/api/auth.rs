@@ -7,11 +7,12 @@
 //! calls are accepted from loopback only. Comparisons take the same time whatever the
 //! token, so a caller cannot guess it byte by byte.
 
-use std::sync::{Arc, RwLock};
-
 use sha2::{Digest, Sha256};
+use strata_common::tenant::TenantConfig;
 
 use tonic::{Request, Status};
+
+use crate::tenant::{parse_key, Caller, Tenants};
 
 fn bearer<T>(req: &Request<T>) -> Option<&str> {
     bearer_token(req.metadata().get("authorization")?.to_str().ok()?)
@@ -68,30 +69,25 @@ impl Secret {
         }
     }
 
-    /// Whether this credential and `other` accept a common token.
-    fn overlaps(&self, other: &Secret) -> bool {
-        match (self, other) {
-            (Secret::Plain(a), b) => b.matches(a),
-            (a, Secret::Plain(b)) => a.matches(b),
-            (Secret::Hash(a), Secret::Hash(b)) => a == b,
+    /// The SHA-256 of the token this credential accepts.
+    fn digest(&self) -> [u8; 32] {
+        match self {
+            Secret::Plain(k) => sha256(k),
+            Secret::Hash(h) => *h,
         }
     }
 }
 
-/// Inference-call credentials. Clones share one key set, so a reload (SIGHUP, when the
-/// keys come from a file) reaches every service that checks them.
+/// Inference-call credentials: the tenant directory (see [`crate::tenant`]). Clones
+/// share it, so a reload (SIGHUP, when the keys come from a file) or a tenant made
+/// through the admin API reaches every service that checks them.
 #[derive(Debug, Clone, Default)]
 pub struct ClientAuth {
-    /// Empty: inference is open.
-    keys: Arc<RwLock<Arc<Vec<Secret>>>>,
-}
-
-fn parse_all(entries: Vec<String>, field: &str) -> strata_common::Result<Vec<Secret>> {
-    entries.iter().map(|k| k.trim()).filter(|k| !k.is_empty()).map(|k| Secret::parse(k, field)).collect()
+    tenants: Tenants,
 }
 
 impl ClientAuth {
-    /// Accepts every caller.
+    /// Accepts every caller (as the default tenant).
     pub fn open() -> Self {
         ClientAuth::default()
     }
@@ -99,31 +95,40 @@ impl ClientAuth {
     /// Accepts callers bearing one of `keys`, each the key or `sha256:<hex>` of it (none
     /// given: open).
     pub fn with_keys(keys: Vec<String>) -> strata_common::Result<Self> {
-        Ok(ClientAuth { keys: Arc::new(RwLock::new(Arc::new(parse_all(keys, "api_keys")?))) })
+        ClientAuth::with_tenants(keys, Vec::new())
     }
 
-    fn current(&self) -> Arc<Vec<Secret>> {
-        self.keys.read().unwrap_or_else(|p| p.into_inner()).clone()
+    /// `keys` (the default tenant's) and the configured tenants with theirs.
+    pub fn with_tenants(keys: Vec<String>, tenants: Vec<TenantConfig>) -> strata_common::Result<Self> {
+        Ok(ClientAuth { tenants: Tenants::new(keys, tenants)? })
     }
 
-    /// Replaces the accepted keys (rotation without a restart); refused, keeping the old
-    /// keys, when an entry is malformed or would also pass as the admin token.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
+    /// Replaces the default tenant's keys (rotation without a restart); refused, keeping
+    /// the old keys, when an entry is malformed or would also pass as the admin token.
     pub fn reload(&self, keys: Vec<String>, admin: &AdminAuth) -> strata_common::Result<usize> {
-        let keys = parse_all(keys, "api_keys")?;
         if let Some(token) = &admin.token {
-            if keys.iter().any(|k| k.overlaps(token)) {
+            let digests: Vec<[u8; 32]> = keys
+                .iter()
+                .map(|k| k.trim())
+                .filter(|k| !k.is_empty())
+                .map(|k| parse_key(k, "api_keys"))
+                .collect::<strata_common::Result<_>>()?;
+            if digests.contains(&token.digest()) {
                 return Err(strata_common::Error::invalid(
                     "api_keys",
                     "a client key must differ from the admin token",
                 ));
             }
         }
-        let n = keys.len();
-        *self.keys.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(keys);
-        Ok(n)
+        self.tenants.set_default_keys(keys)
     }
 
-    pub fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
+    /// The caller, or UNAUTHENTICATED.
+    pub fn check<T>(&self, req: &Request<T>) -> Result<Caller, Status> {
         self.check_token(bearer(req), "metadata").map_err(|e| match e {
             strata_common::Error::Unauthenticated(m) => Status::unauthenticated(m),
             other => Status::unauthenticated(other.to_string()),
@@ -132,18 +137,8 @@ impl ClientAuth {
 
     /// Checks a bearer token (None: the caller sent none); `carrier` names where the
     /// caller should put it ("metadata" for gRPC, "header" for HTTP).
-    pub fn check_token(&self, token: Option<&str>, carrier: &str) -> strata_common::Result<()> {
-        let keys = self.current();
-        if keys.is_empty() {
-            return Ok(());
-        }
-        match token {
-            None => Err(strata_common::Error::Unauthenticated(format!(
-                "missing API key: send {carrier} \"authorization: Bearer <key>\""
-            ))),
-            Some(t) if keys.iter().any(|k| k.matches(t)) => Ok(()),
-            Some(_) => Err(strata_common::Error::Unauthenticated("the API key is not valid".into())),
-        }
+    pub fn check_token(&self, token: Option<&str>, carrier: &str) -> strata_common::Result<Caller> {
+        self.tenants.authenticate(token, carrier)
     }
 }
 
@@ -159,7 +154,7 @@ impl AdminAuth {
     pub fn new(token: Option<String>, clients: &ClientAuth) -> strata_common::Result<Self> {
         let token = token.filter(|t| !t.is_empty()).map(|t| Secret::parse(&t, "admin_token")).transpose()?;
         if let Some(t) = &token {
-            if clients.current().iter().any(|k| k.overlaps(t)) {
+            if clients.tenants.holds_digest(&t.digest()) {
                 return Err(strata_common::Error::invalid(
                     "admin_token",
                     "must differ from every client API key",

@@ -27,6 +27,7 @@ use super::auth::ClientAuth;
 use crate::request::admission::{GenerateRequest, Priority, Prompt};
 use crate::request::generation::{self, RouteLimits};
 use crate::routing::Catalog;
+use crate::tenant::Caller;
 
 /// The domain request of an inference.v1 message.
 pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
@@ -112,12 +113,13 @@ impl InferenceService {
         req: &pb::GenerateRequest,
         request_id: &str,
         deadline: Option<tokio::time::Instant>,
+        caller: &Caller,
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
         let request = request_from_pb(req);
-        let started =
-            generation::begin(&*self.models, request, request_id.to_string(), deadline, self.limits)
-                .await
-                .map_err(|e| to_status(api_field_names(e)))?;
+        let id = request_id.to_string();
+        let started = generation::begin(&*self.models, request, id, deadline, self.limits, caller)
+            .await
+            .map_err(|e| to_status(api_field_names(e)))?;
         Ok((started.prompt_ids, started.rx))
     }
 }
@@ -130,14 +132,14 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        self.auth.check(&request)?;
+        let who = self.auth.check(&request)?;
         let deadline = deadline(&request);
         let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
         let span = request_span(&req.model, &request_id, false, caller.as_ref());
         async move {
-            let (prompt_ids, mut rx) = self.start(&req, &request_id, deadline).await?;
+            let (prompt_ids, mut rx) = self.start(&req, &request_id, deadline, &who).await?;
             let mut out = pb::GenerateResponse { request_id, ..Default::default() };
             while let Some(chunk) = rx.recv().await {
                 let chunk = chunk.map_err(to_status)?;
@@ -166,13 +168,13 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
-        self.auth.check(&request)?;
+        let who = self.auth.check(&request)?;
         let deadline = deadline(&request);
         let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
         let request_id = self.request_id(&req.request_id);
         let span = request_span(&req.model, &request_id, true, caller.as_ref());
-        let (prompt_ids, rx) = self.start(&req, &request_id, deadline).instrument(span).await?;
+        let (prompt_ids, rx) = self.start(&req, &request_id, deadline, &who).instrument(span).await?;
         let prompt_tokens = prompt_ids.len() as u32;
         let mut completion_tokens = 0u32;
         let stream = ReceiverStream::new(rx).map(move |chunk| {

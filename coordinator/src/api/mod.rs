@@ -1,7 +1,9 @@
-//! The coordinator's front doors: inference.v1 ([`inference`]), admin.v1 ([`admin`]),
+//! The coordinator's front doors: inference.v1 ([`inference`]), admin.v1 ([`admin`], its
+//! tenant half in [`admin_tenants`]),
 //! their credentials ([`auth`]), the audit log of admin actions ([`audit`]) and the gRPC server that carries them ([`server`]).
 
 pub mod admin;
+pub mod admin_tenants;
 pub mod audit;
 pub mod auth;
 pub mod http;

@@ -8,7 +8,7 @@ use axum::extract::{DefaultBodyLimit, Multipart, Path, Query, State};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
@@ -16,6 +16,7 @@ use super::store::{check_id, new_id};
 use super::{Batches, MAX_FILE_BYTES};
 use crate::api::http::error::ApiError;
 use crate::api::http::params;
+use crate::tenant::Caller;
 
 pub fn router<S: Clone + Send + Sync + 'static>(batches: Arc<Batches>) -> Router<S> {
     Router::new()
@@ -44,9 +45,13 @@ fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
 
 /// `POST /v1/files`: a multipart form with `purpose` and `file`, written to disk as it
 /// arrives (never held whole in memory).
-async fn upload(State(batches): State<Arc<Batches>>, mut form: Multipart) -> Response {
+async fn upload(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Extension<Caller>,
+    mut form: Multipart,
+) -> Response {
     let id = new_id("file-");
-    let result = receive(&batches, &id, &mut form).await;
+    let result = receive(&batches, &id, &mut form, who.tenant()).await;
     if result.is_err() {
         let _ = tokio::fs::remove_file(batches.store().upload_path(&id)).await;
     }
@@ -60,6 +65,7 @@ async fn receive(
     batches: &Batches,
     id: &str,
     form: &mut Multipart,
+    tenant: &str,
 ) -> Result<super::store::FileObject, ApiError> {
     let mut purpose = None;
     let mut file: Option<(String, u64)> = None;
@@ -100,24 +106,39 @@ async fn receive(
         Some("batch") => {}
         _ => return Err(ApiError::invalid("purpose", "purpose must be batch")),
     }
-    Ok(batches.add_file(id, &name, "batch", bytes)?)
+    Ok(batches.add_file(id, &name, "batch", bytes, tenant)?)
 }
 
-async fn list_files(State(batches): State<Arc<Batches>>) -> Response {
-    answer(batches.store().files().map(|data| json!({"object": "list", "data": data})))
+type Who = Extension<Caller>;
+
+async fn list_files(State(batches): State<Arc<Batches>>, Extension(who): Who) -> Response {
+    answer(batches.files(who.tenant()).map(|data| json!({"object": "list", "data": data})))
 }
 
-async fn get_file(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
-    answer(batches.store().file(&id))
+async fn get_file(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Path(id): Path<String>,
+) -> Response {
+    answer(batches.file(&id, who.tenant()))
 }
 
-async fn delete_file(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
-    answer(batches.store().delete_file(&id).map(|_| json!({"id": id, "object": "file", "deleted": true})))
+async fn delete_file(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Path(id): Path<String>,
+) -> Response {
+    let deleted = batches.file(&id, who.tenant()).and_then(|_| batches.store().delete_file(&id));
+    answer(deleted.map(|_| json!({"id": id, "object": "file", "deleted": true})))
 }
 
 /// `GET /v1/files/{id}/content`: the bytes, streamed from disk.
-async fn file_content(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
-    if let Err(e) = check_id(&id).and_then(|_| batches.store().file(&id)) {
+async fn file_content(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(e) = check_id(&id).and_then(|_| batches.file(&id, who.tenant())) {
         return ApiError::from(e).into_response();
     }
     match tokio::fs::File::open(batches.store().data_path(&id)).await {
@@ -147,7 +168,11 @@ fn file_stream(
     })
 }
 
-async fn create(State(batches): State<Arc<Batches>>, body: axum::body::Bytes) -> Response {
+async fn create(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    body: axum::body::Bytes,
+) -> Response {
     let f = match params::object(&body) {
         Ok(f) => f,
         Err(e) => return e.into_response(),
@@ -166,7 +191,7 @@ async fn create(State(batches): State<Arc<Batches>>, body: axum::body::Bytes) ->
     if metadata.as_ref().is_some_and(|m| !m.is_object()) {
         return ApiError::invalid("metadata", "metadata must be an object").into_response();
     }
-    answer(batches.create(&input, &endpoint, &window, metadata))
+    answer(batches.create(&input, &endpoint, &window, metadata, who.tenant()))
 }
 
 #[derive(serde::Deserialize)]
@@ -176,8 +201,12 @@ struct ListQuery {
 }
 
 /// `GET /v1/batches?limit=&after=`: newest first, paged by id.
-async fn list_batches(State(batches): State<Arc<Batches>>, Query(q): Query<ListQuery>) -> Response {
-    let all = batches.list();
+async fn list_batches(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Query(q): Query<ListQuery>,
+) -> Response {
+    let all = batches.list(who.tenant());
     let start = match &q.after {
         Some(after) => all.iter().position(|b| &b.id == after).map_or(all.len(), |i| i + 1),
         None => 0,
@@ -195,10 +224,18 @@ async fn list_batches(State(batches): State<Arc<Batches>>, Query(q): Query<ListQ
     Json(body).into_response()
 }
 
-async fn get_batch(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
-    answer(batches.get(&id))
+async fn get_batch(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Path(id): Path<String>,
+) -> Response {
+    answer(batches.get(&id, who.tenant()))
 }
 
-async fn cancel(State(batches): State<Arc<Batches>>, Path(id): Path<String>) -> Response {
-    answer(batches.cancel(&id))
+async fn cancel(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Path(id): Path<String>,
+) -> Response {
+    answer(batches.cancel(&id, who.tenant()))
 }

@@ -4,7 +4,10 @@
 //! Jobs and files live in the coordinator's data directory ([`store`]); a coordinator
 //! restarted on the same directory resumes its unfinished batches where they were
 //! ([`run`]). Each batch runs its requests through the same admission, routing and
-//! failover as online calls, at lower priority. Batches belong to the coordinator whose
+//! failover as online calls, at lower priority, as the tenant that created them (a tenant
+//! sees only its own files and batches; its batch requests count in its usage and are
+//! held to its models and `max_tokens_per_request`, paced by the batch runner rather than
+//! its rates). Batches belong to the coordinator whose
 //! data directory holds them: with several coordinators, send the batch API to one of them
 //! (or give them one shared directory and one batch runner: see docs/HTTP_API.md).
 
@@ -23,6 +26,7 @@ use tracing::warn;
 use self::store::{new_id, now, BatchObject, Counts, FileObject, Store};
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
+use crate::tenant::{Caller, Tenants};
 
 /// Largest file one upload may be.
 pub const MAX_FILE_BYTES: u64 = 100 << 20;
@@ -76,6 +80,7 @@ pub struct Batches {
     limits: RouteLimits,
     concurrency: usize,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
+    tenants: Tenants,
 }
 
 impl Batches {
@@ -85,6 +90,7 @@ impl Batches {
         models: Arc<dyn Catalog>,
         limits: RouteLimits,
         concurrency: usize,
+        tenants: Tenants,
     ) -> Result<Arc<Self>> {
         let store = Store::open(dir)?;
         let mut jobs = HashMap::new();
@@ -94,7 +100,8 @@ impl Batches {
                 Arc::new(Job { object: Mutex::new(b), cancelled: AtomicBool::new(false) }),
             );
         }
-        let batches = Arc::new(Batches { store, models, limits, concurrency, jobs: Mutex::new(jobs) });
+        let batches =
+            Arc::new(Batches { store, models, limits, concurrency, jobs: Mutex::new(jobs), tenants });
         let unfinished: Vec<Arc<Job>> =
             batches.jobs().into_iter().filter(|j| j.snapshot().unfinished()).collect();
         for job in unfinished {
@@ -112,18 +119,41 @@ impl Batches {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
     }
 
-    fn job(&self, id: &str) -> Result<Arc<Job>> {
+    /// The batch `id` if `tenant` owns it (another tenant's batch is not found).
+    fn job(&self, id: &str, tenant: &str) -> Result<Arc<Job>> {
         store::check_id(id)?;
         self.jobs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
+            .filter(|j| j.snapshot().tenant == tenant)
             .cloned()
             .ok_or_else(|| Error::NotFound(format!("no such batch {id:?}")))
     }
 
-    /// Makes the file `id` (its data already written) visible as `filename`.
-    fn publish(&self, id: &str, filename: &str) -> Result<String> {
+    /// The file `id` if `tenant` owns it.
+    pub fn file(&self, id: &str, tenant: &str) -> Result<FileObject> {
+        store::check_id(id)?;
+        self.store
+            .file(id)
+            .ok()
+            .filter(|f| f.tenant == tenant)
+            .ok_or_else(|| Error::NotFound(format!("no such file {id:?}")))
+    }
+
+    /// Every file `tenant` owns.
+    pub fn files(&self, tenant: &str) -> Result<Vec<FileObject>> {
+        Ok(self.store.files()?.into_iter().filter(|f| f.tenant == tenant).collect())
+    }
+
+    /// The caller a batch's requests run as: its tenant, paced by the batch runner rather
+    /// than the tenant's rates.
+    fn caller(&self, tenant: &str) -> Result<Caller> {
+        self.tenants.caller(tenant).map(Caller::unrated)
+    }
+
+    /// Makes the file `id` (its data already written) visible to `tenant` as `filename`.
+    fn publish(&self, id: &str, filename: &str, tenant: &str) -> Result<String> {
         let bytes = std::fs::metadata(self.store.data_path(id)).map(|m| m.len()).unwrap_or(0);
         let f = FileObject {
             id: id.to_string(),
@@ -133,13 +163,21 @@ impl Batches {
             filename: filename.to_string(),
             purpose: "batch_output".into(),
             status: "processed".into(),
+            tenant: tenant.to_string(),
         };
         self.store.save_file(&f)?;
         Ok(f.id)
     }
 
     /// Registers an uploaded file whose bytes are at `upload` (moved into place).
-    pub fn add_file(&self, upload_id: &str, filename: &str, purpose: &str, bytes: u64) -> Result<FileObject> {
+    pub fn add_file(
+        &self,
+        upload_id: &str,
+        filename: &str,
+        purpose: &str,
+        bytes: u64,
+        tenant: &str,
+    ) -> Result<FileObject> {
         let f = FileObject {
             id: upload_id.to_string(),
             object: "file".into(),
@@ -148,6 +186,7 @@ impl Batches {
             filename: filename.to_string(),
             purpose: purpose.to_string(),
             status: "processed".into(),
+            tenant: tenant.to_string(),
         };
         let (from, to) = (self.store.upload_path(upload_id), self.store.data_path(upload_id));
         std::fs::rename(&from, &to).map_err(|e| Error::Internal(format!("{}: {e}", to.display())))?;
@@ -166,6 +205,7 @@ impl Batches {
         endpoint: &str,
         completion_window: &str,
         metadata: Option<Json>,
+        tenant: &str,
     ) -> Result<BatchObject> {
         if !matches!(endpoint, "/v1/completions" | "/v1/chat/completions") {
             return Err(Error::invalid("endpoint", "must be /v1/completions or /v1/chat/completions"));
@@ -174,8 +214,7 @@ impl Batches {
             return Err(Error::invalid("completion_window", "must be 24h"));
         }
         let file = self
-            .store
-            .file(input_file_id)
+            .file(input_file_id, tenant)
             .map_err(|_| Error::invalid("input_file_id", format!("no uploaded file {input_file_id:?}")))?;
         if file.purpose != "batch" {
             return Err(Error::invalid("input_file_id", "the file's purpose must be batch"));
@@ -202,6 +241,7 @@ impl Batches {
             cancelled_at: None,
             request_counts: Counts::default(),
             metadata,
+            tenant: tenant.to_string(),
         };
         self.store.save_batch(&b)?;
         let job = Arc::new(Job { object: Mutex::new(b.clone()), cancelled: AtomicBool::new(false) });
@@ -210,20 +250,21 @@ impl Batches {
         Ok(b)
     }
 
-    pub fn get(&self, id: &str) -> Result<BatchObject> {
-        Ok(self.job(id)?.snapshot())
+    pub fn get(&self, id: &str, tenant: &str) -> Result<BatchObject> {
+        Ok(self.job(id, tenant)?.snapshot())
     }
 
-    /// Every batch, newest first.
-    pub fn list(&self) -> Vec<BatchObject> {
-        let mut all: Vec<BatchObject> = self.jobs().iter().map(|j| j.snapshot()).collect();
+    /// Every batch of `tenant`, newest first.
+    pub fn list(&self, tenant: &str) -> Vec<BatchObject> {
+        let mut all: Vec<BatchObject> =
+            self.jobs().iter().map(|j| j.snapshot()).filter(|b| b.tenant == tenant).collect();
         all.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
         all
     }
 
     /// Asks a running batch to stop: it ends as `cancelled`, with the results so far.
-    pub fn cancel(&self, id: &str) -> Result<BatchObject> {
-        let job = self.job(id)?;
+    pub fn cancel(&self, id: &str, tenant: &str) -> Result<BatchObject> {
+        let job = self.job(id, tenant)?;
         if !job.snapshot().unfinished() {
             return Err(Error::FailedPrecondition(format!("batch {id} has already ended")));
         }

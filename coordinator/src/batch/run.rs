@@ -27,6 +27,7 @@ use tracing::{info, warn};
 use super::store::{finished_ids, now};
 use super::{Batches, Job};
 use crate::api::http::completions::{self, Api};
+use crate::api::http::error::ApiError;
 use crate::api::http::params::Fields;
 use crate::api::http::respond;
 use crate::request::admission::Priority;
@@ -85,7 +86,15 @@ struct Outcome {
     ok: bool,
 }
 
-async fn execute(batches: Arc<Batches>, api: Api, batch_id: String, index: usize, line: Line) -> Outcome {
+/// Which request of which batch a line is.
+struct Head {
+    batch_id: String,
+    tenant: String,
+    index: usize,
+}
+
+async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line) -> Outcome {
+    let Head { batch_id, tenant, index } = head;
     let request_id = format!("{batch_id}-{index}");
     let parsed = match api {
         Api::Chat => completions::chat(&*batches.models, &line.body),
@@ -96,7 +105,12 @@ async fn execute(batches: Arc<Batches>, api: Api, batch_id: String, index: usize
             for c in &mut job.choices {
                 c.request.priority = Priority::Batch;
             }
-            respond::answer(&*batches.models, batches.limits, &job, request_id.clone()).await
+            match batches.caller(&tenant) {
+                Ok(who) => {
+                    respond::answer(&*batches.models, batches.limits, &job, request_id.clone(), &who).await
+                }
+                Err(e) => Err(ApiError::from(e)),
+            }
         }
         Err(e) => Err(e),
     };
@@ -248,7 +262,10 @@ async fn dispatch(
     todo: Vec<(usize, Line)>,
     files: &mut (Results, Results),
 ) -> Result<()> {
-    let id = job.snapshot().id;
+    let (id, tenant) = {
+        let b = job.snapshot();
+        (b.id, b.tenant)
+    };
     let mut todo = todo.into_iter();
     let mut running = JoinSet::new();
     let mut counted = InFlight(0);
@@ -262,7 +279,8 @@ async fn dispatch(
             batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
         while running.len() < allowed {
             let Some((index, line)) = todo.next() else { break };
-            running.spawn(execute(batches.clone(), api, id.clone(), index, line));
+            let head = Head { batch_id: id.clone(), tenant: tenant.clone(), index };
+            running.spawn(execute(batches.clone(), api, head, line));
             counted.started();
         }
         if running.is_empty() {
@@ -300,9 +318,9 @@ fn finish(batches: &Batches, job: &Job, (out_id, err_id): (String, String)) -> R
         }
     });
     let b = job.snapshot();
-    let out = batches.publish(&out_id, &format!("{}_output.jsonl", b.id))?;
+    let out = batches.publish(&out_id, &format!("{}_output.jsonl", b.id), &b.tenant)?;
     let err = if b.request_counts.failed > 0 {
-        Some(batches.publish(&err_id, &format!("{}_error.jsonl", b.id))?)
+        Some(batches.publish(&err_id, &format!("{}_error.jsonl", b.id), &b.tenant)?)
     } else {
         None
     };

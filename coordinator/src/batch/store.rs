@@ -27,6 +27,13 @@ pub struct FileObject {
     pub filename: String,
     pub purpose: String,
     pub status: String,
+    /// The tenant that owns the file (only it sees the file).
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
+}
+
+fn default_tenant() -> String {
+    strata_common::tenant::DEFAULT_TENANT.to_string()
 }
 
 /// How many of a batch's requests ended, and how.
@@ -60,6 +67,10 @@ pub struct BatchObject {
     pub cancelled_at: Option<u64>,
     pub request_counts: Counts,
     pub metadata: Option<Json>,
+    /// The tenant that created the batch: only it sees the batch, its requests run (and
+    /// are accounted) as that tenant's.
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
 }
 
 impl BatchObject {

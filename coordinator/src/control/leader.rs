@@ -98,6 +98,10 @@ async fn campaign(
             }
         };
         *current.lock().unwrap_or_else(|p| p.into_inner()) = Some(lease);
+        // Presence: tenants' limits are split among the live coordinators.
+        if let Err(e) = registry.put(&keys.coordinator(&cfg.id), Vec::new(), Some(lease)).await {
+            warn!(error = %e, "cannot announce this coordinator; retrying with the next lease");
+        }
         let lapsed = Arc::new(AtomicBool::new(false));
         let keeper = tokio::spawn(keep_alive(registry.clone(), lease, retry, lapsed.clone()));
         while !lapsed.load(Ordering::SeqCst) {

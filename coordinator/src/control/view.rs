@@ -14,6 +14,7 @@ use futures::StreamExt;
 use strata_common::cluster::{decode, ModelSpec, ReplicaRecord, ReplicaState, WorkerRecord};
 use strata_common::registry::keys::{KeyKind, Keys};
 use strata_common::registry::{Event, Listing, Registry};
+use strata_common::tenant::TenantRecord;
 use strata_common::{ModelName, ReplicaId, WorkerId};
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -27,6 +28,10 @@ pub struct ClusterView {
     pub drained: BTreeSet<WorkerId>,
     /// The leader coordinator's id, when one holds the key.
     pub leader: Option<String>,
+    /// Tenants made through the admin API.
+    pub tenants: BTreeMap<String, TenantRecord>,
+    /// Live coordinators (each bound to its lease).
+    pub coordinators: BTreeSet<String>,
     pub revision: i64,
     /// Whether the last contact with the registry succeeded.
     pub connected: bool,
@@ -100,6 +105,20 @@ impl ClusterView {
             KeyKind::Leader => {
                 self.leader = Some(String::from_utf8_lossy(&value[..value.len().min(256)]).into_owned())
             }
+            KeyKind::Tenant(name) => {
+                match decode::<TenantRecord>(key, value).and_then(|t| t.check(name).map(|()| t)) {
+                    Ok(t) => {
+                        self.tenants.insert(t.name.clone(), t);
+                    }
+                    Err(e) => {
+                        self.tenants.remove(name);
+                        bad(e)
+                    }
+                }
+            }
+            KeyKind::Coordinator(id) => {
+                self.coordinators.insert(id.to_string());
+            }
         }
     }
 
@@ -123,6 +142,12 @@ impl ClusterView {
                 self.drained.remove(w);
             }
             Some(KeyKind::Leader) => self.leader = None,
+            Some(KeyKind::Tenant(t)) => {
+                self.tenants.remove(t);
+            }
+            Some(KeyKind::Coordinator(c)) => {
+                self.coordinators.remove(c);
+            }
             None => {}
         }
     }
@@ -262,6 +287,19 @@ mod tests {
         v.apply(&k, &Event::Delete { key: k.replica("m", "m-1"), mod_revision: 7 });
         v.apply(&k, &Event::Delete { key: k.leader(), mod_revision: 8 });
         assert!(v.replicas.is_empty() && v.leader.is_none());
+        let t = TenantRecord { name: "t".into(), weight: 1.0, limits: Default::default(), keys: vec![] };
+        v.apply(&k, &put(k.tenant("t"), encode(&t), 9));
+        v.apply(&k, &put(k.tenant("u"), encode(&t), 10));
+        v.apply(&k, &put(k.coordinator("c1"), Vec::new(), 11));
+        assert_eq!(
+            v.tenants.keys().collect::<Vec<_>>(),
+            ["t"],
+            "a tenant filed under another name is ignored"
+        );
+        assert!(v.coordinators.contains("c1"));
+        v.apply(&k, &Event::Delete { key: k.tenant("t"), mod_revision: 12 });
+        v.apply(&k, &Event::Delete { key: k.coordinator("c1"), mod_revision: 13 });
+        assert!(v.tenants.is_empty() && v.coordinators.is_empty());
     }
 
     #[test]

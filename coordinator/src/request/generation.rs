@@ -34,6 +34,9 @@ use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
 use crate::routing::{Catalog, EventStream, Job, ModelEntry};
+use crate::tenant::limits::Ask;
+use crate::tenant::usage::{refused, Account};
+use crate::tenant::Caller;
 
 /// What one generated token adds to a response.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -105,10 +108,50 @@ pub async fn begin(
     request_id: String,
     deadline: Option<Instant>,
     limits: RouteLimits,
+    caller: &Caller,
 ) -> Result<Started> {
     // Unknown names share one label, so a caller cannot grow the metrics without bound.
-    let model = models.get(&request.model).inspect_err(|e| failed("(unknown)", e))?;
+    let model = models.get(&request.model).inspect_err(|e| refuse(caller, "(unknown)", e))?;
     let cache_wanted = request.cache;
+    let (admitted, account) =
+        admit_for(&model, request, caller).await.inspect_err(|e| refuse(caller, &model.name, e))?;
+    let prompt_ids = admitted.prompt_ids.clone();
+    let mut account = account;
+    let revision = model.routes.revision();
+    let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
+    if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
+        account.cached();
+        let rx = replay(&model, &admitted, response, account);
+        return Ok(Started { model, prompt_ids, rx });
+    }
+    let rx = start(model.clone(), admitted, request_id, deadline, limits, key, account).await?;
+    Ok(Started { model, prompt_ids, rx })
+}
+
+/// A request refused before admission: counted in the request metrics and the tenant's
+/// usage.
+fn refuse(caller: &Caller, model: &str, e: &Error) {
+    failed(model, e);
+    refused(caller, model, e);
+}
+
+/// Admits the request for `caller`: its model, its `max_tokens` cap, the request's own
+/// checks, then the tenant's limits.
+async fn admit_for(
+    model: &Arc<ModelEntry>,
+    request: GenerateRequest,
+    caller: &Caller,
+) -> Result<(Admitted, Account)> {
+    caller.may_use(&model.name)?;
+    let cap = caller.max_tokens_cap();
+    if let (Some(n), Some(cap)) = (request.max_tokens, cap) {
+        if n > cap {
+            return Err(Error::invalid(
+                "max_tokens",
+                format!("{n} exceeds tenant {:?}'s max_tokens_per_request of {cap}", caller.tenant()),
+            ));
+        }
+    }
     let admitted = match request.prompt {
         Some(Prompt::Text(_) | Prompt::Chat(_)) => {
             let entry = model.clone();
@@ -116,23 +159,23 @@ pub async fn begin(
                 .await
                 .map_err(|e| Error::Internal(format!("admission: {e}")))?
         }
-        _ => admit(&request, &model),
+        _ => admit(&request, model),
     };
-    let admitted = admitted.inspect_err(|e| failed(&model.name, e))?;
-    let prompt_ids = admitted.prompt_ids.clone();
-    let revision = model.routes.revision();
-    let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
-    if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
-        let rx = replay(&model, &admitted, response);
-        return Ok(Started { model, prompt_ids, rx });
+    let mut admitted = admitted?;
+    if let Some(cap) = cap {
+        // A request that named no max_tokens gets the tenant's cap.
+        admitted.params.max_new_tokens = admitted.params.max_new_tokens.min(cap);
     }
-    let rx = start(model.clone(), admitted, request_id, deadline, limits, key).await?;
-    Ok(Started { model, prompt_ids, rx })
+    let prompt_tokens = admitted.prompt_ids.len();
+    let ask = Ask { prompt_tokens: prompt_tokens as u32, max_tokens: admitted.params.max_new_tokens };
+    let permit = caller.admit(ask)?;
+    let account = Account::open(caller, &model.name, prompt_tokens, permit);
+    Ok((admitted, account))
 }
 
 /// A cached response, streamed as it was the first time (counted as a request, served by
 /// no replica).
-fn replay(model: &ModelEntry, admitted: &Admitted, response: Response) -> ChunkRx {
+fn replay(model: &ModelEntry, admitted: &Admitted, response: Response, mut account: Account) -> ChunkRx {
     let span = Span::current();
     span::admitted(&span, &model.name, &admitted.params, admitted.prompt_ids.len());
     let mut timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
@@ -144,6 +187,7 @@ fn replay(model: &ModelEntry, admitted: &Admitted, response: Response) -> ChunkR
                     return;
                 }
                 timer.token();
+                account.delivered(c.token_ids.len());
                 if let Some(reason) = c.finish {
                     timer.finished(reason);
                     span::finished(&Span::current(), CACHE_REPLICA, 0, 0, i + 1, Ok(reason));
@@ -168,6 +212,7 @@ pub async fn start(
     deadline: Option<Instant>,
     limits: RouteLimits,
     key: Option<Key>,
+    account: Account,
 ) -> Result<ChunkRx> {
     let online = OnlineGuard::new(admitted.priority);
     let stop = admitted.params.stop.clone();
@@ -191,6 +236,7 @@ pub async fn start(
         span: span.clone(),
         attempt: Attempt::default(),
         record: key.map(|k| (k, Vec::new())),
+        account,
         _online: online,
     };
     let (replica, stream) = run.submit().await.inspect_err(|e| run.fail_now(e))?;
@@ -220,6 +266,8 @@ struct Run {
     attempt: Attempt,
     /// A cacheable request: its key and the chunks streamed so far.
     record: Option<(Key, Vec<Chunk>)>,
+    /// The tenant's usage record and its hold on the tenant's limits.
+    account: Account,
     _online: Option<OnlineGuard>,
 }
 
@@ -360,6 +408,7 @@ impl Run {
                         return; // dropping `events` cancels the sequence if it still runs
                     }
                     self.timer.token();
+                    self.account.delivered(1);
                     if let Some(reason) = finish {
                         self.timer.finished(reason);
                         self.record_end(Ok(reason));
@@ -421,6 +470,7 @@ impl Run {
     /// Counts and records a failure (the caller reports it).
     fn fail_now(&mut self, e: &Error) {
         self.timer.failed(e);
+        self.account.failed();
         self.record_end(Err(e));
     }
 

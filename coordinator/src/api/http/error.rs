@@ -15,6 +15,9 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds a refused caller should wait (`Retry-After`); None: one second for 429
+    /// and 503, no header otherwise.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -26,6 +29,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some(param.into()),
             code: None,
+            retry_after: None,
         }
     }
 
@@ -36,6 +40,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -52,11 +57,15 @@ impl ApiError {
     /// A domain error, with admission's field names renamed by `rename` (None keeps them).
     pub fn from_domain(e: Error, rename: impl Fn(&str) -> Option<String>) -> Self {
         let class = e.class();
+        let retry_after = e.retry_after().map(strata_common::status::retry_after_seconds);
         let (status, kind, code) = match class {
             ErrorClass::InvalidInput | ErrorClass::FailedPrecondition => {
                 (StatusCode::BAD_REQUEST, "invalid_request_error", None)
             }
             ErrorClass::NotFound => (StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found")),
+            ErrorClass::Overloaded if retry_after.is_some() => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("rate_limit_exceeded"))
+            }
             ErrorClass::Overloaded => (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", Some("overloaded")),
             ErrorClass::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", None),
             ErrorClass::DeadlineExceeded => (StatusCode::GATEWAY_TIMEOUT, "timeout", None),
@@ -74,7 +83,7 @@ impl ApiError {
             Error::Unauthenticated(m) => (m, None),
             other => (other.to_string(), None),
         };
-        ApiError { status, message, kind, param, code }
+        ApiError { status, message, kind, param, code, retry_after }
     }
 }
 
@@ -88,8 +97,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
         if self.status == StatusCode::TOO_MANY_REQUESTS || self.status == StatusCode::SERVICE_UNAVAILABLE {
-            // Clients back off and retry; one second is a fair first step.
-            response.headers_mut().insert(axum::http::header::RETRY_AFTER, 1.into());
+            // Clients back off and retry: when the limit that refused says, after that;
+            // otherwise one second is a fair first step.
+            let after = self.retry_after.unwrap_or(1);
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, after.into());
         }
         response
     }
@@ -120,5 +131,10 @@ mod tests {
         let body = ApiError::invalid("n", "must be at least 1").body();
         assert_eq!(body["error"]["param"], "n");
         assert_eq!(body["error"]["type"], "invalid_request_error");
+        let limited =
+            Error::RateLimited { reason: "t".into(), retry_after: std::time::Duration::from_millis(2100) };
+        let response = ApiError::from(limited).into_response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[axum::http::header::RETRY_AFTER], "3");
     }
 }

@@ -23,13 +23,14 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
+use axum::{Extension, Router};
 use serde_json::json;
 
 use self::error::ApiError;
 use super::auth::{bearer_token, ClientAuth};
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
+use crate::tenant::Caller;
 
 /// Largest JSON request body (prompts are bounded again by the context on admission).
 pub const MAX_JSON_BODY: usize = 16 << 20;
@@ -98,14 +99,18 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .with_state(state)
 }
 
-async fn authenticate(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
+/// Authenticates the caller and hands its [`Caller`] to the handlers (an extension).
+async fn authenticate(State(state): State<Arc<HttpState>>, mut request: Request, next: Next) -> Response {
     let token = request
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(bearer_token);
     match state.auth.check_token(token, "header") {
-        Ok(()) => next.run(request).await,
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
         Err(e) => ApiError::from(e).into_response(),
     }
 }
@@ -116,18 +121,28 @@ fn caller(headers: &HeaderMap) -> Option<strata_common::trace::TraceContext> {
     strata_common::trace::TraceContext::from_headers(get("traceparent"), get("tracestate"))
 }
 
-async fn completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let job = params::object(&body).and_then(|f| completions::completion(&*state.models, &f));
     match job {
-        Ok(job) => respond::run(state.clone(), job, caller(&headers)).await,
+        Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_completions(State(state): State<Arc<HttpState>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat_completions(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let job = params::object(&body).and_then(|f| completions::chat(&*state.models, &f));
     match job {
-        Ok(job) => respond::run(state.clone(), job, caller(&headers)).await,
+        Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
 }
@@ -187,9 +202,10 @@ impl RunningHttp {
         id: &str,
     ) -> anyhow::Result<Self> {
         use anyhow::Context;
+        let tenants = auth.tenants().clone();
         let mut state = HttpState::new(models.clone(), auth, limits);
         if let Some(dir) = &opts.data_dir {
-            let batches = crate::batch::Batches::start(dir, models, limits, opts.batch_concurrency)
+            let batches = crate::batch::Batches::start(dir, models, limits, opts.batch_concurrency, tenants)
                 .with_context(|| format!("--data-dir {}", dir.display()))?;
             state.batches = Some(batches);
         }

@@ -25,6 +25,7 @@ use crate::request::generation::{self, Chunk, RouteLimits, Started};
 use crate::request::span::request_span;
 use crate::request::tokenizer::Tokenizer;
 use crate::routing::Catalog;
+use crate::tenant::Caller;
 use strata_common::trace::TraceContext;
 
 /// What identifies one response: its id, creation time and model.
@@ -65,12 +66,13 @@ async fn start_all(
     limits: RouteLimits,
     job: &Job,
     head: &Head,
+    who: &Caller,
     caller: Option<&TraceContext>,
 ) -> Result<Vec<Started>, ApiError> {
     let starts = job.choices.iter().map(|c| {
         let request_id = format!("{}-{}", head.id, c.index);
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
-        generation::begin(models, c.request.clone(), request_id, None, limits).instrument(span)
+        generation::begin(models, c.request.clone(), request_id, None, limits, who).instrument(span)
     });
     futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job)))
 }
@@ -89,9 +91,9 @@ impl Head {
     }
 }
 
-pub async fn run(state: Arc<HttpState>, job: Job, caller: Option<TraceContext>) -> Response {
+pub async fn run(state: Arc<HttpState>, job: Job, who: Caller, caller: Option<TraceContext>) -> Response {
     let head = Head::new(&job, state.next_id());
-    let started = match start_all(&*state.models, state.limits, &job, &head, caller.as_ref()).await {
+    let started = match start_all(&*state.models, state.limits, &job, &head, &who, caller.as_ref()).await {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -112,9 +114,10 @@ pub async fn answer(
     limits: RouteLimits,
     job: &Job,
     id: String,
+    who: &Caller,
 ) -> Result<Json, ApiError> {
     let head = Head::new(job, id);
-    let started = start_all(models, limits, job, &head, None).await?;
+    let started = start_all(models, limits, job, &head, who, None).await?;
     unary(job, &head, started).await
 }
 
