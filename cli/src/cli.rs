@@ -76,6 +76,18 @@ pub enum Command {
         #[command(subcommand)]
         command: ModelCommand,
     },
+    /// Check a configuration file (what every command would refuse, it refuses) and print
+    /// the effective configuration: defaults, the file, STRATA_* variables.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ConfigCommand {
+    /// Load, validate (tenants and their keys too) and print the effective configuration.
+    Check(crate::config_args::ConfigArg),
 }
 
 #[derive(Subcommand, Debug)]
@@ -338,6 +350,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Cert { command } => crate::cert_cli::run(command),
+        Command::Config { command: ConfigCommand::Check(file) } => crate::config_args::check(&file),
         Command::Batch { command } => crate::batch_cli::run(command, runtime()?),
         Command::Model { command } => match command {
             ModelCommand::Random(args) => random_model(args),

@@ -36,6 +36,32 @@ impl ConfigArg {
     }
 }
 
+/// `strata config check`: the file's configuration, validated as a coordinator would
+/// (tenant keys parsed, none shared), printed as TOML with every secret replaced by its
+/// `sha256:` form (which the same keys accept) or removed.
+pub fn check(file: &ConfigArg) -> anyhow::Result<()> {
+    let mut cfg = file.resolve(|_| Ok(()))?;
+    let c = &mut cfg.coordinator;
+    strata_coordinator::api::auth::ClientAuth::with_tenants(c.api_keys.clone(), c.tenants.clone())
+        .map_err(with_flag)?;
+    let hashed = |k: &String| match k.starts_with("sha256:") {
+        true => k.clone(),
+        false => {
+            format!("sha256:{}", strata_coordinator::tenant::hex(&strata_coordinator::tenant::digest(k)))
+        }
+    };
+    c.api_keys = c.api_keys.iter().map(hashed).collect();
+    c.admin_token = c.admin_token.as_ref().map(hashed);
+    for t in &mut c.tenants {
+        t.keys = t.keys.iter().map(hashed).collect();
+    }
+    if cfg.registry.etcd_password.is_some() {
+        cfg.registry.etcd_password = Some("(set)".into());
+    }
+    print!("{}", toml::to_string(&cfg).context("printing the configuration")?);
+    Ok(())
+}
+
 /// A config error naming the key and the flag that sets it ("engine.block_size" is set by
 /// `--block-size`; durations drop their `_s`).
 fn with_flag(e: strata_common::Error) -> anyhow::Error {

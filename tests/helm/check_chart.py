@@ -20,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import tomllib
 
 import helm_python as helm
 import kubernetes_validate
@@ -74,6 +76,18 @@ CASES = {
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
     "api-keys": {"auth": {"apiKeys": ["k-0123456789abcdef", "k-fedcba9876543210"]}},
+    "tenants": {
+        "tenants": [
+            {
+                "name": "search",
+                "keys": ["sha256:015f7e6bc5aeaf483724089e9252cc13b50951a6b69412522765cff4d780306e"],
+                "weight": 2,
+                "limits": {"requestsPerSecond": 0.5, "tokensPerMinute": 2000000, "maxConcurrent": 64,
+                           "maxTokensPerRequest": 1024, "models": ["llama"]},
+            },
+            {"name": "batch-team", "keys": ["k-0123456789abcdef-plain"]},
+        ]
+    },
     "batch": {"coordinator": {"replicas": 1, "batch": {"enabled": True, "existingClaim": "strata-batches", "concurrency": 16}}},
     "mig-hostpath": {
         "worker": {
@@ -102,6 +116,9 @@ BAD_VALUES = {
     "model device outside the enum": {"models": [{"name": "a", "path": "x", "device": "tpu"}]},
     "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
     "response cache size not a size": {"coordinator": {"responseCacheMemory": "lots"}},
+    "tenant with a slash": {"tenants": [{"name": "a/b"}]},
+    "tenant limit of zero": {"tenants": [{"name": "a", "limits": {"maxConcurrent": 0}}]},
+    "unknown tenant limit": {"tenants": [{"name": "a", "limits": {"rps": 3}}]},
 }
 
 # Values the schema accepts but the templates refuse, with what the refusal must say.
@@ -207,6 +224,39 @@ def check_devices(objs):
         fail(f"three-models: workers' STRATA_NODE comes from {node!r}, not spec.nodeName")
 
 
+def check_tenants(objs):
+    """The tenants Secret is a configuration file strata reads, mounted where --config says."""
+    by_kind = {(o["kind"], o["metadata"]["name"]): o for _, o in objs}
+    secret = next(o for (k, n), o in by_kind.items() if k == "Secret" and n.endswith("-config"))
+    text = secret["stringData"]["strata.toml"]
+    conf = tomllib.loads(text)
+    tenants = {t["name"]: t for t in conf["coordinator"]["tenants"]}
+    want = {"requests_per_second": 0.5, "tokens_per_minute": 2000000, "max_concurrent": 64,
+            "max_tokens_per_request": 1024, "models": ["llama"]}
+    if tenants["search"]["limits"] != want or tenants["search"]["weight"] != 2:
+        fail(f"tenants: search renders as {tenants['search']}")
+    if tenants["batch-team"]["keys"] != ["k-0123456789abcdef-plain"] or tenants["batch-team"]["limits"]:
+        fail(f"tenants: batch-team renders as {tenants['batch-team']}")
+    strata = os.environ.get("STRATA_BIN", os.path.join(ROOT, "target", "debug", "strata"))
+    if not os.path.exists(strata):
+        fail(f"tenants: {strata} is missing: build it (cargo build --bin strata) or set STRATA_BIN")
+    else:
+        # strata itself checks the rendered file (a typo'd key or bad value fails here).
+        with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+            f.write(text)
+            f.flush()
+            r = subprocess.run([strata, "config", "check", "--config", f.name], capture_output=True, text=True)
+            if r.returncode != 0:
+                fail(f"tenants: strata refuses the rendered configuration: {r.stdout}{r.stderr}")
+    coord = next(o for (k, n), o in by_kind.items() if k == "Deployment" and n.endswith("-coordinator"))
+    spec = coord["spec"]["template"]["spec"]
+    if "--config=/etc/strata/config/strata.toml" not in spec["containers"][0]["args"]:
+        fail("tenants: the coordinator is not given the configuration file")
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    if mounts.get("config") != "/etc/strata/config":
+        fail(f"tenants: the configuration is mounted at {mounts.get('config')}")
+
+
 def check_dashboards():
     src = os.path.join(ROOT, "deploy", "grafana", "dashboards")
     dst = os.path.join(CHART, "dashboards")
@@ -266,6 +316,8 @@ def main():
         check_batch_volume(rendered["batch"])
     if rendered.get("three-models"):
         check_devices(rendered["three-models"])
+    if rendered.get("tenants"):
+        check_tenants(rendered["tenants"])
     check_dashboards()
     check_dockerfiles()
     if render_dir and rendered.get("cpu"):

@@ -24,7 +24,12 @@ fn python() -> PathBuf {
 
 fn check_chart(extra: &[&str]) -> String {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("helm/check_chart.py");
-    let out = Command::new(python()).arg(script).args(extra).output().expect("run tests/helm/check_chart.py");
+    let out = Command::new(python())
+        .arg(script)
+        .args(extra)
+        .env("STRATA_BIN", strata_bin())
+        .output()
+        .expect("run tests/helm/check_chart.py");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "chart checks failed:\n{text}");
     text
