@@ -102,6 +102,10 @@ pub struct DeployArgs {
     /// KV cache per rank, e.g. 512MiB (default: the worker's).
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
+    /// Requests that may wait per replica, in the coordinators' fair-admission queues
+    /// (0: 256).
+    #[arg(long, default_value_t = 0)]
+    pub max_waiting: u32,
 }
 
 impl DeployArgs {
@@ -114,6 +118,7 @@ impl DeployArgs {
             max_num_seqs: self.max_num_seqs,
             max_batched_tokens: self.max_batched_tokens,
             kv_cache_bytes,
+            max_waiting: self.max_waiting,
         };
         Ok(pb::DeployModelRequest {
             name: self.name,

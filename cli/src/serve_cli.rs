@@ -226,7 +226,13 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             runner: limits,
             model_roots: roots.clone(),
         },
-        limits: strata_common::cluster::EngineLimits::default(),
+        // The deployments say how many sequences a replica runs: the coordinator's
+        // fair-admission gate has that many slots per replica.
+        limits: strata_common::cluster::EngineLimits {
+            max_num_seqs: cfg.engine.max_num_seqs as u32,
+            max_waiting: cfg.engine.max_waiting as u32,
+            ..Default::default()
+        },
         serve: opts,
         admin_auth,
         model_roots: roots,

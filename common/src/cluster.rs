@@ -85,6 +85,10 @@ pub struct EngineLimits {
     /// KV cache bytes per rank (0: the worker's default).
     #[serde(default)]
     pub kv_cache_bytes: u64,
+    /// Requests that may wait for a replica's sequence slots (0: the default, 256); they
+    /// wait in the coordinators' fair-admission queues.
+    #[serde(default)]
+    pub max_waiting: u32,
 }
 
 /// `<prefix>/models/<name>`: what an operator asked for.

@@ -200,6 +200,8 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
             max_num_seqs: r.max_num_seqs,
             max_batched_tokens: r.max_batched_tokens,
             kv_cache_bytes: r.kv_cache_bytes,
+            // The coordinators' queues hold waiting requests; workers need not know.
+            max_waiting: 0,
         },
         group_secret: r.group_secret,
     })

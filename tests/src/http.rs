@@ -81,3 +81,27 @@ pub fn upload(address: &str, key: Option<&str>, filename: &str, content: &str) -
     assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
     serde_json::from_str(body).unwrap()
 }
+
+/// `GET /metrics` over plain HTTP/1.1.
+pub fn scrape(address: &str) -> String {
+    let mut s = std::net::TcpStream::connect(address).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    body
+}
+
+/// The value of the sample named `name` whose labels include every pair in `labels`.
+pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let (labelset, value) = match rest.strip_prefix('{') {
+            Some(r) => r.split_once("} ")?,
+            None => ("", rest.strip_prefix(' ')?),
+        };
+        let all = labels.iter().all(|(k, v)| labelset.split(',').any(|p| p == format!("{k}=\"{v}\"")));
+        all.then(|| value.split_whitespace().next()?.parse().ok()).flatten()
+    })
+}

@@ -256,13 +256,28 @@ fn an_error_after_streaming_started_is_raised_by_the_client() {
 async fn a_full_queue_answers_429() {
     let tmp = tempfile::tempdir().unwrap();
     write_slow_model(tmp.path());
-    let (server, http) = serve_http(tmp.path(), &["--max-num-seqs", "1", "--max-waiting", "1"]);
+    let extra = ["--max-num-seqs", "1", "--max-waiting", "1", "--metrics-listen", "127.0.0.1:0"];
+    let (server, http) = serve_http(tmp.path(), &extra);
+    let metrics = server.out.passed("metrics").expect("the metrics address is announced");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
     let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
     let mut running =
         c.generate_stream(strata_tests::token_request("m", vec![1, 2], 1500)).await.unwrap().into_inner();
     assert!(running.message().await.unwrap().is_some());
+    // The next request waits in the coordinator's queue for the one slot; then it is full.
+    let mut w = c.clone();
     let _waiting =
-        c.generate_stream(strata_tests::token_request("m", vec![1, 3], 4)).await.unwrap().into_inner();
+        tokio::spawn(async move { w.generate(strata_tests::token_request("m", vec![1, 3], 4)).await });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while strata_tests::http::sample(
+        &strata_tests::http::scrape(&metrics),
+        "strata_admission_waiting",
+        &[("model", "m")],
+    ) != Some(1.0)
+    {
+        assert!(std::time::Instant::now() < deadline, "the request never queued");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let body = json!({"model": "m", "prompt": [1, 4], "max_tokens": 4}).to_string();
     let mut s = std::net::TcpStream::connect(&http).unwrap();
     write!(

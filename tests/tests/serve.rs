@@ -197,7 +197,7 @@ async fn cancelled_streams_free_their_sequence() {
 async fn a_full_queue_answers_resource_exhausted() {
     let tmp = tempfile::tempdir().unwrap();
     write_slow_model(tmp.path());
-    let server = Server::start(&[
+    let mut server = Server::spawn(&[
         "--model",
         &tmp.path().to_string_lossy(),
         "--name",
@@ -206,13 +206,35 @@ async fn a_full_queue_answers_resource_exhausted() {
         "1",
         "--max-waiting",
         "1",
+        "--metrics-listen",
+        "127.0.0.1:0",
     ]);
+    let metrics = server.out.wait_event("metrics", Duration::from_secs(60), "strata serve");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    server.addr = server.wait_ready();
     let mut c = client(&server).await;
     let mut running = c.generate_stream(request("slow", vec![1, 2], 1500)).await.unwrap().into_inner();
     assert!(running.message().await.unwrap().is_some());
-    let _waiting = c.generate_stream(request("slow", vec![1, 3], 4)).await.unwrap().into_inner();
+    // The one slot is taken: the next request waits in the coordinator's queue (its call
+    // returns when it gets the slot), the one after finds the queue full.
+    let mut w = c.clone();
+    let _waiting = tokio::spawn(async move { w.generate(request("slow", vec![1, 3], 4)).await });
+    wait_queued(&metrics, "slow", 1.0).await;
     let status = c.generate(request("slow", vec![1, 4], 4)).await.expect_err("queue is full");
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+}
+
+/// Polls until `model`'s fair-admission queue holds `n` requests.
+async fn wait_queued(metrics: &str, model: &str, n: f64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = strata_tests::http::scrape(metrics);
+        if strata_tests::http::sample(&text, "strata_admission_waiting", &[("model", model)]) == Some(n) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the queue never held {n}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -126,6 +126,7 @@ impl ClusterAdmin {
                 max_num_seqs: spec.limits.max_num_seqs,
                 max_batched_tokens: spec.limits.max_batched_tokens,
                 kv_cache_bytes: spec.limits.kv_cache_bytes,
+                max_waiting: spec.limits.max_waiting,
             }),
             generation: spec.generation,
             device: spec.device.clone(),
@@ -204,6 +205,7 @@ impl ClusterAdmin {
                 max_num_seqs: limits.max_num_seqs,
                 max_batched_tokens: limits.max_batched_tokens,
                 kv_cache_bytes: limits.kv_cache_bytes,
+                max_waiting: limits.max_waiting,
             },
             generation: 1,
         };

@@ -30,6 +30,7 @@ use tracing::{debug, info, warn, Instrument, Span};
 
 use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
 use crate::request::cache::{Key, Response, ResponseCache};
+use crate::request::fair::{Gate, Ticket};
 use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
@@ -123,6 +124,29 @@ pub async fn begin(
         account.cached();
         let rx = replay(&model, &admitted, response, account);
         return Ok(Started { model, prompt_ids, rx });
+    }
+    let ticket = Ticket {
+        tenant: caller.tenant().to_string(),
+        weight: caller.weight(),
+        priority: admitted.priority,
+        cost: (prompt_ids.len() + admitted.params.max_new_tokens as usize) as u64,
+    };
+    let give_up = Instant::now() + limits.wait;
+    let give_up = deadline.map_or(give_up, |d| d.min(give_up));
+    let entered = Gate::of(&model.name).enter(&ticket, model.routes.gate_size(), give_up).await;
+    let slot = entered.map_err(|e| match deadline {
+        Some(d) if Instant::now() >= d => Error::DeadlineExceeded(format!(
+            "request {request_id} waited past its deadline for a replica slot"
+        )),
+        _ => e,
+    });
+    match slot {
+        Ok(slot) => account.hold(slot),
+        Err(e) => {
+            failed(&model.name, &e);
+            account.failed();
+            return Err(e);
+        }
     }
     let rx = start(model.clone(), admitted, request_id, deadline, limits, key, account).await?;
     Ok(Started { model, prompt_ids, rx })

@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod cache;
 pub mod chat;
+pub mod fair;
 pub mod generation;
 pub mod metrics;
 pub mod span;

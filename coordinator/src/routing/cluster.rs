@@ -20,8 +20,15 @@ use strata_common::prefix::{block_hashes, DEFAULT_BLOCK_SIZE};
 
 use super::prefix::{prompt_key, select, Candidate, PrefixIndex};
 use super::suspects::Suspects;
-use super::{EventStream, Job, Replica, Routes};
+use super::{EventStream, GateSize, Job, Replica, Routes};
 use crate::control::view::ClusterView;
+
+/// Sequences a replica runs at once when its deployment does not say (the engine's
+/// default `max_num_seqs`).
+pub const DEFAULT_REPLICA_SLOTS: usize = 64;
+/// Requests that may wait per replica when its deployment does not say (the engine's
+/// default `max_waiting`).
+pub const DEFAULT_REPLICA_QUEUE: usize = 256;
 
 #[derive(Default)]
 struct ReplicaLoad {
@@ -112,6 +119,24 @@ impl ClusterRoutes {
 impl Routes for ClusterRoutes {
     fn revision(&self) -> u64 {
         self.view.borrow().models.get(self.model.as_str()).map_or(0, |spec| spec.generation)
+    }
+
+    fn gate_size(&self) -> GateSize {
+        let view = self.view.borrow();
+        let limits = view.models.get(self.model.as_str()).map(|spec| spec.limits.clone()).unwrap_or_default();
+        let or = |v: u32, default: usize| if v == 0 { default } else { v as usize };
+        let (replicas, coordinators) =
+            (view.ready_replicas(&self.model).count(), view.coordinators.len().max(1));
+        if replicas == 0 {
+            // Nothing to share yet: requests wait for a replica on the request path (bounded
+            // by the route wait), as they do when one fails.
+            return GateSize { slots: usize::MAX, queue: usize::MAX };
+        }
+        let share = |per_replica: usize| (replicas * per_replica).div_ceil(coordinators);
+        GateSize {
+            slots: share(or(limits.max_num_seqs, DEFAULT_REPLICA_SLOTS)).max(1),
+            queue: share(or(limits.max_waiting, DEFAULT_REPLICA_QUEUE)),
+        }
     }
 
     fn replica_revision(&self, replica: &str) -> Option<u64> {

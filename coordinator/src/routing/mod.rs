@@ -67,6 +67,18 @@ pub trait Routes: Send + Sync {
     }
     /// Load over all ready replicas, as they report it now.
     async fn stats(&self) -> EngineStats;
+    /// This coordinator's share of the ready replicas' sequence slots and waiting room:
+    /// the size of its fair-admission gate for the model.
+    fn gate_size(&self) -> GateSize {
+        GateSize { slots: usize::MAX, queue: usize::MAX }
+    }
+}
+
+/// How many requests a coordinator may run on a model at once, and how many may wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GateSize {
+    pub slots: usize,
+    pub queue: usize,
 }
 
 /// A served model.

@@ -84,6 +84,11 @@ impl Caller {
         &self.tenant.name
     }
 
+    /// The tenant's share under overload, relative to others.
+    pub fn weight(&self) -> f64 {
+        self.tenant.weight
+    }
+
     /// The same tenant without its rate and stream limits (batch work, which the batch
     /// runner paces), still held to its models and `max_tokens_per_request`.
     pub fn unrated(mut self) -> Caller {

@@ -229,12 +229,14 @@ impl Ledger {
 }
 
 /// One admitted request's usage, recorded when it is dropped (finished, failed or
-/// cancelled alike); it also holds the request's [`Permit`].
+/// cancelled alike); it also holds what the request holds while it lives: its tenant's
+/// [`Permit`] and its slot of the model's fair-admission gate.
 pub struct Account {
     tenant: String,
     model: String,
     counts: UsageCounts,
     permit: Option<Permit>,
+    slot: Option<crate::request::fair::Slot>,
 }
 
 impl Account {
@@ -243,7 +245,12 @@ impl Account {
             p.consumed(prompt_tokens as u64);
         }
         let counts = UsageCounts { requests: 1, prompt_tokens: prompt_tokens as u64, ..Default::default() };
-        Account { tenant: caller.tenant().to_string(), model: model.to_string(), counts, permit }
+        Account { tenant: caller.tenant().to_string(), model: model.to_string(), counts, permit, slot: None }
+    }
+
+    /// The request got a slot of the model's gate: held until the request ends.
+    pub fn hold(&mut self, slot: crate::request::fair::Slot) {
+        self.slot = Some(slot);
     }
 
     /// The whole prompt was answered from the response cache.

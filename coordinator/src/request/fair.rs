@@ -1,0 +1,356 @@
+//! Fair admission: which waiting request a model's replicas take next when they are full.
+//!
+//! Each coordinator keeps one [`Gate`] per model. A request holds a [`Slot`] of the gate
+//! while it generates; the gate has as many slots as the model's ready replicas run
+//! sequences at once (`max_num_seqs` each), split among the live coordinators as tenants'
+//! limits are. When the slots are taken, requests wait in the gate's queue (bounded in
+//! length, and in time by the route wait and the caller's deadline), and a freed slot goes
+//! to the best waiting request:
+//!
+//! - **priority first**: online requests before batch requests;
+//! - **weighted fair queuing** between tenants within a priority: each request gets a
+//!   virtual finish tag `max(V, tenant's last tag) + cost / weight` (cost: prompt plus
+//!   `max_tokens`), and the smallest tag goes first; so under overload each tenant's share
+//!   of tokens follows its weight, whoever sends more;
+//! - **headroom for others**: while other tenants have used the model recently, one
+//!   tenant may hold at most the slots minus one per such tenant (at most half the slots
+//!   kept back), so a tenant flooding the model cannot occupy every slot and another
+//!   tenant's next request starts without waiting for the flood's requests to end.
+//!
+//! Requests never wait while slots are free (the gate is work-conserving), and a request
+//! answered from the response cache takes no slot.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use strata_common::{Error, Result};
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::admission::Priority;
+use crate::routing::GateSize;
+
+/// How long a tenant counts as using a model after its last request.
+pub const ACTIVE_WINDOW: Duration = Duration::from_secs(10);
+
+/// What one request asks of the gate.
+#[derive(Debug, Clone)]
+pub struct Ticket {
+    pub tenant: String,
+    pub weight: f64,
+    pub priority: Priority,
+    /// Prompt plus max_tokens.
+    pub cost: u64,
+}
+
+#[derive(Debug, Default)]
+struct TenantState {
+    in_flight: usize,
+    /// The tenant's last virtual finish tag.
+    finish: f64,
+    last_seen: Option<Instant>,
+}
+
+/// Queue order: priority class, finish tag (as ordered bits: tags are ≥ 0), arrival.
+type QueueKey = (u8, u64, u64);
+
+struct Waiter {
+    tenant: String,
+    finish: f64,
+    tx: oneshot::Sender<()>,
+}
+
+#[derive(Default)]
+struct State {
+    slots: usize,
+    in_flight: usize,
+    /// Virtual time: the finish tag of the last request admitted.
+    virtual_time: f64,
+    tenants: HashMap<String, TenantState>,
+    queue: BTreeMap<QueueKey, Waiter>,
+    arrivals: u64,
+}
+
+impl State {
+    /// The most slots `tenant` may hold now.
+    fn cap(&self, tenant: &str, now: Instant) -> usize {
+        let others = self
+            .tenants
+            .iter()
+            .filter(|(t, s)| {
+                t.as_str() != tenant && s.last_seen.is_some_and(|at| now.duration_since(at) < ACTIVE_WINDOW)
+            })
+            .count();
+        self.slots - others.min(self.slots / 2)
+    }
+
+    fn tag(&mut self, t: &Ticket) -> f64 {
+        let s = self.tenants.entry(t.tenant.clone()).or_default();
+        let start = self.virtual_time.max(s.finish);
+        s.finish = start + t.cost.max(1) as f64 / t.weight.max(1e-3);
+        s.finish
+    }
+
+    fn admit(&mut self, tenant: &str, finish: f64) {
+        self.in_flight += 1;
+        self.virtual_time = self.virtual_time.max(finish);
+        self.tenants.entry(tenant.to_string()).or_default().in_flight += 1;
+    }
+
+    /// Hands free slots to the best waiting requests that may take one.
+    fn dispatch(&mut self, now: Instant) {
+        while self.in_flight < self.slots {
+            let next = self
+                .queue
+                .iter()
+                .find(|(_, w)| {
+                    self.tenants.get(&w.tenant).map_or(0, |s| s.in_flight) < self.cap(&w.tenant, now)
+                })
+                .map(|(k, _)| *k);
+            let Some(key) = next else { return };
+            let w = self.queue.remove(&key).expect("found above");
+            if w.tx.is_closed() {
+                continue; // it gave up waiting
+            }
+            self.admit(&w.tenant, w.finish);
+            if w.tx.send(()).is_err() {
+                self.release(&w.tenant);
+            }
+        }
+    }
+
+    fn release(&mut self, tenant: &str) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if let Some(s) = self.tenants.get_mut(tenant) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+/// One model's admission gate on this coordinator.
+#[derive(Default)]
+pub struct Gate {
+    state: Mutex<State>,
+    /// `strata_admission_waiting{model}` and `strata_admission_in_flight{model}`.
+    gauges: Option<(Gauge, Gauge)>,
+}
+
+fn gauges(model: &str) -> (Gauge, Gauge) {
+    type Gauges = Family<super::metrics::ModelLabel, Gauge>;
+    static G: OnceLock<(Gauges, Gauges)> = OnceLock::new();
+    let (waiting, in_flight) = G.get_or_init(|| {
+        let (w, f) = (Gauges::default(), Gauges::default());
+        let register = strata_common::metrics::register;
+        register(
+            "admission_waiting",
+            "Requests waiting in the fair-admission queue for a replica slot",
+            w.clone(),
+        );
+        register("admission_in_flight", "Requests holding a replica slot of this coordinator", f.clone());
+        (w, f)
+    });
+    let label = super::metrics::ModelLabel { model: model.to_string() };
+    (waiting.get_or_create(&label).clone(), in_flight.get_or_create(&label).clone())
+}
+
+/// A request's hold on one of the model's slots; dropping it frees the slot for the next
+/// waiting request.
+pub struct Slot {
+    gate: Arc<Gate>,
+    tenant: String,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut s = self.gate.state();
+        s.release(&self.tenant);
+        s.dispatch(Instant::now());
+        self.gate.publish(&s);
+    }
+}
+
+impl Gate {
+    /// The gate of `model` on this coordinator.
+    pub fn of(model: &str) -> Arc<Gate> {
+        static GATES: OnceLock<Mutex<HashMap<String, Arc<Gate>>>> = OnceLock::new();
+        let gates = GATES.get_or_init(Default::default);
+        let mut gates = gates.lock().unwrap_or_else(|p| p.into_inner());
+        let gate = gates.entry(model.to_string());
+        gate.or_insert_with(|| Arc::new(Gate { state: Mutex::default(), gauges: Some(gauges(model)) }))
+            .clone()
+    }
+
+    /// Publishes the queue's length and the slots in use.
+    fn publish(&self, s: &State) {
+        if let Some((waiting, in_flight)) = &self.gauges {
+            waiting.set(s.queue.len() as i64);
+            in_flight.set(s.in_flight as i64);
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for a slot (`size`: the model's slots and waiting room now) until `give_up`;
+    /// refused at once when the waiting room is full.
+    pub async fn enter(self: &Arc<Self>, t: &Ticket, size: GateSize, give_up: Instant) -> Result<Slot> {
+        let rx = {
+            let now = Instant::now();
+            let mut s = self.state();
+            s.slots = size.slots.max(1);
+            s.tenants.entry(t.tenant.clone()).or_default().last_seen = Some(now);
+            s.dispatch(now); // the slots may have grown since the last release
+            let finish = s.tag(t);
+            let held = s.tenants.get(&t.tenant).map_or(0, |x| x.in_flight);
+            if s.queue.is_empty() && s.in_flight < s.slots && held < s.cap(&t.tenant, now) {
+                s.admit(&t.tenant, finish);
+                self.publish(&s);
+                return Ok(Slot { gate: self.clone(), tenant: t.tenant.clone() });
+            }
+            if s.queue.len() >= size.queue {
+                return Err(Error::Overloaded(format!(
+                    "{} requests are waiting for this model's replicas, as many as may",
+                    s.queue.len()
+                )));
+            }
+            let (tx, rx) = oneshot::channel();
+            let class = match t.priority {
+                Priority::Online => 0,
+                Priority::Batch => 1,
+            };
+            s.arrivals += 1;
+            let key = (class, finish.to_bits(), s.arrivals);
+            s.queue.insert(key, Waiter { tenant: t.tenant.clone(), finish, tx });
+            s.dispatch(now);
+            self.publish(&s);
+            rx
+        };
+        let mut rx = rx;
+        let slot = || Slot { gate: self.clone(), tenant: t.tenant.clone() };
+        match tokio::time::timeout_at(give_up, &mut rx).await {
+            Ok(Ok(())) => Ok(slot()),
+            _ => {
+                // Closed first, so no slot is handed over after the check below; one
+                // handed over just before is this request's after all.
+                rx.close();
+                if rx.try_recv().is_ok() {
+                    return Ok(slot());
+                }
+                Err(Error::Overloaded("no replica slot came free while the request waited".into()))
+            }
+        }
+    }
+
+    /// Requests waiting now.
+    pub fn waiting(&self) -> usize {
+        self.state().queue.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ticket(tenant: &str, weight: f64, priority: Priority) -> Ticket {
+        Ticket { tenant: tenant.into(), weight, priority, cost: 10 }
+    }
+
+    fn size(slots: usize) -> GateSize {
+        GateSize { slots, queue: 100 }
+    }
+
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(60)
+    }
+
+    #[tokio::test]
+    async fn a_flooding_tenant_leaves_a_slot_and_waiting_requests_go_by_weight() {
+        let gate = Arc::new(Gate::default());
+        // b used the model a moment ago: a may hold 4 - 1 slots.
+        let b = gate.enter(&ticket("b", 1.0, Priority::Online), size(4), far()).await.unwrap();
+        drop(b);
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(gate.enter(&ticket("a", 1.0, Priority::Online), size(4), far()).await.unwrap());
+        }
+        let a4 = {
+            let g = gate.clone();
+            tokio::spawn(async move {
+                g.enter(&ticket("a", 1.0, Priority::Online), size(4), far()).await.map(|_| ())
+            })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(gate.waiting(), 1, "a's fourth request waits: the last slot is kept for b");
+        let b_ticket = ticket("b", 1.0, Priority::Online);
+        let b_now = tokio::time::timeout(Duration::from_secs(1), gate.enter(&b_ticket, size(4), far()));
+        let b_slot = b_now.await.expect("b starts at once").unwrap();
+        // Everything taken; queue: a (weight 1) then c (weight 4) and a batch request.
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        for (name, weight, priority) in [("batch", 1.0, Priority::Batch), ("c", 4.0, Priority::Online)] {
+            let (g, order) = (gate.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let slot = g.enter(&ticket(name, weight, priority), size(4), far()).await.unwrap();
+                order.lock().unwrap().push(name);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                drop(slot);
+            }));
+            tokio::task::yield_now().await;
+        }
+        drop(b_slot); // frees one: c goes first (a is at its cap; c's tag beats the batch class)
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(*order.lock().unwrap(), ["c"]);
+        held.clear();
+        a4.await.unwrap().unwrap();
+        for w in waiters {
+            w.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), ["c", "batch"], "batch work comes last");
+    }
+
+    #[tokio::test]
+    async fn waiting_requests_are_served_in_proportion_to_their_tenants_weights() {
+        let gate = Arc::new(Gate::default());
+        let holder = gate.enter(&ticket("z", 1.0, Priority::Online), size(1), far()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut waiters = Vec::new();
+        // x queues four requests first, then y (four times x's weight) queues four.
+        for (name, weight) in
+            [("x", 1.0), ("x", 1.0), ("x", 1.0), ("x", 1.0), ("y", 4.0), ("y", 4.0), ("y", 4.0), ("y", 4.0)]
+        {
+            let (g, order) = (gate.clone(), order.clone());
+            waiters.push(tokio::spawn(async move {
+                let _slot = g.enter(&ticket(name, weight, Priority::Online), size(1), far()).await.unwrap();
+                order.lock().unwrap().push(name);
+            }));
+            while gate.waiting() < waiters.len() {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(holder);
+        for w in waiters {
+            w.await.unwrap();
+        }
+        // Finish tags: x 20, 30, 40, 50; y 12.5, 15, 17.5, 20 (x's 20 came first).
+        assert_eq!(*order.lock().unwrap(), ["y", "y", "y", "x", "y", "x", "x", "x"]);
+    }
+
+    #[tokio::test]
+    async fn waiting_is_bounded_in_time_and_length() {
+        let gate = Arc::new(Gate::default());
+        let _one = gate.enter(&ticket("a", 1.0, Priority::Online), size(1), far()).await.unwrap();
+        let soon = Instant::now() + Duration::from_millis(20);
+        let e = gate.enter(&ticket("a", 1.0, Priority::Online), size(1), soon).await.err().unwrap();
+        assert_eq!(e.class(), strata_common::ErrorClass::Overloaded);
+        assert_eq!(gate.waiting(), 1, "a waiter that gave up is skipped when a slot frees");
+        drop(_one);
+        assert_eq!(gate.waiting(), 0);
+        // More slots (a replica came up) admit at once.
+        let _x = gate.enter(&ticket("a", 1.0, Priority::Online), size(1), far()).await.unwrap();
+        let _y = gate.enter(&ticket("a", 1.0, Priority::Online), size(2), far()).await.unwrap();
+    }
+}
