@@ -289,8 +289,8 @@ mod tests {
         let now = 1_800_000_000;
         assert_eq!(parse_time("30m", now).unwrap(), now - 1800);
         assert_eq!(parse_time("7d", now).unwrap(), now - 7 * 86400);
-        assert_eq!(parse_time("2026-12-01", now).unwrap(), 1_764_547_200);
-        assert_eq!(parse_time("2026-12-01T01:00:00Z", now).unwrap(), 1_764_550_800);
+        assert_eq!(parse_time("2026-12-01", now).unwrap(), 1_796_083_200);
+        assert_eq!(parse_time("2026-12-01T01:00:00Z", now).unwrap(), 1_796_086_800);
         assert!(parse_time("yesterday", now).is_err());
         assert!(parse_time("", now).is_err());
     }
