@@ -256,6 +256,7 @@ impl GenerateArgs {
             stop_token_ids: self.stop_token_ids.clone(),
             stop: self.stop.clone(),
             logprobs: self.logprobs,
+            priority: Default::default(),
         }
     }
 

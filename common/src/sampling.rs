@@ -34,6 +34,18 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Number of top alternatives to report per token; None reports no logprobs.
     pub logprobs: Option<u32>,
+    /// Who waits for it: the engine admits online sequences before batch ones and
+    /// preempts batch ones first.
+    #[serde(default)]
+    pub priority: Priority,
+}
+
+/// Who waits for a request: a caller now (online) or a batch job (throughput first).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Priority {
+    #[default]
+    Online,
+    Batch,
 }
 
 /// At most this many alternatives per token are reported.
@@ -55,6 +67,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             logprobs: None,
+            priority: Priority::Online,
         }
     }
 }

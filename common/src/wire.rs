@@ -84,6 +84,7 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
         logprobs: p.logprobs,
         generated_token_ids: job.generated.clone(),
         replica_id: replica.to_string(),
+        batch: p.priority == crate::sampling::Priority::Batch,
     }
 }
 
@@ -94,6 +95,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (ReplicaId, Job) {
         ignore_eos: r.ignore_eos,
         stop_token_ids: r.stop_token_ids,
         logprobs: r.logprobs,
+        priority: if r.batch { crate::sampling::Priority::Batch } else { crate::sampling::Priority::Online },
         ..SamplingParams::default()
     };
     apply_sampling(&r.sampling.unwrap_or_default(), &mut params);
@@ -299,6 +301,7 @@ mod tests {
                 stop_token_ids: vec![11],
                 stop: Vec::new(),
                 logprobs: Some(3),
+                priority: crate::sampling::Priority::Batch,
             },
         };
         let (replica, back) = job_from_pb(job_to_pb("m-0", &job));

@@ -260,11 +260,12 @@ impl Engine {
         if self.meta.contains_key(&id) {
             return Err(Error::invalid("request_id", format!("sequence {id} is already running")));
         }
+        let priority = params.priority;
         let sampler = Sampler::resume(params, &prompt, &generated);
         self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32 });
         let mut tokens = prompt;
         tokens.extend(generated);
-        self.scheduler.add(SeqData::new(id, tokens));
+        self.scheduler.add(SeqData::new(id, tokens).with_priority(priority));
         Ok(())
     }
 

@@ -20,13 +20,7 @@ pub enum Prompt {
     TokenIds(Vec<u32>),
 }
 
-/// Who waits for a request: a caller now (online) or a batch job (throughput first).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Priority {
-    #[default]
-    Online,
-    Batch,
-}
+pub use strata_common::sampling::Priority;
 
 /// A generation request as every front end hands it to admission.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,7 +108,7 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
         None if req.fill_context => room,
         None => DEFAULT_MAX_TOKENS.min(room),
     };
-    let params = SamplingParams { max_new_tokens: max_tokens, ..req.params.clone() };
+    let params = SamplingParams { max_new_tokens: max_tokens, priority: req.priority, ..req.params.clone() };
     params.validate()?;
     Ok(Admitted { prompt_ids, params, priority: req.priority })
 }

@@ -3,14 +3,17 @@
 //! The scheduler does no I/O and no tensor math: [`Scheduler::schedule`] returns the plan
 //! for one engine step and [`Scheduler::complete`] is told its outcome (vLLM's shape). Each
 //! step it
-//! 1. continues running sequences, oldest first: a decode token each, or the next chunk of
-//!    a prompt still being prefilled, within the step's token budget;
-//! 2. when blocks run out, **preempts** the newest running sequences: their blocks go back
-//!    to the pool and they return to the front of the queue, to be recomputed from their
-//!    prompt plus the tokens they already produced (nothing is lost or produced twice);
-//! 3. admits waiting sequences in FIFO order while the budget, `max_num_seqs` and the
-//!    cache allow, reusing cached prefix blocks; a prompt longer than the budget is
-//!    prefilled in chunks across steps, so decodes keep flowing and no prompt starves.
+//! 1. continues running sequences, online before batch and oldest first within each: a
+//!    decode token each, or the next chunk of a prompt still being prefilled, within the
+//!    step's token budget;
+//! 2. when blocks run out, **preempts** the last of that order (the newest batch sequence,
+//!    else the newest online one): their blocks go back to the pool and they return to the
+//!    front of their priority's queue, to be recomputed from their prompt plus the tokens
+//!    they already produced (nothing is lost or produced twice);
+//! 3. admits waiting sequences, online before batch and FIFO within each, while the budget,
+//!    `max_num_seqs` and the cache allow, reusing cached prefix blocks; a prompt longer
+//!    than the budget is prefilled in chunks across steps, so decodes keep flowing and no
+//!    prompt starves.
 //!
 //! Blocks come from the [`BlockPool`] in a [`BlockTable`] that gives them back when
 //! dropped, so every path that ends a sequence (finish, cancel, abort) frees its cache
@@ -18,6 +21,7 @@
 
 use std::collections::VecDeque;
 
+use strata_common::sampling::Priority;
 use strata_common::Error;
 
 use crate::engine::SeqId;
@@ -49,11 +53,25 @@ pub struct SeqData {
     pub blocks: BlockTable,
     /// Hashes of this sequence's full blocks registered so far.
     hashes: Vec<BlockHash>,
+    /// Online sequences are admitted before batch ones and preempted after them.
+    pub priority: Priority,
 }
 
 impl SeqData {
     pub fn new(id: SeqId, prompt: Vec<u32>) -> Self {
-        SeqData { id, tokens: prompt, computed: 0, blocks: BlockTable::default(), hashes: Vec::new() }
+        SeqData {
+            id,
+            tokens: prompt,
+            computed: 0,
+            blocks: BlockTable::default(),
+            hashes: Vec::new(),
+            priority: Priority::Online,
+        }
+    }
+
+    pub fn with_priority(mut self, priority: Priority) -> Self {
+        self.priority = priority;
+        self
     }
 }
 
@@ -134,9 +152,11 @@ impl Scheduler {
         !self.running.is_empty() || !self.waiting.is_empty()
     }
 
-    /// Queues a new sequence behind every other.
+    /// Queues a new sequence behind every other of its priority (online ones go before
+    /// every waiting batch sequence).
     pub fn add(&mut self, seq: SeqData) {
-        self.waiting.push_back(seq);
+        let at = self.waiting.iter().position(|w| w.priority > seq.priority).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, seq);
     }
 
     pub fn contains(&self, id: SeqId) -> bool {
@@ -217,12 +237,14 @@ impl Scheduler {
         }
     }
 
+    /// Sends a running sequence back to the head of its priority's waiting line.
     fn preempt(&mut self, mut seq: SeqData) {
         self.stats.preemptions += 1;
         seq.blocks.clear();
         seq.computed = 0;
         seq.hashes.clear();
-        self.waiting.push_front(seq);
+        let at = self.waiting.iter().position(|w| w.priority >= seq.priority).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, seq);
     }
 
     fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
@@ -259,7 +281,11 @@ impl Scheduler {
             }
             plan.admitted.push(seq.id);
             let seq = self.waiting.pop_front().expect("front exists");
-            self.running.push(seq);
+            // Running stays ordered online before batch, oldest first within each: the last
+            // is the one preempted first.
+            let at =
+                self.running.iter().position(|r| r.priority > seq.priority).unwrap_or(self.running.len());
+            self.running.insert(at, seq);
         }
     }
 

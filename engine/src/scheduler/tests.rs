@@ -109,6 +109,33 @@ fn running_out_of_blocks_preempts_the_newest_and_recomputes_it() {
 }
 
 #[test]
+fn batch_sequences_wait_behind_online_ones_and_are_preempted_first() {
+    let mut s = sched(2, 100, 4, 4, false); // 16 positions, two sequences at once
+    let batch = |id, first| SeqData::new(SeqId(id), prompt(7, first)).with_priority(Priority::Batch);
+    s.add(batch(1, 0));
+    s.add(batch(2, 20));
+    s.add(SeqData::new(SeqId(3), prompt(3, 40)));
+    let p = step(&mut s);
+    assert_eq!(p.admitted, vec![SeqId(3), SeqId(1)], "the online sequence overtakes waiting batch ones");
+    s.add(SeqData::new(SeqId(4), prompt(3, 60)));
+    s.remove(SeqId(3));
+    let p = step(&mut s);
+    assert_eq!(p.admitted, vec![SeqId(4)], "online again before batch 2");
+    // Pool: batch 1 holds 2 blocks, online 4 holds 1, one free. Online 4 grows past it:
+    // the batch sequence is preempted although it is older.
+    for _ in 0..7 {
+        let p = step(&mut s);
+        if !p.preempted.is_empty() {
+            assert_eq!(p.preempted, vec![SeqId(1)]);
+            assert_eq!(s.seq(SeqId(1)).unwrap().computed, 0);
+            assert_eq!(s.waiting.front().map(|w| w.id), Some(SeqId(1)), "back at the head of the batch line");
+            return;
+        }
+    }
+    panic!("no preemption: the pool never ran out");
+}
+
+#[test]
 fn a_sequence_bigger_than_the_cache_is_aborted_not_looped() {
     let mut s = sched(8, 100, 2, 4, false);
     s.add(SeqData::new(SeqId(1), prompt(8, 0)));
