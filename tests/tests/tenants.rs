@@ -43,6 +43,16 @@ max_tokens_per_request = 4
 models = ["m"]
 "#;
 
+/// `strata serve` of the gqa fixture as model "m" with `tenants` as its configuration file
+/// (kept in `dir`) and `extra` flags.
+fn serve_tenants(dir: &Path, tenants: &str, extra: &[&str]) -> Server {
+    let config = dir.join("strata.toml");
+    std::fs::write(&config, tenants).unwrap();
+    let model = fixtures_dir().join("llama_gqa");
+    let args = ["--config", config.to_str().unwrap(), "--model", model.to_str().unwrap(), "--name", "m"];
+    Server::start(&[&args[..], extra].concat())
+}
+
 fn keyed<T>(msg: T, key: &str) -> tonic::Request<T> {
     let mut r = tonic::Request::new(msg);
     r.metadata_mut().insert("authorization", format!("Bearer {key}").parse().unwrap());
@@ -95,11 +105,7 @@ async fn flood(endpoint: String, per_second: f64, stop: Arc<AtomicBool>, seen: A
 #[tokio::test(flavor = "multi_thread")]
 async fn a_flooding_tenant_is_limited_and_another_keeps_its_latency() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("strata.toml");
-    std::fs::write(&config, CONFIG).unwrap();
-    let model = fixtures_dir().join("llama_gqa");
-    let args = ["--config", config.to_str().unwrap(), "--model", model.to_str().unwrap(), "--name", "m"];
-    let server = Server::start(&[&args[..], &["--http-listen", "127.0.0.1:0"]].concat());
+    let server = serve_tenants(dir.path(), CONFIG, &["--http-listen", "127.0.0.1:0"]);
     let ep = server.endpoint();
     let mut c = InferenceClient::connect(ep.clone()).await.unwrap();
     let denied = c.generate(token_request("m", vec![1, 2], 2)).await.unwrap_err();
@@ -225,25 +231,11 @@ async fn batches_belong_to_their_tenant() {
     use serde_json::json;
     use strata_tests::http::{post, request, upload};
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("strata.toml");
-    std::fs::write(
-        &config,
-        "[[coordinator.tenants]]\nname = \"a\"\nkeys = [\"a-key\"]\n[[coordinator.tenants]]\nname = \"b\"\nkeys = [\"b-key\"]\n",
-    )
-    .unwrap();
-    let (model, data) = (fixtures_dir().join("llama_gqa"), dir.path().join("data"));
-    let server = Server::start(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--name",
-        "m",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ]);
+    let tenants = "[[coordinator.tenants]]\nname = \"a\"\nkeys = [\"a-key\"]\n\
+                   [[coordinator.tenants]]\nname = \"b\"\nkeys = [\"b-key\"]\n";
+    let data = dir.path().join("data");
+    let extra = ["--http-listen", "127.0.0.1:0", "--data-dir", data.to_str().unwrap()];
+    let server = serve_tenants(dir.path(), tenants, &extra);
     let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
     let line = |i: usize| {
         let body = json!({"model": "m", "prompt": format!("line {i}"), "max_tokens": 3, "ignore_eos": true});
@@ -283,21 +275,9 @@ async fn batches_belong_to_their_tenant() {
 #[tokio::test(flavor = "multi_thread")]
 async fn fair_admission_keeps_a_slot_for_other_tenants() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("strata.toml");
     let tenants = "[[coordinator.tenants]]\nname = \"flood\"\nkeys = [\"flood-key\"]\n\
                    [[coordinator.tenants]]\nname = \"steady\"\nkeys = [\"steady-key\"]\n";
-    std::fs::write(&config, tenants).unwrap();
-    let model = fixtures_dir().join("llama_gqa");
-    let server = Server::start(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-        "--name",
-        "m",
-        "--max-num-seqs",
-        "4",
-    ]);
+    let server = serve_tenants(dir.path(), tenants, &["--max-num-seqs", "4"]);
     let ep = server.endpoint();
     let mut c = InferenceClient::connect(ep.clone()).await.unwrap();
     for _ in 0..3 {

@@ -86,6 +86,7 @@ async fn one_request_is_one_trace_through_every_rank() {
     assert_eq!(root.int("strata.ranks"), Some(2));
     assert_eq!(root.int("strata.failovers"), Some(0));
     assert!(root.str("strata.replica").is_some_and(|r| r.starts_with("gqa-")));
+    assert_eq!(root.str("strata.tenant"), Some("default"), "an open server's callers are the default tenant");
     // The ranks' steps run in two worker processes, each under the leader's step span.
     let steps: HashSet<&str> =
         spans.iter().filter(|s| s.name == "engine.step").map(|s| s.span_id.as_str()).collect();

@@ -111,6 +111,7 @@ pub async fn begin(
     limits: RouteLimits,
     caller: &Caller,
 ) -> Result<Started> {
+    Span::current().record("strata.tenant", caller.tenant());
     // Unknown names share one label, so a caller cannot grow the metrics without bound.
     let model = models.get(&request.model).inspect_err(|e| refuse(caller, "(unknown)", e))?;
     let cache_wanted = request.cache;

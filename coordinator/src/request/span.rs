@@ -1,7 +1,7 @@
 //! A request's span: the root of its trace in this process (or a child of the caller's
 //! `traceparent`), with the OpenTelemetry GenAI semantic-convention attributes (operation,
 //! request model and sampling settings, usage, finish reasons, response id) and ours
-//! (replica, ranks, failovers, whether it streams). Each attempt on a replica is a child
+//! (tenant, replica, ranks, failovers, whether it streams). Each attempt on a replica is a child
 //! span; the worker's and every rank's spans hang below it.
 
 use strata_common::trace::{self, TraceContext};
@@ -45,6 +45,7 @@ pub fn request_span(model: &str, request_id: &str, stream: bool, caller: Option<
         gen_ai.usage.input_tokens = Empty,
         gen_ai.usage.output_tokens = Empty,
         strata.stream = stream,
+        strata.tenant = Empty,
         strata.replica = Empty,
         strata.ranks = Empty,
         strata.failovers = Empty,
