@@ -165,7 +165,8 @@ fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
         "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp,
         "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
         "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
-        "kv_cache_bytes": s.kv_cache_bytes, "generation": m.generation, "device": m.device,
+        "kv_cache_bytes": s.kv_cache_bytes, "max_waiting": s.max_waiting,
+        "generation": m.generation, "device": m.device,
         "weight_bytes_per_rank": m.weight_bytes_per_rank,
     })
 }
