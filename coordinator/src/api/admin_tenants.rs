@@ -73,9 +73,11 @@ fn usage_to_pb(r: UsageRow) -> pb::UsageRow {
 const CAS_ATTEMPTS: usize = 8;
 
 impl ClusterAdmin {
-    fn tenant_name(&self, name: &str) -> Result<()> {
+    /// Checks the tenant name the request's `field` gives: well formed, and not one the
+    /// configuration declares.
+    fn tenant_name(&self, name: &str, field: &str) -> Result<()> {
         if !valid_name(name) {
-            return Err(Error::invalid("name", format!("{name:?} is not a valid tenant name")));
+            return Err(Error::invalid(field, format!("{name:?} is not a valid tenant name")));
         }
         if self.tenants().configured(name) {
             return Err(Error::FailedPrecondition(format!(
@@ -146,7 +148,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::SetTenantResponse>, Status> {
         self.auth().check(&request)?;
         let r = request.into_inner();
-        self.tenant_name(&r.name).map_err(to_status)?;
+        self.tenant_name(&r.name, "name").map_err(to_status)?;
         let limits = limits_from_pb(r.limits.unwrap_or_default());
         let set = |old: Option<TenantRecord>| {
             let keys = old.map(|o| o.keys).unwrap_or_default();
@@ -167,7 +169,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
         self.auth().check(&request)?;
         let name = request.into_inner().name;
-        self.tenant_name(&name).map_err(to_status)?;
+        self.tenant_name(&name, "name").map_err(to_status)?;
         let delete = |old: Option<TenantRecord>| match old {
             Some(_) => Ok(None),
             None => Err(Error::NotFound(format!("no tenant {name:?}"))),
@@ -191,7 +193,7 @@ impl ClusterAdmin {
                 _ => pb::Tenant {
                     name: t.name.clone(),
                     weight: t.weight,
-                    limits: Some(limits_to_pb(&t.limits())),
+                    limits: Some(limits_to_pb(&t.limits)),
                     keys: t
                         .key_ids
                         .iter()
@@ -210,7 +212,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::CreateApiKeyResponse>, Status> {
         self.auth().check(&request)?;
         let tenant = request.into_inner().tenant;
-        self.tenant_name(&tenant).map_err(|e| to_status(rename_field(e, "tenant")))?;
+        self.tenant_name(&tenant, "tenant").map_err(to_status)?;
         let key = format!("sk-strata-{}", hex(&rand::random::<[u8; 24]>()));
         let record = KeyRecord::from_digest(&hex(&digest(&key)), now_ms()).map_err(to_status)?;
         let add = |old: Option<TenantRecord>| {
@@ -233,7 +235,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::RevokeApiKeyResponse>, Status> {
         self.auth().check(&request)?;
         let r = request.into_inner();
-        self.tenant_name(&r.tenant).map_err(|e| to_status(rename_field(e, "tenant")))?;
+        self.tenant_name(&r.tenant, "tenant").map_err(to_status)?;
         let revoke = |old: Option<TenantRecord>| {
             let mut t = old.ok_or_else(|| Error::NotFound(format!("no tenant {:?}", r.tenant)))?;
             let before = t.keys.len();
@@ -264,12 +266,5 @@ impl ClusterAdmin {
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::GetUsageResponse { rows: rows.into_iter().map(usage_to_pb).collect() }))
-    }
-}
-
-fn rename_field(e: Error, field: &str) -> Error {
-    match e {
-        Error::InvalidArgument { reason, .. } => Error::invalid(field, reason),
-        other => other,
     }
 }

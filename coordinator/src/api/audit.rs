@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_common::Result;
@@ -53,8 +52,7 @@ impl From<AuditEntry> for pb::AuditEntry {
 /// A short, non-reversible name of a credential: enough to tell two tokens apart in
 /// the log (rotation), never enough to use one.
 pub fn fingerprint(secret: &str) -> String {
-    let digest = Sha256::digest(secret.as_bytes());
-    let hex: String = digest.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let hex = crate::tenant::hex(&crate::tenant::digest(secret)[..8]);
     format!("sha256:{hex}")
 }
 

@@ -7,12 +7,11 @@
 //! calls are accepted from loopback only. Comparisons take the same time whatever the
 //! token, so a caller cannot guess it byte by byte.
 
-use sha2::{Digest, Sha256};
 use strata_common::tenant::TenantConfig;
 
 use tonic::{Request, Status};
 
-use crate::tenant::{parse_key, Caller, Tenants};
+use crate::tenant::{digest, parse_key, Caller, Tenants};
 
 fn bearer<T>(req: &Request<T>) -> Option<&str> {
     bearer_token(req.metadata().get("authorization")?.to_str().ok()?)
@@ -35,10 +34,6 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     diff == 0
 }
 
-fn sha256(text: &str) -> [u8; 32] {
-    Sha256::digest(text.as_bytes()).into()
-}
-
 /// One accepted credential: the secret itself, or its SHA-256 (`sha256:<64 hex digits>`,
 /// as `printf %s KEY | sha256sum` prints it), so a config file need not hold the key.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,30 +44,23 @@ enum Secret {
 
 impl Secret {
     fn parse(entry: &str, field: &str) -> strata_common::Result<Secret> {
-        let Some(hex) = entry.strip_prefix("sha256:") else { return Ok(Secret::Plain(entry.to_string())) };
-        let bad =
-            || strata_common::Error::invalid(field, "a sha256: entry needs 64 hex digits after the colon");
-        if hex.len() != 64 || !hex.is_ascii() {
-            return Err(bad());
+        match entry.starts_with("sha256:") {
+            true => Ok(Secret::Hash(parse_key(entry, field)?)),
+            false => Ok(Secret::Plain(entry.to_string())),
         }
-        let mut hash = [0u8; 32];
-        for (i, b) in hash.iter_mut().enumerate() {
-            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-        }
-        Ok(Secret::Hash(hash))
     }
 
     fn matches(&self, presented: &str) -> bool {
         match self {
             Secret::Plain(k) => same(k, presented),
-            Secret::Hash(h) => same_bytes(h, &sha256(presented)),
+            Secret::Hash(h) => same_bytes(h, &digest(presented)),
         }
     }
 
     /// The SHA-256 of the token this credential accepts.
     fn digest(&self) -> [u8; 32] {
         match self {
-            Secret::Plain(k) => sha256(k),
+            Secret::Plain(k) => digest(k),
             Secret::Hash(h) => *h,
         }
     }
@@ -227,8 +215,7 @@ mod tests {
     fn keys_may_be_given_as_hashes_and_rotated() {
         // printf %s k2 | sha256sum
         let k2 = "sha256:015f7e6bc5aeaf483724089e9252cc13b50951a6b69412522765cff4d780306e";
-        let hashed =
-            format!("sha256:{}", sha256("k2").iter().map(|b| format!("{b:02x}")).collect::<String>());
+        let hashed = format!("sha256:{}", crate::tenant::hex(&digest("k2")));
         assert!(ClientAuth::with_keys(vec![k2.into()]).unwrap().check(&with_auth("Bearer k2")).is_ok());
         let a = ClientAuth::with_keys(vec!["k1".into(), hashed.clone()]).unwrap();
         assert!(a.check(&with_auth("Bearer k2")).is_ok());
@@ -247,6 +234,6 @@ mod tests {
     }
 
     fn hashed_of(t: &str) -> String {
-        format!("sha256:{}", sha256(t).iter().map(|b| format!("{b:02x}")).collect::<String>())
+        format!("sha256:{}", crate::tenant::hex(&digest(t)))
     }
 }

@@ -49,7 +49,6 @@ pub const DEFAULT_MAX_TOKENS: u32 = 16;
 pub struct Admitted {
     pub prompt_ids: Vec<u32>,
     pub params: SamplingParams,
-    pub priority: Priority,
 }
 
 pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
@@ -110,5 +109,5 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
     };
     let params = SamplingParams { max_new_tokens: max_tokens, priority: req.priority, ..req.params.clone() };
     params.validate()?;
-    Ok(Admitted { prompt_ids, params, priority: req.priority })
+    Ok(Admitted { prompt_ids, params })
 }

@@ -54,6 +54,12 @@ struct TenantState {
     last_seen: Option<Instant>,
 }
 
+impl TenantState {
+    fn recent(&self, now: Instant) -> bool {
+        self.last_seen.is_some_and(|at| now.duration_since(at) < ACTIVE_WINDOW)
+    }
+}
+
 /// Queue order: priority class, finish tag (as ordered bits: tags are ≥ 0), arrival.
 type QueueKey = (u8, u64, u64);
 
@@ -75,15 +81,16 @@ struct State {
 }
 
 impl State {
-    /// The most slots `tenant` may hold now.
-    fn cap(&self, tenant: &str, now: Instant) -> usize {
-        let others = self
-            .tenants
-            .iter()
-            .filter(|(t, s)| {
-                t.as_str() != tenant && s.last_seen.is_some_and(|at| now.duration_since(at) < ACTIVE_WINDOW)
-            })
-            .count();
+    /// Tenants that used the model within [`ACTIVE_WINDOW`] of `now`.
+    fn active(&self, now: Instant) -> usize {
+        self.tenants.values().filter(|s| s.recent(now)).count()
+    }
+
+    /// The most slots `tenant` may hold, `active` tenants (see [`State::active`]) having
+    /// used the model recently.
+    fn cap(&self, tenant: &str, active: usize, now: Instant) -> usize {
+        let own = self.tenants.get(tenant).is_some_and(|s| s.recent(now));
+        let others = active - usize::from(own);
         self.slots - others.min(self.slots / 2)
     }
 
@@ -102,13 +109,13 @@ impl State {
 
     /// Hands free slots to the best waiting requests that may take one.
     fn dispatch(&mut self, now: Instant) {
+        let active = self.active(now);
         while self.in_flight < self.slots {
+            let held = |t: &str| self.tenants.get(t).map_or(0, |s| s.in_flight);
             let next = self
                 .queue
                 .iter()
-                .find(|(_, w)| {
-                    self.tenants.get(&w.tenant).map_or(0, |s| s.in_flight) < self.cap(&w.tenant, now)
-                })
+                .find(|(_, w)| held(&w.tenant) < self.cap(&w.tenant, active, now))
                 .map(|(k, _)| *k);
             let Some(key) = next else { return };
             let w = self.queue.remove(&key).expect("found above");
@@ -206,7 +213,7 @@ impl Gate {
             s.dispatch(now); // the slots may have grown since the last release
             let finish = s.tag(t);
             let held = s.tenants.get(&t.tenant).map_or(0, |x| x.in_flight);
-            if s.queue.is_empty() && s.in_flight < s.slots && held < s.cap(&t.tenant, now) {
+            if s.queue.is_empty() && s.in_flight < s.slots && held < s.cap(&t.tenant, s.active(now), now) {
                 s.admit(&t.tenant, finish);
                 self.publish(&s);
                 return Ok(Slot { gate: self.clone(), tenant: t.tenant.clone() });

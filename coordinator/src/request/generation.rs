@@ -30,7 +30,7 @@ use tracing::{debug, info, warn, Instrument, Span};
 
 use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
 use crate::request::cache::{Key, Response, ResponseCache};
-use crate::request::fair::{Gate, Ticket};
+use crate::request::fair::{Gate, Slot, Ticket};
 use crate::request::metrics::{failed, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
@@ -115,10 +115,9 @@ pub async fn begin(
     // Unknown names share one label, so a caller cannot grow the metrics without bound.
     let model = models.get(&request.model).inspect_err(|e| refuse(caller, "(unknown)", e))?;
     let cache_wanted = request.cache;
-    let (admitted, account) =
+    let (admitted, mut account) =
         admit_for(&model, request, caller).await.inspect_err(|e| refuse(caller, &model.name, e))?;
     let prompt_ids = admitted.prompt_ids.clone();
-    let mut account = account;
     let revision = model.routes.revision();
     let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
     if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
@@ -126,21 +125,7 @@ pub async fn begin(
         let rx = replay(&model, &admitted, response, account);
         return Ok(Started { model, prompt_ids, rx });
     }
-    let ticket = Ticket {
-        tenant: caller.tenant().to_string(),
-        weight: caller.weight(),
-        priority: admitted.priority,
-        cost: (prompt_ids.len() + admitted.params.max_new_tokens as usize) as u64,
-    };
-    let give_up = Instant::now() + limits.wait;
-    let give_up = deadline.map_or(give_up, |d| d.min(give_up));
-    let entered = Gate::of(&model.name).enter(&ticket, model.routes.gate_size(), give_up).await;
-    let slot = entered.map_err(|e| match deadline {
-        Some(d) if Instant::now() >= d => Error::DeadlineExceeded(format!(
-            "request {request_id} waited past its deadline for a replica slot"
-        )),
-        _ => e,
-    });
+    let slot = take_slot(&model, &admitted, caller, &request_id, deadline, limits).await;
     match slot {
         Ok(slot) => account.hold(slot),
         Err(e) => {
@@ -151,6 +136,33 @@ pub async fn begin(
     }
     let rx = start(model.clone(), admitted, request_id, deadline, limits, key, account).await?;
     Ok(Started { model, prompt_ids, rx })
+}
+
+/// Waits for one of the model's fair-admission slots (see [`crate::request::fair`]), no
+/// longer than the route wait and the caller's deadline.
+async fn take_slot(
+    model: &ModelEntry,
+    admitted: &Admitted,
+    caller: &Caller,
+    request_id: &str,
+    deadline: Option<Instant>,
+    limits: RouteLimits,
+) -> Result<Slot> {
+    let ticket = Ticket {
+        tenant: caller.tenant().to_string(),
+        weight: caller.weight(),
+        priority: admitted.params.priority,
+        cost: (admitted.prompt_ids.len() + admitted.params.max_new_tokens as usize) as u64,
+    };
+    let give_up = Instant::now() + limits.wait;
+    let give_up = deadline.map_or(give_up, |d| d.min(give_up));
+    let entered = Gate::of(&model.name).enter(&ticket, model.routes.gate_size(), give_up).await;
+    entered.map_err(|e| match deadline {
+        Some(d) if Instant::now() >= d => Error::DeadlineExceeded(format!(
+            "request {request_id} waited past its deadline for a replica slot"
+        )),
+        _ => e,
+    })
 }
 
 /// A request refused before admission: counted in the request metrics and the tenant's
@@ -239,7 +251,7 @@ pub async fn start(
     key: Option<Key>,
     account: Account,
 ) -> Result<ChunkRx> {
-    let online = OnlineGuard::new(admitted.priority);
+    let online = OnlineGuard::new(admitted.params.priority);
     let stop = admitted.params.stop.clone();
     let mut params = admitted.params;
     if !params.is_greedy() && params.seed.is_none() {

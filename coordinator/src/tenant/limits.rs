@@ -95,10 +95,6 @@ impl Limiter {
         s.share = 1.0 / coordinators.max(1) as f64;
     }
 
-    pub fn limits(&self) -> TenantLimits {
-        self.state().limits.clone()
-    }
-
     /// Admits a request or says which limit refused it and when to retry.
     pub fn admit(self: &Arc<Self>, ask: Ask) -> Result<Permit> {
         let now = Instant::now();
@@ -243,8 +239,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn concurrency_and_shares() {
-        let l = Limiter::new("t", TenantLimits { max_concurrent: Some(3), ..Default::default() });
-        l.update(&l.limits(), 2); // two coordinators: ceil(1.5) = 2 here
+        let limits = TenantLimits { max_concurrent: Some(3), ..Default::default() };
+        let l = Limiter::new("t", limits.clone());
+        l.update(&limits, 2); // two coordinators: ceil(1.5) = 2 here
         let a = l.admit(ask(1, 1)).unwrap();
         let _b = l.admit(ask(1, 1)).unwrap();
         let e = l.admit(ask(1, 1)).unwrap_err();

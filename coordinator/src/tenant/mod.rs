@@ -62,13 +62,8 @@ pub struct Tenant {
     pub source: Source,
     /// Ids of its keys (never the keys).
     pub key_ids: Vec<String>,
+    pub limits: TenantLimits,
     limiter: Arc<Limiter>,
-}
-
-impl Tenant {
-    pub fn limits(&self) -> TenantLimits {
-        self.limiter.limits()
-    }
 }
 
 /// Who is calling: the tenant its key belongs to.
@@ -96,27 +91,14 @@ impl Caller {
         self
     }
 
-    /// A caller for tests and in-process tools: the unlimited default tenant.
-    pub fn anonymous() -> Caller {
-        let limiter = Limiter::new(DEFAULT_TENANT, TenantLimits::default());
-        let tenant = Tenant {
-            name: DEFAULT_TENANT.into(),
-            weight: 1.0,
-            source: Source::Config,
-            key_ids: Vec::new(),
-            limiter,
-        };
-        Caller { tenant: Arc::new(tenant), rated: true }
-    }
-
     /// The most tokens a request may generate, if the tenant caps it.
     pub fn max_tokens_cap(&self) -> Option<u32> {
-        self.tenant.limits().max_tokens_per_request
+        self.tenant.limits.max_tokens_per_request
     }
 
     /// Whether the tenant may call `model` (PERMISSION_DENIED naming it if not).
     pub fn may_use(&self, model: &str) -> Result<()> {
-        let limits = self.tenant.limits();
+        let limits = &self.tenant.limits;
         if limits.models.is_empty() || limits.models.iter().any(|m| m == model) {
             return Ok(());
         }
@@ -141,7 +123,8 @@ impl Caller {
 struct Sources {
     /// Digests of the plain `api_keys` (the default tenant's).
     default_keys: Vec<[u8; 32]>,
-    config: Vec<TenantConfig>,
+    /// The configured tenants, their keys parsed.
+    config: Vec<Entry>,
     admin: BTreeMap<String, TenantRecord>,
     coordinators: usize,
     /// One limiter per tenant name, kept across rebuilds so buckets keep their levels.
@@ -167,11 +150,12 @@ impl Tenants {
     pub fn new(default_keys: Vec<String>, config: Vec<TenantConfig>) -> Result<Tenants> {
         let mut sources = Sources { coordinators: 1, ..Default::default() };
         sources.default_keys = parse_keys(&default_keys, "api_keys")?;
-        for (i, t) in config.iter().enumerate() {
+        for (i, t) in config.into_iter().enumerate() {
             t.validate(i)?;
-            parse_keys(&t.keys, &format!("coordinator.tenants[{i}].keys"))?;
+            let keys = parse_keys(&t.keys, &format!("coordinator.tenants[{i}].keys"))?;
+            let (name, weight, limits) = (t.name, t.weight, t.limits);
+            sources.config.push(Entry { name, weight, source: Source::Config, limits, keys });
         }
-        sources.config = config;
         let directory = build(&mut sources)?;
         Ok(Tenants {
             sources: Arc::new(Mutex::new(sources)),
@@ -305,6 +289,7 @@ fn parse_keys(keys: &[String], field: &str) -> Result<Vec<[u8; 32]>> {
 }
 
 /// One tenant's entry before it is shared.
+#[derive(Debug, Clone)]
 struct Entry {
     name: String,
     weight: f64,
@@ -314,17 +299,7 @@ struct Entry {
 }
 
 fn entries(s: &Sources) -> Vec<Entry> {
-    let mut out: Vec<Entry> = Vec::new();
-    for t in &s.config {
-        let keys = parse_keys(&t.keys, "coordinator.tenants.keys").unwrap_or_default();
-        out.push(Entry {
-            name: t.name.clone(),
-            weight: t.weight,
-            source: Source::Config,
-            limits: t.limits.clone(),
-            keys,
-        });
-    }
+    let mut out = s.config.clone();
     match out.iter_mut().find(|e| e.name == DEFAULT_TENANT) {
         Some(d) => d.keys.extend(s.default_keys.iter().copied()),
         None => out.push(Entry {
@@ -375,6 +350,7 @@ fn build(s: &mut Sources) -> Result<Directory> {
             weight: e.weight,
             source: e.source,
             key_ids,
+            limits: e.limits,
             limiter: limiter.clone(),
         });
         for k in &e.keys {
