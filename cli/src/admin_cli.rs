@@ -71,6 +71,8 @@ pub enum AdminCommand {
     Key(crate::tenant_cli::KeyCommand),
     /// What tenants used, by tenant and model, over all coordinators.
     Usage(crate::tenant_cli::UsageArgs),
+    /// Roll out a new revision as a canary; promote or roll back (docs/ROLLOUTS.md).
+    Rollout(crate::rollout_cli::RolloutArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -168,6 +170,7 @@ fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
         "kv_cache_bytes": s.kv_cache_bytes, "max_waiting": s.max_waiting,
         "generation": m.generation, "device": m.device,
         "weight_bytes_per_rank": m.weight_bytes_per_rank,
+        "canary_revision": m.canary_revision, "canary_percent": m.canary_percent,
     })
 }
 
@@ -270,6 +273,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Tenant(cmd) => crate::tenant_cli::tenant(&mut c, t, j, cmd).await?,
         AdminCommand::Key(cmd) => crate::tenant_cli::key(&mut c, t, j, cmd).await?,
         AdminCommand::Usage(a) => crate::tenant_cli::usage(&mut c, t, j, a).await?,
+        AdminCommand::Rollout(a) => crate::rollout_cli::run(&mut c, t, j, a).await?,
         AdminCommand::Leader => {
             let r =
                 c.get_leader(request(t, pb::GetLeaderRequest {})?).await.map_err(status_error)?.into_inner();

@@ -116,6 +116,8 @@ async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Key
             replicas: m.replicas as u32,
             limits: opts.limits.clone(),
             generation: 1,
+            created_ms: strata_common::cluster::now_ms(),
+            rollout: Default::default(),
         };
         spec.validate().with_context(|| format!("model {:?}", m.name))?;
         registry.put(&keys.model(&m.name), encode(&spec), None).await?;

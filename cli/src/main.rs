@@ -23,6 +23,7 @@ mod metrics_http;
 mod model_compare;
 mod model_tools;
 mod rendezvous;
+mod rollout_cli;
 mod security_args;
 mod serve_cli;
 mod tenant_cli;

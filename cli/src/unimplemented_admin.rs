@@ -108,4 +108,34 @@ impl Admin for EmbeddedAdmin {
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         cluster_only("GetUsage")
     }
+    async fn start_rollout(
+        &self,
+        _: Request<pb::StartRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        cluster_only("StartRollout")
+    }
+    async fn set_rollout_weight(
+        &self,
+        _: Request<pb::SetRolloutWeightRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        cluster_only("SetRolloutWeight")
+    }
+    async fn promote_rollout(
+        &self,
+        _: Request<pb::PromoteRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        cluster_only("PromoteRollout")
+    }
+    async fn rollback_rollout(
+        &self,
+        _: Request<pb::RollbackRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        cluster_only("RollbackRollout")
+    }
+    async fn get_rollout(
+        &self,
+        _: Request<pb::GetRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        cluster_only("GetRollout")
+    }
 }

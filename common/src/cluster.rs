@@ -12,6 +12,7 @@ use crate::ids::{ModelName, ReplicaId, WorkerId};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::rollout::Rollout;
 use crate::shard::Parallelism;
 
 /// What a worker offers. A worker process drives one device (a machine with several GPUs
@@ -113,9 +114,16 @@ pub struct ModelSpec {
     pub replicas: u32,
     #[serde(default)]
     pub limits: EngineLimits,
-    /// Bumped on every change, so replicas know which spec they were built from.
+    /// The serving revision's number: changes with every change of the fields above
+    /// (not the replica count), so replicas know which revision they were built from.
     #[serde(default)]
     pub generation: u64,
+    /// Unix milliseconds when the serving revision was created (0: unknown).
+    #[serde(default)]
+    pub created_ms: u64,
+    /// A canary revision beside the serving one, and past revisions.
+    #[serde(default, skip_serializing_if = "Rollout::is_empty")]
+    pub rollout: Rollout,
 }
 
 impl ModelSpec {
@@ -135,6 +143,15 @@ impl ModelSpec {
                 format!("{:?}: use 1-128 letters, digits, '-', '_', '.' or ':'", self.name),
             ));
         }
+        self.validate_build()?;
+        if self.replicas > 1024 {
+            return Err(Error::invalid("replicas", format!("{} is more than 1024", self.replicas)));
+        }
+        self.validate_rollout()
+    }
+
+    /// Checks what its replicas are built from.
+    pub(crate) fn validate_build(&self) -> Result<()> {
         if self.model_dir.is_empty() {
             return Err(Error::invalid("model_dir", "must name the model directory the workers load"));
         }
@@ -152,9 +169,6 @@ impl ModelSpec {
         }
         if self.world() > 1024 {
             return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
-        }
-        if self.replicas > 1024 {
-            return Err(Error::invalid("replicas", format!("{} is more than 1024", self.replicas)));
         }
         Ok(())
     }
@@ -329,6 +343,8 @@ mod tests {
             replicas: 1,
             limits: EngineLimits::default(),
             generation: 1,
+            created_ms: 0,
+            rollout: Rollout::default(),
         }
     }
 

@@ -22,6 +22,7 @@ pub mod model_roots;
 pub mod prefix;
 pub mod ready;
 pub mod registry;
+pub mod rollout;
 pub mod sampling;
 pub mod shard;
 pub mod shutdown;

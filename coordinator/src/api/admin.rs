@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec, ReplicaState, ShardState};
+use strata_common::cluster::{decode, now_ms, ModelSpec, ReplicaState, ShardState};
 use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
+use super::admin_rollouts::{limits_from_pb, limits_to_pb};
 use super::audit::{caller, AuditLog};
 use super::auth::AdminAuth;
 use crate::control::view::ClusterView;
@@ -81,6 +82,14 @@ impl ClusterAdmin {
         &self.auth
     }
 
+    pub(super) fn catalog(&self) -> &ClusterCatalog {
+        &self.catalog
+    }
+
+    pub(super) fn model_roots(&self) -> &ModelRoots {
+        &self.model_roots
+    }
+
     pub(super) fn view_rx(&self) -> watch::Receiver<Arc<ClusterView>> {
         self.view.clone()
     }
@@ -101,7 +110,7 @@ impl ClusterAdmin {
         self.view.borrow().clone()
     }
 
-    async fn spec(&self, name: &str) -> Result<ModelSpec> {
+    pub(super) async fn spec(&self, name: &str) -> Result<ModelSpec> {
         if name.is_empty() {
             return Err(Error::invalid("name", "must name a deployed model"));
         }
@@ -122,21 +131,18 @@ impl ClusterAdmin {
             pp: spec.pp,
             desired_replicas: spec.replicas,
             ready_replicas: ready as u32,
-            scheduler: Some(pb::SchedulerLimits {
-                max_num_seqs: spec.limits.max_num_seqs,
-                max_batched_tokens: spec.limits.max_batched_tokens,
-                kv_cache_bytes: spec.limits.kv_cache_bytes,
-                max_waiting: spec.limits.max_waiting,
-            }),
+            scheduler: Some(limits_to_pb(&spec.limits)),
             generation: spec.generation,
             device: spec.device.clone(),
             weight_bytes_per_rank: spec.weight_bytes_per_rank,
+            canary_revision: spec.rollout.canary.as_ref().map_or(0, |c| c.revision.generation),
+            canary_percent: spec.rollout.canary.as_ref().map_or(0.0, |c| c.weight_bp as f64 / 100.0),
         }
     }
 
     /// Checks the model directory and the split, when the files can be reached, and
     /// returns the weight bytes of the largest rank (0 when they cannot be reached).
-    async fn check_model(&self, spec: &ModelSpec) -> Result<u64> {
+    pub(super) async fn check_model(&self, spec: &ModelSpec) -> Result<u64> {
         let view = self.view();
         let dir = match self.catalog.files().locate(&spec.model_dir, &view).await {
             Ok(d) => d,
@@ -201,29 +207,26 @@ impl ClusterAdmin {
             tp: r.tp.max(1),
             pp: r.pp.max(1),
             replicas: if r.replicas == 0 { 1 } else { r.replicas },
-            limits: EngineLimits {
-                max_num_seqs: limits.max_num_seqs,
-                max_batched_tokens: limits.max_batched_tokens,
-                kv_cache_bytes: limits.kv_cache_bytes,
-                max_waiting: limits.max_waiting,
-            },
+            limits: limits_from_pb(limits),
             generation: 1,
+            created_ms: now_ms(),
+            rollout: Default::default(),
         };
         spec.validate().map_err(to_status)?;
+        // The weight estimate is derived, not asked for: it never makes a new revision.
         spec.weight_bytes_per_rank = self.check_model(&spec).await.map_err(to_status)?;
-        match self.spec(&spec.name).await {
-            Ok(old) => {
-                // The weight estimate is derived, not asked for: it never rebuilds replicas.
-                let same = |a: &ModelSpec, b: &ModelSpec| {
-                    (&a.model_dir, &a.dtype, &a.device, a.tp, a.pp, &a.limits)
-                        == (&b.model_dir, &b.dtype, &b.device, b.tp, b.pp, &b.limits)
-                };
-                spec.generation = if same(&old, &spec) { old.generation } else { old.generation + 1 };
-            }
-            Err(e) if e.class() == ErrorClass::NotFound => {}
-            Err(e) => return Err(to_status(e)),
-        }
-        self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
+        let replicas = spec.replicas;
+        let spec = self
+            .update_spec(&spec.name.clone(), |old| match old {
+                Some(mut old) => {
+                    old.replicas = replicas;
+                    old.redeploy(spec.revision())?;
+                    Ok(old)
+                }
+                None => Ok(spec.clone()),
+            })
+            .await
+            .map_err(to_status)?;
         info!(model = %spec.name, dir = %spec.model_dir, device = %spec.device, tp = spec.tp, pp = spec.pp, replicas = spec.replicas, weight_bytes_per_rank = spec.weight_bytes_per_rank, generation = spec.generation, "model deployed");
         Ok(Response::new(pb::DeployModelResponse { model: Some(self.status(&spec)) }))
     }
@@ -246,10 +249,13 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
         self.auth.check(&request)?;
         let r = request.into_inner();
-        let mut spec = self.spec(&r.name).await.map_err(to_status)?;
-        spec.replicas = r.replicas;
-        spec.validate().map_err(to_status)?;
-        self.registry.put(&self.keys.model(&spec.name), encode(&spec), None).await.map_err(to_status)?;
+        let spec = self
+            .change_spec(&r.name, |spec| {
+                spec.replicas = r.replicas;
+                Ok(())
+            })
+            .await
+            .map_err(to_status)?;
         info!(model = %spec.name, replicas = spec.replicas, "scaled");
         Ok(Response::new(pb::ScaleReplicasResponse { model: Some(self.status(&spec)) }))
     }
@@ -374,6 +380,53 @@ impl Admin for ClusterAdmin {
         request: Request<pb::GetUsageRequest>,
     ) -> Result<Response<pb::GetUsageResponse>, Status> {
         self.do_get_usage(request).await
+    }
+
+    async fn start_rollout(
+        &self,
+        request: Request<pb::StartRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        let r = request.get_ref();
+        let detail = format!(
+            "model_dir={} dtype={} tp={} pp={} device={} canary_percent={} canary_replicas={}",
+            r.model_dir, r.dtype, r.tp, r.pp, r.device, r.canary_percent, r.canary_replicas
+        );
+        let (target, caller) = (r.name.clone(), self.caller(&request));
+        self.audited("StartRollout", caller, &target, detail, self.do_start_rollout(request)).await
+    }
+
+    async fn set_rollout_weight(
+        &self,
+        request: Request<pb::SetRolloutWeightRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        let r = request.get_ref();
+        let (target, detail) = (r.name.clone(), format!("canary_percent={}", r.canary_percent));
+        let caller = self.caller(&request);
+        self.audited("SetRolloutWeight", caller, &target, detail, self.do_set_rollout_weight(request)).await
+    }
+
+    async fn promote_rollout(
+        &self,
+        request: Request<pb::PromoteRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
+        self.audited("PromoteRollout", caller, &target, String::new(), self.do_promote_rollout(request)).await
+    }
+
+    async fn rollback_rollout(
+        &self,
+        request: Request<pb::RollbackRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
+        self.audited("RollbackRollout", caller, &target, String::new(), self.do_rollback_rollout(request))
+            .await
+    }
+
+    async fn get_rollout(
+        &self,
+        request: Request<pb::GetRolloutRequest>,
+    ) -> Result<Response<pb::RolloutResponse>, Status> {
+        self.do_get_rollout(request).await
     }
 
     async fn list_audit(

@@ -146,6 +146,7 @@ impl Inference for InferenceService {
                 out.text.push_str(&chunk.text);
                 out.token_ids.extend(chunk.token_ids);
                 out.logprobs.extend(chunk.logprobs.into_iter().map(wire::logprobs_to_pb));
+                out.revision = chunk.revision;
                 if let Some(f) = chunk.finish {
                     out.finish_reason = wire::finish_to_pb(f) as i32;
                     break;
@@ -188,6 +189,7 @@ impl Inference for InferenceService {
                 logprobs: chunk.logprobs.into_iter().map(wire::logprobs_to_pb).collect(),
                 finish_reason: finish.unwrap_or(pb::FinishReason::Unspecified) as i32,
                 usage: finish.map(|_| pb::Usage { prompt_tokens, completion_tokens }),
+                revision: chunk.revision,
             })
         });
         Ok(Response::new(Box::pin(stream)))

@@ -210,7 +210,7 @@ async fn lead(
             let inputs = Inputs {
                 busy: tasks.busy.keys().map(ReplicaId::as_str).collect(),
                 monitored: tasks.monitors.keys().map(ReplicaId::as_str).collect(),
-                backoff: backoff.iter().map(|(k, v)| (k.as_str(), v.clone())).collect(),
+                backoff: backoff.iter().map(|((m, g), v)| ((m.as_str(), *g), v.clone())).collect(),
                 releasing: tasks.releasing.keys().map(WorkerId::as_str).collect::<HashSet<_>>(),
             };
             let mut new_id = |model: &str| ReplicaId::new(format!("{model}-{:08x}", rand::random::<u32>()));
@@ -271,9 +271,8 @@ async fn execute(ctx: &Arc<Ctx>, v: &ClusterView, tasks: &mut Tasks, action: Act
                 warn_write(e);
             }
         }
-        Action::Assign { model, id, workers } => {
+        Action::Assign { model, id, generation, workers } => {
             let now = now_ms();
-            let generation = v.models.get(&model).map(|s| s.generation).unwrap_or(0);
             let mut rec = record(v, &model, &id).unwrap_or(ReplicaRecord {
                 id: id.clone(),
                 model: model.clone(),

@@ -33,8 +33,9 @@ use super::view::ClusterView;
 pub enum Action {
     /// A new replica record, pending.
     CreatePending { model: ModelName, id: ReplicaId, generation: u64, reason: String },
-    /// Give a pending (or new) replica its workers (rank order) and build it.
-    Assign { model: ModelName, id: ReplicaId, workers: Vec<WorkerId> },
+    /// Give a pending (or new) replica its workers (rank order) and build it from the
+    /// revision numbered `generation`.
+    Assign { model: ModelName, id: ReplicaId, generation: u64, workers: Vec<WorkerId> },
     /// A pending replica keeps waiting, for this reason.
     Wait { model: ModelName, id: ReplicaId, reason: String },
     /// Go on building a loading replica (nobody is: e.g. a new leader took over).
@@ -60,8 +61,9 @@ pub struct Inputs<'a> {
     pub busy: HashSet<&'a str>,
     /// Ready replicas with a health monitor running.
     pub monitored: HashSet<&'a str>,
-    /// Models whose next build must wait (failures backing off): model → reason.
-    pub backoff: HashMap<&'a str, String>,
+    /// Revisions whose next build must wait (failures backing off): (model, generation)
+    /// → reason.
+    pub backoff: HashMap<(&'a str, u64), String>,
     /// Workers with a release in flight.
     pub releasing: HashSet<&'a str>,
 }
@@ -127,6 +129,7 @@ fn release_leftovers(view: &ClusterView, inputs: &Inputs<'_>, out: &mut Vec<Acti
 }
 
 /// One model's replicas, oldest first, and which of them a task is busy with.
+#[derive(Clone)]
 struct ModelState<'v> {
     name: &'v ModelName,
     recs: Vec<&'v ReplicaRecord>,
@@ -158,9 +161,18 @@ fn plan_model(
     let Some(spec) = view.models.get(name) else {
         return undeployed(&st, out);
     };
-    let keep = move_off(view, spec, &st, out);
-    let to_place = resize(spec, &st, &keep, new_id, out);
-    place(spec, inputs, name, to_place, free, out);
+    // A canary's replicas are planned as a deployment of their own; everything else —
+    // the serving revision's replicas, and any of revisions no longer deployed — as the
+    // serving one's.
+    let canary = spec.canary_spec();
+    let (canary_recs, recs): (Vec<&ReplicaRecord>, Vec<&ReplicaRecord>) =
+        st.recs.iter().partition(|r| canary.as_ref().is_some_and(|c| c.generation == r.generation));
+    for (spec, recs) in std::iter::once((spec.clone(), recs)).chain(canary.map(|c| (c, canary_recs))) {
+        let part = ModelState { recs, ..st.clone() };
+        let keep = move_off(view, &spec, &part, out);
+        let to_place = resize(&spec, &part, &keep, new_id, out);
+        place(&spec, inputs, name, to_place, free, out);
+    }
 }
 
 /// Failures the view already shows, and work in progress that no task is doing.
@@ -284,11 +296,11 @@ fn place(
 ) {
     let m = name.clone();
     for (id, current, exists) in to_place {
-        let reason = match inputs.backoff.get(name.as_str()) {
+        let reason = match inputs.backoff.get(&(name.as_str(), spec.generation)) {
             Some(why) => why.clone(),
             None => match free.take(spec) {
                 Ok(workers) => {
-                    out.push(Action::Assign { model: m.clone(), id, workers });
+                    out.push(Action::Assign { model: m.clone(), id, generation: spec.generation, workers });
                     continue;
                 }
                 Err(why) => why,

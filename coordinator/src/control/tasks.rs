@@ -22,6 +22,10 @@ use tracing::{info, info_span, warn, Instrument};
 use super::view::ClusterView;
 use crate::routing::clients::WorkerClients;
 
+/// A model's revision: what failed loads back off per (a canary that cannot load does not
+/// hold up the serving revision's replacements).
+pub type Build = (ModelName, u64);
+
 /// How long a model's builds wait after `failures` failed loads in a row: 1 s, doubling,
 /// at most 60 s.
 pub fn load_backoff(failures: u32) -> Duration {
@@ -153,7 +157,7 @@ pub struct Ctx {
     pub view: watch::Receiver<Arc<ClusterView>>,
     pub timings: Timings,
     /// Failed loads per model: (count, when the last one failed, its reason).
-    pub failures: Mutex<HashMap<ModelName, (u32, Instant, String)>>,
+    pub failures: Mutex<HashMap<Build, (u32, Instant, String)>>,
     /// Every worker's last registered address, kept after its registration vanishes.
     pub addresses: Mutex<HashMap<WorkerId, String>>,
 }
@@ -195,16 +199,16 @@ impl Ctx {
         }
     }
 
-    fn note_load_failure(&self, model: &ModelName, reason: &str) {
+    fn note_load_failure(&self, build: Build, reason: &str) {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        let e = f.entry(model.clone()).or_insert((0, Instant::now(), String::new()));
+        let e = f.entry(build).or_insert((0, Instant::now(), String::new()));
         e.0 += 1;
         e.1 = Instant::now();
         e.2 = reason.to_string();
     }
 
-    /// Models whose next build must wait, and why.
-    pub fn backoff(&self) -> HashMap<ModelName, String> {
+    /// Revisions whose next build must wait, and why.
+    pub fn backoff(&self) -> HashMap<Build, String> {
         let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         f.iter()
             .filter_map(|(m, (n, at, why))| backoff_reason(*n, at.elapsed(), why).map(|r| (m.clone(), r)))
@@ -260,7 +264,10 @@ pub async fn build(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
             ready.leader_address = w0;
             if ctx.set_state(ready, ReplicaState::Ready, reason).await.is_ok() {
                 super::metrics::replica_built(&model, true);
-                ctx.failures.lock().unwrap_or_else(|p| p.into_inner()).remove(&model);
+                ctx.failures
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&(model.clone(), rec.generation));
             }
         }
         Err(e) => {
@@ -269,7 +276,7 @@ pub async fn build(ctx: Arc<Ctx>, model: ModelName, id: ReplicaId) {
             }
             let reason = e.to_string();
             super::metrics::replica_built(&model, false);
-            ctx.note_load_failure(&model, &reason);
+            ctx.note_load_failure((model.clone(), rec.generation), &reason);
             if let Some(now) = ctx.record(&model, &id) {
                 ctx.fail(now, format!("loading failed: {reason}")).await;
             }
@@ -282,8 +289,14 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
     let spec = view
         .models
         .get(&rec.model)
-        .cloned()
-        .ok_or_else(|| Error::NotFound(format!("model {}", rec.model)))?;
+        .ok_or_else(|| Error::NotFound(format!("model {}", rec.model)))?
+        .build_spec(rec.generation)
+        .ok_or_else(|| {
+            Error::NotFound(format!(
+                "revision {} of model {} is no longer deployed",
+                rec.generation, rec.model
+            ))
+        })?;
     let workers: Vec<WorkerRecord> = rec.workers.iter().map(|w| ctx.worker(w)).collect::<Result<_>>()?;
     let started = Instant::now();
     let dtype = if spec.dtype.is_empty() { None } else { Some(DType::parse(&spec.dtype)?) };

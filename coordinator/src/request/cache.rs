@@ -202,7 +202,7 @@ mod tests {
     use strata_common::FinishReason;
 
     fn chunk(text: &str, token: u32, finish: Option<FinishReason>) -> Chunk {
-        Chunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish }
+        Chunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish, revision: 1 }
     }
 
     fn greedy() -> SamplingParams {

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn, Instrument, Span};
 use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
 use crate::request::cache::{Key, Response, ResponseCache};
 use crate::request::fair::{Gate, Slot, Ticket};
-use crate::request::metrics::{failed, RequestTimer};
+use crate::request::metrics::{failed, served_by, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
 use crate::routing::{Catalog, EventStream, Job, ModelEntry};
@@ -46,6 +46,8 @@ pub struct Chunk {
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprobs>,
     pub finish: Option<FinishReason>,
+    /// The model revision that generated it.
+    pub revision: u64,
 }
 
 /// Chunks of one generation, in order; the last has `finish` set (or is an error).
@@ -118,7 +120,7 @@ pub async fn begin(
     let (admitted, mut account) =
         admit_for(&model, request, caller).await.inspect_err(|e| refuse(caller, &model.name, e))?;
     let prompt_ids = admitted.prompt_ids.clone();
-    let revision = model.routes.revision();
+    let revision = model.routes.revision_for(&prompt_ids);
     let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
     if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
         account.cached();
@@ -216,6 +218,7 @@ fn replay(model: &ModelEntry, admitted: &Admitted, response: Response, mut accou
     let span = Span::current();
     span::admitted(&span, &model.name, &admitted.params, admitted.prompt_ids.len());
     let mut timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
+    served_by(&model.name, response.first().map_or(0, |c| c.revision));
     let (tx, rx) = mpsc::channel(64);
     tokio::spawn(
         async move {
@@ -313,6 +316,8 @@ struct Run {
 struct Attempt {
     replica: String,
     ranks: usize,
+    /// The revision the replica was built from.
+    revision: u64,
     span: Option<Span>,
 }
 
@@ -376,7 +381,9 @@ impl Run {
                 match submitted {
                     Ok(stream) => {
                         let ranks = replica.ranks();
-                        self.attempt = Attempt { replica: id.clone(), ranks, span: Some(attempt) };
+                        let revision = self.model.routes.replica_revision(&id).unwrap_or(0);
+                        served_by(&self.model.name, revision);
+                        self.attempt = Attempt { replica: id.clone(), ranks, revision, span: Some(attempt) };
                         return Ok((id, stream));
                     }
                     Err(e) if retry_elsewhere(&e) => {
@@ -436,7 +443,7 @@ impl Run {
                 Turn::Token { token, logprobs, finish } => {
                     self.job.generated.push(token);
                     let chunk = match token_chunk(text, token, logprobs, finish) {
-                        Ok(c) => c,
+                        Ok(c) => Chunk { revision: self.attempt.revision, ..c },
                         Err(e) => return self.fail(&tx, e).await,
                     };
                     let finish = chunk.finish;
@@ -538,6 +545,7 @@ fn token_chunk(
         token_ids: vec![token],
         logprobs: logprobs.into_iter().collect(),
         finish: if delta.stopped { Some(FinishReason::Stop) } else { finish },
+        revision: 0,
     };
     if chunk.finish.is_some() {
         chunk.text.push_str(&text.finish()?.text);

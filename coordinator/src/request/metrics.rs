@@ -29,6 +29,12 @@ pub struct ErrorLabels {
     pub code: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RevisionLabels {
+    pub model: String,
+    pub revision: String,
+}
+
 type Histograms = Family<ModelLabel, Histogram, fn() -> Histogram>;
 
 pub struct RequestMetrics {
@@ -40,6 +46,7 @@ pub struct RequestMetrics {
     pub prompt_tokens: Family<ModelLabel, Counter>,
     pub generation_tokens: Family<ModelLabel, Counter>,
     pub failovers: Family<ModelLabel, Counter>,
+    pub revisions: Family<RevisionLabels, Counter>,
 }
 
 fn ttft() -> Histogram {
@@ -67,6 +74,7 @@ pub fn metrics() -> &'static RequestMetrics {
             prompt_tokens: Family::default(),
             generation_tokens: Family::default(),
             failovers: Family::default(),
+            revisions: Family::default(),
         };
         register("requests", "Requests finished, by model and finish reason", m.requests.clone());
         register(
@@ -96,8 +104,20 @@ pub fn metrics() -> &'static RequestMetrics {
             "Streams resumed on another replica after theirs was lost",
             m.failovers.clone(),
         );
+        register(
+            "revision_requests",
+            "Requests (and failover attempts) by the model revision that served them",
+            m.revisions.clone(),
+        );
         m
     })
+}
+
+/// Counts a request (or a failover attempt) served by `revision` of `model` (a cached
+/// response counts for the revision that made it).
+pub fn served_by(model: &str, revision: u64) {
+    let labels = RevisionLabels { model: model.to_string(), revision: revision.to_string() };
+    metrics().revisions.get_or_create(&labels).inc();
 }
 
 fn model(name: &str) -> ModelLabel {

@@ -148,16 +148,20 @@ impl ClusterCatalog {
         let view = self.view.borrow().clone();
         let wanted: Vec<(String, String)> =
             view.models.values().map(|m| (m.name.to_string(), m.model_dir.clone())).collect();
-        {
-            let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
-            entries
-                .retain(|name, l| view.models.get(name.as_str()).is_some_and(|m| m.model_dir == l.model_dir));
-        }
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|name, _| view.models.contains_key(name.as_str()));
         for (name, dir) in wanted {
-            if self.entries.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&name) {
-                continue;
-            }
-            match self.load(&name, &dir, &view).await {
+            // A model whose directory changed (a redeploy, a promoted rollout) keeps its
+            // entry and routes until the new files are loaded: requests never find it
+            // missing.
+            let routes = match self.entries.lock().unwrap_or_else(|p| p.into_inner()).get(&name) {
+                Some(l) if l.model_dir == dir => continue,
+                Some(l) => Some(l.routes.clone()),
+                None => None,
+            };
+            match self.load(&name, &dir, &view, routes).await {
                 Ok(l) => {
                     info!(model = %name, dir = %dir, "model files loaded");
                     self.errors.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
@@ -174,14 +178,21 @@ impl ClusterCatalog {
         }
     }
 
-    async fn load(&self, name: &str, model_dir: &str, view: &ClusterView) -> Result<Loaded> {
+    async fn load(
+        &self,
+        name: &str,
+        model_dir: &str,
+        view: &ClusterView,
+        routes: Option<Arc<ClusterRoutes>>,
+    ) -> Result<Loaded> {
         let dir = self.files.locate(model_dir, view).await?;
         let (config, tokenizer) = tokio::task::spawn_blocking(move || -> Result<(ModelConfig, Tokenizer)> {
             Ok((ModelConfig::from_dir(&dir)?, Tokenizer::from_dir(&dir)?))
         })
         .await
         .map_err(|e| Error::Internal(format!("loading model files: {e}")))??;
-        let routes = Arc::new(ClusterRoutes::new(name, self.view.clone(), self.clients.clone()));
+        let routes = routes
+            .unwrap_or_else(|| Arc::new(ClusterRoutes::new(name, self.view.clone(), self.clients.clone())));
         let entry =
             Arc::new(ModelEntry { name: name.to_string(), config, tokenizer, routes: routes.clone() });
         Ok(Loaded { model_dir: model_dir.to_string(), entry, routes })

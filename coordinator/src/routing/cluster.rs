@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use strata_common::cluster::ReplicaRecord;
 use strata_common::{EngineStats, ReplicaId, Result};
 use tokio::sync::watch;
 
@@ -19,6 +20,7 @@ use super::clients::WorkerClients;
 use strata_common::prefix::{block_hashes, DEFAULT_BLOCK_SIZE};
 
 use super::prefix::{prompt_key, select, Candidate, PrefixIndex};
+use super::split::{to_canary, SplitIndex};
 use super::suspects::Suspects;
 use super::{EventStream, GateSize, Job, Replica, Routes};
 use crate::control::view::ClusterView;
@@ -44,6 +46,8 @@ pub struct ClusterRoutes {
     loads: Mutex<HashMap<String, Arc<ReplicaLoad>>>,
     index: Mutex<PrefixIndex>,
     suspects: Mutex<Suspects>,
+    /// Where prompts part ways, for the split between revisions while a canary runs.
+    split: Mutex<SplitIndex>,
     /// The replicas' KV block size, as they report it (0 until one has).
     block_size: AtomicUsize,
 }
@@ -57,7 +61,41 @@ impl ClusterRoutes {
             loads: Mutex::new(HashMap::new()),
             index: Mutex::new(PrefixIndex::new(1 << 16)),
             suspects: Mutex::new(Suspects::default()),
+            split: Mutex::new(SplitIndex::new(1 << 15)),
             block_size: AtomicUsize::new(0),
+        }
+    }
+
+    fn block_size(&self) -> usize {
+        match self.block_size.load(Ordering::Relaxed) {
+            0 => DEFAULT_BLOCK_SIZE,
+            n => n,
+        }
+    }
+
+    /// The canary's generation when the split sends `prompt` to it. Prompts are recorded
+    /// whether a canary runs or not, so that a rollout starts knowing where prompts part.
+    fn split(&self, view: &ClusterView, prompt: &[u32]) -> Option<u64> {
+        let key = self.split.lock().unwrap_or_else(|p| p.into_inner()).key(prompt, self.block_size());
+        let canary = view.models.get(self.model.as_str())?.rollout.canary.as_ref()?;
+        to_canary(key, canary.weight_bp).then_some(canary.revision.generation)
+    }
+
+    /// Which ready replicas (by the revision they were built from) `prompt` may go to:
+    /// the canary's when the split sends it there; otherwise the serving revision's, and
+    /// those of a revision being replaced while the serving one has fewer ready replicas
+    /// than desired (make before break).
+    fn revision_filter(&self, view: &ClusterView, prompt: &[u32]) -> impl Fn(u64) -> bool {
+        let spec = view.models.get(self.model.as_str());
+        let canary = spec.and_then(|s| s.rollout.canary.as_ref()).map(|c| c.revision.generation);
+        let chosen = self.split(view, prompt);
+        let serving = spec.map(|s| s.generation);
+        let desired = spec.map_or(0, |s| s.replicas as usize);
+        let serving_ready =
+            view.ready_replicas(&self.model).filter(|r| Some(r.generation) == serving).count();
+        move |g: u64| match chosen {
+            Some(c) => g == c,
+            None => Some(g) != canary && (Some(g) == serving || serving_ready < desired),
         }
     }
 
@@ -117,8 +155,10 @@ impl ClusterRoutes {
 
 #[async_trait::async_trait]
 impl Routes for ClusterRoutes {
-    fn revision(&self) -> u64 {
-        self.view.borrow().models.get(self.model.as_str()).map_or(0, |spec| spec.generation)
+    fn revision_for(&self, prompt: &[u32]) -> u64 {
+        let view = self.view.borrow().clone();
+        let Some(spec) = view.models.get(self.model.as_str()) else { return 0 };
+        self.split(&view, prompt).unwrap_or(spec.generation)
     }
 
     fn gate_size(&self) -> GateSize {
@@ -146,14 +186,23 @@ impl Routes for ClusterRoutes {
 
     fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
         let suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).current(Instant::now());
-        let ready: Vec<(String, String)> = self
-            .ready_replicas()
-            .into_iter()
-            .filter(|(id, _)| !exclude.contains(id) && !suspects.contains(id))
+        let view = self.view.borrow().clone();
+        let usable: Vec<&ReplicaRecord> = view
+            .ready_replicas(&self.model)
+            .filter(|r| {
+                !exclude.iter().any(|e| e == r.id.as_str()) && !suspects.iter().any(|s| s == r.id.as_str())
+            })
             .collect();
-        if ready.is_empty() {
+        if usable.is_empty() {
             return None;
         }
+        // Replicas of the request's revision; any other ready one rather than none.
+        let wanted = self.revision_filter(&view, prompt);
+        let of_revision: Vec<&ReplicaRecord> =
+            usable.iter().copied().filter(|r| wanted(r.generation)).collect();
+        let chosen = if of_revision.is_empty() { usable } else { of_revision };
+        let ready: Vec<(String, String)> =
+            chosen.iter().map(|r| (r.id.to_string(), r.leader_address.clone())).collect();
         let loads: Vec<Arc<ReplicaLoad>> = ready.iter().map(|(id, _)| self.load(id)).collect();
         let outstanding: Vec<usize> = loads
             .iter()
@@ -164,22 +213,13 @@ impl Routes for ClusterRoutes {
             .collect();
         let candidates: Vec<Candidate<'_>> =
             ready.iter().zip(&outstanding).map(|((id, _), &o)| Candidate { id, outstanding: o }).collect();
-        let block_size = match self.block_size.load(Ordering::Relaxed) {
-            0 => DEFAULT_BLOCK_SIZE,
-            n => n,
-        };
+        let block_size = self.block_size();
         let hashes = block_hashes(prompt, block_size);
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         let i = select(&candidates, index.best(&hashes, &candidates), prompt_key(prompt, block_size));
         index.record(&hashes, &ready[i].0);
-        let view = self.view.borrow().clone();
-        let ranks = view
-            .replicas
-            .get(self.model.as_str())
-            .and_then(|rs| rs.get(ready[i].0.as_str()))
-            .map(|r| r.workers.len());
         Some(Arc::new(RemoteReplica {
-            ranks: ranks.unwrap_or(1),
+            ranks: chosen[i].workers.len().max(1),
             id: ReplicaId::new(ready[i].0.as_str()),
             address: ready[i].1.clone(),
             clients: self.clients.clone(),

@@ -10,6 +10,7 @@
 //! - [`cluster`]: one model's routes from the registry view; replicas reached through the
 //!   `WorkerApi` seam ([`clients`]: gRPC or in-process, [`grpc_worker`]: the gRPC one);
 //! - [`prefix`]: the routing policy (prefix affinity, then least outstanding), pure;
+//! - [`split`]: which revision takes a request while a canary runs (sticky per prefix);
 //! - [`catalog`]: the served models as the registry view says, with their tokenizers.
 
 use std::sync::Arc;
@@ -24,6 +25,7 @@ pub mod clients;
 pub mod cluster;
 pub mod grpc_worker;
 pub mod prefix;
+pub mod split;
 pub mod suspects;
 
 pub use strata_common::worker_api::{EventStream, Job};
@@ -56,9 +58,9 @@ pub trait Routes: Send + Sync {
     }
     /// Ready replicas.
     fn ready(&self) -> usize;
-    /// The model's revision now (a deployment's spec generation): responses are cached
-    /// per revision.
-    fn revision(&self) -> u64 {
+    /// The revision a request with `prompt` goes to now (a deployment's spec generation;
+    /// the canary's for its share of prompts): responses are cached per revision.
+    fn revision_for(&self, _prompt: &[u32]) -> u64 {
         0
     }
     /// The revision `replica` was built from, when known.

@@ -128,6 +128,13 @@ struct Collected {
     tokens: usize,
     logprobs: Vec<TokenLogprobs>,
     finish: Option<FinishReason>,
+    revision: u64,
+}
+
+/// What responses say served them: the model revision (OpenAI's field for "the backend
+/// configuration the model runs with").
+fn fingerprint(revision: u64) -> Json {
+    json!(format!("r{revision}"))
 }
 
 async fn collect(mut rx: generation::ChunkRx, job: &Job) -> Result<Collected, ApiError> {
@@ -137,6 +144,7 @@ async fn collect(mut rx: generation::ChunkRx, job: &Job) -> Result<Collected, Ap
         c.text.push_str(&chunk.text);
         c.tokens += chunk.token_ids.len();
         c.logprobs.extend(chunk.logprobs);
+        c.revision = chunk.revision;
         if let Some(f) = chunk.finish {
             c.finish = Some(f);
             break;
@@ -172,6 +180,7 @@ async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, Ap
     let results = futures::future::try_join_all(started.into_iter().map(|s| collect(s.rx, job))).await?;
     let mut choices = Vec::with_capacity(results.len());
     let mut completion_tokens = 0;
+    let revision = results.first().map_or(0, |c| c.revision);
     for ((choice, c), model) in job.choices.iter().zip(results).zip(&tokenizers) {
         completion_tokens += c.tokens;
         let finish = c.finish.map(finish_str);
@@ -199,6 +208,7 @@ async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, Ap
     let mut body = head.object(job.api, false);
     body.insert("choices".into(), Json::Array(choices));
     body.insert("usage".into(), usage(prompt_tokens, completion_tokens));
+    body.insert("system_fingerprint".into(), fingerprint(revision));
     Ok(Json::Object(body))
 }
 
@@ -304,7 +314,9 @@ async fn pump(job: Job, head: Head, started: Vec<Started>, tx: EventTx) -> Resul
             Api::Completion => json!(chunk.text),
         };
         let index = job.choices[i].index;
-        send(&tx, &chunk_event(&job, &head, index, content, logprobs, chunk.finish)).await?;
+        let mut event = chunk_event(&job, &head, index, content, logprobs, chunk.finish);
+        event["system_fingerprint"] = fingerprint(chunk.revision);
+        send(&tx, &event).await?;
     }
     if job.common.include_usage {
         let mut last = head.object(job.api, true);

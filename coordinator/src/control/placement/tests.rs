@@ -36,6 +36,8 @@ fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
         replicas: 1,
         limits: EngineLimits::default(),
         generation: 1,
+        created_ms: 0,
+        rollout: Default::default(),
     }
 }
 

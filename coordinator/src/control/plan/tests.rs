@@ -31,6 +31,8 @@ pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
         replicas,
         limits: EngineLimits::default(),
         generation: 1,
+        created_ms: 0,
+        rollout: Default::default(),
     }
 }
 
@@ -106,6 +108,7 @@ fn scale_up_places_new_replicas_on_free_workers_and_waits_for_the_rest() {
             Action::Assign {
                 model: "m".into(),
                 id: "m-new1".into(),
+                generation: 1,
                 workers: vec!["w1".into(), "w2".into()]
             },
             Action::CreatePending {
@@ -127,7 +130,12 @@ fn a_pending_replica_gets_workers_when_they_appear() {
     let v = V::new().workers(&["w9"]).model(spec("m", 1, 1)).replica(r).0;
     assert_eq!(
         run(&v, &Inputs::default()),
-        vec![Action::Assign { model: "m".into(), id: "m-1".into(), workers: vec!["w9".into()] }]
+        vec![Action::Assign {
+            model: "m".into(),
+            id: "m-1".into(),
+            generation: 1,
+            workers: vec!["w9".into()]
+        }]
     );
 }
 
@@ -221,7 +229,12 @@ fn drained_workers_are_replaced_before_their_replica_is_drained() {
     let a = run(&v, &monitored(&["a"]));
     assert_eq!(
         a,
-        vec![Action::Assign { model: "m".into(), id: "m-new1".into(), workers: vec!["w2".into()] }],
+        vec![Action::Assign {
+            model: "m".into(),
+            id: "m-new1".into(),
+            generation: 1,
+            workers: vec!["w2".into()]
+        }],
         "make before break"
     );
     let v2 = V(v).replica(replica("m", "b", ReplicaState::Ready, &["w2"], 2)).0;
@@ -287,7 +300,7 @@ fn work_nobody_is_doing_is_resumed_and_busy_replicas_are_left_alone() {
 fn failing_models_back_off() {
     let v = V::new().workers(&["w1"]).model(spec("m", 1, 1)).0;
     let inputs = Inputs {
-        backoff: [("m", "retrying in 4 s".to_string())].into_iter().collect(),
+        backoff: [(("m", 1), "retrying in 4 s".to_string())].into_iter().collect(),
         ..Default::default()
     };
     assert_eq!(
@@ -298,5 +311,108 @@ fn failing_models_back_off() {
             generation: 1,
             reason: "retrying in 4 s".into()
         }]
+    );
+}
+
+/// Revision 1 serving on two ready replicas (w1, w2), revision 2 in canary with one
+/// replica; w3 and w4 free.
+fn rollout() -> (ModelSpec, V) {
+    let mut s = spec("m", 1, 2);
+    let next = strata_common::rollout::Revision { model_dir: "/m2".into(), ..s.revision() };
+    s.start_canary(next, 1000, 1).unwrap();
+    let v = V::new()
+        .workers(&["w1", "w2", "w3", "w4"])
+        .model(s.clone())
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1"], 1))
+        .replica(replica("m", "b", ReplicaState::Ready, &["w2"], 2));
+    (s, v)
+}
+
+fn of_generation(mut r: ReplicaRecord, generation: u64) -> ReplicaRecord {
+    r.generation = generation;
+    r
+}
+
+#[test]
+fn a_canary_is_built_beside_the_serving_revision() {
+    let (_, v) = rollout();
+    let a = run(&v.0, &monitored(&["a", "b"]));
+    assert_eq!(
+        a,
+        vec![Action::Assign {
+            model: "m".into(),
+            id: "m-new1".into(),
+            generation: 2,
+            workers: vec!["w3".into()]
+        }],
+        "the serving replicas stay"
+    );
+    // Once it is ready nothing changes: both revisions serve.
+    let (_, v) = rollout();
+    let v = v.replica(of_generation(replica("m", "c", ReplicaState::Ready, &["w3"], 3), 2)).0;
+    assert!(run(&v, &monitored(&["a", "b", "c"])).is_empty());
+}
+
+#[test]
+fn a_rolled_back_canary_drains_at_once() {
+    let (mut s, v) = rollout();
+    s.rollback().unwrap();
+    let v = v.model(s).replica(of_generation(replica("m", "c", ReplicaState::Ready, &["w3"], 3), 2)).0;
+    assert_eq!(
+        run(&v, &monitored(&["a", "b", "c"])),
+        vec![Action::Drain {
+            model: "m".into(),
+            id: "c".into(),
+            reason: "the model's spec changed; replaced".into()
+        }]
+    );
+}
+
+#[test]
+fn a_promoted_canary_scales_up_before_the_old_revision_drains() {
+    let (mut s, v) = rollout();
+    s.promote().unwrap();
+    let v = v.model(s).replica(of_generation(replica("m", "c", ReplicaState::Ready, &["w3"], 3), 2));
+    let a = run(&v.0, &monitored(&["a", "b", "c"]));
+    assert_eq!(
+        a,
+        vec![Action::Assign {
+            model: "m".into(),
+            id: "m-new1".into(),
+            generation: 2,
+            workers: vec!["w4".into()]
+        }],
+        "make before break: the old revision keeps serving"
+    );
+    let v = v.replica(of_generation(replica("m", "d", ReplicaState::Ready, &["w4"], 4), 2)).0;
+    let a = run(&v, &monitored(&["a", "b", "c", "d"]));
+    let drained: Vec<&str> = a
+        .iter()
+        .filter_map(|x| if let Action::Drain { id, .. } = x { Some(id.as_str()) } else { None })
+        .collect();
+    assert_eq!(drained, ["a", "b"], "{a:?}");
+}
+
+#[test]
+fn a_canary_that_cannot_load_backs_off_alone() {
+    let (_, v) = rollout();
+    let inputs = Inputs {
+        backoff: [(("m", 2), "loading failed".to_string())].into_iter().collect(),
+        monitored: ["a"].into_iter().collect(),
+        ..Default::default()
+    };
+    let v = v.0;
+    let mut v2 = v.clone();
+    v2.replicas.get_mut("m").unwrap().remove("b");
+    let a = run(&v2, &inputs);
+    assert!(
+        a.iter().any(|x| matches!(x, Action::Assign { generation: 1, .. })),
+        "the serving revision still gets its replacement: {a:?}"
+    );
+    assert!(
+        a.iter().any(
+            |x| matches!(x, Action::CreatePending { generation: 2, reason, .. } if reason == "loading failed")
+        ),
+        "{a:?}"
     );
 }
