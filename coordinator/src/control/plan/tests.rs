@@ -416,3 +416,22 @@ fn a_canary_that_cannot_load_backs_off_alone() {
         "{a:?}"
     );
 }
+
+#[test]
+fn rolling_back_a_promotion_reuses_the_old_replicas_while_they_exist() {
+    let (mut s, v) = rollout();
+    s.promote().unwrap();
+    // Promoted, the old replicas not yet drained (the new revision has one of two ready).
+    s.rollback().unwrap();
+    assert_eq!(s.generation, 1);
+    let v = v.model(s).replica(of_generation(replica("m", "c", ReplicaState::Ready, &["w3"], 3), 2)).0;
+    assert_eq!(
+        run(&v, &monitored(&["a", "b", "c"])),
+        vec![Action::Drain {
+            model: "m".into(),
+            id: "c".into(),
+            reason: "the model's spec changed; replaced".into()
+        }],
+        "revision 1's replicas serve again as they are; nothing is rebuilt"
+    );
+}
