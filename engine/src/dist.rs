@@ -293,7 +293,7 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
             .in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &logit_rows, wanted))?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
-                comm.send(0, f32_bytes(&l.into_f32s()))?;
+                comm.send(0, f32_bytes(&l.into_f32s(wanted)))?;
             }
         }
     }

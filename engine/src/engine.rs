@@ -323,13 +323,7 @@ impl Engine {
         }
         let (ids, layout, logit_rows) = self.batch(&plan);
         let vocab = self.exec.config().vocab_size;
-        let greedy_only = vocab < MAX_PICK_VOCAB
-            && plan
-                .seqs
-                .iter()
-                .filter(|s| s.sample)
-                .all(|s| self.meta.get(&s.id).is_some_and(|m| !m.sampler.needs_full_logits()));
-        let wanted = if greedy_only { LogitsWanted::Greedy } else { LogitsWanted::Full };
+        let wanted = self.logits_wanted(&plan, vocab);
         let span = span_for(&plan.seqs);
         let logits = span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted))?;
         let returned = logits.rows(vocab);
@@ -344,6 +338,7 @@ impl Engine {
             let finite = match &logits {
                 StepLogits::Full(l) => l[row * vocab..(row + 1) * vocab].iter().all(|x| x.is_finite()),
                 StepLogits::Greedy(p) => p[row].logit.is_finite() && p[row].log_z.is_finite(),
+                StepLogits::Top(c) => c[row].finite(),
             };
             if !finite {
                 // NaN weights or an out-of-domain config: never emit a token from it.
@@ -355,6 +350,7 @@ impl Engine {
             let (token, logprobs) = match &logits {
                 StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
                 StepLogits::Greedy(p) => meta.sampler.accept(p[row]),
+                StepLogits::Top(c) => meta.sampler.take(&c[row]),
             };
             meta.generated += 1;
             let params = meta.sampler.params();
@@ -387,6 +383,27 @@ impl Engine {
     }
 
     /// The step's inputs: token ids, their batch layout, and the rows to sample from.
+    /// The least of the logits a step's sampled rows need: greedy picks when every row
+    /// decodes greedily, their most likely tokens when that is all any row needs (so a GPU
+    /// sends candidates, not vocabularies, to the host), else the whole rows.
+    fn logits_wanted(&self, plan: &StepPlan, vocab: usize) -> LogitsWanted {
+        if vocab >= MAX_PICK_VOCAB {
+            return LogitsWanted::Full;
+        }
+        let mut k = 0;
+        for s in plan.seqs.iter().filter(|s| s.sample) {
+            match self.meta.get(&s.id).and_then(|m| m.sampler.candidates_needed()) {
+                Some(n) => k = k.max(n),
+                None => return LogitsWanted::Full,
+            }
+        }
+        if k == 0 {
+            LogitsWanted::Greedy
+        } else {
+            LogitsWanted::Top(k)
+        }
+    }
+
     fn batch(&self, plan: &StepPlan) -> (Vec<u32>, BatchLayout, Vec<usize>) {
         let pool = self.scheduler.pool();
         let mut ids = Vec::with_capacity(plan.num_tokens());

@@ -11,6 +11,10 @@
 
 use strata_common::{Error, Result};
 
+pub mod top;
+
+pub use top::{Candidates, MAX_TOP};
+
 /// Which form of the logits a step must return.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogitsWanted {
@@ -18,6 +22,8 @@ pub enum LogitsWanted {
     Full,
     /// One [`Pick`] per row.
     Greedy,
+    /// Each row's `k` most likely tokens ([`Candidates`]; `k` ≤ [`MAX_TOP`]).
+    Top(usize),
 }
 
 /// A step's output for its sampled rows.
@@ -26,6 +32,7 @@ pub enum StepLogits {
     /// `[rows, vocab]` row-major.
     Full(Vec<f32>),
     Greedy(Vec<Pick>),
+    Top(Vec<Candidates>),
 }
 
 impl StepLogits {
@@ -33,7 +40,7 @@ impl StepLogits {
     pub fn into_full(self) -> Result<Vec<f32>> {
         match self {
             StepLogits::Full(l) => Ok(l),
-            StepLogits::Greedy(_) => {
+            StepLogits::Greedy(_) | StepLogits::Top(_) => {
                 Err(Error::Internal("a step returned picks where logits were asked".into()))
             }
         }
@@ -44,14 +51,20 @@ impl StepLogits {
         match self {
             StepLogits::Full(l) => l.len() / vocab.max(1),
             StepLogits::Greedy(p) => p.len(),
+            StepLogits::Top(c) => c.len(),
         }
     }
 
-    /// As `f32`s, for the communicators (picks as [`picks_to_f32s`] writes them).
-    pub fn into_f32s(self) -> Vec<f32> {
+    /// As `f32`s, for the communicators (picks as [`picks_to_f32s`] writes them,
+    /// candidates as [`top::top_to_f32s`] for the `k` that `wanted` asked).
+    pub fn into_f32s(self, wanted: LogitsWanted) -> Vec<f32> {
         match self {
             StepLogits::Full(l) => l,
             StepLogits::Greedy(p) => picks_to_f32s(&p),
+            StepLogits::Top(c) => {
+                let k = if let LogitsWanted::Top(k) = wanted { k } else { MAX_TOP };
+                top::top_to_f32s(&c, k)
+            }
         }
     }
 
@@ -60,6 +73,7 @@ impl StepLogits {
         Ok(match wanted {
             LogitsWanted::Full => StepLogits::Full(data),
             LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
+            LogitsWanted::Top(k) => StepLogits::Top(top::top_from_f32s(&data, k)?),
         })
     }
 }

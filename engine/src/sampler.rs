@@ -12,7 +12,11 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use strata_common::SamplingParams;
 
-use crate::logits::Pick;
+use crate::logits::{Candidates, Pick, MAX_TOP};
+
+/// Candidates beyond top-k a step returns: logits that differ may be equal once divided by
+/// the temperature, and the draw breaks such ties by id.
+const TIE_ROOM: usize = 8;
 
 pub use strata_common::TokenLogprobs;
 
@@ -59,29 +63,55 @@ impl Sampler {
     pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprobs>) {
         let mut logits = raw.to_vec();
         self.apply_penalties(&mut logits);
-        let token = if self.params.is_greedy() { argmax(&logits) } else { self.draw(&logits) };
+        let token = if self.params.is_greedy() {
+            argmax(&logits)
+        } else {
+            self.draw(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect())
+        };
         let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
         self.record(token);
         (token, logprobs)
     }
 
-    /// Whether choosing the next token needs the row's whole logits: anything but plain
-    /// greedy decoding (penalties move the argmax; top logprobs need the distribution).
-    /// When it does not, the step can return a [`Pick`] instead ([`Sampler::accept`]).
-    pub fn needs_full_logits(&self) -> bool {
+    /// What of a row choosing the next token needs: `Some(0)`, a greedy [`Pick`] (plain
+    /// greedy decoding); `Some(k)`, the row's `k` most likely tokens ([`Candidates`]:
+    /// greedy with top logprobs, or top-k sampling, k ≤ [`MAX_TOP`] with room for ties the
+    /// temperature may make); `None`, the whole row (penalties move the logits; top-p or
+    /// min-p without top-k need the whole distribution).
+    pub fn candidates_needed(&self) -> Option<usize> {
         let p = &self.params;
-        !p.is_greedy()
-            || p.repetition_penalty != 1.0
-            || p.presence_penalty != 0.0
-            || p.frequency_penalty != 0.0
-            || p.logprobs.is_some_and(|n| n > 0)
+        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            return None;
+        }
+        let n = p.logprobs.unwrap_or(0) as usize;
+        let k = match (p.is_greedy(), p.top_k as usize) {
+            (true, _) => n,
+            (false, 0) => return None,
+            (false, k) => k + TIE_ROOM,
+        };
+        Some(k.max(n)).filter(|&k| k <= MAX_TOP)
     }
 
-    /// Takes the token a greedy pick chose (only for a sampler that does not
-    /// [`need_full_logits`](Sampler::needs_full_logits)) and records it as output: the
-    /// same token and logprob [`Sampler::sample`] gives on that row's logits.
+    /// Takes the token from a row's most likely tokens (for a sampler whose
+    /// [`candidates_needed`](Sampler::candidates_needed) they cover) and records it: the
+    /// same token and logprobs [`Sampler::sample`] gives on the whole row.
+    pub fn take(&mut self, c: &Candidates) -> (u32, Option<TokenLogprobs>) {
+        debug_assert!(self.candidates_needed().is_some_and(|k| k <= c.top.len().max(1)));
+        let token = if self.params.is_greedy() { c.top[0].0 } else { self.draw(c.top.clone()) };
+        let logprobs = self.params.logprobs.map(|n| {
+            let logit = c.top.iter().find(|t| t.0 == token).map_or(f32::NEG_INFINITY, |t| t.1);
+            let top = c.top.iter().take(n as usize).map(|&(t, l)| (t, l - c.log_z)).collect();
+            TokenLogprobs { token_id: token, logprob: logit - c.log_z, top }
+        });
+        self.record(token);
+        (token, logprobs)
+    }
+
+    /// Takes the token a greedy pick chose (only for a sampler whose
+    /// [`candidates_needed`](Sampler::candidates_needed) is `Some(0)`) and records it as
+    /// output: the same token and logprob [`Sampler::sample`] gives on that row's logits.
     pub fn accept(&mut self, pick: Pick) -> (u32, Option<TokenLogprobs>) {
-        debug_assert!(!self.needs_full_logits(), "a pick for a sampler that needs the logits");
+        debug_assert_eq!(self.candidates_needed(), Some(0), "a pick for a sampler that needs more");
         let logprobs = self.params.logprobs.map(|_| TokenLogprobs {
             token_id: pick.token,
             logprob: pick.logprob(),
@@ -117,10 +147,11 @@ impl Sampler {
         }
     }
 
-    fn draw(&mut self, logits: &[f32]) -> u32 {
+    /// Draws from `cand` (token, logit after penalties): the whole row, or its most likely
+    /// tokens when they hold the top k.
+    fn draw(&mut self, mut cand: Vec<(u32, f32)>) -> u32 {
         let p = &self.params;
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        cand.iter_mut().for_each(|c| c.1 /= p.temperature);
         let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         let k = p.top_k as usize;
         if k > 0 && k < cand.len() {

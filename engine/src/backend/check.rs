@@ -15,6 +15,7 @@ use strata_common::Result;
 
 use super::cpu::CpuBackend;
 use super::{AttentionShape, Backend, BatchLayout, RopeTable, SeqSlice};
+use crate::logits::{Candidates, MAX_TOP};
 use crate::model::weights::{DType, HostTensor};
 
 /// Shapes of the comparison.
@@ -271,6 +272,24 @@ fn check_rope_and_picks<B: Backend>(
     let values = |p: &[crate::logits::Pick]| p.iter().flat_map(|p| [p.logit, p.log_z]).collect::<Vec<_>>();
     run.record("greedy_pick (tokens)", format!("[{n}, {v}]"), &tokens(&got), &tokens(&want), 0.0);
     run.record("greedy_pick (logit, log_z)", format!("[{n}, {v}]"), &values(&got), &values(&want), F32_TOL);
+    // The most likely tokens (tokens exact, in the sampler's order; ties planted above),
+    // for k below the shard's width, at most, and beyond a narrow shard's.
+    let narrow: Vec<f32> = logits.chunks(v).flat_map(|r| r[..3].iter().copied()).collect();
+    let (nd, _) = run.pair(&narrow, n, 3)?;
+    for (data, on_dev, cols, k) in
+        [(&logits, &ld, v, 5), (&logits, &ld, v, MAX_TOP.min(v)), (&narrow, &nd, 3, 5)]
+    {
+        let got = dev.top_logits(on_dev, n, k, 7)?;
+        let want = crate::logits::top::host_top(data, n, cols, k, 7);
+        let tokens =
+            |c: &[Candidates]| c.iter().flat_map(|c| c.top.iter().map(|t| t.0 as f32)).collect::<Vec<_>>();
+        let values = |c: &[Candidates]| {
+            c.iter().flat_map(|c| c.top.iter().map(|t| t.1).chain([c.log_z])).collect::<Vec<_>>()
+        };
+        let shape = format!("[{n}, {cols}], k {k}");
+        run.record("top_logits (tokens)", shape.clone(), &tokens(&got), &tokens(&want), 0.0);
+        run.record("top_logits (logits, log_z)", shape, &values(&got), &values(&want), F32_TOL);
+    }
 
     // RoPE on q-shaped rows at scattered positions (llama3-style frequencies are just a table).
     let d = s.head_dim;

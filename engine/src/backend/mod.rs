@@ -200,6 +200,20 @@ pub trait Backend: Send + Sync + 'static {
     /// token `first_id`: its largest logit (the first on ties), that token and the row's
     /// log-sum-exp, reduced where the logits are (see [`crate::logits`]).
     fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<crate::logits::Pick>>;
+    /// The `k` most likely tokens of each of the `rows` rows of `logits` (a vocabulary
+    /// shard whose first column is token `first_id`) and the row's log-sum-exp (see
+    /// [`crate::logits::top`]). By default on the host; a GPU selects them on the device.
+    fn top_logits(
+        &self,
+        logits: &Self::Tensor,
+        rows: usize,
+        k: usize,
+        first_id: u32,
+    ) -> Result<Vec<crate::logits::Candidates>> {
+        let data = self.to_host(logits)?;
+        let cols = data.len().checked_div(rows).unwrap_or(0);
+        Ok(crate::logits::top::host_top(&data, rows, cols, k, first_id))
+    }
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     /// A tensor from host data, row-major.

@@ -144,7 +144,14 @@ pub fn encode_step(
         put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
     }
     put_all(&mut out, logit_rows.iter().copied());
-    put(&mut out, (wanted == LogitsWanted::Greedy) as usize);
+    put(
+        &mut out,
+        match wanted {
+            LogitsWanted::Full => 0,
+            LogitsWanted::Greedy => 1,
+            LogitsWanted::Top(k) => 2 + k,
+        },
+    );
     let (parent, state) = trace.map_or(("", ""), |t| (t.traceparent.as_str(), t.tracestate.as_str()));
     for text in [parent, state] {
         put(&mut out, text.len());
@@ -215,6 +222,7 @@ fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
     let wanted = match r.u32()? {
         0 => LogitsWanted::Full,
         1 => LogitsWanted::Greedy,
+        w if (3..=2 + crate::logits::MAX_TOP as u32).contains(&w) => LogitsWanted::Top(w as usize - 2),
         w => return Err(bad(format!("logits form {w}"))),
     };
     let parent = r.text(MAX_TRACEPARENT)?.to_string();
@@ -306,6 +314,15 @@ mod tests {
         assert_eq!(back.trace, p.trace);
         let untraced = StepPlan { trace: None, ..plan() };
         assert_eq!(step(&LeaderMessage::Step(untraced).encode()).unwrap().trace, None);
+        for wanted in [LogitsWanted::Full, LogitsWanted::Top(1), LogitsWanted::Top(crate::logits::MAX_TOP)] {
+            let p = StepPlan { wanted, ..plan() };
+            assert_eq!(step(&LeaderMessage::Step(p).encode()).unwrap().wanted, wanted);
+        }
+        let too_many = StepPlan { wanted: LogitsWanted::Top(crate::logits::MAX_TOP + 1), ..plan() };
+        assert!(
+            step(&LeaderMessage::Step(too_many).encode()).is_err(),
+            "more candidates than a step returns"
+        );
         let init = LeaderMessage::Init { num_blocks: 8, block_size: 16 }.encode();
         assert!(matches!(
             LeaderMessage::decode(&init, None).unwrap(),

@@ -20,7 +20,8 @@ use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::comm::Collectives;
-use crate::logits::{picks_from_f32s, picks_to_f32s, LogitsWanted, Pick, StepLogits};
+use crate::logits::top::{merge, top_from_f32s, top_to_f32s};
+use crate::logits::{picks_from_f32s, picks_to_f32s, Candidates, LogitsWanted, Pick, StepLogits};
 use crate::metrics::{RankMetrics, ReplicaLabels};
 use weights::{Checkpoint, HostTensor};
 
@@ -282,7 +283,35 @@ impl<B: Backend> Model<B> {
         Ok(match wanted {
             LogitsWanted::Full => StepLogits::Full(self.logits(x, rows, comm)?),
             LogitsWanted::Greedy => StepLogits::Greedy(self.greedy_picks(x, rows, comm)?),
+            LogitsWanted::Top(k) => StepLogits::Top(self.top_logits(x, rows, k, comm)?),
         })
+    }
+
+    /// The `k` most likely tokens of each of `rows` (last stage), selected on this rank's
+    /// vocabulary shard and merged across TP: `2k + 1` numbers per row cross the TP group.
+    pub fn top_logits(
+        &self,
+        x: &B::Tensor,
+        rows: &[usize],
+        k: usize,
+        comm: &mut dyn Collectives,
+    ) -> Result<Vec<Candidates>> {
+        let tp = self.shard.tp();
+        let first_id = self.shard.shard.vocab.start as u32;
+        let local = self.backend.top_logits(&self.head_logits(x, rows)?, rows.len(), k, first_id)?;
+        if tp == 1 {
+            return Ok(local);
+        }
+        let gathered = comm.all_gather(&self.shard.tp_group, &top_to_f32s(&local, k))?;
+        let all = top_from_f32s(&gathered, k)?;
+        let n = rows.len();
+        if all.len() != n * tp {
+            return Err(Error::Internal(format!(
+                "{} candidate rows gathered for {n} rows × {tp} ranks",
+                all.len()
+            )));
+        }
+        Ok((0..n).map(|t| merge(&(0..tp).map(|r| all[r * n + t].clone()).collect::<Vec<_>>(), k)).collect())
     }
 
     /// The greedy pick of each of `rows` (last stage), reduced on this rank's vocabulary

@@ -160,3 +160,36 @@ fn a_resumed_sampler_continues_the_same_stream() {
     let rest: Vec<u32> = (7..20).map(|i| resumed.sample(&logits(i)).0).collect();
     assert_eq!(rest, all[7..].to_vec());
 }
+
+#[test]
+fn candidates_suffice_exactly_when_the_sampler_says_so() {
+    use crate::logits::top::host_top;
+    assert_eq!(Sampler::new(params(|_| {}), &[]).candidates_needed(), Some(0), "greedy: a pick");
+    let with = |f: fn(&mut SamplingParams)| Sampler::new(params(f), &[]).candidates_needed();
+    assert_eq!(with(|p| p.logprobs = Some(5)), Some(5), "greedy with top logprobs");
+    assert_eq!(with(|p| (p.temperature, p.top_k) = (1.0, 10)), Some(18), "top-k, with room for ties");
+    assert_eq!(with(|p| (p.temperature, p.top_p) = (1.0, 0.9)), None, "top-p alone needs the row");
+    assert_eq!(with(|p| (p.temperature, p.top_k) = (1.0, 500)), None, "k beyond MAX_TOP");
+    assert_eq!(with(|p| p.repetition_penalty = 1.2), None, "penalties move the logits");
+    assert_eq!(with(|p| p.presence_penalty = 0.5), None);
+    // Where they suffice, drawing from them is drawing from the whole row: same stream,
+    // same tokens, same logprobs. Rows with ties and a flat tail.
+    let vocab = 257;
+    for (top_k, top_p, min_p, t) in
+        [(10, 1.0, 0.0, 1.0), (40, 0.7, 0.0, 0.6), (7, 0.95, 0.1, 1.3), (64, 1.0, 0.0, 2.0)]
+    {
+        let p = params(|p| {
+            (p.temperature, p.top_k, p.top_p, p.min_p) = (t, top_k, top_p, min_p);
+            p.seed = Some(3);
+            p.logprobs = Some(2);
+        });
+        let (mut whole, mut cands) = (Sampler::new(p.clone(), &[]), Sampler::new(p, &[]));
+        let k = cands.candidates_needed().unwrap();
+        for r in 0..200u32 {
+            let row: Vec<f32> =
+                (0..vocab).map(|i| ((i as u32 * 7919 + r * 104729) % 61) as f32 * 0.1 - 3.0).collect();
+            let c = host_top(&row, 1, vocab, k, 0).remove(0);
+            assert_eq!(cands.take(&c), whole.sample(&row), "top_k {top_k}, row {r}");
+        }
+    }
+}

@@ -255,6 +255,96 @@ KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
     }
 }
 
+// Whether (l, c) comes after (pl, pc) in the sampler's order: logit descending, the
+// smaller column first on ties.
+DEVICE bool ranks_after(float l, int c, float pl, int pc) {
+    return l < pl || (l == pl && c > pc);
+}
+
+// One block per row of a vocabulary shard's logits whose first column is token first_id:
+// the row's k most likely tokens in the sampler's order and its log-sum-exp, out[row] =
+// {log_z, token0, logit0, token1, logit1, ...} (2k + 1 floats; tokens as floats, exact
+// below 2^24; a row narrower than k ends with token -1). Top-k sampling and top logprobs
+// need nothing more, so 2k + 1 floats of a row cross to the host instead of the row.
+// Round r takes the block-wide best of what ranks after round r - 1's choice.
+// blockDim.x is a power of two <= 1024.
+KERNEL void top_logits(const float* x, float* out, int cols, int k, int first_id) {
+    SHARED float best[1024];
+    SHARED int where[1024];
+    const float* row = x + (long long)blockIdx.x * cols;
+    float* o = out + (long long)blockIdx.x * (2 * k + 1);
+    int tid = threadIdx.x;
+    float m = -INFINITY;
+    for (int c = tid; c < cols; c += blockDim.x) {
+        m = fmaxf(m, row[c]);
+    }
+    best[tid] = m;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            best[tid] = fmaxf(best[tid], best[tid + stride]);
+        }
+        SYNC();
+    }
+    float top = best[0];
+    SYNC();
+    float sum = 0.0f;
+    if (top != -INFINITY) {
+        for (int c = tid; c < cols; c += blockDim.x) {
+            sum += expf(row[c] - top);
+        }
+    }
+    best[tid] = sum;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            best[tid] += best[tid + stride];
+        }
+        SYNC();
+    }
+    if (tid == 0) {
+        o[0] = top == -INFINITY ? top : top + logf(best[0]);
+    }
+    SYNC();
+    float pl = 0.0f;
+    int pc = -1;  // no choice yet: everything ranks after it
+    for (int r = 0; r < k; r++) {
+        float bm = -INFINITY;
+        int at = -1;
+        if (r == 0 || pc >= 0) {
+            for (int c = tid; c < cols; c += blockDim.x) {
+                float l = row[c];
+                if ((r == 0 || ranks_after(l, c, pl, pc)) && (at < 0 || l > bm)) {
+                    bm = l;
+                    at = c;
+                }
+            }
+        }
+        best[tid] = bm;
+        where[tid] = at;
+        SYNC();
+        for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+            if (tid < stride) {
+                int a2 = where[tid + stride];
+                float m2 = best[tid + stride];
+                int a1 = where[tid];
+                if (a1 < 0 || (a2 >= 0 && (m2 > best[tid] || (m2 == best[tid] && a2 < a1)))) {
+                    best[tid] = m2;
+                    where[tid] = a2;
+                }
+            }
+            SYNC();
+        }
+        pl = best[0];
+        pc = where[0];
+        if (tid == 0) {
+            o[1 + 2 * r] = pc < 0 ? -1.0f : (float)(first_id + pc);
+            o[2 + 2 * r] = pc < 0 ? -INFINITY : pl;
+        }
+        SYNC();
+    }
+}
+
 // Largest number of output dimensions one attention thread accumulates:
 // head_dim ≤ ATTN_MAX_DIMS × blockDim.x.
 #define ATTN_MAX_DIMS 4

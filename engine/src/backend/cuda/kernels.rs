@@ -41,12 +41,13 @@ pub enum Kernel {
     WriteKv,
     GatherRows,
     GreedyPick,
+    TopLogits,
     PagedAttention,
     TiledAttention,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 14] = [
+    pub const ALL: [Kernel; 15] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -59,6 +60,7 @@ impl Kernel {
         Kernel::WriteKv,
         Kernel::GatherRows,
         Kernel::GreedyPick,
+        Kernel::TopLogits,
         Kernel::PagedAttention,
         Kernel::TiledAttention,
     ];
@@ -78,6 +80,7 @@ impl Kernel {
             Kernel::WriteKv => "write_kv",
             Kernel::GatherRows => "gather_rows",
             Kernel::GreedyPick => "greedy_pick",
+            Kernel::TopLogits => "top_logits",
             Kernel::PagedAttention => "paged_attention",
             Kernel::TiledAttention => "tiled_attention",
         }

@@ -30,7 +30,8 @@ use strata_common::{Error, Result};
 use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
-use crate::logits::{picks_from_f32s, Pick};
+use crate::logits::top::{host_top, top_from_f32s};
+use crate::logits::{picks_from_f32s, Candidates, Pick, MAX_TOP};
 use crate::model::weights::{DType, HostTensor};
 
 /// Threads per block of the attention kernels (a power of two).
@@ -645,6 +646,40 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             ],
         )?;
         picks_from_f32s(&self.to_host(&out)?)
+    }
+
+    fn top_logits(
+        &self,
+        logits: &Self::Tensor,
+        rows: usize,
+        k: usize,
+        first_id: u32,
+    ) -> Result<Vec<Candidates>> {
+        if rows != logits.rows {
+            return Err(Error::Internal(format!(
+                "{rows} rows asked of [{}, {}] logits",
+                logits.rows, logits.cols
+            )));
+        }
+        if k == 0 || k > MAX_TOP {
+            return Err(Error::Internal(format!("{k} candidates asked; 1..={MAX_TOP} are returned")));
+        }
+        if logits.rows == 0 || logits.cols == 0 {
+            return Ok(host_top(&[], logits.rows, 0, k, first_id));
+        }
+        let out = self.tensor(logits.rows, 2 * k + 1)?;
+        self.launch(
+            Kernel::TopLogits,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(logits.cols)?),
+                Arg::I32(dim(k)?),
+                Arg::I32(dim(first_id as usize)?),
+            ],
+        )?;
+        top_from_f32s(&self.to_host(&out)?, k)
     }
 
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {

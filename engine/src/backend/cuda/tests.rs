@@ -111,3 +111,42 @@ fn a_whole_model_matches_the_cpu_backend() {
     let b = greedy(&mut gpu, &prompt, 6);
     assert_eq!(a, b, "greedy tokens");
 }
+
+/// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
+/// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
+/// does.
+#[test]
+fn sampling_from_device_candidates_equals_sampling_whole_rows() {
+    use crate::backend::Backend;
+    use crate::sampler::Sampler;
+    let b = backend();
+    let (rows, vocab) = (24, 300);
+    let logits: Vec<f32> =
+        (0..rows * vocab).map(|i| ((i as u64 * 2654435761) % 1000) as f32 / 90.0 - 5.0).collect();
+    let on_device = b.upload(logits.clone(), rows, vocab).unwrap();
+    for (top_k, top_p, min_p) in [(20, 1.0, 0.0), (50, 0.8, 0.0), (5, 1.0, 0.2), (1, 1.0, 0.0)] {
+        let params = SamplingParams {
+            temperature: 0.7,
+            top_k,
+            top_p,
+            min_p,
+            seed: Some(5),
+            logprobs: Some(4),
+            ..Default::default()
+        };
+        let (mut whole, mut cands) = (Sampler::new(params.clone(), &[]), Sampler::new(params, &[]));
+        let k = cands.candidates_needed().expect("top-k sampling needs candidates only");
+        let top = b.top_logits(&on_device, rows, k, 0).unwrap();
+        for (r, c) in top.iter().enumerate() {
+            let want = whole.sample(&logits[r * vocab..(r + 1) * vocab]);
+            let got = cands.take(c);
+            assert_eq!(got.0, want.0, "top_k {top_k}: row {r}");
+            let (g, w) = (got.1.unwrap(), want.1.unwrap());
+            assert_eq!(
+                g.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                w.top.iter().map(|t| t.0).collect::<Vec<_>>()
+            );
+            assert!((g.logprob - w.logprob).abs() < 1e-4, "row {r}: {g:?} vs {w:?}");
+        }
+    }
+}
