@@ -132,9 +132,12 @@ struct Collected {
 }
 
 /// What responses say served them: the model revision (OpenAI's field for "the backend
-/// configuration the model runs with").
+/// configuration the model runs with"); null where models have no revisions (static mode).
 fn fingerprint(revision: u64) -> Json {
-    json!(format!("r{revision}"))
+    match revision {
+        0 => Json::Null,
+        r => json!(format!("r{r}")),
+    }
 }
 
 async fn collect(mut rx: generation::ChunkRx, job: &Job) -> Result<Collected, ApiError> {
