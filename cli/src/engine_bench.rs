@@ -28,6 +28,11 @@ pub struct EngineBenchReport {
     /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
     pub batched_decode: Vec<(usize, f64)>,
     pub bandwidth_gb_per_s: f64,
+    /// What the batch-1 matmul alone streams, bytes/s: one activation row against a
+    /// 256 MiB bf16 weight in the backend's decode layout (packed on AVX512-BF16). Its ratio
+    /// to `bandwidth_gb_per_s` is the decode kernel's efficiency, apart from the rest of a
+    /// step.
+    pub gemv_gb_per_s: f64,
     /// f32 GEMM throughput of the CPU backend's matmul (prefill path), 256×2048 · 2048×8192.
     pub gemm_gflops: f64,
     pub roofline_decode_tokens_per_s: f64,
@@ -93,6 +98,8 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
 
     info!("measuring memory bandwidth");
     let bandwidth = measure_bandwidth(cfg.repeats.max(5));
+    info!("measuring the batch-1 matmul");
+    let gemv = measure_gemv_bandwidth(cfg.repeats.max(5));
     info!("measuring GEMM peak");
     let gemm = measure_gemm_gflops(cfg.repeats.max(3));
     let bytes = engine.executor().decode_bytes_per_token();
@@ -108,6 +115,7 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         decode_comm_share,
         batched_decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
+        gemv_gb_per_s: gemv / 1e9,
         gemm_gflops: gemm,
         roofline_decode_tokens_per_s: roofline,
         decode_share_of_roofline: decode / roofline,
@@ -153,6 +161,29 @@ pub fn measure_bandwidth(repeats: usize) -> f64 {
         rates.push((data.len() * 4) as f64 / secs);
     }
     rates.iter().copied().fold(0.0, f64::max)
+}
+
+/// Bytes per second the CPU backend's batch-1 matmul reads from a 256 MiB bf16 weight
+/// (median of `repeats`).
+pub fn measure_gemv_bandwidth(repeats: usize) -> f64 {
+    use strata_engine::backend::cpu::{CpuTensor, CpuWeight};
+    use strata_engine::backend::Backend;
+    let (m, k) = (32768, 4096);
+    let w: Vec<half::bf16> =
+        (0..m * k).map(|i| half::bf16::from_f32(((i % 89) as f32 - 44.0) / 890.0)).collect();
+    let w = CpuWeight::from_bf16(w, m, k);
+    #[cfg(target_arch = "x86_64")]
+    let w = w.packed_bf16();
+    let bytes = w.bytes();
+    let x = CpuTensor::new((0..k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), 1, k);
+    let backend = CpuBackend::new();
+    let mut rates = Vec::new();
+    for _ in 0..repeats + 1 {
+        let t = Instant::now();
+        let _ = std::hint::black_box(backend.matmul(&x, &w));
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+    }
+    median(&rates[1..])
 }
 
 /// GFLOP/s of the CPU backend's matmul on a prefill-shaped problem (median).

@@ -129,6 +129,12 @@ impl CpuWeight {
         CpuWeight { rows, cols, data: WeightData::F32(Elems::Owned(data)) }
     }
 
+    /// An owned bf16 matrix (benchmarks).
+    pub fn from_bf16(data: Vec<bf16>, rows: usize, cols: usize) -> Self {
+        assert_eq!(data.len(), rows * cols);
+        CpuWeight { rows, cols, data: WeightData::Bf16(Elems::Owned(data)) }
+    }
+
     /// Quantizes to int8 with a symmetric scale per output row (`max |w| / 127`), from
     /// whatever dtype the weight is in; the int8 copy replaces it.
     pub fn quantized_int8(self) -> Self {
