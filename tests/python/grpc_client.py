@@ -46,6 +46,10 @@ def main():
     assert tokens == list(unary.token_ids), (tokens, list(unary.token_ids))
     assert text == unary.text, (text, unary.text)
     assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    # Which model revision made them: the deployment's first (`strata serve`'s models are
+    # deployments of revision 1), on the unary response and every streamed message.
+    assert unary.revision == 1, unary.revision
+    assert all(c.revision == 1 for c in chunks), [c.revision for c in chunks]
     passed += 1
 
     try:

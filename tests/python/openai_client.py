@@ -46,6 +46,7 @@ def main():
         assert r.choices[0].finish_reason == "length"
         assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0, r.usage
         assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+        assert r.system_fingerprint == "r1", r.system_fingerprint  # the model revision
 
     @check("streamed completion with usage")
     def _():
@@ -54,6 +55,7 @@ def main():
         assert text == greedy, (text, greedy)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8, chunks[-1]
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert {c.system_fingerprint for c in chunks if c.choices and c.choices[0].text} == {"r1"}
 
     @check("chat completion, unary and streamed")
     def _():
