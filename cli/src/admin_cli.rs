@@ -180,8 +180,8 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
         return;
     }
     println!(
-        "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9}  DIR",
-        "NAME", "DEVICE", "DTYPE", "TP", "PP", "REPLICAS", "READY", "GiB/RANK"
+        "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9} {:>8} {:>12}  DIR",
+        "NAME", "DEVICE", "DTYPE", "TP", "PP", "REPLICAS", "READY", "GiB/RANK", "REVISION", "CANARY"
     );
     let dash = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
     for m in models {
@@ -189,8 +189,12 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
             0 => "-".to_string(),
             b => format!("{:.2}", b as f64 / (1u64 << 30) as f64),
         };
+        let canary = match m.canary_revision {
+            0 => "-".to_string(),
+            r => format!("r{r} {}%", m.canary_percent),
+        };
         println!(
-            "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9}  {}",
+            "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9} {:>8} {:>12}  {}",
             m.name,
             dash(&m.device),
             dash(&m.dtype),
@@ -199,6 +203,8 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
             m.desired_replicas,
             m.ready_replicas,
             per_rank,
+            format!("r{}", m.generation),
+            canary,
             m.model_dir
         );
     }
