@@ -100,7 +100,7 @@ impl Replica for EngineReplica {
 
 #[async_trait::async_trait]
 impl Routes for EngineReplica {
-    fn pick(&self, _prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
+    fn pick(&self, _prompt: &[u32], _revision: u64, exclude: &[String]) -> Option<Arc<dyn Replica>> {
         let usable = !exclude.contains(&self.id) && self.handle.broken().is_none();
         usable.then(|| {
             Arc::new(EngineReplica { id: self.id.clone(), handle: self.handle.clone(), ranks: self.ranks })

@@ -301,10 +301,15 @@ pub fn parse_percent(s: &str) -> Result<u32> {
     let v: f64 = t
         .parse()
         .map_err(|_| Error::invalid("canary_percent", format!("{s:?}: expected a percentage like 10%")))?;
-    if !(0.0..=100.0).contains(&v) {
-        return Err(Error::invalid("canary_percent", format!("{s:?} is not between 0% and 100%")));
+    percent_to_weight(v)
+}
+
+/// A traffic share in percent (0 to 100) → basis points.
+pub fn percent_to_weight(percent: f64) -> Result<u32> {
+    if !(0.0..=100.0).contains(&percent) {
+        return Err(Error::invalid("canary_percent", format!("{percent}% is not between 0% and 100%")));
     }
-    Ok((v * 100.0).round() as u32)
+    Ok((percent * 100.0).round() as u32)
 }
 
 #[cfg(test)]

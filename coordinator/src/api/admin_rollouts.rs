@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec};
 use strata_common::registry::{Guard, Op};
-use strata_common::rollout::{parse_percent, Revision, RolledBack, FULL_WEIGHT};
+use strata_common::rollout::{percent_to_weight, Revision, FULL_WEIGHT};
 use strata_common::status::to_status;
 use strata_common::{Error, ErrorClass, ModelConfig, Result};
 use strata_proto::admin::v1 as pb;
@@ -38,11 +38,6 @@ pub(super) fn limits_to_pb(l: &EngineLimits) -> pb::SchedulerLimits {
         kv_cache_bytes: l.kv_cache_bytes,
         max_waiting: l.max_waiting,
     }
-}
-
-/// A share of requests given in percent, as basis points.
-fn weight(percent: f64) -> Result<u32> {
-    parse_percent(&percent.to_string())
 }
 
 /// The revision a rollout request asks for: the serving one's fields, overridden by each
@@ -169,7 +164,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::RolloutResponse>, Status> {
         self.auth().check(&request)?;
         let r = request.into_inner();
-        let bp = weight(r.canary_percent).map_err(to_status)?;
+        let bp = percent_to_weight(r.canary_percent).map_err(to_status)?;
         let serving = self.spec(&r.name).await.map_err(to_status)?;
         if !r.model_dir.is_empty() {
             self.model_roots().check(&r.model_dir).map_err(to_status)?;
@@ -204,7 +199,7 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::RolloutResponse>, Status> {
         self.auth().check(&request)?;
         let r = request.into_inner();
-        let bp = weight(r.canary_percent).map_err(to_status)?;
+        let bp = percent_to_weight(r.canary_percent).map_err(to_status)?;
         let spec = self.change_spec(&r.name, |spec| spec.set_canary_weight(bp)).await.map_err(to_status)?;
         info!(model = %spec.name, percent = bp as f64 / 100.0, "canary weight changed");
         Ok(Response::new(self.rollout(&spec)))
@@ -227,21 +222,9 @@ impl ClusterAdmin {
     ) -> Result<Response<pb::RolloutResponse>, Status> {
         self.auth().check(&request)?;
         let name = request.into_inner().name;
-        let done = std::sync::Mutex::new(None);
-        let spec = self
-            .change_spec(&name, |spec| {
-                *done.lock().unwrap_or_else(|p| p.into_inner()) = Some(spec.rollback()?);
-                Ok(())
-            })
-            .await
-            .map_err(to_status)?;
-        match done.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(RolledBack::Canary(g)) => info!(model = %spec.name, revision = g, "canary rolled back"),
-            Some(RolledBack::Serving { from, to }) => {
-                info!(model = %spec.name, from, to, "rolled back to the previous revision")
-            }
-            None => {}
-        }
+        let spec = self.change_spec(&name, |spec| spec.rollback().map(drop)).await.map_err(to_status)?;
+        let dropped = spec.rollout.history.last().map_or(0, |h| h.revision.generation);
+        info!(model = %spec.name, rolled_back = dropped, serving = spec.generation, "rolled back");
         Ok(Response::new(self.rollout(&spec)))
     }
 

@@ -136,7 +136,8 @@ pub async fn begin(
             return Err(e);
         }
     }
-    let rx = start(model.clone(), admitted, request_id, deadline, limits, key, account).await?;
+    let target = Target { revision, cache: key };
+    let rx = start(model.clone(), admitted, request_id, deadline, limits, target, account).await?;
     Ok(Started { model, prompt_ids, rx })
 }
 
@@ -242,6 +243,13 @@ fn replay(model: &ModelEntry, admitted: &Admitted, response: Response, mut accou
 /// What responses replayed from the cache name as their replica (spans, logs).
 const CACHE_REPLICA: &str = "response-cache";
 
+/// Where a request goes: the revision the split chose when it began, and its response
+/// cache key when it is cacheable.
+pub struct Target {
+    pub revision: u64,
+    pub cache: Option<Key>,
+}
+
 /// Submits the request and streams its chunks. Errors that happen before the first
 /// token (bad request, every replica full, none ready) are returned here, so they become
 /// the call's status.
@@ -251,7 +259,7 @@ pub async fn start(
     request_id: String,
     deadline: Option<Instant>,
     limits: RouteLimits,
-    key: Option<Key>,
+    target: Target,
     account: Account,
 ) -> Result<ChunkRx> {
     let online = OnlineGuard::new(admitted.params.priority);
@@ -275,7 +283,8 @@ pub async fn start(
         timer,
         span: span.clone(),
         attempt: Attempt::default(),
-        record: key.map(|k| (k, Vec::new())),
+        revision: target.revision,
+        record: target.cache.map(|k| (k, Vec::new())),
         account,
         _online: online,
     };
@@ -304,6 +313,8 @@ struct Run {
     /// The request's span, and the attempt now streaming (its child).
     span: Span,
     attempt: Attempt,
+    /// The revision it is bound for.
+    revision: u64,
     /// A cacheable request: its key and the chunks streamed so far.
     record: Option<(Key, Vec<Chunk>)>,
     /// The tenant's usage record and its hold on the tenant's limits.
@@ -366,7 +377,7 @@ impl Run {
             if self.deadline.is_some_and(|d| Instant::now() >= d) {
                 return Err(self.expired());
             }
-            if let Some(replica) = self.model.routes.pick(&self.job.prompt, &self.excluded) {
+            if let Some(replica) = self.model.routes.pick(&self.job.prompt, self.revision, &self.excluded) {
                 let id = replica.id().to_string();
                 let n = self.excluded.len() + 1;
                 let attempt = span::attempt_span(&self.span, &id, replica.ranks(), n);

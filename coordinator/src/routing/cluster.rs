@@ -81,21 +81,21 @@ impl ClusterRoutes {
         to_canary(key, canary.weight_bp).then_some(canary.revision.generation)
     }
 
-    /// Which ready replicas (by the revision they were built from) `prompt` may go to:
-    /// the canary's when the split sends it there; otherwise the serving revision's, and
-    /// those of a revision being replaced while the serving one has fewer ready replicas
-    /// than desired (make before break).
-    fn revision_filter(&self, view: &ClusterView, prompt: &[u32]) -> impl Fn(u64) -> bool {
+    /// Which ready replicas (by the revision they were built from) a request bound for
+    /// `revision` may go to: the canary's when that is the canary; otherwise the serving
+    /// revision's, and those of a revision being replaced while the serving one has fewer
+    /// ready replicas than desired (make before break).
+    fn revision_filter(&self, view: &ClusterView, revision: u64) -> impl Fn(u64) -> bool {
         let spec = view.models.get(self.model.as_str());
         let canary = spec.and_then(|s| s.rollout.canary.as_ref()).map(|c| c.revision.generation);
-        let chosen = self.split(view, prompt);
+        let to_canary = canary == Some(revision);
         let serving = spec.map(|s| s.generation);
         let desired = spec.map_or(0, |s| s.replicas as usize);
         let serving_ready =
             view.ready_replicas(&self.model).filter(|r| Some(r.generation) == serving).count();
-        move |g: u64| match chosen {
-            Some(c) => g == c,
-            None => Some(g) != canary && (Some(g) == serving || serving_ready < desired),
+        move |g: u64| match to_canary {
+            true => Some(g) == canary,
+            false => Some(g) != canary && (Some(g) == serving || serving_ready < desired),
         }
     }
 
@@ -184,7 +184,7 @@ impl Routes for ClusterRoutes {
         view.replicas.get(self.model.as_str())?.get(replica).map(|r| r.generation)
     }
 
-    fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>> {
+    fn pick(&self, prompt: &[u32], revision: u64, exclude: &[String]) -> Option<Arc<dyn Replica>> {
         let suspects = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).current(Instant::now());
         let view = self.view.borrow().clone();
         let usable: Vec<&ReplicaRecord> = view
@@ -197,7 +197,7 @@ impl Routes for ClusterRoutes {
             return None;
         }
         // Replicas of the request's revision; any other ready one rather than none.
-        let wanted = self.revision_filter(&view, prompt);
+        let wanted = self.revision_filter(&view, revision);
         let of_revision: Vec<&ReplicaRecord> =
             usable.iter().copied().filter(|r| wanted(r.generation)).collect();
         let chosen = if of_revision.is_empty() { usable } else { of_revision };

@@ -46,9 +46,10 @@ pub trait Replica: Send + Sync {
 /// Which replica of one model takes the next request.
 #[async_trait::async_trait]
 pub trait Routes: Send + Sync {
-    /// The replica for `prompt`, leaving out `exclude` (replicas this request already
-    /// failed on or found full); None when no other replica is ready.
-    fn pick(&self, prompt: &[u32], exclude: &[String]) -> Option<Arc<dyn Replica>>;
+    /// The replica for `prompt`, bound for `revision` (what [`Routes::revision_for`]
+    /// decided when the request began), leaving out `exclude` (replicas this request
+    /// already failed on or found full); None when no other replica is ready.
+    fn pick(&self, prompt: &[u32], revision: u64, exclude: &[String]) -> Option<Arc<dyn Replica>>;
     /// A request found `replica` unusable (hint: route around it until told otherwise).
     fn report_failure(&self, _replica: &str) {}
     /// Waits up to `limit` for the set of ready replicas to change; false if it cannot
@@ -58,8 +59,9 @@ pub trait Routes: Send + Sync {
     }
     /// Ready replicas.
     fn ready(&self) -> usize;
-    /// The revision a request with `prompt` goes to now (a deployment's spec generation;
-    /// the canary's for its share of prompts): responses are cached per revision.
+    /// The revision a request with `prompt` goes to (a deployment's spec generation; the
+    /// canary's for its share of prompts), decided once when it begins: it is routed
+    /// there, failovers included, and its response cached for it.
     fn revision_for(&self, _prompt: &[u32]) -> u64 {
         0
     }
