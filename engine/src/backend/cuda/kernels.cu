@@ -198,6 +198,48 @@ KERNEL void gather_rows(const float* x, const int* rows, float* y, int cols) {
     }
 }
 
+// Block-wide argmax of each thread's (best[tid], where[tid]) into slot 0: the larger
+// value, the smaller column on ties; a column < 0 is "none". Every thread of the block
+// calls it; on return all may read slot 0.
+DEVICE void block_argmax(float* best, int* where, int tid) {
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            int a2 = where[tid + stride];
+            float m2 = best[tid + stride];
+            int a1 = where[tid];
+            if (a1 < 0 || (a2 >= 0 && (m2 > best[tid] || (m2 == best[tid] && a2 < a1)))) {
+                best[tid] = m2;
+                where[tid] = a2;
+            }
+        }
+        SYNC();
+    }
+}
+
+// log(sum(exp(row))) of a row whose largest value is `top`, summed across the block with
+// `scratch` (blockDim.x floats). Every thread calls it and gets the value.
+DEVICE float block_log_sum_exp(const float* row, int cols, float top, float* scratch, int tid) {
+    float sum = 0.0f;
+    if (top != -INFINITY) {
+        for (int c = tid; c < cols; c += blockDim.x) {
+            sum += expf(row[c] - top);
+        }
+    }
+    SYNC();  // scratch may still be read by the caller's previous reduction
+    scratch[tid] = sum;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            scratch[tid] += scratch[tid + stride];
+        }
+        SYNC();
+    }
+    float total = scratch[0];
+    SYNC();
+    return top == -INFINITY ? top : top + logf(total);
+}
+
 // One block per row of a vocabulary shard's logits whose first column is token first_id:
 // out[row] = {token of the largest logit (the first on ties), that logit, the row's
 // log-sum-exp}, the token as a float (exact below 2^24). Greedy decoding needs nothing
@@ -217,41 +259,15 @@ KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
     }
     best[tid] = m;
     where[tid] = at;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) {
-            int a2 = where[tid + stride];
-            float m2 = best[tid + stride];
-            int a1 = where[tid];
-            if (a1 < 0 || (a2 >= 0 && (m2 > best[tid] || (m2 == best[tid] && a2 < a1)))) {
-                best[tid] = m2;
-                where[tid] = a2;
-            }
-        }
-        SYNC();
-    }
+    block_argmax(best, where, tid);
     float top = best[0];
     int top_at = where[0];
-    SYNC();
-    float sum = 0.0f;
-    if (top != -INFINITY) {
-        for (int c = tid; c < cols; c += blockDim.x) {
-            sum += expf(row[c] - top);
-        }
-    }
-    best[tid] = sum;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) {
-            best[tid] += best[tid + stride];
-        }
-        SYNC();
-    }
+    float log_z = block_log_sum_exp(row, cols, top, best, tid);
     if (tid == 0) {
         float* o = out + (long long)blockIdx.x * 3;
         o[0] = (float)(first_id + (top_at < 0 ? 0 : top_at));
         o[1] = top;
-        o[2] = top == -INFINITY ? top : top + logf(best[0]);
+        o[2] = log_z;
     }
 }
 
@@ -266,7 +282,8 @@ DEVICE bool ranks_after(float l, int c, float pl, int pc) {
 // {log_z, token0, logit0, token1, logit1, ...} (2k + 1 floats; tokens as floats, exact
 // below 2^24; a row narrower than k ends with token -1). Top-k sampling and top logprobs
 // need nothing more, so 2k + 1 floats of a row cross to the host instead of the row.
-// Round r takes the block-wide best of what ranks after round r - 1's choice.
+// Round r takes the block-wide best of what ranks after round r - 1's choice (round 0's
+// is the row's largest logit, which also anchors the log-sum-exp).
 // blockDim.x is a power of two <= 1024.
 KERNEL void top_logits(const float* x, float* out, int cols, int k, int first_id) {
     SHARED float best[1024];
@@ -274,38 +291,6 @@ KERNEL void top_logits(const float* x, float* out, int cols, int k, int first_id
     const float* row = x + (long long)blockIdx.x * cols;
     float* o = out + (long long)blockIdx.x * (2 * k + 1);
     int tid = threadIdx.x;
-    float m = -INFINITY;
-    for (int c = tid; c < cols; c += blockDim.x) {
-        m = fmaxf(m, row[c]);
-    }
-    best[tid] = m;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) {
-            best[tid] = fmaxf(best[tid], best[tid + stride]);
-        }
-        SYNC();
-    }
-    float top = best[0];
-    SYNC();
-    float sum = 0.0f;
-    if (top != -INFINITY) {
-        for (int c = tid; c < cols; c += blockDim.x) {
-            sum += expf(row[c] - top);
-        }
-    }
-    best[tid] = sum;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) {
-            best[tid] += best[tid + stride];
-        }
-        SYNC();
-    }
-    if (tid == 0) {
-        o[0] = top == -INFINITY ? top : top + logf(best[0]);
-    }
-    SYNC();
     float pl = 0.0f;
     int pc = -1;  // no choice yet: everything ranks after it
     for (int r = 0; r < k; r++) {
@@ -322,24 +307,18 @@ KERNEL void top_logits(const float* x, float* out, int cols, int k, int first_id
         }
         best[tid] = bm;
         where[tid] = at;
-        SYNC();
-        for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-            if (tid < stride) {
-                int a2 = where[tid + stride];
-                float m2 = best[tid + stride];
-                int a1 = where[tid];
-                if (a1 < 0 || (a2 >= 0 && (m2 > best[tid] || (m2 == best[tid] && a2 < a1)))) {
-                    best[tid] = m2;
-                    where[tid] = a2;
-                }
-            }
-            SYNC();
-        }
+        block_argmax(best, where, tid);
         pl = best[0];
         pc = where[0];
         if (tid == 0) {
             o[1 + 2 * r] = pc < 0 ? -1.0f : (float)(first_id + pc);
             o[2 + 2 * r] = pc < 0 ? -INFINITY : pl;
+        }
+        if (r == 0) {
+            float log_z = block_log_sum_exp(row, cols, pc < 0 ? -INFINITY : pl, best, tid);
+            if (tid == 0) {
+                o[0] = log_z;
+            }
         }
         SYNC();
     }
