@@ -9,10 +9,12 @@
 
 use std::sync::Arc;
 
-use strata_common::cluster::{decode, now_ms, ModelSpec, ReplicaState, ShardState};
+use serde::{de::DeserializeOwned, Serialize};
+use strata_common::cluster::{decode, encode, now_ms, ModelSpec, ReplicaState, ShardState};
 use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
+use strata_common::registry::{Entry, Guard, Op};
 use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WeightBytes, WorkerId};
 use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_server::Admin;
@@ -72,10 +74,6 @@ impl ClusterAdmin {
 
     pub(super) fn keys(&self) -> &Keys {
         &self.keys
-    }
-
-    pub(super) fn registry(&self) -> &Arc<dyn Registry> {
-        &self.registry
     }
 
     pub(super) fn auth(&self) -> &AdminAuth {
@@ -164,6 +162,43 @@ impl ClusterAdmin {
             })?;
         let plan = ShardPlan::new(&config, spec.parallelism())?;
         Ok(plan.max_weight_bytes(&config, WeightBytes::of(&config, &spec.dtype)))
+    }
+}
+
+/// Most times a compare-and-set is retried when another admin raced it.
+const CAS_ATTEMPTS: usize = 8;
+
+impl ClusterAdmin {
+    /// Applies `change` to the record at `key` (None: absent; returning None deletes it)
+    /// by compare-and-set, retrying when another writer raced it; `what` names the record
+    /// in the error when it kept changing.
+    pub(super) async fn compare_and_set<T: Serialize + DeserializeOwned>(
+        &self,
+        key: &str,
+        what: &str,
+        change: impl Fn(Option<T>) -> Result<Option<T>>,
+    ) -> Result<Option<T>> {
+        for _ in 0..CAS_ATTEMPTS {
+            let current = self.registry.get(key).await?;
+            let old = current.as_ref().map(|e| decode::<T>(key, &e.value)).transpose()?;
+            let new = change(old)?;
+            let guard = |e: &Entry| Guard { key: key.to_string(), value: e.value.clone() };
+            let written = match (&current, &new) {
+                (None, None) => true,
+                (None, Some(n)) => self.registry.create(key, encode(n), None).await?,
+                (Some(e), Some(n)) => {
+                    let put = Op::Put { key: key.to_string(), value: encode(n), lease: None };
+                    self.registry.commit_if(&guard(e), vec![put]).await?
+                }
+                (Some(e), None) => {
+                    self.registry.commit_if(&guard(e), vec![Op::Delete { key: key.to_string() }]).await?
+                }
+            };
+            if written {
+                return Ok(new);
+            }
+        }
+        Err(Error::Unavailable(format!("{what} kept changing under this call; try again")))
     }
 }
 

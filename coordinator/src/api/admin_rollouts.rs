@@ -8,8 +8,7 @@
 
 use std::time::Duration;
 
-use strata_common::cluster::{decode, encode, EngineLimits, ModelSpec};
-use strata_common::registry::{Guard, Op};
+use strata_common::cluster::{EngineLimits, ModelSpec};
 use strata_common::rollout::{percent_to_weight, Revision, FULL_WEIGHT};
 use strata_common::status::to_status;
 use strata_common::{Error, ErrorClass, ModelConfig, Result};
@@ -18,9 +17,6 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use super::admin::ClusterAdmin;
-
-/// Most times a compare-and-set is retried when another admin raced it.
-const CAS_ATTEMPTS: usize = 8;
 
 pub(super) fn limits_from_pb(l: pb::SchedulerLimits) -> EngineLimits {
     EngineLimits {
@@ -77,25 +73,16 @@ impl ClusterAdmin {
             return Err(Error::invalid("name", "must name a deployed model"));
         }
         let key = self.keys().model(name);
-        for _ in 0..CAS_ATTEMPTS {
-            let current = self.registry().get(&key).await?;
-            let old = current.as_ref().map(|e| decode::<ModelSpec>(&key, &e.value)).transpose()?;
-            let new = change(old)?;
-            new.validate()?;
-            let written = match &current {
-                None => self.registry().create(&key, encode(&new), None).await?,
-                Some(e) => {
-                    let guard = Guard { key: key.clone(), value: e.value.clone() };
-                    let put = Op::Put { key: key.clone(), value: encode(&new), lease: None };
-                    self.registry().commit_if(&guard, vec![put]).await?
-                }
-            };
-            if written {
-                self.await_spec(&new).await;
-                return Ok(new);
-            }
-        }
-        Err(Error::Unavailable(format!("model {name:?} kept changing under this call; try again")))
+        let written = self
+            .compare_and_set(&key, &format!("model {name:?}"), |old| {
+                let new = change(old)?;
+                new.validate()?;
+                Ok(Some(new))
+            })
+            .await?;
+        let new = written.ok_or_else(|| Error::Internal(format!("model {name:?}: nothing written")))?;
+        self.await_spec(&new).await;
+        Ok(new)
     }
 
     /// Applies `f` to a deployed model's spec (NotFound when none), as `update_spec`.

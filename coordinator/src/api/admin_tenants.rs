@@ -8,9 +8,8 @@
 
 use std::time::Duration;
 
-use strata_common::cluster::{decode, encode, now_ms};
+use strata_common::cluster::now_ms;
 use strata_common::registry::keys::valid_name;
-use strata_common::registry::{Guard, Op};
 use strata_common::tenant::{KeyRecord, TenantLimits, TenantRecord, MAX_KEYS_PER_TENANT};
 use strata_common::{Error, Result};
 use strata_proto::admin::v1 as pb;
@@ -69,9 +68,6 @@ fn usage_to_pb(r: UsageRow) -> pb::UsageRow {
     }
 }
 
-/// Most times a compare-and-set is retried when another admin raced it.
-const CAS_ATTEMPTS: usize = 8;
-
 impl ClusterAdmin {
     /// Checks the tenant name the request's `field` gives: well formed, and not one the
     /// configuration declares.
@@ -95,32 +91,17 @@ impl ClusterAdmin {
         change: impl Fn(Option<TenantRecord>) -> Result<Option<TenantRecord>>,
     ) -> Result<Option<TenantRecord>> {
         let key = self.keys().tenant(name);
-        for _ in 0..CAS_ATTEMPTS {
-            let current = self.registry().get(&key).await?;
-            let old = current.as_ref().map(|e| decode::<TenantRecord>(&key, &e.value)).transpose()?;
-            let new = change(old)?;
-            if let Some(n) = &new {
-                n.validate()?;
-            }
-            let guard =
-                |e: &strata_common::registry::Entry| Guard { key: key.clone(), value: e.value.clone() };
-            let written = match (&current, &new) {
-                (None, None) => true,
-                (None, Some(n)) => self.registry().create(&key, encode(n), None).await?,
-                (Some(e), Some(n)) => {
-                    let put = Op::Put { key: key.clone(), value: encode(n), lease: None };
-                    self.registry().commit_if(&guard(e), vec![put]).await?
+        let new = self
+            .compare_and_set(&key, &format!("tenant {name:?}"), |old| {
+                let new = change(old)?;
+                if let Some(n) = &new {
+                    n.validate()?;
                 }
-                (Some(e), None) => {
-                    self.registry().commit_if(&guard(e), vec![Op::Delete { key: key.clone() }]).await?
-                }
-            };
-            if written {
-                self.await_tenant(name, new.as_ref()).await;
-                return Ok(new);
-            }
-        }
-        Err(Error::Unavailable(format!("tenant {name:?} kept changing under this call; try again")))
+                Ok(new)
+            })
+            .await?;
+        self.await_tenant(name, new.as_ref()).await;
+        Ok(new)
     }
 
     /// Waits (briefly) for this coordinator's view to show the tenant as written, then
