@@ -12,7 +12,8 @@
 #   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
 #      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
 #      bandwidth measured here), decode tokens/s at 8, 32 and 128 sequences, and prefill
-#      tokens/s of a 512-token prompt.
+#      tokens/s of a 512-token prompt; decode steps replay CUDA graphs, and the smaller
+#      model's batch-1 and 8-sequence decode run again op by op (--enforce-eager) beside.
 # Full logs go to $OUT (or target/gpu-check-out); a short table is printed last.
 #
 #   scripts/gpu-check.sh            # STRATA=path/to/strata built with --features cuda
@@ -119,6 +120,11 @@ for preset in $PRESETS; do
     continue
   fi
   row "| batched decode and prefill, $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(', '.join(f\"{b['batch']} seqs {b['tokens_per_s']:.0f} tok/s\" for b in r['batched_decode']))" "$OUT/decode-$preset.json") | prefill $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['prefill_len']} tokens at {r['prefill_tokens_per_s']:.0f} tok/s\")" "$OUT/decode-$preset.json") |"
+  # What the decode graphs save: the same steps op by op (the smaller model only, where
+  # launch overhead weighs most).
+  if [ "$preset" = "${PRESETS%% *}" ] && "$STRATA" gpu-check --device "$DEVICE" decode --model "$dir" --tokens 64 --kv-cache-mib 4096 --batches 8 --prefill-len 0 --enforce-eager >"$OUT/decode-$preset-eager.json" 2>>"$LOG"; then
+    row "| decode without graphs (--enforce-eager), $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); g=json.load(open(sys.argv[2])); print(f\"batch 1 {r['decode_tokens_per_s']:.1f} tok/s (graphs: {g['decode_tokens_per_s']:.1f}, {g['decode_tokens_per_s']/r['decode_tokens_per_s']:.2f}x), 8 seqs {r['batched_decode'][0]['tokens_per_s']:.0f} tok/s\")" "$OUT/decode-$preset-eager.json" "$OUT/decode-$preset.json") | |"
+  fi
 done
 
 say ""

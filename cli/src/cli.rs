@@ -151,6 +151,9 @@ pub struct BenchArgs {
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// GPU: run decode steps op by op instead of replaying them from CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// Also measure decode steps with this many sequences running (e.g. 8,32).
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
@@ -371,6 +374,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
             quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
+            ..Default::default()
         },
         ..Default::default()
     };
@@ -438,6 +442,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
             dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
             quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
+            enforce_eager: args.enforce_eager,
         },
         ..Default::default()
     };

@@ -110,6 +110,10 @@ pub struct EngineArgs {
     /// half the bytes of bf16 per decode step) or none [default: none].
     #[arg(long, env = "STRATA_QUANTIZE")]
     pub quantize: Option<String>,
+    /// GPU: run decode steps op by op instead of replaying them from CUDA graphs (for
+    /// debugging, and to measure what the graphs save).
+    #[arg(long, env = "STRATA_ENFORCE_EAGER")]
+    pub enforce_eager: bool,
 }
 
 impl EngineArgs {
@@ -125,6 +129,9 @@ impl EngineArgs {
         }
         set(&mut e.dtype, &self.dtype);
         set(&mut e.quantize, &self.quantize);
+        if self.enforce_eager {
+            e.enforce_eager = true;
+        }
     }
 }
 
@@ -146,6 +153,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
             device: Device::parse(&e.device).context("engine.device")?,
             dtype: model_dtype(&e.dtype).context("engine.dtype (--dtype)")?,
             quantize: Quantization::parse(&e.quantize).context("engine.quantize (--quantize)")?,
+            enforce_eager: e.enforce_eager,
         },
         labels: Default::default(),
     };

@@ -74,6 +74,10 @@ pub enum GpuCheckCommand {
         /// Prefill: the prompt's length in tokens (0: skip).
         #[arg(long, default_value_t = 512)]
         prefill_len: usize,
+        /// Run decode steps op by op instead of replaying CUDA graphs (to measure what the
+        /// graphs save).
+        #[arg(long)]
+        enforce_eager: bool,
     },
     /// The communicator contract over NCCL (over TCP with `--device cpu`), one rank per GPU.
     Comm {
@@ -140,8 +144,8 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     match args.command {
         GpuCheckCommand::Ops { large, seed } => ops(device, large, seed),
         GpuCheckCommand::Tokens { model, tokens: n } => tokens(device, model, n),
-        GpuCheckCommand::Decode { model, tokens, kv_cache_mib, batches, prefill_len } => {
-            let sizes = DecodeSizes { tokens, kv_cache_mib, batches, prefill_len };
+        GpuCheckCommand::Decode { model, tokens, kv_cache_mib, batches, prefill_len, enforce_eager } => {
+            let sizes = DecodeSizes { tokens, kv_cache_mib, batches, prefill_len, enforce_eager };
             decode(device, &model, &sizes)
         }
         GpuCheckCommand::Comm { max_world } => comm(device, max_world),
@@ -247,6 +251,7 @@ struct DecodeSizes {
     kv_cache_mib: usize,
     batches: Vec<usize>,
     prefill_len: usize,
+    enforce_eager: bool,
 }
 
 fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyhow::Result<()> {
@@ -256,6 +261,7 @@ fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyho
     }
     let t = Instant::now();
     let mut config = engine_config(device, sizes.kv_cache_mib);
+    config.backend.enforce_eager = sizes.enforce_eager;
     let most = sizes.batches.iter().copied().max().unwrap_or(1);
     config.scheduler.max_num_seqs = config.scheduler.max_num_seqs.max(most);
     let mut e = local_replica(model, Parallelism::NONE, &config)?;
@@ -276,6 +282,7 @@ fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyho
         "{}",
         json!({
             "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
+            "cuda_graphs": !sizes.enforce_eager,
             "decode_tokens": tokens, "decode_step_ms_median": step * 1e3,
             "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
             "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,

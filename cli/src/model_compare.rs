@@ -95,6 +95,7 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
                 device: Device::Cpu,
                 dtype: model_dtype(dtype).context("--dtype")?,
                 quantize: Quantization::parse(quantize).context("--quantize")?,
+                ..Default::default()
             },
             ..Default::default()
         };

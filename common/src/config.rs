@@ -103,6 +103,8 @@ pub struct EngineSettings {
     pub dtype: String,
     /// CPU: quantize weight matrices at load: "none" or "int8" (per-channel scales).
     pub quantize: String,
+    /// GPU: run decode steps op by op instead of replaying them from CUDA graphs.
+    pub enforce_eager: bool,
 }
 
 impl Default for EngineSettings {
@@ -117,6 +119,7 @@ impl Default for EngineSettings {
             prefix_caching: true,
             dtype: "auto".into(),
             quantize: "none".into(),
+            enforce_eager: false,
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
 use crate::logits::{LogitsWanted, StepLogits};
-use crate::model::{Model, NoComm};
+use crate::model::Model;
 
 /// What the engine needs from whatever runs its steps.
 pub trait StepExecutor: Send {
@@ -114,10 +114,7 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
         wanted: LogitsWanted,
     ) -> Result<StepLogits> {
         let started = Instant::now();
-        let mut none = NoComm;
-        let x = self.model.embed_tokens(ids, &mut none)?;
-        let x = self.model.run_layers(x, layout, &mut self.kv, &mut none)?;
-        let logits = self.model.step_logits(&x, logit_rows, wanted, &mut none)?;
+        let logits = self.model.forward(ids, layout, &mut self.kv, logit_rows, wanted)?;
         self.model.metrics.step(started.elapsed());
         Ok(logits)
     }

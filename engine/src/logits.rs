@@ -16,7 +16,7 @@ pub mod top;
 pub use top::{Candidates, MAX_TOP};
 
 /// Which form of the logits a step must return.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LogitsWanted {
     /// `[rows, vocab]` on the host.
     Full,

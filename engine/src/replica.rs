@@ -118,7 +118,7 @@ macro_rules! with_backend {
                     crate::backend::cuda::CudaBackend<crate::backend::cuda::driver::CudaGpu>,
                 > {
                     let gpu = crate::backend::cuda::driver::CudaGpu::open(base + rank)?;
-                    Ok(crate::backend::cuda::CudaBackend::new(gpu))
+                    Ok(crate::backend::cuda::CudaBackend::with_graphs(gpu, !opts.enforce_eager))
                 };
                 $body
             }

@@ -30,6 +30,9 @@ pub struct BackendOptions {
     pub dtype: Option<crate::model::weights::DType>,
     /// CPU: quantize weight matrices at load.
     pub quantize: Option<Quantization>,
+    /// GPU: run every step op by op instead of replaying decode steps from CUDA graphs
+    /// (`--enforce-eager`; for debugging and for measuring what the graphs save).
+    pub enforce_eager: bool,
 }
 
 /// How weights may be quantized at load.
@@ -84,6 +87,22 @@ impl BatchLayout {
         self.positions.len()
     }
 }
+
+/// A step offered to [`Backend::replay_decode`].
+pub struct DecodeStep<'a> {
+    pub ids: &'a [u32],
+    pub layout: &'a BatchLayout,
+    /// The rows whose logits the step returns.
+    pub logit_rows: &'a [usize],
+    pub wanted: crate::logits::LogitsWanted,
+    /// Columns of the logits (this rank's vocabulary) and the token id of the first.
+    pub vocab: usize,
+    pub first_id: u32,
+}
+
+/// The model's part of a step given to [`Backend::replay_decode`]: the logits of the
+/// step it is called with (token ids, layout, logit rows).
+pub type StepBody<'a, T> = dyn FnMut(&[u32], &BatchLayout, &[usize]) -> Result<T> + 'a;
 
 /// Shape of the attention a layer computes.
 #[derive(Debug, Clone, Copy)]
@@ -213,6 +232,19 @@ pub trait Backend: Send + Sync + 'static {
         let data = self.to_host(logits)?;
         let cols = data.len().checked_div(rows).unwrap_or(0);
         Ok(crate::logits::top::host_top(&data, rows, cols, k, first_id))
+    }
+    /// Runs `step` from a captured graph, where this backend keeps them (a GPU, for pure
+    /// decode steps; see `cuda::graphs`): `body` computes the logits of the step it is
+    /// given — `step` padded to a captured batch size — and is called only to capture.
+    /// Returns the logit rows reduced as `step.wanted` says, in the layout of
+    /// [`crate::logits::picks_to_f32s`], [`crate::logits::top::top_to_f32s`] or whole
+    /// rows; None when the step is to run as usual.
+    fn replay_decode(
+        &self,
+        _step: &DecodeStep<'_>,
+        _body: &mut StepBody<'_, Self::Tensor>,
+    ) -> Result<Option<Vec<f32>>> {
+        Ok(None)
     }
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;

@@ -18,7 +18,7 @@ use std::time::Instant;
 use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPlan};
 use tracing::info;
 
-use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::backend::{AttentionShape, Backend, BatchLayout, DecodeStep, RopeTable};
 use crate::comm::Collectives;
 use crate::logits::top::{merge, top_from_f32s, top_to_f32s};
 use crate::logits::{picks_from_f32s, picks_to_f32s, Candidates, LogitsWanted, Pick, StepLogits};
@@ -201,6 +201,45 @@ impl<B: Backend> Model<B> {
         let mut x = self.backend.embed(table, ids, self.shard.shard.vocab.start as u32)?;
         self.all_reduce(&mut x, ids.len(), comm)?;
         Ok(x)
+    }
+
+    /// A whole model's step on one rank: embedding, layers and the logits `wanted` of
+    /// `logit_rows`. A pure decode step replays a captured graph where the backend keeps
+    /// them (see [`Backend::replay_decode`]); every other step runs op by op.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        layout: &BatchLayout,
+        kv: &mut [B::KvLayer],
+        logit_rows: &[usize],
+        wanted: LogitsWanted,
+    ) -> Result<StepLogits> {
+        if self.shard.par == Parallelism::NONE {
+            let step = DecodeStep {
+                ids,
+                layout,
+                logit_rows,
+                wanted,
+                vocab: self.shard.shard.vocab.len(),
+                first_id: self.shard.shard.vocab.start as u32,
+            };
+            let replayed = self.backend.replay_decode(&step, &mut |ids, layout, rows| {
+                let x = self.embed_tokens(ids, &mut NoComm)?;
+                let x = self.run_layers(x, layout, kv, &mut NoComm)?;
+                self.head_logits(&x, rows)
+            })?;
+            if let Some(data) = replayed {
+                return Ok(match wanted {
+                    LogitsWanted::Full => StepLogits::Full(data),
+                    LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
+                    LogitsWanted::Top(k) => StepLogits::Top(top_from_f32s(&data, k)?),
+                });
+            }
+        }
+        let mut none = NoComm;
+        let x = self.embed_tokens(ids, &mut none)?;
+        let x = self.run_layers(x, layout, kv, &mut none)?;
+        self.step_logits(&x, logit_rows, wanted, &mut none)
     }
 
     /// Runs this shard's decoder layers over hidden states `x`.

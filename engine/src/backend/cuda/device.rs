@@ -43,6 +43,8 @@ impl Launch {
 pub trait Gpu: Send + Sync + 'static {
     /// An owned device allocation.
     type Buf: Send + Sync;
+    /// A captured sequence of device work, replayed as one launch (a CUDA graph).
+    type Graph: Send + Sync;
 
     /// The device, for logs ("NVIDIA H200 (sm_90)").
     fn describe(&self) -> String;
@@ -71,8 +73,21 @@ pub trait Gpu: Send + Sync + 'static {
         b: &Self::Buf,
         c: &mut Self::Buf,
     ) -> Result<()>;
+    /// Copies the first `bytes` of `src` into `dst`, on the device, in stream order.
+    fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, bytes: usize) -> Result<()>;
     /// Free and total device memory, bytes.
     fn memory(&self) -> Result<(usize, usize)>;
+    /// Starts recording instead of running: launches, GEMMs and copies from here until
+    /// [`Gpu::end_capture`] are queued into a graph, not executed. Memory allocated while
+    /// capturing belongs to the graph (its addresses stay valid for every replay); host
+    /// transfers (`upload`, `download`, `write`) fail while capturing. Only the calling
+    /// thread's work is captured.
+    fn begin_capture(&self) -> Result<()>;
+    /// Stops recording: the graph, ready to replay, or the error that broke the capture
+    /// (the device is back to running work as it is queued either way).
+    fn end_capture(&self) -> Result<Self::Graph>;
+    /// Runs a captured graph once, in stream order after the work queued before it.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
     /// Sums the first `count` f32s of `buf` across `group` in place through `comm`, on
     /// the device, when `comm` is a communicator of this device's buffers (NCCL); false
     /// when it is not (the backend then goes through host memory).

@@ -98,8 +98,38 @@ pub struct CudaGpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, set once so that no GEMM allocates while a graph is captured.
+    _blas_workspace: CudaSlice<u8>,
     functions: HashMap<Kernel, CudaFunction>,
     describe: String,
+    /// Whether the stream is capturing a graph (host transfers are refused meanwhile).
+    capturing: std::sync::atomic::AtomicBool,
+}
+
+/// A captured CUDA graph, instantiated.
+pub struct DriverGraph(cudarc::driver::CudaGraph);
+
+// SAFETY: a graph is only launched through its backend, one step at a time (the backend
+// keeps its graphs behind a mutex), never from two threads at once.
+unsafe impl Send for DriverGraph {}
+unsafe impl Sync for DriverGraph {}
+
+/// cuBLAS's workspace: 32 MiB, what cuBLAS recommends for Hopper.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Gives the cuBLAS handle a workspace of its own, so that no GEMM allocates one while a
+/// graph is captured.
+fn set_blas_workspace(blas: &CudaBlas, stream: &Arc<CudaStream>) -> Result<CudaSlice<u8>> {
+    let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES).map_err(drv("cuBLAS workspace"))?;
+    let (ptr, _g) = ws.device_ptr_mut(stream);
+    // SAFETY: the workspace is a live allocation of the stated size, kept as long as the handle.
+    let status =
+        unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE_BYTES) };
+    drop(_g);
+    if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(Error::Unavailable(format!("cuBLAS workspace: {status:?}")));
+    }
+    Ok(ws)
 }
 
 /// Makes the device's stream-ordered allocator keep what is freed for the next allocation
@@ -152,9 +182,18 @@ impl CudaGpu {
             functions.insert(k, module.load_function(k.name()).map_err(drv("kernel lookup"))?);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| Error::Unavailable(format!("cuBLAS: {e:?}")))?;
+        let _blas_workspace = set_blas_workspace(&blas, &stream)?;
         let describe = format!("{name} (sm_{major}{minor}, cuda:{ordinal})");
         info!(device = %describe, nvrtc_ms = started.elapsed().as_millis() as u64, "CUDA device ready");
-        Ok(Arc::new(CudaGpu { ctx, stream, blas, functions, describe }))
+        Ok(Arc::new(CudaGpu {
+            ctx,
+            stream,
+            blas,
+            _blas_workspace,
+            functions,
+            describe,
+            capturing: false.into(),
+        }))
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -188,8 +227,18 @@ impl CudaGpu {
     }
 }
 
+impl CudaGpu {
+    fn refuse_host_transfer(&self, what: &str) -> Result<()> {
+        if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::Internal(format!("{what} while capturing a graph")));
+        }
+        Ok(())
+    }
+}
+
 impl Gpu for CudaGpu {
     type Buf = CudaSlice<u8>;
+    type Graph = DriverGraph;
 
     fn describe(&self) -> String {
         self.describe.clone()
@@ -206,6 +255,7 @@ impl Gpu for CudaGpu {
     }
 
     fn upload(&self, data: &[u8]) -> Result<CudaSlice<u8>> {
+        self.refuse_host_transfer("an upload")?;
         if data.is_empty() {
             return self.alloc(1);
         }
@@ -213,6 +263,7 @@ impl Gpu for CudaGpu {
     }
 
     fn download(&self, buf: &CudaSlice<u8>, out: &mut [u8]) -> Result<()> {
+        self.refuse_host_transfer("a download")?;
         if out.len() > buf.len() {
             return Err(Error::Internal(format!("download of {} bytes from {}", out.len(), buf.len())));
         }
@@ -224,6 +275,7 @@ impl Gpu for CudaGpu {
     }
 
     fn write(&self, buf: &mut CudaSlice<u8>, data: &[u8]) -> Result<()> {
+        self.refuse_host_transfer("a write from the host")?;
         if data.len() > buf.len() {
             return Err(Error::Internal(format!("write of {} bytes into {}", data.len(), buf.len())));
         }
@@ -299,8 +351,45 @@ impl Gpu for CudaGpu {
         .map_err(|e| Error::Unavailable(format!("cuBLAS GemmEx: {e:?}")))
     }
 
+    fn copy(&self, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, bytes: usize) -> Result<()> {
+        if bytes > src.len() || bytes > dst.len() {
+            return Err(Error::Internal(format!(
+                "copy of {bytes} bytes between {} and {}",
+                src.len(),
+                dst.len()
+            )));
+        }
+        let mut to = dst.slice_mut(..bytes);
+        self.stream.memcpy_dtod(&src.slice(..bytes), &mut to).map_err(drv("device copy"))
+    }
+
     fn memory(&self) -> Result<(usize, usize)> {
         self.ctx.mem_get_info().map_err(drv("memory info"))
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        // Thread-local: other threads' CUDA calls (another replica's backend in this
+        // process) are not affected by this capture.
+        self.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("begin graph capture"))?;
+        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<DriverGraph> {
+        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
+        let graph = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(drv("end graph capture"))?
+            .ok_or_else(|| Error::Internal("the graph capture recorded nothing".into()))?;
+        graph.upload().map_err(drv("graph upload"))?;
+        Ok(DriverGraph(graph))
+    }
+
+    fn replay(&self, graph: &DriverGraph) -> Result<()> {
+        graph.0.launch().map_err(drv("graph launch"))
     }
 
     fn all_reduce_sum(

@@ -9,6 +9,8 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 
 use strata_common::{Error, Result};
@@ -30,39 +32,165 @@ extern "C" {
 
 /// Emulated device memory (8-byte aligned).
 pub struct EmuBuf {
-    words: UnsafeCell<Vec<u64>>,
+    storage: Arc<Storage>,
     bytes: usize,
 }
 
+struct Storage(UnsafeCell<Vec<u64>>);
+
 // SAFETY: kernels write through raw pointers exactly as a GPU would; the emulator runs
 // one launch at a time, and the backend orders every access like a single stream.
-unsafe impl Send for EmuBuf {}
-unsafe impl Sync for EmuBuf {}
+unsafe impl Send for Storage {}
+unsafe impl Sync for Storage {}
 
 impl EmuBuf {
     fn new(bytes: usize) -> Self {
-        EmuBuf { words: UnsafeCell::new(vec![0u64; bytes.div_ceil(8).max(1)]), bytes }
+        EmuBuf { storage: Arc::new(Storage(UnsafeCell::new(vec![0u64; bytes.div_ceil(8).max(1)]))), bytes }
     }
 
     fn ptr(&self) -> *mut u8 {
         // SAFETY: see the Sync impl.
-        unsafe { (*self.words.get()).as_mut_ptr() as *mut u8 }
+        unsafe { (*self.storage.0.get()).as_mut_ptr() as *mut u8 }
     }
 }
+
+/// One recorded piece of device work; pointers are into storage the graph keeps alive.
+enum Recorded {
+    Launch { kernel: CString, launch: Launch, values: Vec<u64> },
+    Gemm { m: usize, n: usize, k: usize, a: *const u16, b: *const u16, c: *mut f32 },
+    Copy { src: *const u8, dst: *mut u8, bytes: usize },
+}
+
+/// A captured graph: the recorded work and the memory allocated while capturing (a CUDA
+/// graph owns the allocations made in its capture the same way).
+pub struct EmuGraph {
+    work: Vec<Recorded>,
+    _owned: Vec<Arc<Storage>>,
+}
+
+// SAFETY: the raw pointers point into `_owned` or into buffers the backend keeps alive for
+// the graph's lifetime (weights, the KV cache, its persistent inputs), and replays are
+// serialised like every other launch.
+unsafe impl Send for EmuGraph {}
+unsafe impl Sync for EmuGraph {}
 
 /// Serialises every emulated launch in the process: kernels' shared memory is static.
 static LAUNCHES: Mutex<()> = Mutex::new(());
 
 #[derive(Default)]
-pub struct EmulatedGpu;
+pub struct EmulatedGpu {
+    /// The graph being captured, if any.
+    capture: Mutex<Option<EmuGraph>>,
+    captures: AtomicU64,
+    replays: AtomicU64,
+}
 
 impl EmulatedGpu {
     pub fn new() -> Self {
-        EmulatedGpu
+        EmulatedGpu::default()
+    }
+
+    /// Graphs captured so far.
+    pub fn captures(&self) -> u64 {
+        self.captures.load(Ordering::Relaxed)
+    }
+
+    /// Graph replays so far.
+    pub fn replays(&self) -> u64 {
+        self.replays.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'static, ()> {
         LAUNCHES.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `work` into the graph being captured; false when not capturing.
+    fn record(&self, work: impl FnOnce() -> Recorded) -> bool {
+        let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        match capture.as_mut() {
+            Some(graph) => {
+                graph.work.push(work());
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn capturing(&self) -> bool {
+        self.capture.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
+
+    fn refuse_host_transfer(&self, what: &str) -> Result<()> {
+        if self.capturing() {
+            return Err(Error::Internal(format!("{what} while capturing a graph")));
+        }
+        Ok(())
+    }
+
+    /// A fresh buffer; while capturing, the graph keeps its memory alive.
+    fn fresh(&self, bytes: usize) -> EmuBuf {
+        let b = EmuBuf::new(bytes);
+        if let Some(graph) = self.capture.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            graph._owned.push(b.storage.clone());
+        }
+        b
+    }
+
+    fn run(&self, work: &Recorded) -> Result<()> {
+        let _g = self.lock();
+        match work {
+            Recorded::Launch { kernel, launch, values } => {
+                let mut values = values.clone();
+                let mut ptrs: Vec<*mut c_void> =
+                    values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+                let l = launch;
+                // SAFETY: the argument values match the kernel's parameter list (the backend
+                // builds them from the same signature), and pointers are live buffers.
+                let rc = unsafe {
+                    strata_emu_launch(
+                        kernel.as_ptr(),
+                        l.grid.0,
+                        l.grid.1,
+                        l.grid.2,
+                        l.block,
+                        l.shared_bytes,
+                        ptrs.as_mut_ptr(),
+                    )
+                };
+                if rc != 0 {
+                    return Err(Error::Internal(format!("the emulator has no kernel {kernel:?}")));
+                }
+            }
+            &Recorded::Gemm { m, n, k, a, b, c } => {
+                // SAFETY: the backend checked the operands' sizes when it queued the GEMM.
+                let (a, b, c) = unsafe {
+                    (
+                        std::slice::from_raw_parts(a, m * k),
+                        std::slice::from_raw_parts(b, n * k),
+                        std::slice::from_raw_parts_mut(c, n * m),
+                    )
+                };
+                for row in 0..n {
+                    let x = &b[row * k..(row + 1) * k];
+                    for col in 0..m {
+                        let w = &a[col * k..(col + 1) * k];
+                        c[row * m + col] = x.iter().zip(w).map(|(&p, &q)| bf16(p) * bf16(q)).sum();
+                    }
+                }
+            }
+            // SAFETY: sizes checked when the copy was queued.
+            &Recorded::Copy { src, dst, bytes } => unsafe { std::ptr::copy(src, dst, bytes) },
+        }
+        Ok(())
+    }
+
+    /// Runs `work` now, or queues it into the graph being captured.
+    fn submit(&self, work: Recorded) -> Result<()> {
+        let mut work = Some(work);
+        if self.record(|| work.take().expect("taken once")) {
+            return Ok(());
+        }
+        self.run(work.as_ref().expect("not recorded"))
     }
 }
 
@@ -72,25 +200,27 @@ fn bf16(bits: u16) -> f32 {
 
 impl Gpu for EmulatedGpu {
     type Buf = EmuBuf;
+    type Graph = EmuGraph;
 
     fn describe(&self) -> String {
         "CUDA emulator (CPU threads)".into()
     }
 
     fn alloc(&self, bytes: usize) -> Result<EmuBuf> {
-        Ok(EmuBuf::new(bytes))
+        Ok(self.fresh(bytes))
     }
 
     fn alloc_output(&self, bytes: usize) -> Result<EmuBuf> {
         // Poisoned with NaN bit patterns: an element a kernel forgets to write shows up
         // as NaN in the comparisons instead of passing as zero.
-        let b = EmuBuf::new(bytes);
+        let b = self.fresh(bytes);
         // SAFETY: fresh buffer of at least `bytes` bytes.
         unsafe { std::ptr::write_bytes(b.ptr(), 0xff, bytes) };
         Ok(b)
     }
 
     fn upload(&self, data: &[u8]) -> Result<EmuBuf> {
+        self.refuse_host_transfer("an upload")?;
         let b = EmuBuf::new(data.len());
         // SAFETY: fresh buffer of at least data.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), b.ptr(), data.len()) };
@@ -98,6 +228,7 @@ impl Gpu for EmulatedGpu {
     }
 
     fn download(&self, buf: &EmuBuf, out: &mut [u8]) -> Result<()> {
+        self.refuse_host_transfer("a download")?;
         if out.len() > buf.bytes {
             return Err(Error::Internal(format!("download of {} bytes from {}", out.len(), buf.bytes)));
         }
@@ -108,70 +239,73 @@ impl Gpu for EmulatedGpu {
     }
 
     fn write(&self, buf: &mut EmuBuf, data: &[u8]) -> Result<()> {
+        self.refuse_host_transfer("a write from the host")?;
         if data.len() > buf.bytes {
             return Err(Error::Internal(format!("write of {} bytes into {}", data.len(), buf.bytes)));
         }
+        let _g = self.lock();
         // SAFETY: bounds checked above.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), buf.ptr(), data.len()) };
         Ok(())
     }
 
     fn launch(&self, kernel: Kernel, l: Launch, args: &[Arg<'_, EmuBuf>]) -> Result<()> {
-        // Each argument's value lives here; `ptrs` points at them (cuLaunchKernel's layout).
-        let mut values: Vec<u64> = Vec::with_capacity(args.len());
-        for a in args {
-            values.push(match a {
+        // Each argument's value (cuLaunchKernel takes pointers to them).
+        let values = args
+            .iter()
+            .map(|a| match a {
                 Arg::Buf(b) => b.ptr() as u64,
                 Arg::I32(v) => *v as u32 as u64,
                 Arg::F32(v) => v.to_bits() as u64,
-            });
-        }
-        let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-        let name = CString::new(kernel.name()).expect("kernel names have no NUL");
-        let _g = self.lock();
-        // SAFETY: the argument values match the kernel's parameter list (the backend builds
-        // them from the same signature), and pointers are live buffers.
-        let rc = unsafe {
-            strata_emu_launch(
-                name.as_ptr(),
-                l.grid.0,
-                l.grid.1,
-                l.grid.2,
-                l.block,
-                l.shared_bytes,
-                ptrs.as_mut_ptr(),
-            )
-        };
-        if rc != 0 {
-            return Err(Error::Internal(format!("the emulator has no kernel {}", kernel.name())));
-        }
-        Ok(())
+            })
+            .collect();
+        let kernel = CString::new(kernel.name()).expect("kernel names have no NUL");
+        self.submit(Recorded::Launch { kernel, launch: l, values })
     }
 
     fn gemm_bf16(&self, m: usize, n: usize, k: usize, a: &EmuBuf, b: &EmuBuf, c: &mut EmuBuf) -> Result<()> {
         if a.bytes < m * k * 2 || b.bytes < n * k * 2 || c.bytes < n * m * 4 {
             return Err(Error::Internal("gemm operands smaller than their shapes".into()));
         }
-        let _g = self.lock();
-        // SAFETY: sizes checked above; the buffers are 8-byte aligned.
-        let (a, b, c) = unsafe {
-            (
-                std::slice::from_raw_parts(a.ptr() as *const u16, m * k),
-                std::slice::from_raw_parts(b.ptr() as *const u16, n * k),
-                std::slice::from_raw_parts_mut(c.ptr() as *mut f32, n * m),
-            )
-        };
-        for row in 0..n {
-            let x = &b[row * k..(row + 1) * k];
-            for col in 0..m {
-                let w = &a[col * k..(col + 1) * k];
-                c[row * m + col] = x.iter().zip(w).map(|(&p, &q)| bf16(p) * bf16(q)).sum();
-            }
+        let (a, b, c) = (a.ptr() as *const u16, b.ptr() as *const u16, c.ptr() as *mut f32);
+        self.submit(Recorded::Gemm { m, n, k, a, b, c })
+    }
+
+    fn copy(&self, src: &EmuBuf, dst: &mut EmuBuf, bytes: usize) -> Result<()> {
+        if bytes > src.bytes || bytes > dst.bytes {
+            return Err(Error::Internal(format!(
+                "copy of {bytes} bytes between {} and {}",
+                src.bytes, dst.bytes
+            )));
         }
-        Ok(())
+        self.submit(Recorded::Copy { src: src.ptr(), dst: dst.ptr(), bytes })
     }
 
     fn memory(&self) -> Result<(usize, usize)> {
         Ok((usize::MAX / 2, usize::MAX / 2))
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if capture.is_some() {
+            return Err(Error::Internal("a capture is already under way".into()));
+        }
+        *capture = Some(EmuGraph { work: Vec::new(), _owned: Vec::new() });
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<EmuGraph> {
+        self.captures.fetch_add(1, Ordering::Relaxed);
+        self.capture
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| Error::Internal("end of a capture that never began".into()))
+    }
+
+    fn replay(&self, graph: &EmuGraph) -> Result<()> {
+        self.refuse_host_transfer("a replay")?;
+        self.replays.fetch_add(1, Ordering::Relaxed);
+        graph.work.iter().try_for_each(|w| self.run(w))
     }
 }

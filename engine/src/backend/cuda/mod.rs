@@ -21,14 +21,18 @@ pub mod device;
 pub mod driver;
 #[cfg(feature = "cuda-emulator")]
 pub mod emulator;
+mod graphs;
 pub mod kernels;
+mod layout;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use strata_common::{Error, Result};
 
 use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
+use self::layout::{DeviceLayout, LayoutArrays};
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::logits::top::{host_top, top_from_f32s};
 use crate::logits::{picks_from_f32s, Candidates, Pick, MAX_TOP};
@@ -68,26 +72,6 @@ pub struct GpuKv<B> {
     kv_dim: usize,
 }
 
-/// A step's batch layout in device memory.
-struct DeviceLayout<B> {
-    /// The host arrays it was made from (a later call with the same layout reuses it).
-    key: (Vec<u32>, Vec<u32>, Vec<i32>, Vec<i32>),
-    positions: B,
-    slots: B,
-    tok_seq: B,
-    seq_start: B,
-    seq_ctx: B,
-    bt_offset: B,
-    block_tables: B,
-    /// Prefill chunks in tiles for tiled_attention: each tile's first token row and rows.
-    tiles: B,
-    tile_len: B,
-    num_tiles: usize,
-    /// Rows of the decoding sequences (one new token each), for paged_attention.
-    decode_rows: B,
-    num_decode_rows: usize,
-}
-
 /// The rotary frequencies last uploaded, and their device copy.
 type RopeCache<B> = Mutex<Option<(Vec<f32>, Arc<B>)>>;
 
@@ -95,6 +79,12 @@ pub struct CudaBackend<G: Gpu> {
     gpu: Arc<G>,
     layout: Mutex<Option<Arc<DeviceLayout<G::Buf>>>>,
     rope: RopeCache<G::Buf>,
+    graphs: Mutex<graphs::Graphs<G>>,
+    /// A captured step's token ids and logit rows, while it is captured.
+    pinned: Mutex<Option<graphs::Pinned<G::Buf>>>,
+    /// Blocks the engine's KV cache has; one more, past them, is the scratch block that
+    /// the padding rows of a graph's step write and read. usize::MAX before `alloc_kv`.
+    kv_blocks: AtomicUsize,
 }
 
 fn i32_bytes(v: &[i32]) -> &[u8] {
@@ -107,32 +97,32 @@ fn to_i32(v: impl IntoIterator<Item = usize>) -> Result<Vec<i32>> {
         .collect()
 }
 
-/// How a step's attention splits: prefill chunks (sequences with several new tokens) into
-/// tiles of up to [`TILE_Q`] rows (first row, rows), and the rows of decoding sequences.
-type AttentionWork = (Vec<i32>, Vec<i32>, Vec<i32>);
-
-fn attention_work(layout: &BatchLayout) -> Result<AttentionWork> {
-    let (mut tiles, mut tile_len, mut decode_rows) = (Vec::new(), Vec::new(), Vec::new());
-    for seq in &layout.seqs {
-        if seq.num_tokens == 1 {
-            decode_rows.push(dim(seq.token_start)?);
-            continue;
-        }
-        for first in (0..seq.num_tokens).step_by(TILE_Q) {
-            tiles.push(dim(seq.token_start + first)?);
-            tile_len.push(dim(TILE_Q.min(seq.num_tokens - first))?);
-        }
-    }
-    Ok((tiles, tile_len, decode_rows))
-}
-
 fn dim(x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::Internal(format!("{x} does not fit a kernel's i32")))
 }
 
 impl<G: Gpu> CudaBackend<G> {
+    /// A backend on `gpu` that replays decode steps from CUDA graphs.
     pub fn new(gpu: Arc<G>) -> Self {
-        CudaBackend { gpu, layout: Mutex::new(None), rope: Mutex::new(None) }
+        Self::with_graphs(gpu, true)
+    }
+
+    /// A backend that captures decode steps as graphs, or (`graphs` false) runs every
+    /// step op by op (`--enforce-eager`).
+    pub fn with_graphs(gpu: Arc<G>, graphs: bool) -> Self {
+        CudaBackend {
+            gpu,
+            layout: Mutex::new(None),
+            rope: Mutex::new(None),
+            graphs: Mutex::new(graphs::Graphs::new(graphs)),
+            pinned: Mutex::new(None),
+            kv_blocks: AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    /// The KV block past the engine's, which padding rows use (None before `alloc_kv`).
+    fn scratch_block(&self) -> Option<u32> {
+        u32::try_from(self.kv_blocks.load(Ordering::Relaxed)).ok()
     }
 
     pub fn gpu(&self) -> &Arc<G> {
@@ -179,51 +169,14 @@ impl<G: Gpu> CudaBackend<G> {
 
     /// The device copy of `layout`, uploaded on the step's first use.
     fn device_layout(&self, layout: &BatchLayout) -> Result<Arc<DeviceLayout<G::Buf>>> {
-        let mut tok_seq = vec![0i32; layout.num_tokens()];
-        let mut seq_start = Vec::with_capacity(layout.seqs.len());
-        let mut seq_ctx = Vec::with_capacity(layout.seqs.len());
-        let mut bt_offset = Vec::with_capacity(layout.seqs.len());
-        let mut tables: Vec<i32> = Vec::new();
-        for (s, seq) in layout.seqs.iter().enumerate() {
-            tok_seq
-                .get_mut(seq.token_start..seq.token_start + seq.num_tokens)
-                .ok_or_else(|| Error::Internal("a sequence's rows lie outside the step".into()))?
-                .fill(s as i32);
-            seq_start.push(dim(seq.token_start)?);
-            seq_ctx.push(dim(seq.context_before)?);
-            bt_offset.push(dim(tables.len())?);
-            tables.extend(to_i32(seq.block_table.iter().map(|&b| b as usize))?);
-        }
-        let mut meta = tok_seq.clone();
-        meta.extend(&seq_start);
-        meta.extend(&seq_ctx);
-        meta.extend(&bt_offset);
-        let key = (layout.positions.clone(), layout.slots.clone(), meta, tables.clone());
+        let key = LayoutArrays::of(layout, None)?;
         let mut cached = self.layout.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(l) = cached.as_ref() {
             if l.key == key {
                 return Ok(l.clone());
             }
         }
-        let (tiles, tile_len, decode_rows) = attention_work(layout)?;
-        let up = |v: &[i32]| self.gpu.upload(i32_bytes(if v.is_empty() { &[0] } else { v }));
-        let positions = to_i32(layout.positions.iter().map(|&p| p as usize))?;
-        let slots = to_i32(layout.slots.iter().map(|&p| p as usize))?;
-        let l = Arc::new(DeviceLayout {
-            positions: up(&positions)?,
-            slots: up(&slots)?,
-            tok_seq: up(&tok_seq)?,
-            seq_start: up(&seq_start)?,
-            seq_ctx: up(&seq_ctx)?,
-            bt_offset: up(&bt_offset)?,
-            block_tables: up(&tables)?,
-            tiles: up(&tiles)?,
-            tile_len: up(&tile_len)?,
-            num_tiles: tiles.len(),
-            decode_rows: up(&decode_rows)?,
-            num_decode_rows: decode_rows.len(),
-            key,
-        });
+        let l = Arc::new(DeviceLayout::upload(&*self.gpu, layout, None)?);
         *cached = Some(l.clone());
         Ok(l)
     }
@@ -242,6 +195,43 @@ impl<G: Gpu> CudaBackend<G> {
 }
 
 impl<G: Gpu> CudaBackend<G> {
+    /// Each row's greedy pick on the device: `[rows, 3]` (token, logit, log-sum-exp).
+    fn greedy_tensor(&self, logits: &GpuTensor<G::Buf>, first_id: u32) -> Result<GpuTensor<G::Buf>> {
+        let out = self.tensor(logits.rows, 3)?;
+        self.launch(
+            Kernel::GreedyPick,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(logits.cols)?),
+                Arg::I32(dim(first_id as usize)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// Each row's `k` most likely tokens on the device: `[rows, 2k + 1]` (see
+    /// [`crate::logits::top::top_to_f32s`]).
+    fn top_tensor(&self, logits: &GpuTensor<G::Buf>, k: usize, first_id: u32) -> Result<GpuTensor<G::Buf>> {
+        if k == 0 || k > MAX_TOP {
+            return Err(Error::Internal(format!("{k} candidates asked; 1..={MAX_TOP} are returned")));
+        }
+        let out = self.tensor(logits.rows, 2 * k + 1)?;
+        self.launch(
+            Kernel::TopLogits,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(logits.cols)?),
+                Arg::I32(dim(k)?),
+                Arg::I32(dim(first_id as usize)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
     /// tiled_attention over the step's prefill tiles, into `out`.
     fn launch_tiled(
         &self,
@@ -321,7 +311,9 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     }
 
     fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
-        let bytes = num_blocks
+        // One block more than asked: the scratch block of graphs' padding rows.
+        self.kv_blocks.store(num_blocks, Ordering::Relaxed);
+        let bytes = (num_blocks + 1)
             .checked_mul(block_size)
             .and_then(|n| n.checked_mul(kv_dim))
             .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
@@ -339,8 +331,19 @@ impl<G: Gpu> Backend for CudaBackend<G> {
 
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
         let out = self.tensor(ids.len(), table.cols)?;
-        let ids_i = to_i32(ids.iter().map(|&i| i as usize))?;
-        let ids_buf = self.gpu.upload(i32_bytes(if ids_i.is_empty() { &[0] } else { &ids_i }))?;
+        let pinned = self
+            .pinned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|p| (p.ids.clone(), p.ids_buf.clone()));
+        let ids_buf = match pinned {
+            Some((pinned, buf)) if pinned == ids => buf,
+            _ => {
+                let ids_i = to_i32(ids.iter().map(|&i| i as usize))?;
+                Arc::new(self.gpu.upload(i32_bytes(if ids_i.is_empty() { &[0] } else { &ids_i }))?)
+            }
+        };
         self.launch(
             Kernel::Embed,
             Launch::rows(ids.len(), ROW_THREADS),
@@ -420,11 +423,11 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         // The step's layout (uploaded by the previous layer, or by write_kv) usually holds
         // these positions already.
         let cached = self.layout.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let pos = to_i32(positions.iter().map(|&p| p as usize))?;
         let fresh;
-        let pos_buf = match cached.as_ref().filter(|l| l.key.0 == positions) {
+        let pos_buf = match cached.as_ref().filter(|l| l.key.positions == pos) {
             Some(l) => &l.positions,
             None => {
-                let pos = to_i32(positions.iter().map(|&p| p as usize))?;
                 fresh = self.gpu.upload(i32_bytes(if pos.is_empty() { &[0] } else { &pos }))?;
                 &fresh
             }
@@ -623,8 +626,19 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
         }
         let y = self.tensor(rows.len(), x.cols)?;
-        let idx = to_i32(rows.iter().copied())?;
-        let idx_buf = self.gpu.upload(i32_bytes(if idx.is_empty() { &[0] } else { &idx }))?;
+        let pinned = self
+            .pinned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|p| (p.rows.clone(), p.rows_buf.clone()));
+        let idx_buf = match pinned {
+            Some((pinned, buf)) if pinned == rows => buf,
+            _ => {
+                let idx = to_i32(rows.iter().copied())?;
+                Arc::new(self.gpu.upload(i32_bytes(if idx.is_empty() { &[0] } else { &idx }))?)
+            }
+        };
         self.launch(
             Kernel::GatherRows,
             Launch::rows(rows.len(), ROW_THREADS),
@@ -634,18 +648,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     }
 
     fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<Pick>> {
-        let out = self.tensor(logits.rows, 3)?;
-        self.launch(
-            Kernel::GreedyPick,
-            Launch::rows(logits.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&logits.buf),
-                Arg::Buf(&out.buf),
-                Arg::I32(dim(logits.cols)?),
-                Arg::I32(dim(first_id as usize)?),
-            ],
-        )?;
-        picks_from_f32s(&self.to_host(&out)?)
+        picks_from_f32s(&self.to_host(&self.greedy_tensor(logits, first_id)?)?)
     }
 
     fn top_logits(
@@ -667,19 +670,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         if logits.rows == 0 || logits.cols == 0 {
             return Ok(host_top(&[], logits.rows, 0, k, first_id));
         }
-        let out = self.tensor(logits.rows, 2 * k + 1)?;
-        self.launch(
-            Kernel::TopLogits,
-            Launch::rows(logits.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&logits.buf),
-                Arg::Buf(&out.buf),
-                Arg::I32(dim(logits.cols)?),
-                Arg::I32(dim(k)?),
-                Arg::I32(dim(first_id as usize)?),
-            ],
-        )?;
-        top_from_f32s(&self.to_host(&out)?, k)
+        top_from_f32s(&self.to_host(&self.top_tensor(logits, k, first_id)?)?, k)
+    }
+
+    fn replay_decode(
+        &self,
+        step: &super::DecodeStep<'_>,
+        body: &mut super::StepBody<'_, Self::Tensor>,
+    ) -> Result<Option<Vec<f32>>> {
+        self.replay_decode_step(step, body)
     }
 
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {

@@ -150,3 +150,81 @@ fn sampling_from_device_candidates_equals_sampling_whole_rows() {
         }
     }
 }
+
+/// Decode steps replayed from captured graphs give exactly the tokens and logprobs that
+/// running every op gives: three sequences padded to a graph of four rows (seeded top-k
+/// sampling), then one alone (greedy: another graph) whose one-position blocks outgrow the
+/// graph's block-table stride, so that it is captured again.
+#[test]
+fn decode_graphs_replay_what_eager_steps_compute() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = RandomModelSpec::tiny(Architecture::Llama);
+    spec.dtype = DType::BF16;
+    spec.layers = 1;
+    spec.write(dir.path(), |_, _| {}).unwrap();
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 1, ..Default::default() };
+    let run = |graphs: bool| {
+        let gpu = Arc::new(EmulatedGpu::new());
+        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
+        let mut e = Engine::new(Model::load(dir.path(), backend).unwrap(), &config).unwrap();
+        let greedy = |n| SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() };
+        let sampled =
+            SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), logprobs: Some(2), ..greedy(5) };
+        e.add(crate::SeqId(0), vec![1, 17, 300], greedy(19)).unwrap();
+        e.add(crate::SeqId(1), vec![5, 6, 7, 8], sampled.clone()).unwrap();
+        e.add(crate::SeqId(2), vec![400, 2], sampled).unwrap();
+        let mut out = Vec::new();
+        while e.has_work() {
+            out.extend(
+                e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, format!("{:?}", ev.logprobs))),
+            );
+        }
+        (out, gpu.captures(), gpu.replays())
+    };
+    let (eager, no_captures, no_replays) = run(false);
+    let (replayed, captures, replays) = run(true);
+    eprintln!("{} tokens; {captures} graphs captured, {replays} replays", replayed.len());
+    assert_eq!((no_captures, no_replays), (0, 0), "--enforce-eager captures nothing");
+    assert_eq!(eager.len(), 19 + 5 + 5);
+    assert_eq!(replayed, eager, "tokens and logprobs with graphs");
+    // Four rows, top-k (4 decode steps): warm-up, then a capture and 3 replays (a capture
+    // runs by replaying). One row, greedy (14 steps): warm-up at 9 blocks, capture at 10
+    // (stride 16), capture again at 17 blocks (stride 32): 13 replays.
+    assert_eq!(captures, 3, "captures");
+    assert_eq!(replays, 3 + 13, "replays");
+}
+
+/// A step whose ops cannot be captured (here an upload, which a capture refuses) runs
+/// eagerly, and its batch size is not captured again.
+#[test]
+fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
+    use crate::backend::{Backend, BatchLayout, DecodeStep, SeqSlice};
+    use crate::logits::LogitsWanted;
+    let gpu = Arc::new(EmulatedGpu::new());
+    let b = CudaBackend::with_graphs(gpu.clone(), true);
+    b.alloc_kv(4, 2, 8).unwrap();
+    let seq = SeqSlice { token_start: 0, num_tokens: 1, context_before: 3, block_table: vec![0, 1] };
+    let layout = BatchLayout { positions: vec![3], slots: vec![3], seqs: vec![seq], block_size: 2 };
+    let step = DecodeStep {
+        ids: &[1],
+        layout: &layout,
+        logit_rows: &[0],
+        wanted: LogitsWanted::Full,
+        vocab: 4,
+        first_id: 0,
+    };
+    let mut calls = 0;
+    let mut body = |_: &[u32], _: &BatchLayout, rows: &[usize]| {
+        calls += 1;
+        b.upload(vec![0.5; rows.len() * 4], rows.len(), 4)
+    };
+    // Warm-up (the caller runs it), the failed capture, then no more attempts.
+    for _ in 0..3 {
+        assert!(b.replay_decode(&step, &mut body).unwrap().is_none());
+    }
+    assert_eq!(calls, 1, "the body runs once, in the failed capture");
+    assert_eq!((gpu.captures(), gpu.replays()), (1, 0));
+    // The device runs work as it is queued again.
+    let x = b.upload(vec![1.0, 2.0], 1, 2).unwrap();
+    assert_eq!(b.to_host(&x).unwrap(), vec![1.0, 2.0]);
+}

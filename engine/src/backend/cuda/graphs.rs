@@ -1,0 +1,228 @@
+//! Decode steps as captured graphs (CUDA graphs), one per batch-size bucket.
+//!
+//! A decode step launches ~17 kernels and GEMMs per layer; at small batches the GPU
+//! finishes each faster than the host can queue the next, so the step is bound by launch
+//! overhead. A graph queues the whole step — embedding, every layer, the LM head and the
+//! greedy or top-k reduction — as one launch.
+//!
+//! How: a step of `n` decoding sequences is padded to the next bucket size `B` (1, 2, 4,
+//! 8, 16, 24, 32, … 256) with dummy sequences that write and read only a scratch KV block
+//! the backend keeps past the engine's blocks (their rows are computed and dropped; rows
+//! never mix). The first step of a bucket runs eagerly (it loads kernels and fills the
+//! backend's caches); the second is captured: the step's inputs go into buffers of fixed
+//! size — token ids, positions, slots, contexts, block tables at a fixed stride — the
+//! model's ops run with the device recording instead of executing, and the reduced
+//! result is copied into a fixed output buffer. Every later step of that bucket rewrites
+//! the inputs (four small copies), replays the graph and reads the output. A step whose
+//! block tables outgrow the stride is captured again at twice the stride. Anything the
+//! capture cannot hold (an op that must reach the host) fails the capture, and that
+//! bucket runs eagerly from then on.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use strata_common::{Error, Result};
+use tracing::{debug, warn};
+
+use super::device::Gpu;
+use super::layout::DeviceLayout;
+use super::{i32_bytes, to_i32, CudaBackend, GpuTensor};
+use crate::backend::{BatchLayout, DecodeStep, SeqSlice, StepBody as Body};
+use crate::logits::LogitsWanted;
+
+/// Batch sizes a graph is captured for; larger decode batches run eagerly (their launch
+/// overhead is small beside their GEMMs).
+pub const BUCKETS: [usize; 13] = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256];
+/// Block-table entries per sequence of a first capture (doubles as contexts grow).
+const MIN_TABLE_STRIDE: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    rows: usize,
+    wanted: LogitsWanted,
+}
+
+struct Captured<G: Gpu> {
+    graph: G::Graph,
+    layout: Arc<DeviceLayout<G::Buf>>,
+    ids: Arc<G::Buf>,
+    _rows: Arc<G::Buf>,
+    table_stride: usize,
+    out: G::Buf,
+    out_cols: usize,
+}
+
+/// The step inputs an op finds while a graph is captured instead of uploading its own.
+pub(super) struct Pinned<B> {
+    pub ids: Vec<u32>,
+    pub ids_buf: Arc<B>,
+    pub rows: Vec<usize>,
+    pub rows_buf: Arc<B>,
+}
+
+pub(super) struct Graphs<G: Gpu> {
+    enabled: bool,
+    captured: HashMap<Key, Captured<G>>,
+    /// Buckets whose first step ran eagerly.
+    warm: HashSet<Key>,
+    refused: HashSet<Key>,
+}
+
+impl<G: Gpu> Graphs<G> {
+    pub fn new(enabled: bool) -> Self {
+        Graphs { enabled, captured: HashMap::new(), warm: HashSet::new(), refused: HashSet::new() }
+    }
+}
+
+/// The step padded to `rows` sequences.
+struct Padded {
+    ids: Vec<u32>,
+    layout: BatchLayout,
+    rows: Vec<usize>,
+}
+
+/// Rows of a pure decode step (every sequence one new token, in order, each sampled), or
+/// None for any other step.
+fn decode_rows(step: &DecodeStep<'_>) -> Option<usize> {
+    let n = step.layout.seqs.len();
+    let in_order = step.layout.seqs.iter().enumerate().all(|(i, s)| s.token_start == i && s.num_tokens == 1);
+    let sampled = step.logit_rows.iter().enumerate().all(|(i, &r)| r == i);
+    (n > 0
+        && in_order
+        && sampled
+        && step.ids.len() == n
+        && step.layout.positions.len() == n
+        && step.layout.slots.len() == n
+        && step.logit_rows.len() == n)
+        .then_some(n)
+}
+
+fn pad(step: &DecodeStep<'_>, rows: usize, scratch_block: u32) -> Padded {
+    let mut p = Padded { ids: step.ids.to_vec(), layout: step.layout.clone(), rows: (0..rows).collect() };
+    let scratch_slot = scratch_block * step.layout.block_size as u32;
+    for i in step.ids.len()..rows {
+        p.ids.push(0);
+        p.layout.positions.push(0);
+        p.layout.slots.push(scratch_slot);
+        p.layout.seqs.push(SeqSlice {
+            token_start: i,
+            num_tokens: 1,
+            context_before: 0,
+            block_table: vec![scratch_block],
+        });
+    }
+    p
+}
+
+/// Columns of the reduced output: a pick (token, logit, log-sum-exp), `k` candidates and
+/// their log-sum-exp, or the whole row.
+fn out_cols(wanted: LogitsWanted, vocab: usize) -> usize {
+    match wanted {
+        LogitsWanted::Greedy => 3,
+        LogitsWanted::Top(k) => 2 * k + 1,
+        LogitsWanted::Full => vocab,
+    }
+}
+
+impl<G: Gpu> CudaBackend<G> {
+    /// See [`crate::backend::Backend::replay_decode`].
+    pub(super) fn replay_decode_step(
+        &self,
+        step: &DecodeStep<'_>,
+        body: &mut Body<'_, GpuTensor<G::Buf>>,
+    ) -> Result<Option<Vec<f32>>> {
+        let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
+        let (Some(n), Some(scratch)) = (decode_rows(step), self.scratch_block()) else { return Ok(None) };
+        let Some(&rows) = BUCKETS.iter().find(|&&b| b >= n) else { return Ok(None) };
+        let key = Key { rows, wanted: step.wanted };
+        if !graphs.enabled || graphs.refused.contains(&key) {
+            return Ok(None);
+        }
+        let padded = pad(step, rows, scratch);
+        let longest = padded.layout.seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        if let Some(c) = graphs.captured.get_mut(&key).filter(|c| c.table_stride >= longest) {
+            let out = self.replay(c, &padded, n)?;
+            return Ok(Some(out));
+        }
+        if graphs.warm.insert(key) {
+            return Ok(None); // the bucket's first step runs eagerly
+        }
+        let stride = longest.next_power_of_two().max(MIN_TABLE_STRIDE);
+        match self.capture(step, &padded, stride, body) {
+            Ok(mut c) => {
+                debug!(rows, wanted = ?step.wanted, table_stride = stride, "decode step captured as a graph");
+                let out = self.replay(&mut c, &padded, n)?;
+                graphs.captured.insert(key, c);
+                Ok(Some(out))
+            }
+            Err(e) => {
+                warn!(rows, wanted = ?step.wanted, error = %e, "decode steps of this batch size run without a graph");
+                graphs.refused.insert(key);
+                graphs.captured.remove(&key);
+                Ok(None)
+            }
+        }
+    }
+
+    fn capture(
+        &self,
+        step: &DecodeStep<'_>,
+        padded: &Padded,
+        table_stride: usize,
+        body: &mut Body<'_, GpuTensor<G::Buf>>,
+    ) -> Result<Captured<G>> {
+        let gpu = &*self.gpu;
+        let layout = Arc::new(DeviceLayout::upload(gpu, &padded.layout, Some(table_stride))?);
+        let ids = Arc::new(gpu.upload(i32_bytes(&to_i32(padded.ids.iter().map(|&i| i as usize))?))?);
+        let rows = Arc::new(gpu.upload(i32_bytes(&to_i32(padded.rows.iter().copied())?))?);
+        let out_cols = out_cols(step.wanted, step.vocab);
+        let mut out = gpu.alloc(padded.rows.len() * out_cols * 4)?;
+        // The ops of the captured step find these instead of uploading their own.
+        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
+        *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
+            ids: padded.ids.clone(),
+            ids_buf: ids.clone(),
+            rows: padded.rows.clone(),
+            rows_buf: rows.clone(),
+        });
+        gpu.begin_capture()?;
+        let recorded = (|| {
+            let logits = body(&padded.ids, &padded.layout, &padded.rows)?;
+            let reduced = self.reduce(logits, step.wanted, step.first_id)?;
+            gpu.copy(&reduced.buf, &mut out, padded.rows.len() * out_cols * 4)
+        })();
+        let graph = gpu.end_capture();
+        *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        recorded?;
+        Ok(Captured { graph: graph?, layout, ids, _rows: rows, table_stride, out, out_cols })
+    }
+
+    /// The step's logits reduced as `wanted` says, on the device.
+    fn reduce(
+        &self,
+        logits: GpuTensor<G::Buf>,
+        wanted: LogitsWanted,
+        first_id: u32,
+    ) -> Result<GpuTensor<G::Buf>> {
+        match wanted {
+            LogitsWanted::Greedy => self.greedy_tensor(&logits, first_id),
+            LogitsWanted::Top(k) => self.top_tensor(&logits, k, first_id),
+            LogitsWanted::Full => Ok(logits),
+        }
+    }
+
+    /// Writes the step's inputs into the graph's buffers, replays it and reads the first
+    /// `n` rows of its output.
+    fn replay(&self, c: &mut Captured<G>, padded: &Padded, n: usize) -> Result<Vec<f32>> {
+        let gpu = &*self.gpu;
+        let stale = || Error::Internal("a graph's inputs are still shared".into());
+        Arc::get_mut(&mut c.layout).ok_or_else(stale)?.refill(gpu, &padded.layout, c.table_stride)?;
+        let ids = to_i32(padded.ids.iter().map(|&i| i as usize))?;
+        gpu.write(Arc::get_mut(&mut c.ids).ok_or_else(stale)?, i32_bytes(&ids))?;
+        gpu.replay(&c.graph)?;
+        let mut host = vec![0f32; n * c.out_cols];
+        gpu.download(&c.out, bytemuck::cast_slice_mut(&mut host))?;
+        Ok(host)
+    }
+}
