@@ -54,7 +54,7 @@ struct Captured<G: Gpu> {
 
 /// The step inputs an op finds while a graph is captured instead of uploading its own.
 pub(super) struct Pinned<B> {
-    pub ids: Vec<u32>,
+    pub ids: Vec<usize>,
     pub ids_buf: Arc<B>,
     pub rows: Vec<usize>,
     pub rows_buf: Arc<B>,
@@ -180,7 +180,7 @@ impl<G: Gpu> CudaBackend<G> {
         // The ops of the captured step find these instead of uploading their own.
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
-            ids: padded.ids.clone(),
+            ids: padded.ids.iter().map(|&i| i as usize).collect(),
             ids_buf: ids.clone(),
             rows: padded.rows.clone(),
             rows_buf: rows.clone(),

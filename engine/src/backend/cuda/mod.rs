@@ -120,6 +120,23 @@ impl<G: Gpu> CudaBackend<G> {
         }
     }
 
+    /// `values` as the kernels' i32 on the device: while a step is captured, its pinned
+    /// buffer (`which`: token ids or logit rows) when that holds them; else an upload.
+    fn indices(
+        &self,
+        values: &[usize],
+        which: fn(&graphs::Pinned<G::Buf>) -> (&Vec<usize>, &Arc<G::Buf>),
+    ) -> Result<Arc<G::Buf>> {
+        if let Some(p) = self.pinned.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            let (pinned, buf) = which(p);
+            if pinned == values {
+                return Ok(buf.clone());
+            }
+        }
+        let v = to_i32(values.iter().copied())?;
+        Ok(Arc::new(self.gpu.upload(i32_bytes(if v.is_empty() { &[0] } else { &v }))?))
+    }
+
     /// The KV block past the engine's, which padding rows use (None before `alloc_kv`).
     fn scratch_block(&self) -> Option<u32> {
         u32::try_from(self.kv_blocks.load(Ordering::Relaxed)).ok()
@@ -331,19 +348,8 @@ impl<G: Gpu> Backend for CudaBackend<G> {
 
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
         let out = self.tensor(ids.len(), table.cols)?;
-        let pinned = self
-            .pinned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|p| (p.ids.clone(), p.ids_buf.clone()));
-        let ids_buf = match pinned {
-            Some((pinned, buf)) if pinned == ids => buf,
-            _ => {
-                let ids_i = to_i32(ids.iter().map(|&i| i as usize))?;
-                Arc::new(self.gpu.upload(i32_bytes(if ids_i.is_empty() { &[0] } else { &ids_i }))?)
-            }
-        };
+        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
+        let ids_buf = self.indices(&ids, |p| (&p.ids, &p.ids_buf))?;
         self.launch(
             Kernel::Embed,
             Launch::rows(ids.len(), ROW_THREADS),
@@ -626,19 +632,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
         }
         let y = self.tensor(rows.len(), x.cols)?;
-        let pinned = self
-            .pinned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|p| (p.rows.clone(), p.rows_buf.clone()));
-        let idx_buf = match pinned {
-            Some((pinned, buf)) if pinned == rows => buf,
-            _ => {
-                let idx = to_i32(rows.iter().copied())?;
-                Arc::new(self.gpu.upload(i32_bytes(if idx.is_empty() { &[0] } else { &idx }))?)
-            }
-        };
+        let idx_buf = self.indices(rows, |p| (&p.rows, &p.rows_buf))?;
         self.launch(
             Kernel::GatherRows,
             Launch::rows(rows.len(), ROW_THREADS),
