@@ -54,10 +54,14 @@ struct Captured<G: Gpu> {
 
 /// The step inputs an op finds while a graph is captured instead of uploading its own.
 pub(super) struct Pinned<B> {
-    pub ids: Vec<usize>,
-    pub ids_buf: Arc<B>,
-    pub rows: Vec<usize>,
-    pub rows_buf: Arc<B>,
+    pub ids: Indices<B>,
+    pub rows: Indices<B>,
+}
+
+/// Indices (token ids, logit rows) and their device copy.
+pub(super) struct Indices<B> {
+    pub values: Vec<usize>,
+    pub buf: Arc<B>,
 }
 
 pub(super) struct Graphs<G: Gpu> {
@@ -180,10 +184,8 @@ impl<G: Gpu> CudaBackend<G> {
         // The ops of the captured step find these instead of uploading their own.
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
-            ids: padded.ids.iter().map(|&i| i as usize).collect(),
-            ids_buf: ids.clone(),
-            rows: padded.rows.clone(),
-            rows_buf: rows.clone(),
+            ids: Indices { values: padded.ids.iter().map(|&i| i as usize).collect(), buf: ids.clone() },
+            rows: Indices { values: padded.rows.clone(), buf: rows.clone() },
         });
         gpu.begin_capture()?;
         let recorded = (|| {

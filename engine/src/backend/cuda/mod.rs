@@ -125,12 +125,12 @@ impl<G: Gpu> CudaBackend<G> {
     fn indices(
         &self,
         values: &[usize],
-        which: fn(&graphs::Pinned<G::Buf>) -> (&Vec<usize>, &Arc<G::Buf>),
+        which: fn(&graphs::Pinned<G::Buf>) -> &graphs::Indices<G::Buf>,
     ) -> Result<Arc<G::Buf>> {
         if let Some(p) = self.pinned.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-            let (pinned, buf) = which(p);
-            if pinned == values {
-                return Ok(buf.clone());
+            let pinned = which(p);
+            if pinned.values == values {
+                return Ok(pinned.buf.clone());
             }
         }
         let v = to_i32(values.iter().copied())?;
@@ -349,7 +349,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
         let out = self.tensor(ids.len(), table.cols)?;
         let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-        let ids_buf = self.indices(&ids, |p| (&p.ids, &p.ids_buf))?;
+        let ids_buf = self.indices(&ids, |p| &p.ids)?;
         self.launch(
             Kernel::Embed,
             Launch::rows(ids.len(), ROW_THREADS),
@@ -632,7 +632,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
         }
         let y = self.tensor(rows.len(), x.cols)?;
-        let idx_buf = self.indices(rows, |p| (&p.rows, &p.rows_buf))?;
+        let idx_buf = self.indices(rows, |p| &p.rows)?;
         self.launch(
             Kernel::GatherRows,
             Launch::rows(rows.len(), ROW_THREADS),
