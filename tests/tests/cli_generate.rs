@@ -409,6 +409,13 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     assert_eq!(batches, [2, 5], "{d:?}");
     assert!(d[0]["batched_decode"][1]["tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
     assert!(d[0]["prefill_tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
+    assert_eq!(d[0]["cuda_graphs"], true, "{d:?}");
+    // The script's second decode: the same steps op by op.
+    let eager =
+        [&args[..3], &["--tokens", "3", "--batches", "2", "--prefill-len", "0", "--enforce-eager"]].concat();
+    let e = run(&eager);
+    assert_eq!(e[0]["cuda_graphs"], false, "{e:?}");
+    assert!(e[0]["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{e:?}");
 }
 
 fn compare_json(args: &[&str]) -> Value {
