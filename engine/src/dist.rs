@@ -114,7 +114,12 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
         wanted: LogitsWanted,
     ) -> Result<StepLogits> {
         let started = Instant::now();
-        let logits = self.model.forward(ids, layout, &mut self.kv, logit_rows, wanted)?;
+        let (model, kv) = (&self.model, &mut self.kv);
+        let logits = if model.backend().uses_thread_pool() {
+            rayon::scope(|_| model.forward(ids, layout, kv, logit_rows, wanted))?
+        } else {
+            model.forward(ids, layout, kv, logit_rows, wanted)?
+        };
         self.model.metrics.step(started.elapsed());
         Ok(logits)
     }

@@ -112,6 +112,10 @@ impl Backend for CpuBackend {
         "cpu"
     }
 
+    fn uses_thread_pool(&self) -> bool {
+        true
+    }
+
     fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
         let w = match self.weight_dtype {
             Some(d) if d != host.dtype && host.dtype != DType::I8 => CpuWeight::from_host(&host.cast(d))?,
