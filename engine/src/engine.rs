@@ -397,10 +397,13 @@ impl Engine {
                 None => return LogitsWanted::Full,
             }
         }
+        // k rounds up (8, 16, 32, 64, 72): a GPU then captures one decode graph per rounded
+        // k, not one per mix of requests. More candidates than a sampler needs change
+        // nothing (it keeps its own top k of them).
         if k == 0 {
             LogitsWanted::Greedy
         } else {
-            LogitsWanted::Top(k)
+            LogitsWanted::Top(k.next_power_of_two().clamp(8, crate::logits::MAX_TOP))
         }
     }
 
