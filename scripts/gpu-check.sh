@@ -114,7 +114,7 @@ for preset in $PRESETS; do
     "$STRATA" model random --preset "$preset" --dtype bf16 --out "$dir" >>"$LOG" 2>&1 || { row "| decode $preset | could not write the model | |"; continue; }
   fi
   if "$STRATA" gpu-check --device "$DEVICE" decode --model "$dir" --tokens 64 --kv-cache-mib 4096 >"$OUT/decode-$preset.json" 2>>"$LOG"; then
-    row "| decode batch 1, $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['decode_tokens_per_s']:.1f} tok/s ({100*r['share_of_roofline']:.0f}% of roofline {r['roofline_tokens_per_s']:.1f})\")" "$OUT/decode-$preset.json") | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['weight_bytes_per_token']/1e9:.2f} GB/token, copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, load {r['load_s']:.1f} s\")" "$OUT/decode-$preset.json") |"
+    row "| decode batch 1, $preset bf16 | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['decode_tokens_per_s']:.1f} tok/s ({100*r['share_of_roofline']:.0f}% of roofline {r['roofline_tokens_per_s']:.1f})\")" "$OUT/decode-$preset.json") | $("$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['weight_bytes_per_token']/1e9:.2f} GB/token, copy bandwidth {r['copy_bandwidth_gb_per_s']:.0f} GB/s, load {r['load_s']:.1f} s, {r['graph_steps']} steps from CUDA graphs\")" "$OUT/decode-$preset.json") |"
   else
     row "| decode batch 1, $preset bf16 | FAILED | see gpu-check.log |"
     continue

@@ -282,7 +282,7 @@ fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyho
         "{}",
         json!({
             "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
-            "cuda_graphs": !sizes.enforce_eager,
+            "cuda_graphs": !sizes.enforce_eager, "graph_steps": graph_steps(),
             "decode_tokens": tokens, "decode_step_ms_median": step * 1e3,
             "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
             "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,
@@ -292,6 +292,15 @@ fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyho
         })
     );
     Ok(())
+}
+
+/// Steps replayed from CUDA graphs so far in this process (`strata_graph_steps_total`).
+fn graph_steps() -> u64 {
+    strata_common::metrics::encode()
+        .lines()
+        .filter(|l| l.starts_with("strata_graph_steps_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// Seconds of each step in which all `batch` sequences (8-token prompts) decoded a token

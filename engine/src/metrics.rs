@@ -74,6 +74,7 @@ struct Families {
     rank_step: Histograms<RankLabels>,
     all_reduce: Histograms<RankLabels>,
     all_reduce_bytes: Family<RankLabels, Counter>,
+    graph_steps: Family<RankLabels, Counter>,
 }
 
 fn families() -> &'static Families {
@@ -95,6 +96,7 @@ fn families() -> &'static Families {
             rank_step: Family::new_with_constructor(step),
             all_reduce: Family::new_with_constructor(step),
             all_reduce_bytes: Family::default(),
+            graph_steps: Family::default(),
         };
         register("num_requests_running", "Sequences the scheduler is running", f.running.clone());
         register("num_requests_waiting", "Sequences queued for the scheduler", f.waiting.clone());
@@ -127,6 +129,7 @@ fn families() -> &'static Families {
         register("rank_step_seconds", "One rank's share of an engine step", f.rank_step.clone());
         register("all_reduce_seconds", "Tensor-parallel all-reduce time on one rank", f.all_reduce.clone());
         register("all_reduce_bytes", "Bytes all-reduced by one rank", f.all_reduce_bytes.clone());
+        register("graph_steps", "Engine steps replayed from a captured CUDA graph", f.graph_steps.clone());
         f
     })
 }
@@ -185,6 +188,7 @@ pub struct RankMetrics {
     step: Histogram,
     all_reduce: Histogram,
     all_reduce_bytes: Counter,
+    graph_steps: Counter,
 }
 
 impl RankMetrics {
@@ -195,11 +199,17 @@ impl RankMetrics {
             step: f.rank_step.get_or_create_owned(&l),
             all_reduce: f.all_reduce.get_or_create_owned(&l),
             all_reduce_bytes: f.all_reduce_bytes.get_or_create_owned(&l),
+            graph_steps: f.graph_steps.get_or_create_owned(&l),
         }
     }
 
     pub fn step(&self, took: Duration) {
         self.step.observe(took.as_secs_f64());
+    }
+
+    /// A step replayed from a captured graph.
+    pub fn graph_step(&self) {
+        self.graph_steps.inc();
     }
 
     pub fn all_reduce(&self, took: Duration, bytes: usize) {

@@ -410,6 +410,7 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     assert!(d[0]["batched_decode"][1]["tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
     assert!(d[0]["prefill_tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
     assert_eq!(d[0]["cuda_graphs"], true, "{d:?}");
+    assert_eq!(d[0]["graph_steps"], 0, "the CPU backend replays no graphs: {d:?}");
     // The script's second decode: the same steps op by op.
     let eager =
         [&args[..3], &["--tokens", "3", "--batches", "2", "--prefill-len", "0", "--enforce-eager"]].concat();

@@ -229,6 +229,7 @@ impl<B: Backend> Model<B> {
                 self.head_logits(&x, rows)
             })?;
             if let Some(data) = replayed {
+                self.metrics.graph_step();
                 return Ok(match wanted {
                     LogitsWanted::Full => StepLogits::Full(data),
                     LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),

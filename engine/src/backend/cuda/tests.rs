@@ -192,6 +192,13 @@ fn decode_graphs_replay_what_eager_steps_compute() {
     // (stride 16), capture again at 17 blocks (stride 32): 13 replays.
     assert_eq!(captures, 3, "captures");
     assert_eq!(replays, 3 + 13, "replays");
+    // Operators see the replays (other tests of this process may add their own).
+    let counted: u64 = strata_common::metrics::encode()
+        .lines()
+        .filter(|l| l.starts_with("strata_graph_steps_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(counted >= replays, "strata_graph_steps_total {counted}, {replays} replays");
 }
 
 /// A step whose ops cannot be captured (here an upload, which a capture refuses) runs
