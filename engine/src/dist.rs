@@ -115,11 +115,8 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
     ) -> Result<StepLogits> {
         let started = Instant::now();
         let (model, kv) = (&self.model, &mut self.kv);
-        let logits = if model.backend().uses_thread_pool() {
-            rayon::scope(|_| model.forward(ids, layout, kv, logit_rows, wanted))?
-        } else {
-            model.forward(ids, layout, kv, logit_rows, wanted)?
-        };
+        let uses_pool = model.backend().uses_thread_pool();
+        let logits = on_pool(uses_pool, None, || model.forward(ids, layout, kv, logit_rows, wanted))?;
         self.model.metrics.step(started.elapsed());
         Ok(logits)
     }
@@ -134,16 +131,42 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
     }
 }
 
+/// Runs a step's ops where their parallel loops start cheaply. A backend whose ops fan out
+/// over rayon's pool ([`Backend::uses_thread_pool`]) runs the step inside `pool` — a
+/// rank's own, when ranks of one group share a process (a rank blocked in a collective
+/// must not hold a worker its peers need) — or else inside the global pool, so each loop
+/// starts on a worker that takes part in it instead of handing itself over and sleeping.
+fn on_pool<R: Send>(uses_pool: bool, pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
+    match (uses_pool, pool) {
+        (false, _) => f(),
+        (true, Some(p)) => p.install(f),
+        (true, None) => rayon::scope(|_| f()),
+    }
+}
+
+/// A rank's own thread pool, for ranks that share a process with the other ranks of their
+/// group: the global pool's threads divided among the `world` ranks.
+pub fn rank_pool(rank: usize, world: usize) -> Result<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads((rayon::current_num_threads() / world.max(1)).max(1))
+        .thread_name(move |i| format!("rank-{rank}-pool-{i}"))
+        .build()
+        .map_err(|e| Error::Internal(format!("rank {rank}'s thread pool: {e}")))
+}
+
 /// Rank 0 of a multi-rank replica.
 pub struct LeaderExecutor<B: Backend> {
     model: Model<B>,
     kv: Vec<B::KvLayer>,
     comm: Box<dyn Communicator>,
+    /// Its own thread pool when the other ranks are threads of this process.
+    pool: Option<rayon::ThreadPool>,
 }
 
 impl<B: Backend> LeaderExecutor<B> {
-    pub fn new(model: Model<B>, comm: Box<dyn Communicator>) -> Self {
-        LeaderExecutor { model, kv: Vec::new(), comm }
+    /// `pool`: see [`rank_pool`]; None when the other ranks are other processes.
+    pub fn new(model: Model<B>, comm: Box<dyn Communicator>, pool: Option<rayon::ThreadPool>) -> Self {
+        LeaderExecutor { model, kv: Vec::new(), comm, pool }
     }
 }
 
@@ -178,7 +201,8 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
             None => Span::none(),
         };
         let own = span.in_scope(|| {
-            run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), ids, layout, logit_rows, wanted)
+            let step = RankStep { ids, layout, logit_rows, wanted };
+            run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), self.pool.as_ref(), step)
         })?;
         match own {
             Some(logits) => Ok(logits),
@@ -217,15 +241,23 @@ fn run_rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
     comm: &mut dyn Communicator,
-    ids: &[u32],
-    layout: &BatchLayout,
-    logit_rows: &[usize],
-    wanted: LogitsWanted,
+    pool: Option<&rayon::ThreadPool>,
+    step: RankStep<'_>,
 ) -> Result<Option<StepLogits>> {
     let started = Instant::now();
-    let out = rank_step(model, kv, comm, ids, layout, logit_rows, wanted)?;
+    let RankStep { ids, layout, logit_rows, wanted } = step;
+    let uses_pool = model.backend().uses_thread_pool();
+    let out = on_pool(uses_pool, pool, || rank_step(model, kv, comm, ids, layout, logit_rows, wanted))?;
     model.metrics.step(started.elapsed());
     Ok(out)
+}
+
+/// A step's inputs, as every rank gets them.
+struct RankStep<'a> {
+    ids: &'a [u32],
+    layout: &'a BatchLayout,
+    logit_rows: &'a [usize],
+    wanted: LogitsWanted,
 }
 
 fn rank_step<B: Backend>(
@@ -264,8 +296,13 @@ fn rank_step<B: Backend>(
 }
 
 /// The loop of every rank but the leader: allocate the KV cache the leader asks for, then
-/// run steps until told to stop.
-pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator>) -> Result<()> {
+/// run steps until told to stop. `pool`: see [`rank_pool`]; None for a rank that is the
+/// only one of its group in this process.
+pub fn follower_loop<B: Backend>(
+    model: Model<B>,
+    mut comm: Box<dyn Communicator>,
+    pool: Option<rayon::ThreadPool>,
+) -> Result<()> {
     let LeaderMessage::Init { num_blocks, block_size } = LeaderMessage::decode(&comm.recv_idle(0)?, None)?
     else {
         return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
@@ -291,8 +328,8 @@ pub fn follower_loop<B: Backend>(model: Model<B>, mut comm: Box<dyn Communicator
             }
             None => Span::none(),
         };
-        let logits = span
-            .in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), &ids, &layout, &logit_rows, wanted))?;
+        let step = RankStep { ids: &ids, layout: &layout, logit_rows: &logit_rows, wanted };
+        let logits = span.in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), pool.as_ref(), step))?;
         if let (true, Some(l)) = (last_lead, logits) {
             if rank != 0 {
                 comm.send(0, f32_bytes(&l.into_f32s(wanted)))?;

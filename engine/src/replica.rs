@@ -19,7 +19,7 @@ use crate::backend::cpu::CpuBackend;
 use crate::backend::{Backend, BackendOptions, Device};
 use crate::comm::tcp::{local_group, TcpComm, TcpCommConfig};
 use crate::comm::Communicator;
-use crate::dist::{follower_loop, LeaderExecutor};
+use crate::dist::{follower_loop, rank_pool, LeaderExecutor};
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::ReplicaLabels;
 use crate::model::Model;
@@ -163,8 +163,13 @@ where
                     let comm = communicator(comm, rank_device(rank), par)?;
                     let mut model = Model::load_shard(&dir, make(rank)?, par, rank)?;
                     model.label(&labels);
+                    let pool = model
+                        .backend()
+                        .uses_thread_pool()
+                        .then(|| rank_pool(rank, par.world()))
+                        .transpose()?;
                     let _ = tx.send(Ok(()));
-                    follower_loop(model, comm)
+                    follower_loop(model, comm, pool)
                 };
                 if let Err(e) = run() {
                     error!(rank, error = %e, "rank stopped");
@@ -184,8 +189,9 @@ where
     }
     let mut model = Model::load_shard(dir, backend(0)?, par, 0)?;
     model.label(&config.labels);
+    let pool = model.backend().uses_thread_pool().then(|| rank_pool(0, par.world())).transpose()?;
     info!(tp = par.tp, pp = par.pp, "replica ranks ready (threads)");
-    Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm)), par, config)
+    Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm, pool)), par, config)
 }
 
 /// The leader of a replica whose other ranks are worker processes joining at
@@ -211,7 +217,7 @@ pub fn leader_with_external_ranks(
         let comm = communicator(TcpComm::connect(&cfg, Some(rendezvous))?, config.backend.device, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, 0)?;
         model.label(&config.labels);
-        Engine::with_executor(Box::new(LeaderExecutor::new(model, comm)), par, config)
+        Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, None)), par, config)
     })
 }
 
@@ -255,6 +261,6 @@ pub fn run_worker_rank(
         model.label(&labels);
         info!(rank, device = %opts.device, "worker rank ready");
         joined();
-        follower_loop(model, comm)
+        follower_loop(model, comm, None)
     })
 }
