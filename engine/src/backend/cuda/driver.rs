@@ -379,11 +379,15 @@ impl Gpu for CudaGpu {
 
     fn end_capture(&self) -> Result<DriverGraph> {
         self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
-        let graph = self
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        let ended = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        // A buffer freed while capturing records its error in the context instead of
+        // returning it, and the context reports it on its next call: take it here, where
+        // it belongs (a broken capture), not in the eager step that follows.
+        let recorded = self.ctx.check_err();
+        let graph = ended
             .map_err(drv("end graph capture"))?
             .ok_or_else(|| Error::Internal("the graph capture recorded nothing".into()))?;
+        recorded.map_err(drv("a free while capturing"))?;
         graph.upload().map_err(drv("graph upload"))?;
         Ok(DriverGraph(graph))
     }
