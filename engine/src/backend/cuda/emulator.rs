@@ -83,6 +83,8 @@ pub struct EmulatedGpu {
     capture: Mutex<Option<EmuGraph>>,
     captures: AtomicU64,
     replays: AtomicU64,
+    /// Tests: replays fail, as a graph the device cannot run would.
+    pub fail_replays: std::sync::atomic::AtomicBool,
 }
 
 impl EmulatedGpu {
@@ -305,6 +307,9 @@ impl Gpu for EmulatedGpu {
 
     fn replay(&self, graph: &EmuGraph) -> Result<()> {
         self.refuse_host_transfer("a replay")?;
+        if self.fail_replays.load(Ordering::Relaxed) {
+            return Err(Error::Unavailable("the emulated device refuses to run the graph".into()));
+        }
         self.replays.fetch_add(1, Ordering::Relaxed);
         graph.work.iter().try_for_each(|w| self.run(w))
     }

@@ -15,8 +15,8 @@
 //! result is copied into a fixed output buffer. Every later step of that bucket rewrites
 //! the inputs (four small copies), replays the graph and reads the output. A step whose
 //! block tables outgrow the stride is captured again at twice the stride. Anything the
-//! capture cannot hold (an op that must reach the host) fails the capture, and that
-//! bucket runs eagerly from then on.
+//! capture cannot hold (an op that must reach the host), or a graph whose first replay
+//! fails (its memory does not fit), leaves that bucket to run eagerly from then on.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -145,17 +145,31 @@ impl<G: Gpu> CudaBackend<G> {
         let padded = pad(step, rows, scratch);
         let longest = padded.layout.seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
         if let Some(c) = graphs.captured.get_mut(&key).filter(|c| c.table_stride >= longest) {
-            let out = self.replay(c, &padded, n)?;
-            return Ok(Some(out));
+            match self.replay(c, &padded, n) {
+                Ok(out) => return Ok(Some(out)),
+                // Rerunning the step eagerly is safe: it rewrites the same KV slots with
+                // the same values.
+                Err(e) => {
+                    warn!(rows, wanted = ?step.wanted, error = %e, "a graph failed; decode steps of this batch size run without one");
+                    graphs.captured.remove(&key);
+                    graphs.refused.insert(key);
+                    return Ok(None);
+                }
+            }
         }
         if graphs.warm.insert(key) {
             return Ok(None); // the bucket's first step runs eagerly
         }
         let stride = longest.next_power_of_two().max(MIN_TABLE_STRIDE);
-        match self.capture(step, &padded, stride, body) {
-            Ok(mut c) => {
+        // The first replay belongs to the capture: a graph the device cannot run (its
+        // memory does not fit beside the KV cache) leaves the step to run eagerly.
+        let captured = self.capture(step, &padded, stride, body).and_then(|mut c| {
+            let out = self.replay(&mut c, &padded, n)?;
+            Ok((c, out))
+        });
+        match captured {
+            Ok((c, out)) => {
                 debug!(rows, wanted = ?step.wanted, table_stride = stride, "decode step captured as a graph");
-                let out = self.replay(&mut c, &padded, n)?;
                 graphs.captured.insert(key, c);
                 Ok(Some(out))
             }

@@ -235,3 +235,60 @@ fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
     let x = b.upload(vec![1.0, 2.0], 1, 2).unwrap();
     assert_eq!(b.to_host(&x).unwrap(), vec![1.0, 2.0]);
 }
+
+/// A captured step returns the rows the body computes for the real sequences (three,
+/// padded to four), replays with new inputs, and a graph that fails to run leaves its
+/// batch size to eager steps.
+#[test]
+fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
+    use crate::backend::{Backend, BatchLayout, DecodeStep, SeqSlice};
+    use crate::logits::LogitsWanted;
+    use crate::model::weights::HostTensor;
+    let gpu = Arc::new(EmulatedGpu::new());
+    let b = CudaBackend::with_graphs(gpu.clone(), true);
+    b.alloc_kv(8, 2, 4).unwrap();
+    // The "model": an embedding lookup of 6 tokens × 3 columns (bf16-exact values).
+    let values: Vec<f32> = (0..18).map(|i| i as f32 - 4.0).collect();
+    let table = b.load_weight(&HostTensor::from_f32("embed", &[6, 3], &values)).unwrap();
+    let step_of = |ids: &[u32]| {
+        let seqs = (0..ids.len())
+            .map(|i| SeqSlice {
+                token_start: i,
+                num_tokens: 1,
+                context_before: 2,
+                block_table: vec![i as u32],
+            })
+            .collect();
+        BatchLayout {
+            positions: vec![2; ids.len()],
+            slots: (0..ids.len() as u32).collect(),
+            seqs,
+            block_size: 2,
+        }
+    };
+    let mut run = |ids: &[u32]| {
+        let layout = step_of(ids);
+        let rows: Vec<usize> = (0..ids.len()).collect();
+        let step = DecodeStep {
+            ids,
+            layout: &layout,
+            logit_rows: &rows,
+            wanted: LogitsWanted::Full,
+            vocab: 3,
+            first_id: 0,
+        };
+        b.replay_decode(&step, &mut |ids, _, _| b.embed(&table, ids, 0)).unwrap()
+    };
+    let rows_of = |ids: &[u32]| {
+        ids.iter().flat_map(|&t| values[t as usize * 3..t as usize * 3 + 3].to_vec()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(&[1, 2, 3]), None, "the first step of a batch size runs eagerly");
+    assert_eq!(run(&[4, 0, 5]), Some(rows_of(&[4, 0, 5])), "captured, then replayed");
+    assert_eq!(run(&[5, 5, 1]), Some(rows_of(&[5, 5, 1])), "replayed with new ids");
+    assert_eq!((gpu.captures(), gpu.replays()), (1, 2));
+    gpu.fail_replays.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(run(&[2, 2, 2]), None, "a failing graph: this step runs eagerly");
+    gpu.fail_replays.store(false, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(run(&[3, 1, 0]), None, "and every later one of this batch size");
+    assert_eq!((gpu.captures(), gpu.replays()), (1, 2));
+}
