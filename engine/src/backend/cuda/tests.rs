@@ -266,7 +266,7 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
             block_size: 2,
         }
     };
-    let mut run = |ids: &[u32]| {
+    let run = |ids: &[u32]| {
         let layout = step_of(ids);
         let rows: Vec<usize> = (0..ids.len()).collect();
         let step = DecodeStep {
