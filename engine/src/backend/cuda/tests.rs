@@ -86,14 +86,20 @@ fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
     out
 }
 
-#[test]
-fn a_whole_model_matches_the_cpu_backend() {
-    // bf16 weights on both sides; the device also rounds matmul inputs to bf16.
+/// A tiny random Llama with bf16 weights and `layers` layers, in a temporary directory.
+fn tiny_bf16_model(layers: usize) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut spec = RandomModelSpec::tiny(Architecture::Llama);
     spec.dtype = DType::BF16;
-    spec.layers = 2;
+    spec.layers = layers;
     spec.write(dir.path(), |_, _| {}).unwrap();
+    dir
+}
+
+#[test]
+fn a_whole_model_matches_the_cpu_backend() {
+    // bf16 weights on both sides; the device also rounds matmul inputs to bf16.
+    let dir = tiny_bf16_model(2);
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
     let mut cpu = Engine::new(Model::load(dir.path(), CpuBackend::new()).unwrap(), &config).unwrap();
     let mut gpu = Engine::new(Model::load(dir.path(), backend()).unwrap(), &config).unwrap();
@@ -157,11 +163,7 @@ fn sampling_from_device_candidates_equals_sampling_whole_rows() {
 /// graph's block-table stride, so that it is captured again.
 #[test]
 fn decode_graphs_replay_what_eager_steps_compute() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut spec = RandomModelSpec::tiny(Architecture::Llama);
-    spec.dtype = DType::BF16;
-    spec.layers = 1;
-    spec.write(dir.path(), |_, _| {}).unwrap();
+    let dir = tiny_bf16_model(1);
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 1, ..Default::default() };
     let run = |graphs: bool| {
         let gpu = Arc::new(EmulatedGpu::new());
