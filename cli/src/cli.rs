@@ -235,6 +235,9 @@ pub struct GenerateArgs {
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// In-process, GPU: run decode steps op by op instead of replaying CUDA graphs.
+    #[arg(long)]
+    pub enforce_eager: bool,
     /// In-process: tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
@@ -374,7 +377,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
             dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
             device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
             quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
-            ..Default::default()
+            enforce_eager: args.enforce_eager,
         },
         ..Default::default()
     };
