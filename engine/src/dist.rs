@@ -115,8 +115,7 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
     ) -> Result<StepLogits> {
         let started = Instant::now();
         let (model, kv) = (&self.model, &mut self.kv);
-        let uses_pool = model.backend().uses_thread_pool();
-        let logits = on_pool(uses_pool, None, || model.forward(ids, layout, kv, logit_rows, wanted))?;
+        let logits = on_pool(model.backend(), None, || model.forward(ids, layout, kv, logit_rows, wanted))?;
         self.model.metrics.step(started.elapsed());
         Ok(logits)
     }
@@ -136,8 +135,12 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
 /// rank's own, when ranks of one group share a process (a rank blocked in a collective
 /// must not hold a worker its peers need) — or else inside the global pool, so each loop
 /// starts on a worker that takes part in it instead of handing itself over and sleeping.
-fn on_pool<R: Send>(uses_pool: bool, pool: Option<&rayon::ThreadPool>, f: impl FnOnce() -> R + Send) -> R {
-    match (uses_pool, pool) {
+fn on_pool<B: Backend, R: Send>(
+    backend: &B,
+    pool: Option<&rayon::ThreadPool>,
+    f: impl FnOnce() -> R + Send,
+) -> R {
+    match (backend.uses_thread_pool(), pool) {
         (false, _) => f(),
         (true, Some(p)) => p.install(f),
         (true, None) => rayon::scope(|_| f()),
@@ -246,8 +249,7 @@ fn run_rank_step<B: Backend>(
 ) -> Result<Option<StepLogits>> {
     let started = Instant::now();
     let RankStep { ids, layout, logit_rows, wanted } = step;
-    let uses_pool = model.backend().uses_thread_pool();
-    let out = on_pool(uses_pool, pool, || rank_step(model, kv, comm, ids, layout, logit_rows, wanted))?;
+    let out = on_pool(model.backend(), pool, || rank_step(model, kv, comm, ids, layout, logit_rows, wanted))?;
     model.metrics.step(started.elapsed());
     Ok(out)
 }

@@ -230,11 +230,7 @@ impl<B: Backend> Model<B> {
             })?;
             if let Some(data) = replayed {
                 self.metrics.graph_step();
-                return Ok(match wanted {
-                    LogitsWanted::Full => StepLogits::Full(data),
-                    LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
-                    LogitsWanted::Top(k) => StepLogits::Top(top_from_f32s(&data, k)?),
-                });
+                return StepLogits::from_f32s(wanted, data);
             }
         }
         let mut none = NoComm;

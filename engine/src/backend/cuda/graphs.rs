@@ -58,9 +58,9 @@ pub(super) struct Pinned<B> {
     pub rows: Indices<B>,
 }
 
-/// Indices (token ids, logit rows) and their device copy.
+/// Indices (token ids, logit rows), as the kernels' i32, and their device copy.
 pub(super) struct Indices<B> {
-    pub values: Vec<usize>,
+    pub values: Vec<i32>,
     pub buf: Arc<B>,
 }
 
@@ -191,15 +191,17 @@ impl<G: Gpu> CudaBackend<G> {
     ) -> Result<Captured<G>> {
         let gpu = &*self.gpu;
         let layout = Arc::new(DeviceLayout::upload(gpu, &padded.layout, Some(table_stride))?);
-        let ids = Arc::new(gpu.upload(i32_bytes(&to_i32(padded.ids.iter().map(|&i| i as usize))?))?);
-        let rows = Arc::new(gpu.upload(i32_bytes(&to_i32(padded.rows.iter().copied())?))?);
+        let ids_i = to_i32(padded.ids.iter().map(|&i| i as usize))?;
+        let rows_i = to_i32(padded.rows.iter().copied())?;
+        let ids = Arc::new(gpu.upload(i32_bytes(&ids_i))?);
+        let rows = Arc::new(gpu.upload(i32_bytes(&rows_i))?);
         let out_cols = out_cols(step.wanted, step.vocab);
         let mut out = gpu.alloc(padded.rows.len() * out_cols * 4)?;
         // The ops of the captured step find these instead of uploading their own.
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
-            ids: Indices { values: padded.ids.iter().map(|&i| i as usize).collect(), buf: ids.clone() },
-            rows: Indices { values: padded.rows.clone(), buf: rows.clone() },
+            ids: Indices { values: ids_i, buf: ids.clone() },
+            rows: Indices { values: rows_i, buf: rows.clone() },
         });
         gpu.begin_capture()?;
         let recorded = (|| {

@@ -124,7 +124,8 @@ impl<B> DeviceLayout<B> {
 
     /// Rewrites a fixed-capacity layout (from [`DeviceLayout::upload`] with the same
     /// stride) for the next step of the same shape: what a decode step changes —
-    /// positions, slots, contexts and block tables. Errors if the shape differs.
+    /// positions, slots, contexts and block tables. Errors if the shape differs. The key
+    /// stays the captured step's: only its shape is read once the graph is captured.
     pub fn refill<G: Gpu<Buf = B>>(
         &mut self,
         gpu: &G,
@@ -144,7 +145,6 @@ impl<B> DeviceLayout<B> {
         gpu.write(&mut self.slots, i32_bytes(&a.slots))?;
         gpu.write(&mut self.seq_ctx, i32_bytes(&a.seq_ctx))?;
         gpu.write(&mut self.block_tables, i32_bytes(&a.tables))?;
-        self.key = LayoutArrays::of(layout, None)?;
         Ok(())
     }
 }

@@ -124,16 +124,16 @@ impl<G: Gpu> CudaBackend<G> {
     /// buffer (`which`: token ids or logit rows) when that holds them; else an upload.
     fn indices(
         &self,
-        values: &[usize],
+        values: impl IntoIterator<Item = usize>,
         which: fn(&graphs::Pinned<G::Buf>) -> &graphs::Indices<G::Buf>,
     ) -> Result<Arc<G::Buf>> {
+        let v = to_i32(values)?;
         if let Some(p) = self.pinned.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
             let pinned = which(p);
-            if pinned.values == values {
+            if pinned.values == v {
                 return Ok(pinned.buf.clone());
             }
         }
-        let v = to_i32(values.iter().copied())?;
         Ok(Arc::new(self.gpu.upload(i32_bytes(if v.is_empty() { &[0] } else { &v }))?))
     }
 
@@ -348,8 +348,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
 
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
         let out = self.tensor(ids.len(), table.cols)?;
-        let ids: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
-        let ids_buf = self.indices(&ids, |p| &p.ids)?;
+        let ids_buf = self.indices(ids.iter().map(|&i| i as usize), |p| &p.ids)?;
         self.launch(
             Kernel::Embed,
             Launch::rows(ids.len(), ROW_THREADS),
@@ -632,7 +631,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
         }
         let y = self.tensor(rows.len(), x.cols)?;
-        let idx_buf = self.indices(rows, |p| &p.rows)?;
+        let idx_buf = self.indices(rows.iter().copied(), |p| &p.rows)?;
         self.launch(
             Kernel::GatherRows,
             Launch::rows(rows.len(), ROW_THREADS),
