@@ -93,9 +93,12 @@ impl ClusterRoutes {
         let desired = spec.map_or(0, |s| s.replicas as usize);
         let serving_ready =
             view.ready_replicas(&self.model).filter(|r| Some(r.generation) == serving).count();
-        move |g: u64| match to_canary {
-            true => Some(g) == canary,
-            false => Some(g) != canary && (Some(g) == serving || serving_ready < desired),
+        move |g: u64| {
+            if to_canary {
+                Some(g) == canary
+            } else {
+                Some(g) != canary && (Some(g) == serving || serving_ready < desired)
+            }
         }
     }
 

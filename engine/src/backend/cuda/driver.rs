@@ -121,11 +121,11 @@ const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// graph is captured.
 fn set_blas_workspace(blas: &CudaBlas, stream: &Arc<CudaStream>) -> Result<CudaSlice<u8>> {
     let mut ws = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES).map_err(drv("cuBLAS workspace"))?;
-    let (ptr, _g) = ws.device_ptr_mut(stream);
+    let (ptr, guard) = ws.device_ptr_mut(stream);
     // SAFETY: the workspace is a live allocation of the stated size, kept as long as the handle.
     let status =
         unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE_BYTES) };
-    drop(_g);
+    drop(guard);
     if status != blas_sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
         return Err(Error::Unavailable(format!("cuBLAS workspace: {status:?}")));
     }

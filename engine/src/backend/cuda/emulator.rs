@@ -9,7 +9,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::sync::Mutex;
 
@@ -84,7 +84,7 @@ pub struct EmulatedGpu {
     captures: AtomicU64,
     replays: AtomicU64,
     /// Tests: replays fail, as a graph the device cannot run would.
-    pub fail_replays: std::sync::atomic::AtomicBool,
+    pub fail_replays: AtomicBool,
 }
 
 impl EmulatedGpu {
@@ -104,18 +104,6 @@ impl EmulatedGpu {
 
     fn lock(&self) -> std::sync::MutexGuard<'static, ()> {
         LAUNCHES.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Queues `work` into the graph being captured; false when not capturing.
-    fn record(&self, work: impl FnOnce() -> Recorded) -> bool {
-        let mut capture = self.capture.lock().unwrap_or_else(|p| p.into_inner());
-        match capture.as_mut() {
-            Some(graph) => {
-                graph.work.push(work());
-                true
-            }
-            None => false,
-        }
     }
 
     fn capturing(&self) -> bool {
@@ -141,11 +129,10 @@ impl EmulatedGpu {
     fn run(&self, work: &Recorded) -> Result<()> {
         let _g = self.lock();
         match work {
-            Recorded::Launch { kernel, launch, values } => {
+            Recorded::Launch { kernel, launch: l, values } => {
                 let mut values = values.clone();
                 let mut ptrs: Vec<*mut c_void> =
                     values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
-                let l = launch;
                 // SAFETY: the argument values match the kernel's parameter list (the backend
                 // builds them from the same signature), and pointers are live buffers.
                 let rc = unsafe {
@@ -188,11 +175,11 @@ impl EmulatedGpu {
 
     /// Runs `work` now, or queues it into the graph being captured.
     fn submit(&self, work: Recorded) -> Result<()> {
-        let mut work = Some(work);
-        if self.record(|| work.take().expect("taken once")) {
+        if let Some(graph) = self.capture.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            graph.work.push(work);
             return Ok(());
         }
-        self.run(work.as_ref().expect("not recorded"))
+        self.run(&work)
     }
 }
 
