@@ -7,12 +7,14 @@
 //! the query heads that share a KV head (GQA) read each K and V row once between them.
 //! The inner loops (dot products over `head_dim`, the weighted sum of V rows) are written
 //! with independent lane accumulators so the compiler vectorizes them; on x86-64 they are
-//! compiled a second time for AVX-512 and picked at run time.
+//! compiled a second time for AVX-512 and picked at run time. A sequence with several new
+//! tokens (prefill, a prompt chunk) runs in tiles of 16 tokens instead where the CPU has
+//! AVX-512 ([`super::attention_tiles`]): the tokens become the vector lanes.
 
 use rayon::prelude::*;
 
-use super::{CpuKvLayer, CpuTensor};
-use crate::backend::{AttentionShape, BatchLayout};
+use super::{CpuKvLayer, CpuTensor, SendPtr};
+use crate::backend::{AttentionShape, BatchLayout, SeqSlice};
 
 /// Lanes of the dot product's accumulators (one AVX-512 register of f32).
 const LANES: usize = 16;
@@ -24,35 +26,98 @@ pub fn paged_attention(
     shape: AttentionShape,
 ) -> CpuTensor {
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
-    let group = num_heads / num_kv_heads;
-    let n = q.rows;
-    // Which sequence each row belongs to.
-    let mut seq_of_row = vec![0usize; n];
-    for (s, seq) in layout.seqs.iter().enumerate() {
-        seq_of_row[seq.token_start..seq.token_start + seq.num_tokens].fill(s);
-    }
-    let mut out = CpuTensor::zeros(n, num_heads * head_dim);
-    let width = group * head_dim;
-    out.data.par_chunks_mut(width).enumerate().for_each_init(Vec::new, |scores, (idx, o)| {
-        let (row, kv_head) = (idx / num_kv_heads, idx % num_kv_heads);
-        let job = Job {
-            q: &q.row(row)[kv_head * width..(kv_head + 1) * width],
-            cache,
-            seq: &layout.seqs[seq_of_row[row]],
-            row,
-            kv_off: kv_head * head_dim,
-            block_size: layout.block_size,
-            shape,
-        };
-        #[cfg(target_arch = "x86_64")]
-        if super::simd::available() {
-            // SAFETY: AVX-512 is available (checked at run time).
-            unsafe { attend_avx512(&job, scores, o) };
-            return;
+    let width = num_heads / num_kv_heads * head_dim;
+    let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
+    let out_ptr = SendPtr(out.data.as_mut_ptr());
+    plan(layout, shape).par_iter().for_each_init(Scratch::default, |scratch, work| match work {
+        Work::Token { seq, row, kv_head } => {
+            let job = Job {
+                q: &q.row(*row)[kv_head * width..(kv_head + 1) * width],
+                cache,
+                seq,
+                row: *row,
+                kv_off: kv_head * head_dim,
+                block_size: layout.block_size,
+                shape,
+            };
+            // SAFETY: this task alone writes these columns of this row (one task per
+            // (row, KV head)); they lie inside `out`.
+            let o = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.0.add((row * num_kv_heads + kv_head) * width), width)
+            };
+            #[cfg(target_arch = "x86_64")]
+            if super::simd::available() {
+                // SAFETY: AVX-512 is available (checked at run time).
+                unsafe { attend_avx512(&job, &mut scratch.scores, o) };
+                return;
+            }
+            attend::<false>(&job, &mut scratch.scores, o);
         }
-        attend::<false>(&job, scores, o);
+        #[cfg(target_arch = "x86_64")]
+        Work::Tile(tile) => {
+            // SAFETY: tiles are planned only where AVX-512 is available; each writes its
+            // own rows' columns of its KV head.
+            unsafe {
+                super::attention_tiles::attend(q, cache, layout.block_size, shape, tile, scratch, &out_ptr)
+            }
+        }
     });
     out
+}
+
+/// Per-thread buffers.
+#[derive(Default)]
+pub(super) struct Scratch {
+    pub scores: Vec<f32>,
+    pub qt: Vec<f32>,
+    pub keys: Vec<usize>,
+}
+
+/// Rows of one sequence's new tokens and one KV head's query heads, attended together.
+pub(super) struct Tile<'a> {
+    pub seq: &'a SeqSlice,
+    /// The first row, counted from the sequence's first new token.
+    pub first: usize,
+    pub rows: usize,
+    pub kv_head: usize,
+}
+
+enum Work<'a> {
+    Token {
+        seq: &'a SeqSlice,
+        row: usize,
+        kv_head: usize,
+    },
+    #[cfg(target_arch = "x86_64")]
+    Tile(Tile<'a>),
+}
+
+/// Fewest new tokens of a sequence that run in tiles (fewer, as in decode, run per token).
+const MIN_TILE_ROWS: usize = 4;
+
+/// The step's attention as tasks: a prefill sequence in tiles where the CPU and shape
+/// allow, every other token on its own.
+fn plan(layout: &BatchLayout, shape: AttentionShape) -> Vec<Work<'_>> {
+    let mut work = Vec::new();
+    for seq in &layout.seqs {
+        #[cfg(target_arch = "x86_64")]
+        if seq.num_tokens >= MIN_TILE_ROWS
+            && super::attention_tiles::fits(&shape, seq.context_before + seq.num_tokens)
+        {
+            use super::attention_tiles::TILE;
+            for first in (0..seq.num_tokens).step_by(TILE) {
+                let rows = TILE.min(seq.num_tokens - first);
+                work.extend(
+                    (0..shape.num_kv_heads).map(|kv_head| Work::Tile(Tile { seq, first, rows, kv_head })),
+                );
+            }
+            continue;
+        }
+        for row in seq.token_start..seq.token_start + seq.num_tokens {
+            work.extend((0..shape.num_kv_heads).map(|kv_head| Work::Token { seq, row, kv_head }));
+        }
+    }
+    work
 }
 
 /// One token's query heads that share one KV head.
@@ -60,7 +125,7 @@ struct Job<'a> {
     /// `group` query heads of `head_dim`, one after another.
     q: &'a [f32],
     cache: &'a CpuKvLayer,
-    seq: &'a crate::backend::SeqSlice,
+    seq: &'a SeqSlice,
     row: usize,
     kv_off: usize,
     block_size: usize,
@@ -142,5 +207,40 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
         a.mul_add(b, c)
     } else {
         a * b + c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prompt of this shape runs in tiles where the CPU has AVX-512 (so the dense
+    /// comparison in `cpu/tests.rs` covers the tiled kernel here); a decoding token and a
+    /// head dim that is not a multiple of 16 run per token.
+    #[test]
+    fn prompts_run_in_tiles_and_decode_tokens_alone() {
+        let seq = |token_start, num_tokens| SeqSlice {
+            token_start,
+            num_tokens,
+            context_before: 3,
+            block_table: vec![0; 4],
+        };
+        let layout = BatchLayout { seqs: vec![seq(0, 20), seq(20, 1)], block_size: 16, ..Default::default() };
+        let shape = |head_dim| AttentionShape {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim,
+            scale: 1.0,
+            sliding_window: None,
+        };
+        let tiles = |work: &[Work]| work.iter().filter(|w| !matches!(w, Work::Token { .. })).count();
+        #[cfg(target_arch = "x86_64")]
+        if super::super::simd::available() {
+            // 20 tokens: a tile of 16 and one of 4, per KV head; the decode token per KV head.
+            let work = plan(&layout, shape(64));
+            assert_eq!((tiles(&work), work.len()), (4, 6));
+        }
+        let work = plan(&layout, shape(72));
+        assert_eq!((tiles(&work), work.len()), (0, 21 * 2));
     }
 }

@@ -21,7 +21,7 @@ use std::arch::x86_64::*;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::CpuTensor;
+use super::{CpuTensor, SendPtr};
 
 const NR: usize = 32;
 
@@ -181,11 +181,6 @@ unsafe fn tile<const R: usize>(xb: &[u32], kp: usize, packed: &[u32], out: *mut 
         }
     }
 }
-
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint column ranges of one buffer to rayon tasks.
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}
 
 #[cfg(test)]
 mod tests {

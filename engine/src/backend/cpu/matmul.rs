@@ -15,7 +15,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use strata_common::{Error, Result};
 
-use super::CpuTensor;
+use super::{CpuTensor, SendPtr};
 use crate::model::weights::{DType, HostTensor};
 
 /// Up to this many activation rows take the streaming (decode) path.
@@ -420,8 +420,3 @@ fn widen_fast<T: Widen>(src: &[T], dst: &mut [f32]) {
     }
     widen(src, dst)
 }
-
-struct SendPtr(*mut f32);
-// SAFETY: used only to hand disjoint column ranges of one buffer to rayon tasks.
-unsafe impl Sync for SendPtr {}
-unsafe impl Send for SendPtr {}

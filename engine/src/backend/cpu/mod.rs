@@ -9,6 +9,7 @@
 //! [`matmul`]); attention reads the paged cache through block tables (see [`attention`]).
 
 mod attention;
+mod attention_tiles;
 mod bf16_gemm;
 mod int8_vnni;
 mod matmul;
@@ -44,6 +45,13 @@ impl CpuTensor {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
 }
+
+/// A pointer into one output buffer that rayon tasks share, each writing its own
+/// disjoint part of it (what `par_chunks_mut` cannot express: column ranges, tiles).
+pub(super) struct SendPtr(pub *mut f32);
+// SAFETY: only ever used to hand disjoint parts of one buffer to rayon tasks.
+unsafe impl Sync for SendPtr {}
+unsafe impl Send for SendPtr {}
 
 /// One layer's paged K and V: `[num_blocks * block_size, kv_dim]` each.
 pub struct CpuKvLayer {

@@ -187,6 +187,74 @@ fn paged_attention_matches_dense_attention() {
     }
 }
 
+/// Writes `len` random positions of K and V for a sequence with block table `table`;
+/// returns them contiguous.
+fn fill_cache(
+    cache: &mut CpuKvLayer,
+    table: &[u32],
+    bs: usize,
+    len: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>) {
+    let kv_dim = cache.kv_dim;
+    let (k, v) = (random(len * kv_dim, seed), random(len * kv_dim, seed + 1));
+    for p in 0..len {
+        let slot = (table[p / bs] as usize * bs + p % bs) * kv_dim;
+        cache.k[slot..slot + kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
+        cache.v[slot..slot + kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
+    }
+    (k, v)
+}
+
+/// Prefill-shaped steps (the tiled kernel where the CPU has AVX-512): tiles cut short,
+/// prompts continuing a cached prefix, GQA groups of 1 and 4, head dims of 64 and 80
+/// (a short last column chunk), windows narrower than a tile, beside a decoding sequence.
+#[test]
+fn prefill_attention_in_tiles_matches_dense_attention() {
+    let b = CpuBackend::new();
+    let bs = 16;
+    // (new tokens, cached before) per sequence.
+    let seqs = [(37usize, 0usize), (1, 29), (16, 50), (5, 3)];
+    for (heads, kv_heads, d) in [(8, 2, 64), (2, 2, 80)] {
+        for window in [None, Some(7), Some(40)] {
+            let shape = AttentionShape {
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: d,
+                scale: 1.0 / (d as f32).sqrt(),
+                sliding_window: window,
+            };
+            let mut cache = b.alloc_kv(32, bs, kv_heads * d).unwrap();
+            let mut layout = BatchLayout { block_size: bs, ..Default::default() };
+            let (mut q_all, mut want) = (Vec::new(), Vec::new());
+            let mut next_block = 32u32;
+            for (s, &(new, before)) in seqs.iter().enumerate() {
+                let len = new + before;
+                // Blocks from the top of the cache down: out of order, never shared.
+                let table: Vec<u32> = (0..len.div_ceil(bs))
+                    .map(|_| {
+                        next_block -= 1;
+                        next_block
+                    })
+                    .collect();
+                let (k, v) = fill_cache(&mut cache, &table, bs, len, 100 + 10 * s as u64);
+                let q = random(new * heads * d, 200 + s as u64);
+                want.extend(naive_attention(&q, &k, &v, len, before, shape));
+                layout.seqs.push(SeqSlice {
+                    token_start: q_all.len() / (heads * d),
+                    num_tokens: new,
+                    context_before: before,
+                    block_table: table,
+                });
+                q_all.extend(q);
+            }
+            let rows = q_all.len() / (heads * d);
+            let out = b.attention(&CpuTensor::new(q_all, rows, heads * d), &cache, &layout, shape).unwrap();
+            assert_close(&out.data, &want, 1e-5);
+        }
+    }
+}
+
 #[test]
 fn matmul_f16_and_register_tiles_cover_odd_shapes() {
     use half::f16;
