@@ -6,13 +6,16 @@ STRATA_RELEASE := target/release/strata
 
 .PHONY: test demo build lint fmt bench-engine prerequisites image image-cuda
 
-## Everything CI checks: formatting, lints, the whole test suite, and that the `cuda`
+## Everything CI checks: formatting, lints, the whole test suite (the CPU kernels and the
+## HF comparisons again with the AVX2 and portable kernels), and that the `cuda`
 ## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
 ## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
+	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test -p strata-engine --lib backend::cpu \
+		&& STRATA_CPU_KERNELS=$$k $(CARGO) test -p strata-tests --test hf_reference || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features strata-cli/cuda,strata-engine/cuda-emulator -- -D warnings
 	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-engine --features cuda,cuda-emulator

@@ -10,7 +10,8 @@
 # llama.cpp is built from source outside this repository and the GGUF files converted
 # with its convert_hf_to_gguf.py (docs/PERFORMANCE.md says how); PYTHON needs torch and
 # transformers. A peer that is not given is left out of the table. Each figure is the
-# median of REPEATS runs; raw JSON goes to target/bench/peers/.
+# median of REPEATS runs; batch-1 decode is also measured in PAIRS alternating pairs of
+# Strata and llama.cpp runs. Raw JSON goes to target/bench/peers/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STRATA=${STRATA:-target/release/strata}
@@ -18,6 +19,7 @@ PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-target/bench-models/llama-1b-bf16}
 THREADS=${THREADS:-2}
 REPEATS=${REPEATS:-3}
+PAIRS=${PAIRS:-5}
 LLAMA_CPP_BIN=${LLAMA_CPP_BIN:-}
 GGUF_BF16=${GGUF_BF16:-}
 GGUF_Q8=${GGUF_Q8:-}
@@ -61,6 +63,15 @@ if [ -n "$LLAMA_CPP_BIN" ] && [ -n "$GGUF_BF16" ]; then
     echo "== llama-bench $tag" >&2
     "$LLAMA_CPP_BIN/llama-bench" -m "$gguf" -t "$THREADS" -p 512 -n 64 -r "$REPEATS" -o json \
       > "$out/llama-bench-$tag.json" 2> /dev/null
+  done
+  # Batch-1 decode again, Strata and llama.cpp taking turns: this machine's bandwidth moves
+  # between runs, so only alternating pairs compare the two fairly.
+  for r in $(seq "$PAIRS"); do
+    echo "== batch-1 decode, alternating pair $r" >&2
+    "$STRATA" model bench --model "$MODEL" --prompt-len 16 --decode-tokens 64 --repeats 1 \
+      > "$out/pair-strata-$r.json"
+    "$LLAMA_CPP_BIN/llama-bench" -m "$GGUF_BF16" -t "$THREADS" -p 0 -n 64 -r 1 -o json \
+      > "$out/pair-llama-$r.json" 2> /dev/null
   done
   echo "== llama-batched-bench bf16, 32 sequences" >&2
   "$LLAMA_CPP_BIN/llama-batched-bench" -m "$GGUF_BF16" -t "$THREADS" -c 4096 -b 2048 -ub 512 \

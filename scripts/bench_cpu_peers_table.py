@@ -43,6 +43,27 @@ def llama(d, tag, n_prompt, n_gen):
     return None, None
 
 
+def pairs(d):
+    """Batch-1 decode in alternating pairs of runs: medians, and the median of each pair's ratio."""
+    strata = runs(d, "pair-strata-*.json")
+    llama_runs = runs(d, "pair-llama-*.json")
+    if not strata or not llama_runs:
+        return
+    tps = [r["decode_tokens_per_s"] for r in strata]
+    share = [r["decode_tokens_per_s"] / r["roofline_decode_tokens_per_s"] for r in strata]
+    bws = [r["bandwidth_gb_per_s"] for r in strata]
+    lts = [r[0]["avg_ts"] for r in llama_runs]
+    ratios = [a / b for a, b in zip(tps, lts)]
+    print()
+    print(f"batch-1 decode in {len(ratios)} alternating pairs (Strata run, then llama-bench tg64):")
+    print()
+    print("| | Strata (tok/s) | share of its run's roofline | bandwidth (GB/s) | llama.cpp (tok/s) | Strata / llama.cpp |")
+    print("|---|---|---|---|---|---|")
+    for i, (a, s, bw, b) in enumerate(zip(tps, share, bws, lts)):
+        print(f"| pair {i + 1} | {a:.2f} | {100 * s:.0f}% | {bw:.1f} | {b:.2f} | {a / b:.2f}× |")
+    print(f"| **median** | **{med(tps):.2f}** | **{100 * med(share):.0f}%** | {med(bws):.1f} | **{med(lts):.2f}** | **{med(ratios):.2f}×** |")
+
+
 def main():
     d = sys.argv[1]
     bf16 = runs(d, "strata-bf16-*.json")
@@ -85,6 +106,7 @@ def main():
     print(f"| batch-1 decode, int8 / q8_0 (tok/s) | {fmt(i8, 2)} ({100 * i8 / i8_roof:.0f}% of roofline) | {fmt(qt, 2)} | n/a | {ratio(i8, qt)} | n/a |")
     print()
     print(f"int8 / bf16 batch-1 decode: {ratio(i8, decode)}; serving TTFT p50 {fmt(ttft, 0)} ms, ITL p50 {fmt(itl, 0)} ms")
+    pairs(d)
     print()
     print("| max-batched-tokens | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|")

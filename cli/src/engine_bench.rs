@@ -25,6 +25,8 @@ pub struct EngineBenchReport {
     /// Median decode step time, and the share of it the leader spent communicating.
     pub decode_step_ms: f64,
     pub decode_comm_share: f64,
+    /// The CPU kernels that ran (`avx512`, `avx2`, `portable`; see `STRATA_CPU_KERNELS`).
+    pub cpu_kernels: &'static str,
     /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
     pub batched_decode: Vec<(usize, f64)>,
     pub bandwidth_gb_per_s: f64,
@@ -113,6 +115,7 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         decode_tokens_per_s: decode,
         decode_step_ms: 1e3 / decode,
         decode_comm_share,
+        cpu_kernels: CpuBackend::kernels(),
         batched_decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
         gemv_gb_per_s: gemv / 1e9,
@@ -164,7 +167,7 @@ pub fn measure_bandwidth(repeats: usize) -> f64 {
 }
 
 /// Bytes per second the CPU backend's batch-1 matmul reads from a 256 MiB bf16 weight
-/// (median of `repeats`).
+/// (median of `repeats`), in the layout the backend keeps bf16 weights in on this CPU.
 pub fn measure_gemv_bandwidth(repeats: usize) -> f64 {
     use strata_engine::backend::cpu::{CpuTensor, CpuWeight};
     use strata_engine::backend::Backend;
@@ -172,8 +175,9 @@ pub fn measure_gemv_bandwidth(repeats: usize) -> f64 {
     let w: Vec<half::bf16> =
         (0..m * k).map(|i| half::bf16::from_f32(((i % 89) as f32 - 44.0) / 890.0)).collect();
     let w = CpuWeight::from_bf16(w, m, k);
+    // Packed as the backend packs a bf16 model's weights: only where it computes in bf16.
     #[cfg(target_arch = "x86_64")]
-    let w = w.packed_bf16();
+    let w = if CpuBackend::bf16_compute_available() { w.packed_bf16() } else { w };
     let bytes = w.bytes();
     let x = CpuTensor::new((0..k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), 1, k);
     let backend = CpuBackend::new();

@@ -46,10 +46,12 @@ pub fn paged_attention(
                 std::slice::from_raw_parts_mut(out_ptr.0.add((row * num_kv_heads + kv_head) * width), width)
             };
             #[cfg(target_arch = "x86_64")]
-            if super::simd::available() {
-                // SAFETY: AVX-512 is available (checked at run time).
-                unsafe { attend_avx512(&job, &mut scratch.scores, o) };
-                return;
+            match super::simd::level() {
+                // SAFETY: the CPU has what each function is compiled for (checked at run
+                // time).
+                super::simd::Level::Avx512 => return unsafe { attend_avx512(&job, &mut scratch.scores, o) },
+                super::simd::Level::Avx2 => return unsafe { attend_avx2(&job, &mut scratch.scores, o) },
+                super::simd::Level::Portable => {}
             }
             attend::<false>(&job, &mut scratch.scores, o);
         }
@@ -135,6 +137,12 @@ struct Job<'a> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 unsafe fn attend_avx512(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend::<true>(job, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
     attend::<true>(job, scores, out)
 }
 

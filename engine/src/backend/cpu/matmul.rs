@@ -5,8 +5,10 @@
 //!   registers and dotted with the activation rows — one row with two accumulators
 //!   (memory-bound), several in register tiles of 4 weight rows × 6 activation rows (so
 //!   batched decode runs at FMA speed); rayon splits the output rows across cores. The
-//!   AVX-512 kernels are picked at run time, with a portable loop elsewhere, so one binary
-//!   runs everywhere and uses what the CPU has.
+//!   kernels are picked at run time — AVX-512 ([`super::simd`]), AVX2 + FMA
+//!   ([`super::simd_avx2`]), else a portable loop — so one binary runs everywhere and uses
+//!   what the CPU has; int8 weights run integer dot products on either (`int8_vnni`,
+//!   `int8_avx2`).
 //! - **Many rows (prefill)**: compute-bound. Output columns are cut into tiles; each tile of
 //!   weight rows is widened into a per-thread f32 buffer (cost amortised over all rows of
 //!   `x`) and multiplied by the `gemm` crate's packed AVX-512 kernels.
@@ -257,6 +259,14 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
         {
             super::int8_vnni::matmul(x, q, scales, sums, w.rows)
         }
+        #[cfg(target_arch = "x86_64")]
+        WeightData::Int8 { q, scales, .. }
+            if x.rows > 0
+                && x.rows <= STREAM_MAX_ROWS
+                && super::simd::level() >= super::simd::Level::Avx2 =>
+        {
+            super::int8_avx2::matmul(x, q, scales, w.rows)
+        }
         WeightData::Int8 { q, scales, .. } => {
             let mut y = matmul_typed(x, q, w.rows);
             y.data.par_chunks_mut(w.rows.max(1)).for_each(|row| {
@@ -301,6 +311,13 @@ fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
                 unsafe { super::simd::rows_by_4(w4, &x.data, n, k, &mut out[jj * n..], (1, n)) };
                 jj += 4;
             }
+        } else if n > 1 && super::simd::level() == super::simd::Level::Avx2 {
+            while jj + 4 <= rows {
+                let w4 = [row(jj), row(jj + 1), row(jj + 2), row(jj + 3)];
+                // SAFETY: AVX2, FMA and F16C are available; shapes as above.
+                unsafe { super::simd_avx2::rows_by_4(w4, &x.data, n, k, &mut out[jj * n..], (1, n)) };
+                jj += 4;
+            }
         }
         for (j, out_row) in out.chunks_mut(n).enumerate().skip(jj) {
             dot_rows(row(j), &x.data, k, out_row);
@@ -325,9 +342,9 @@ pub(super) fn from_transposed(out_t: Vec<f32>, n: usize, m: usize) -> CpuTensor 
 
 /// Element types with both a portable and (on x86-64) an AVX-512 kernel.
 #[cfg(target_arch = "x86_64")]
-pub trait Kernel: Widen + super::simd::Load16 {}
+pub trait Kernel: Widen + super::simd::Load16 + super::simd_avx2::Load8 {}
 #[cfg(target_arch = "x86_64")]
-impl<T: Widen + super::simd::Load16> Kernel for T {}
+impl<T: Widen + super::simd::Load16 + super::simd_avx2::Load8> Kernel for T {}
 #[cfg(not(target_arch = "x86_64"))]
 pub trait Kernel: Widen {}
 #[cfg(not(target_arch = "x86_64"))]
@@ -343,6 +360,15 @@ fn dot_rows<T: Kernel>(w: &[T], x: &[f32], k: usize, out: &mut [f32]) {
             // SAFETY: the CPU has AVX-512; `w` is one row of k elements and `x` holds
             // `out.len()` rows of k.
             unsafe { super::simd::dot_rows(w, x, k, out) };
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::level() == super::simd::Level::Avx2 {
+        use super::simd_avx2::DOT_ROWS;
+        for (g, out) in out.chunks_mut(DOT_ROWS).enumerate() {
+            // SAFETY: the CPU has AVX2, FMA and F16C; `x` holds `out.len()` rows of k.
+            unsafe { super::simd_avx2::dot_rows(w, &x[g * DOT_ROWS * k..], k, out) };
         }
         return;
     }
@@ -417,6 +443,11 @@ fn widen_fast<T: Widen>(src: &[T], dst: &mut [f32]) {
     if super::simd::available() {
         // SAFETY: the CPU supports every feature the function is compiled for.
         return unsafe { widen_avx512(src, dst) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::level() == super::simd::Level::Avx2 {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        return unsafe { super::simd_avx2::widen(src, dst) };
     }
     widen(src, dst)
 }

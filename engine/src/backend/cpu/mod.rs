@@ -11,9 +11,11 @@
 mod attention;
 mod attention_tiles;
 mod bf16_gemm;
+mod int8_avx2;
 mod int8_vnni;
 mod matmul;
 mod simd;
+mod simd_avx2;
 
 use rayon::prelude::*;
 use strata_common::{Error, Result};
@@ -102,6 +104,19 @@ impl CpuBackend {
         self
     }
 
+    /// The kernels this process runs: `avx512`, `avx2` or `portable` (what the CPU has,
+    /// capped by the `STRATA_CPU_KERNELS` environment variable).
+    pub fn kernels() -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        return match simd::level() {
+            simd::Level::Avx512 => "avx512",
+            simd::Level::Avx2 => "avx2",
+            simd::Level::Portable => "portable",
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        "portable"
+    }
+
     /// Whether this CPU has the bf16 dot products bf16 compute runs on (AVX512-BF16).
     pub fn bf16_compute_available() -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -139,7 +154,7 @@ impl Backend for CpuBackend {
             }
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
-                tracing::warn!("this CPU lacks AVX512-BF16: bf16 weights are computed in f32 (exact, slower)")
+                tracing::warn!(kernels = Self::kernels(), "no AVX512-BF16 kernels on this CPU (or STRATA_CPU_KERNELS caps them): bf16 weights are computed in f32 (exact, slower)")
             });
         }
         Ok(w)

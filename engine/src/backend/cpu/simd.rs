@@ -48,15 +48,60 @@ impl Load16 for f16 {
     }
 }
 
-pub fn available() -> bool {
+/// The widest kernels this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    /// Plain Rust loops (what the compiler makes of them for the build's target).
+    Portable,
+    /// AVX2, FMA and F16C ([`super::simd_avx2`]).
+    Avx2,
+    /// AVX-512 F/BW with FMA and F16C (this module; AVX512-BF16 and -VNNI kernels
+    /// where the CPU also has those).
+    Avx512,
+}
+
+/// Environment variable that caps [`level`]: `avx2` or `portable` make a larger CPU run
+/// the kernels a smaller host would (to measure or test them); unset or `native`, the CPU
+/// decides.
+pub const KERNELS_ENV: &str = "STRATA_CPU_KERNELS";
+
+/// What the CPU supports, capped by [`KERNELS_ENV`]; decided once per process.
+pub fn level() -> Level {
     use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
+    static LEVEL: OnceLock<Level> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        let has = if is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
+        {
+            Level::Avx512
+        } else if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            Level::Avx2
+        } else {
+            Level::Portable
+        };
+        let cap = match std::env::var(KERNELS_ENV).as_deref() {
+            Ok("portable") => Level::Portable,
+            Ok("avx2") => Level::Avx2,
+            Ok("avx512" | "native" | "") | Err(_) => Level::Avx512,
+            Ok(other) => {
+                tracing::warn!("{KERNELS_ENV}={other:?} is not avx512, avx2, portable or native; ignored");
+                Level::Avx512
+            }
+        };
+        let level = has.min(cap);
+        tracing::debug!(?level, "CPU kernels");
+        level
     })
+}
+
+/// Whether the AVX-512 kernels run.
+pub fn available() -> bool {
+    level() == Level::Avx512
 }
 
 /// `out[t] = dot(w, x[t*k..(t+1)*k])` for `t < out.len()` (at most 8).
