@@ -31,82 +31,90 @@ def fmt(v, digits=1):
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
-def ratio(a, b):
-    return "n/a" if a is None or not b else f"{a / b:.2f}×"
-
-
-def llama(d, tag, n_prompt, n_gen):
-    rows = load(os.path.join(d, f"llama-bench-{tag}.json")) or []
-    for r in rows:
+def llama(run, n_prompt, n_gen):
+    for r in run or []:
         if r["n_prompt"] == n_prompt and r["n_gen"] == n_gen:
-            return r["avg_ts"], r.get("build_commit")
-    return None, None
+            return r["avg_ts"]
+    return None
 
 
-def pairs(d):
-    """Batch-1 decode in alternating pairs of runs: medians, and the median of each pair's ratio."""
-    strata = runs(d, "pair-strata-*.json")
-    llama_runs = runs(d, "pair-llama-*.json")
-    if not strata or not llama_runs:
-        return
-    tps = [r["decode_tokens_per_s"] for r in strata]
-    share = [r["decode_tokens_per_s"] / r["roofline_decode_tokens_per_s"] for r in strata]
-    bws = [r["bandwidth_gb_per_s"] for r in strata]
-    lts = [r[0]["avg_ts"] for r in llama_runs]
-    ratios = [a / b for a, b in zip(tps, lts)]
-    print()
-    print(f"batch-1 decode in {len(ratios)} alternating pairs (Strata run, then llama-bench tg64):")
-    print()
-    print("| | Strata (tok/s) | share of its run's roofline | bandwidth (GB/s) | llama.cpp (tok/s) | Strata / llama.cpp |")
-    print("|---|---|---|---|---|---|")
-    for i, (a, s, bw, b) in enumerate(zip(tps, share, bws, lts)):
-        print(f"| pair {i + 1} | {a:.2f} | {100 * s:.0f}% | {bw:.1f} | {b:.2f} | {a / b:.2f}× |")
-    print(f"| **median** | **{med(tps):.2f}** | **{100 * med(share):.0f}%** | {med(bws):.1f} | **{med(lts):.2f}** | **{med(ratios):.2f}×** |")
+class Rounds:
+    """Each measure per round (None where a peer was not run)."""
+
+    def __init__(self, d):
+        n = len(glob.glob(os.path.join(d, "strata-bf16-*.json")))
+        at = lambda name, r: load(os.path.join(d, f"{name}-{r}.json"))
+        self.n = n
+        self.m = {}
+        for r in range(1, n + 1):
+            bf16, int8 = at("strata-bf16", r), at("strata-int8", r)
+            lb, lq, hf = at("llama-bench-bf16", r), at("llama-bench-q8_0", r), at("hf", r)
+            batched, hfb, serve = at("llama-batched", r), at("hf-batched", r), at("serve-default", r)
+            row = {
+                "prefill": bf16["prefill_tokens_per_s"],
+                "decode": bf16["decode_tokens_per_s"],
+                "share": bf16["decode_share_of_roofline"],
+                "bandwidth": bf16["bandwidth_gb_per_s"],
+                "dec32": dict(bf16["batched_decode"]).get(32),
+                "int8": int8["decode_tokens_per_s"],
+                "int8_share": int8["decode_share_of_roofline"],
+                "serve": serve and serve["output_tokens_per_s"],
+                "ttft": serve and serve["ttft_ms"]["p50"],
+                "itl": serve and serve["itl_ms"]["p50"],
+                "l_prefill": llama(lb, 512, 0),
+                "l_decode": llama(lb, 0, 64),
+                "l_q8": llama(lq, 0, 64),
+                # llama-batched-bench: output tokens over the whole run (prompt processing
+                # included), what a serving benchmark's output tok/s counts; and its
+                # decode-only speed.
+                "l_serve": batched and batched["pl"] * batched["tg"] / batched["t"],
+                "l_dec32": batched and batched["speed_tg"],
+                "h_prefill": hf and hf["prefill_tokens_per_s"],
+                "h_decode": hf and hf["decode_tokens_per_s"],
+                "h_serve": hfb and hfb[0]["output_tokens_per_s"],
+                "kernels": bf16.get("cpu_kernels"),
+                "commit": (lb or [{}])[0].get("build_commit"),
+            }
+            for k, v in row.items():
+                self.m.setdefault(k, []).append(v)
+
+    def med(self, key):
+        return med(self.m.get(key, []))
+
+    def ratio(self, a, b):
+        """The median over rounds of a / b, and the range."""
+        rs = [x / y for x, y in zip(self.m[a], self.m[b]) if x is not None and y]
+        if not rs:
+            return "n/a"
+        return f"{statistics.median(rs):.2f}× ({min(rs):.2f}–{max(rs):.2f})"
 
 
 def main():
     d = sys.argv[1]
-    bf16 = runs(d, "strata-bf16-*.json")
-    int8 = runs(d, "strata-int8-*.json")
-    serve = runs(d, "serve-default-*.json")
-    hf = load(os.path.join(d, "hf.json"))
-    hf_batched = load(os.path.join(d, "hf-batched.json"))
-    batched = load(os.path.join(d, "llama-batched.json"))
-
-    prefill = med(r["prefill_tokens_per_s"] for r in bf16)
-    decode = med(r["decode_tokens_per_s"] for r in bf16)
-    roof = med(r["roofline_decode_tokens_per_s"] for r in bf16)
-    bw = med(r["bandwidth_gb_per_s"] for r in bf16)
-    dec32 = med(dict(r["batched_decode"]).get(32) for r in bf16)
-    i8 = med(r["decode_tokens_per_s"] for r in int8)
-    i8_roof = med(r["roofline_decode_tokens_per_s"] for r in int8)
-    out_tps = med(r["output_tokens_per_s"] for r in serve)
-    ttft = med(r["ttft_ms"]["p50"] for r in serve)
-    itl = med(r["itl_ms"]["p50"] for r in serve)
-
-    lp, commit = llama(d, "bf16", 512, 0)
-    lt, _ = llama(d, "bf16", 0, 64)
-    qt, _ = llama(d, "q8_0", 0, 64)
-    hp = hf and hf["prefill_tokens_per_s"]
-    hd = hf and hf["decode_tokens_per_s"]
-    hb = hf_batched and hf_batched[0]["output_tokens_per_s"]
-    # llama-batched-bench: output tokens over the whole run (prompt processing included),
-    # which is what a serving benchmark's output tok/s counts; and its decode-only speed.
-    lb_out = batched and batched["pl"] * batched["tg"] / batched["t"]
-    lb_tg = batched and batched["speed_tg"]
-
-    print(f"bandwidth {fmt(bw)} GB/s; llama.cpp build {commit or 'n/a'}")
+    R = Rounds(d)
+    m = R.med
+    kernels = ", ".join(sorted({k for k in R.m["kernels"] if k}))
+    commit = next((c for c in R.m["commit"] if c), "n/a")
+    print(f"{R.n} rounds; CPU kernels {kernels}; bandwidth {fmt(m('bandwidth'))} GB/s (median); llama.cpp build {commit}")
     print()
-    print("| measure | Strata | llama.cpp | HF transformers | Strata / llama.cpp | Strata / HF |")
+    print("| measure (median of rounds) | Strata | llama.cpp | HF transformers | Strata / llama.cpp | Strata / HF |")
     print("|---|---|---|---|---|---|")
-    print(f"| prefill, 512-token prompt, bf16 (tok/s) | {fmt(prefill)} | {fmt(lp)} | {fmt(hp)} | {ratio(prefill, lp)} | {ratio(prefill, hp)} |")
-    print(f"| batch-1 decode, bf16 (tok/s) | {fmt(decode, 2)} ({100 * decode / roof:.0f}% of roofline {fmt(roof, 2)}) | {fmt(lt, 2)} | {fmt(hd, 2)} | {ratio(decode, lt)} | {ratio(decode, hd)} |")
-    print(f"| decode step at 32 sequences, bf16 (output tok/s) | {fmt(dec32)} | {fmt(lb_tg)} | n/a | {ratio(dec32, lb_tg)} | n/a |")
-    print(f"| serving, 32 concurrent, 64 in + 32 out, bf16 (output tok/s) | {fmt(out_tps)} | {fmt(lb_out)} | {fmt(hb)} | {ratio(out_tps, lb_out)} | {ratio(out_tps, hb)} |")
-    print(f"| batch-1 decode, int8 / q8_0 (tok/s) | {fmt(i8, 2)} ({100 * i8 / i8_roof:.0f}% of roofline) | {fmt(qt, 2)} | n/a | {ratio(i8, qt)} | n/a |")
+    print(f"| prefill, 512-token prompt, bf16 (tok/s) | {fmt(m('prefill'))} | {fmt(m('l_prefill'))} | {fmt(m('h_prefill'))} | {R.ratio('prefill', 'l_prefill')} | {R.ratio('prefill', 'h_prefill')} |")
+    print(f"| batch-1 decode, bf16 (tok/s) | {fmt(m('decode'), 2)} ({100 * m('share'):.0f}% of roofline) | {fmt(m('l_decode'), 2)} | {fmt(m('h_decode'), 2)} | {R.ratio('decode', 'l_decode')} | {R.ratio('decode', 'h_decode')} |")
+    print(f"| decode step at 32 sequences, bf16 (output tok/s) | {fmt(m('dec32'))} | {fmt(m('l_dec32'))} | n/a | {R.ratio('dec32', 'l_dec32')} | n/a |")
+    print(f"| serving, 32 concurrent, 64 in + 32 out, bf16 (output tok/s) | {fmt(m('serve'))} | {fmt(m('l_serve'))} | {fmt(m('h_serve'))} | {R.ratio('serve', 'l_serve')} | {R.ratio('serve', 'h_serve')} |")
+    print(f"| batch-1 decode, int8 / q8_0 (tok/s) | {fmt(m('int8'), 2)} ({100 * m('int8_share'):.0f}% of roofline) | {fmt(m('l_q8'), 2)} | n/a | {R.ratio('int8', 'l_q8')} | n/a |")
     print()
-    print(f"int8 / bf16 batch-1 decode: {ratio(i8, decode)}; serving TTFT p50 {fmt(ttft, 0)} ms, ITL p50 {fmt(itl, 0)} ms")
-    pairs(d)
+    print(f"int8 / bf16 batch-1 decode: {R.ratio('int8', 'decode')}; serving TTFT p50 {fmt(m('ttft'), 0)} ms, "
+          f"ITL p50 {fmt(m('itl'), 0)} ms. Ratios: median over rounds of each round's ratio (range).")
+    print()
+    print("| round | bandwidth GB/s | prefill S / llama / HF | decode S (share) / llama | int8 S / q8_0 | serving S / llama / HF |")
+    print("|---|---|---|---|---|---|")
+    for i in range(R.n):
+        g = lambda k, digits=1: fmt(R.m[k][i], digits)
+        print(f"| {i + 1} | {g('bandwidth')} | {g('prefill')} / {g('l_prefill')} / {g('h_prefill')} | "
+              f"{g('decode', 2)} ({100 * R.m['share'][i]:.0f}%) / {g('l_decode', 2)} | {g('int8', 2)} / {g('l_q8', 2)} | "
+              f"{g('serve')} / {g('l_serve')} / {g('h_serve')} |")
     print()
     print("| max-batched-tokens | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---|---|---|---|---|")

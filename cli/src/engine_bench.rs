@@ -52,9 +52,11 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
     let vocab = engine.executor().config().vocab_size as u32;
     let prompt: Vec<u32> = (0..cfg.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
 
-    // Warm-up pages the weights in from the mapping.
+    // Warm-up, as llama-bench's: one prompt of the measured length pages the weights in
+    // from the mapping and the activations' buffers in from the allocator, so the
+    // measured prompts see the steady state a server runs in.
     info!("warm-up");
-    engine.prompt_logits(&prompt[..16.min(prompt.len())])?;
+    engine.prompt_logits(&prompt)?;
 
     let mut prefill = Vec::new();
     for r in 0..cfg.repeats {

@@ -98,18 +98,21 @@ pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
 const MR: usize = 8;
 
 /// Activations as bf16 pairs in blocks of [`MR`] rows, interleaved by k-pair
-/// (`[n / MR][kp / 2][MR]` u32), so the tile kernel's broadcasts read one contiguous run
-/// instead of `MR` rows a whole row apart (rows `kp · 2` bytes apart alias in L1 when
-/// `k` is a multiple of 2048). Padding rows and the k padding are zeros.
+/// (`[n / MR][kp / 2][MR]` u32; a last, shorter block of `R` rows is `[kp / 2][R]`), so the
+/// tile kernel's broadcasts read one contiguous run instead of `MR` rows a whole row apart
+/// (rows `kp · 2` bytes apart alias in L1 when `k` is a multiple of 2048), and a decode
+/// row's pairs lie 4 bytes apart (its whole input fits L1 beside the weight stream). The
+/// k padding is zeros.
 fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u32> {
     let pairs = kp / 2;
-    let mut xb = vec![0u32; x.rows.div_ceil(MR) * pairs * MR];
+    let mut xb = vec![0u32; x.rows * pairs];
     xb.par_chunks_mut(pairs * MR).zip(x.data.par_chunks(k * MR)).for_each(|(dst, src)| {
+        let rows = src.len() / k;
         for (r, row) in src.chunks(k).enumerate() {
             for (i, pair) in row.chunks(2).enumerate() {
                 let lo = bf16::from_f32(pair[0]).to_bits() as u32;
                 let hi = pair.get(1).map_or(0, |v| bf16::from_f32(*v).to_bits() as u32);
-                dst[i * MR + r] = lo | (hi << 16);
+                dst[i * rows + r] = lo | (hi << 16);
             }
         }
     });
@@ -131,7 +134,7 @@ fn run_tiles(
     let mut t = 0;
     while t < n {
         let rows = (n - t).min(MR);
-        let x = &xb[t * kp / 2..];
+        let x = &xb[t * kp / 2..(t + rows) * kp / 2];
         // SAFETY: AVX512-BF16 is available (the callers assert it); this call writes only
         // columns j0..j0+cols of rows t..t+rows of y; buffers have the sizes used.
         unsafe {
@@ -156,13 +159,14 @@ fn run_tiles(
 unsafe fn tile<const R: usize>(xb: &[u32], kp: usize, packed: &[u32], out: *mut f32, ld: usize, cols: usize) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let pairs = kp / 2;
-    let xp = xb.as_ptr(); // one block: pairs of bf16 along k, MR rows per pair
+    debug_assert_eq!(xb.len(), pairs * R, "a block of R rows");
+    let xp = xb.as_ptr(); // one block: pairs of bf16 along k, R rows per pair
     let wp = packed.as_ptr();
     for i in 0..pairs {
         let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp.add(i * NR) as *const _));
         let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(wp.add(i * NR + 16) as *const _));
         for (r, a) in acc.iter_mut().enumerate() {
-            let xv = *xp.add(i * MR + r);
+            let xv = *xp.add(i * R + r);
             let xb: __m512bh = std::mem::transmute(_mm512_set1_epi32(xv as i32));
             a[0] = _mm512_dpbf16_ps(a[0], xb, w0);
             a[1] = _mm512_dpbf16_ps(a[1], xb, w1);

@@ -140,53 +140,6 @@ fn naive_attention(
     out
 }
 
-#[test]
-fn paged_attention_matches_dense_attention() {
-    let b = CpuBackend::new();
-    let (heads, kv_heads, d, bs) = (4, 2, 8, 4);
-    let kv_dim = kv_heads * d;
-    // Two sequences with scattered, out-of-order blocks: one prefilling 7 tokens from
-    // scratch, one decoding its 11th token.
-    let tables = [vec![6u32, 1], vec![3u32, 0, 5]];
-    let lens = [7usize, 11];
-    let starts = [0usize, 10];
-    for window in [None, Some(3)] {
-        let shape = AttentionShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            sliding_window: window,
-        };
-        let mut cache = b.alloc_kv(8, bs, kv_dim).unwrap();
-        let mut layout = BatchLayout { block_size: bs, ..Default::default() };
-        let mut q_all = Vec::new();
-        let mut want = Vec::new();
-        for s in 0..2 {
-            let k = random(lens[s] * kv_dim, 10 + s as u64);
-            let v = random(lens[s] * kv_dim, 20 + s as u64);
-            for p in 0..lens[s] {
-                let slot = (tables[s][p / bs] as usize * bs + p % bs) * kv_dim;
-                cache.k[slot..slot + kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
-                cache.v[slot..slot + kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
-            }
-            let new = lens[s] - starts[s];
-            let q = random(new * heads * d, 30 + s as u64);
-            want.extend(naive_attention(&q, &k, &v, lens[s], starts[s], shape));
-            layout.seqs.push(SeqSlice {
-                token_start: q_all.len() / (heads * d),
-                num_tokens: new,
-                context_before: starts[s],
-                block_table: tables[s].clone(),
-            });
-            q_all.extend(q);
-        }
-        let rows = q_all.len() / (heads * d);
-        let out = b.attention(&CpuTensor::new(q_all, rows, heads * d), &cache, &layout, shape).unwrap();
-        assert_close(&out.data, &want, 1e-5);
-    }
-}
-
 /// Writes `len` random positions of K and V for a sequence with block table `table`;
 /// returns them contiguous.
 fn fill_cache(
@@ -206,17 +159,19 @@ fn fill_cache(
     (k, v)
 }
 
-/// Prefill-shaped steps (the tiled kernel where the CPU has AVX-512): tiles cut short,
-/// prompts continuing a cached prefix, GQA groups of 1 and 4, head dims of 64 and 80
-/// (a short last column chunk), windows narrower than a tile, beside a decoding sequence.
+/// Paged attention against the textbook computation, over scattered, out-of-order blocks:
+/// prompts from scratch and continuing a cached prefix beside decoding sequences, with and
+/// without sliding windows (narrower than a tile, too). Head dims of 64 and 80 (a short
+/// last column chunk) run prompts in tiles where the CPU has AVX-512, with GQA groups of
+/// 4 and 1; a head dim of 8 runs every token alone.
 #[test]
-fn prefill_attention_in_tiles_matches_dense_attention() {
+fn paged_attention_matches_dense_attention() {
     let b = CpuBackend::new();
     let bs = 16;
     // (new tokens, cached before) per sequence.
     let seqs = [(37usize, 0usize), (1, 29), (16, 50), (5, 3)];
-    for (heads, kv_heads, d) in [(8, 2, 64), (2, 2, 80)] {
-        for window in [None, Some(7), Some(40)] {
+    for (heads, kv_heads, d) in [(8, 2, 64), (2, 2, 80), (4, 2, 8)] {
+        for window in [None, Some(3), Some(7), Some(40)] {
             let shape = AttentionShape {
                 num_heads: heads,
                 num_kv_heads: kv_heads,
