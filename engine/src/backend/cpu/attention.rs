@@ -73,6 +73,7 @@ pub(super) struct Scratch {
     pub scores: Vec<f32>,
     pub qt: Vec<f32>,
     pub keys: Vec<usize>,
+    pub inv: Vec<f32>,
 }
 
 /// Rows of one sequence's new tokens and one KV head's query heads, attended together.

@@ -88,7 +88,9 @@ pub unsafe fn attend(
     scratch.scores.clear();
     scratch.scores.resize(group * span * TILE, 0.0);
     scores(&scratch.qt, &cache.k, &scratch.keys, group, hd, &mut scratch.scores);
-    let inv = softmax(&mut scratch.scores, span, group, first_key, &pos, &lo);
+    scratch.inv.clear();
+    scratch.inv.resize(group * TILE, 0.0);
+    softmax(&mut scratch.scores, &mut scratch.inv, span, first_key, &pos, &lo);
 
     let at = Out { ptr: out, ld: q.cols, row0: seq.token_start + tile.first, col0 };
     for dc in (0..hd).step_by(64) {
@@ -98,7 +100,7 @@ pub unsafe fn attend(
             2 => values::<2>,
             _ => values::<1>,
         };
-        values(&scratch.scores, &cache.v, &scratch.keys, &inv, group, hd, dc, tile.rows, &at);
+        values(&scratch.scores, &cache.v, &scratch.keys, &scratch.inv, group, hd, dc, tile.rows, &at);
     }
 }
 
@@ -129,20 +131,20 @@ unsafe fn scores(qt: &[f32], k: &[f32], keys: &[usize], group: usize, hd: usize,
 }
 
 /// Masks each lane's keys outside `lo[t]..=pos[t]` and turns scores into `exp(s - max)`;
-/// returns each (head, token)'s `1 / Σ exp`, `inv[h · TILE + t]`.
+/// writes each (head, token)'s `1 / Σ exp` to `inv[h · TILE + t]` (one head per `TILE`).
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 unsafe fn softmax(
     s: &mut [f32],
+    inv: &mut [f32],
     span: usize,
-    group: usize,
     first_key: usize,
     pos: &[i32; TILE],
     lo: &[i32; TILE],
-) -> Vec<f32> {
+) {
+    let group = inv.len() / TILE;
     let posv = _mm512_loadu_si512(pos.as_ptr() as *const _);
     let lov = _mm512_loadu_si512(lo.as_ptr() as *const _);
     let neg_inf = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut inv = vec![0f32; group * TILE];
     for h in 0..group {
         let row = s.as_mut_ptr().add(h * span * TILE);
         let mut max = neg_inf;
@@ -161,7 +163,6 @@ unsafe fn softmax(
         }
         _mm512_storeu_ps(inv.as_mut_ptr().add(h * TILE), _mm512_div_ps(_mm512_set1_ps(1.0), sum));
     }
-    inv
 }
 
 /// Where a tile's outputs go.

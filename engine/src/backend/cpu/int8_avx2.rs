@@ -22,22 +22,6 @@ const CHUNK: usize = 32;
 /// Activation rows per pass over a weight row.
 const ROWS: usize = 4;
 
-/// Activation rows as `round(x / s)` in -127..=127 with `s = max |x| / 127` per row.
-fn quantize_rows(x: &CpuTensor) -> (Vec<i8>, Vec<f32>) {
-    let k = x.cols.max(1);
-    let mut xq = vec![0i8; x.rows * x.cols];
-    let mut scales = vec![0f32; x.rows];
-    xq.par_chunks_mut(k).zip(scales.par_iter_mut()).zip(x.data.par_chunks(k)).for_each(|((dst, s), src)| {
-        let max = src.iter().fold(0f32, |m, v| m.max(v.abs()));
-        *s = if max > 0.0 { max / 127.0 } else { 1.0 };
-        let inv = 1.0 / *s;
-        for (d, v) in dst.iter_mut().zip(src) {
-            *d = (v * inv).round().clamp(-127.0, 127.0) as i8;
-        }
-    });
-    (xq, scales)
-}
-
 /// `y = x · wᵀ` for `w ≈ q · scales` (per output row), `x` quantized per row.
 ///
 /// # Panics
@@ -45,7 +29,7 @@ fn quantize_rows(x: &CpuTensor) -> (Vec<i8>, Vec<f32>) {
 pub fn matmul(x: &CpuTensor, q: &[i8], scales: &[f32], m: usize) -> CpuTensor {
     assert!(is_x86_feature_detected!("avx2"), "the AVX2 int8 kernel needs AVX2");
     let (n, k) = (x.rows, x.cols);
-    let (xq, xs) = quantize_rows(x);
+    let (xq, xs) = super::int8_vnni::quantize_rows(x, |q| q as i8);
     let mut out_t = vec![0f32; m * n];
     out_t.par_chunks_mut(CHUNK * n).enumerate().for_each(|(c, out)| {
         let mut acc = [0i32; ROWS];

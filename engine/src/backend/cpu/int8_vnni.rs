@@ -33,29 +33,32 @@ pub fn row_sums(q: &[i8], k: usize) -> Vec<i32> {
     q.chunks(k.max(1)).map(|r| r.iter().map(|&v| v as i32).sum()).collect()
 }
 
-/// Activation rows as `round(x / s) + 128` bytes with `s = max |x| / 127` per row.
-fn quantize_rows(x: &CpuTensor) -> (Vec<u8>, Vec<f32>) {
-    let k = x.cols;
-    let mut xu = vec![0u8; x.rows * k];
+/// Activation rows quantized symmetrically per row, `q = round(x / s)` in -127..=127 with
+/// `s = max |x| / 127`, each stored as `store(q)`: the int8 decode kernels' inputs (as
+/// bytes `q + 128` here, as `i8` in [`super::int8_avx2`]).
+pub(super) fn quantize_rows<T: Copy + Default + Send>(
+    x: &CpuTensor,
+    store: impl Fn(i32) -> T + Sync,
+) -> (Vec<T>, Vec<f32>) {
+    let k = x.cols.max(1);
+    let mut xq = vec![T::default(); x.rows * x.cols];
     let mut scales = vec![0f32; x.rows];
-    xu.par_chunks_mut(k.max(1)).zip(scales.par_iter_mut()).zip(x.data.par_chunks(k.max(1))).for_each(
-        |((dst, s), src)| {
-            let max = src.iter().fold(0f32, |m, v| m.max(v.abs()));
-            *s = if max > 0.0 { max / 127.0 } else { 1.0 };
-            let inv = 1.0 / *s;
-            for (d, v) in dst.iter_mut().zip(src) {
-                *d = ((v * inv).round().clamp(-127.0, 127.0) as i32 + 128) as u8;
-            }
-        },
-    );
-    (xu, scales)
+    xq.par_chunks_mut(k).zip(scales.par_iter_mut()).zip(x.data.par_chunks(k)).for_each(|((dst, s), src)| {
+        let max = src.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *s = if max > 0.0 { max / 127.0 } else { 1.0 };
+        let inv = 1.0 / *s;
+        for (d, v) in dst.iter_mut().zip(src) {
+            *d = store((v * inv).round().clamp(-127.0, 127.0) as i32);
+        }
+    });
+    (xq, scales)
 }
 
 /// `y = x · wᵀ` for `w ≈ q · scales` (per output row), `x` quantized per row.
 pub fn matmul(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) -> CpuTensor {
     assert!(available(), "the int8 decode kernel needs AVX512-VNNI");
     let (n, k) = (x.rows, x.cols);
-    let (xu, xs) = quantize_rows(x);
+    let (xu, xs) = quantize_rows(x, |q| (q + 128) as u8);
     let mut out_t = vec![0f32; m * n];
     out_t.par_chunks_mut(CHUNK * n).enumerate().for_each(|(c, out)| {
         let mut acc = [0i32; 8];

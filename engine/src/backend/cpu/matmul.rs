@@ -340,7 +340,7 @@ pub(super) fn from_transposed(out_t: Vec<f32>, n: usize, m: usize) -> CpuTensor 
     CpuTensor::new(y, n, m)
 }
 
-/// Element types with both a portable and (on x86-64) an AVX-512 kernel.
+/// Element types with a portable kernel and, on x86-64, AVX-512 and AVX2 ones.
 #[cfg(target_arch = "x86_64")]
 pub trait Kernel: Widen + super::simd::Load16 + super::simd_avx2::Load8 {}
 #[cfg(target_arch = "x86_64")]

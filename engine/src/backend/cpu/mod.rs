@@ -108,11 +108,7 @@ impl CpuBackend {
     /// capped by the `STRATA_CPU_KERNELS` environment variable).
     pub fn kernels() -> &'static str {
         #[cfg(target_arch = "x86_64")]
-        return match simd::level() {
-            simd::Level::Avx512 => "avx512",
-            simd::Level::Avx2 => "avx2",
-            simd::Level::Portable => "portable",
-        };
+        return simd::level().name();
         #[cfg(not(target_arch = "x86_64"))]
         "portable"
     }

@@ -1,4 +1,5 @@
-//! AVX-512 kernels for the memory-bound decode matmul.
+//! AVX-512 kernels for the memory-bound decode matmul, and the kernel [`Level`] every
+//! CPU dispatch asks.
 //!
 //! One weight row is loaded 32 elements at a time, widened to f32 in registers (bf16: a
 //! 16-bit shift; f16: `vcvtph2ps`), and multiplied into up to 8 activation rows at once,
@@ -58,6 +59,17 @@ pub enum Level {
     /// AVX-512 F/BW with FMA and F16C (this module; AVX512-BF16 and -VNNI kernels
     /// where the CPU also has those).
     Avx512,
+}
+
+impl Level {
+    /// How [`KERNELS_ENV`] and `strata model bench` name the level.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            Level::Avx2 => "avx2",
+            Level::Avx512 => "avx512",
+        }
+    }
 }
 
 /// Environment variable that caps [`level`]: `avx2` or `portable` make a larger CPU run
