@@ -136,7 +136,7 @@ pub fn host_picks(data: &[f32], rows: usize, cols: usize, first_id: u32) -> Vec<
             let log_z = if max == f32::NEG_INFINITY {
                 max
             } else {
-                max + row.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32
+                max + crate::backend::cpu::vmath::sum_exp(row, max).ln() as f32
             };
             Pick { token: first_id + best as u32, logit: max, log_z }
         })

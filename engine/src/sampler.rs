@@ -206,7 +206,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// Log-softmax of `raw` at `token`, plus the `n` most likely tokens.
 pub fn logprobs(raw: &[f32], token: u32, n: usize) -> TokenLogprobs {
     let max = raw.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_z = max + raw.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+    let log_z = max + crate::backend::cpu::vmath::sum_exp(raw, max).ln() as f32;
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
     if n > 0 {
         for (i, &l) in raw.iter().enumerate() {

@@ -58,7 +58,7 @@ pub fn host_top(data: &[f32], rows: usize, cols: usize, k: usize, first_id: u32)
             let log_z = if max == f32::NEG_INFINITY {
                 max
             } else {
-                max + row.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32
+                max + crate::backend::cpu::vmath::sum_exp(row, max).ln() as f32
             };
             Candidates { top: all, log_z }
         })

@@ -16,6 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::attention::{Scratch, Tile};
+use super::vmath::exp;
 use super::{CpuKvLayer, CpuTensor, SendPtr};
 use crate::backend::AttentionShape;
 
@@ -212,59 +213,5 @@ unsafe fn values<const NV: usize>(
                 }
             }
         }
-    }
-}
-
-/// `e^x` per lane: `2^n · e^r` with `n = round(x / ln 2)`, `|r| ≤ ln 2 / 2`, `e^r` by its
-/// Taylor polynomial to degree 7 (relative error under 1e-8 before rounding). `-inf` and
-/// anything below -104 give 0; NaN stays NaN.
-#[inline]
-#[target_feature(enable = "avx512f,fma")]
-pub(super) unsafe fn exp(x: __m512) -> __m512 {
-    let x = _mm512_max_ps(_mm512_set1_ps(-104.0), x);
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
-        x,
-        _mm512_set1_ps(std::f32::consts::LOG2_E),
-    ));
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    }
-    _mm512_scalef_ps(p, n)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exp_matches_the_library_within_two_ulp() {
-        if !super::super::simd::available() {
-            return;
-        }
-        let mut xs: Vec<f32> = (-2000..=1000).map(|i| i as f32 * 0.0517).collect();
-        xs.extend([0.0, -0.0, 1e-8, -1e-8, -87.0, -103.0, 88.0]);
-        for chunk in xs.chunks(16) {
-            let mut lanes = [0f32; 16];
-            lanes[..chunk.len()].copy_from_slice(chunk);
-            let mut got = [0f32; 16];
-            // SAFETY: AVX-512 is available (checked above).
-            unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp(_mm512_loadu_ps(lanes.as_ptr()))) };
-            for (&x, &y) in lanes.iter().zip(&got) {
-                let want = x.exp();
-                let ulp = (want.to_bits() as i64 - y.to_bits() as i64).abs();
-                assert!(ulp <= 2 || (want - y).abs() < 1e-37, "exp({x}) = {y}, library {want}");
-            }
-        }
-        let mut lanes = [f32::NEG_INFINITY; 16];
-        lanes[1] = f32::NAN;
-        lanes[2] = -1000.0;
-        let mut got = [0f32; 16];
-        // SAFETY: as above.
-        unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp(_mm512_loadu_ps(lanes.as_ptr()))) };
-        assert_eq!((got[0], got[2]), (0.0, 0.0));
-        assert!(got[1].is_nan());
     }
 }

@@ -7,11 +7,12 @@
 //! f32 path; a CPU without AVX512-BF16 runs the f32 path instead (more precise, slower).
 //!
 //! Layout: activations are converted once per matmul into bf16 pairs in blocks of 8 rows
-//! (k padded to a multiple of 32). Weights are packed **once, at load** ([`PackedBf16`]) into panels of 32 output
-//! rows in pair-interleaved order (`[k/2][32]` u32 pairs, so one 512-bit load holds one
-//! k-pair of 16 output columns) — the packed copy replaces the row-major one, so memory
-//! stays one checkpoint. A matmul runs 8 × 32 register tiles straight from the panels:
-//! per k-pair, 2 weight loads, 8 broadcasts and 16 `vdpbf16ps`. Decode rows (1–8) use
+//! (k padded to a multiple of 32). Weights are packed **once, at load** ([`PackedBf16`])
+//! into panels of 32 output rows on huge pages ([`super::huge`]), in pair-interleaved
+//! order (`[k/2][32]` u32 pairs, so one 512-bit load holds one k-pair of 16 output
+//! columns) — the packed copy replaces the row-major one, so memory stays one checkpoint.
+//! A matmul runs 8 × 32 register tiles straight from the panels: per k-pair, 2 weight
+//! loads, 8 broadcasts and 16 `vdpbf16ps`. Decode rows (1–8) use
 //! the same tiles and read each panel once, in order: bandwidth-bound as it should be.
 
 #![cfg(target_arch = "x86_64")]
@@ -21,6 +22,7 @@ use std::arch::x86_64::*;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
 
 const NR: usize = 32;
@@ -34,7 +36,7 @@ pub fn available() -> bool {
 /// A `[m, k]` bf16 weight packed into panels of [`NR`] rows for the tile kernel.
 pub struct PackedBf16 {
     /// `m.div_ceil(NR)` panels of `kp / 2 × NR` u32 pairs.
-    panels: Vec<u32>,
+    panels: HugeVec<u32>,
     m: usize,
     k: usize,
     kp: usize,
@@ -45,7 +47,7 @@ impl PackedBf16 {
     pub fn pack(w: &[bf16], m: usize, k: usize) -> Self {
         let kp = k.div_ceil(32) * 32;
         let panel = kp / 2 * NR;
-        let mut panels = vec![0u32; m.div_ceil(NR) * panel];
+        let mut panels = HugeVec::<u32>::zeroed(m.div_ceil(NR) * panel);
         panels.par_chunks_mut(panel).enumerate().for_each(|(p, out)| {
             let j0 = p * NR;
             for j in 0..NR.min(m - j0) {
@@ -106,17 +108,59 @@ const MR: usize = 8;
 fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u32> {
     let pairs = kp / 2;
     let mut xb = vec![0u32; x.rows * pairs];
-    xb.par_chunks_mut(pairs * MR).zip(x.data.par_chunks(k * MR)).for_each(|(dst, src)| {
-        let rows = src.len() / k;
-        for (r, row) in src.chunks(k).enumerate() {
-            for (i, pair) in row.chunks(2).enumerate() {
-                let lo = bf16::from_f32(pair[0]).to_bits() as u32;
-                let hi = pair.get(1).map_or(0, |v| bf16::from_f32(*v).to_bits() as u32);
-                dst[i * rows + r] = lo | (hi << 16);
+    xb.par_chunks_mut(pairs * MR).zip(x.data.par_chunks(k * MR)).for_each_init(
+        Vec::new,
+        |tmp, (dst, src)| {
+            let rows = src.len() / k;
+            if rows == 1 {
+                to_pairs(src, dst);
+                return;
             }
-        }
-    });
+            tmp.resize(pairs, 0);
+            for (r, row) in src.chunks(k).enumerate() {
+                to_pairs(row, tmp);
+                for (i, &pair) in tmp.iter().enumerate() {
+                    dst[i * rows + r] = pair;
+                }
+            }
+        },
+    );
     xb
+}
+
+/// `row` rounded to bf16 (as `bf16::from_f32`: to nearest even, NaN kept quiet) in pairs,
+/// `out[i] = row[2i] | row[2i + 1] << 16`; `out` past the row's pairs is left alone.
+fn to_pairs(row: &[f32], out: &mut [u32]) {
+    let main = row.len() / 32 * 32;
+    // SAFETY: callers hold AVX512-BF16, so AVX-512 F/BW are there; `out` has a pair for
+    // every two elements of `row` (at least `main / 2` of them).
+    unsafe { to_pairs_avx512(&row[..main], &mut out[..main / 2]) };
+    for (i, pair) in row[main..].chunks(2).enumerate() {
+        let lo = bf16::from_f32(pair[0]).to_bits() as u32;
+        let hi = pair.get(1).map_or(0, |v| bf16::from_f32(*v).to_bits() as u32);
+        out[main / 2 + i] = lo | (hi << 16);
+    }
+}
+
+/// [`to_pairs`] over a multiple of 32 elements: integer rounding of the f32 bits, so
+/// denormals round as they do on the host (`vcvtne2ps2bf16` would flush them).
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn to_pairs_avx512(row: &[f32], out: &mut [u32]) {
+    debug_assert!(row.len().is_multiple_of(32) && out.len() == row.len() / 2);
+    let round = |v: __m512| -> __m256i {
+        let bits = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let biased = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        let quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x0040_0000));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(_mm512_mask_blend_epi32(nan, biased, quiet)))
+    };
+    for (src, dst) in row.chunks_exact(32).zip(out.chunks_exact_mut(16)) {
+        let lo = round(_mm512_loadu_ps(src.as_ptr()));
+        let hi = round(_mm512_loadu_ps(src.as_ptr().add(16)));
+        let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+        _mm512_storeu_si512(dst.as_mut_ptr() as *mut _, both);
+    }
 }
 
 /// Every row of `x` against one panel: output columns `j0..j0 + cols`.
@@ -217,5 +261,48 @@ mod tests {
         let mut row = vec![0f32; k];
         packed.row_to_f32(37, &mut row);
         assert!(row.iter().zip(&w[37 * k..38 * k]).all(|(a, b)| *a == b.to_f32()));
+    }
+
+    #[test]
+    fn rounds_activations_as_the_host_does() {
+        if !available() {
+            eprintln!("AVX512-BF16 not available on this CPU: the bf16 GEMM is not used here");
+            return;
+        }
+        // Ties to even both ways, carries into the exponent, overflow to infinity,
+        // denormals, signed zeros, infinities and NaNs, and a tail past the vector part.
+        let mut row: Vec<f32> = [
+            0x3f80_8000u32,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3fff_ffff,
+            0x7f7f_ffff,
+            0x0000_8001,
+            0x8000_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0001,
+            0xff80_0001,
+            0x0001_8000,
+            0x807f_ffff,
+        ]
+        .iter()
+        .map(|&b| f32::from_bits(b))
+        .collect();
+        row.extend((0..60).map(|i| (i as f32 - 29.5) * 1.0e-3f32.powi(i % 4)));
+        let mut got = vec![0u32; row.len().div_ceil(2)];
+        to_pairs(&row, &mut got);
+        for (i, &pair) in got.iter().enumerate() {
+            for (half, v) in
+                [(pair & 0xffff, row[2 * i]), (pair >> 16, row.get(2 * i + 1).copied().unwrap_or(0.0))]
+            {
+                assert_eq!(
+                    half as u16,
+                    bf16::from_f32(v).to_bits(),
+                    "element of pair {i}: {v:e} ({:#x})",
+                    v.to_bits()
+                );
+            }
+        }
     }
 }

@@ -11,11 +11,13 @@
 mod attention;
 mod attention_tiles;
 mod bf16_gemm;
+mod huge;
 mod int8_avx2;
 mod int8_vnni;
 mod matmul;
 mod simd;
 mod simd_avx2;
+pub(crate) mod vmath;
 
 use rayon::prelude::*;
 use strata_common::{Error, Result};
@@ -273,8 +275,16 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
-        let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
-        Ok(CpuTensor::new(data, gate.rows, gate.cols))
+        let mut out = CpuTensor::zeros(gate.rows, gate.cols);
+        let cols = gate.cols.max(1);
+        let rows = gate.data.chunks(cols).zip(up.data.chunks(cols));
+        if gate.rows >= PAR_ROWS {
+            let rows = gate.data.par_chunks(cols).zip(up.data.par_chunks(cols));
+            rows.zip(out.data.par_chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+        } else {
+            rows.zip(out.data.chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+        }
+        Ok(out)
     }
 
     fn write_kv(
