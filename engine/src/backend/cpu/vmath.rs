@@ -1,8 +1,8 @@
-//! Elementwise math on AVX-512: `exp`, SiLU and the softmax normaliser of a logits row.
+//! Elementwise math in vectors: `exp`, SiLU and the softmax normaliser of a logits row.
 //!
-//! Each entry point runs its vector loop where the CPU has AVX-512 and the same
-//! arithmetic with the library's `exp` elsewhere; results differ between the two by f32
-//! rounding only (`exp` within 2 ulp).
+//! Each entry point runs its vector loop on AVX-512 or AVX2 + FMA, whichever the CPU has
+//! ([`super::simd::level`]), and the same arithmetic with the library's `exp` elsewhere;
+//! results differ between them by f32 rounding only (`exp` within 2 ulp).
 
 #![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 
@@ -18,6 +18,10 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
         main = gate.len() / 16 * 16;
         // SAFETY: AVX-512 is available; the three slices hold `main` elements.
         unsafe { silu_mul_avx512(&gate[..main], &up[..main], &mut out[..main]) };
+    } else if super::simd::level() == super::simd::Level::Avx2 {
+        main = gate.len() / 8 * 8;
+        // SAFETY: AVX2 and FMA are available; the three slices hold `main` elements.
+        unsafe { silu_mul_avx2(&gate[..main], &up[..main], &mut out[..main]) };
     }
     for ((o, &g), &u) in out[main..].iter_mut().zip(&gate[main..]).zip(&up[main..]) {
         *o = g / (1.0 + (-g).exp()) * u;
@@ -43,6 +47,11 @@ pub fn sum_exp(x: &[f32], max: f32) -> f64 {
         // SAFETY: AVX-512 is available.
         return unsafe { sum_exp_avx512(x, max) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::level() == super::simd::Level::Avx2 {
+        // SAFETY: AVX2 and FMA are available.
+        return unsafe { sum_exp_avx2(x, max) };
+    }
     x.iter().map(|&l| ((l - max) as f64).exp()).sum()
 }
 
@@ -62,6 +71,65 @@ unsafe fn sum_exp_avx512(x: &[f32], max: f32) -> f64 {
         total += _mm512_reduce_add_ps(acc) as f64;
     }
     total + blocks.remainder().iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let one = _mm256_set1_ps(1.0);
+    for ((g, u), o) in gate.chunks_exact(8).zip(up.chunks_exact(8)).zip(out.chunks_exact_mut(8)) {
+        let g = _mm256_loadu_ps(g.as_ptr());
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        let s = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(o.as_mut_ptr(), _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr())));
+    }
+}
+
+/// As [`sum_exp_avx512`], 8 lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_exp_avx2(x: &[f32], max: f32) -> f64 {
+    let m = _mm256_set1_ps(max);
+    let mut total = 0f64;
+    let mut blocks = x.chunks_exact(128);
+    for block in &mut blocks {
+        let mut acc = _mm256_setzero_ps();
+        for v in block.chunks_exact(8) {
+            acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(v.as_ptr()), m)));
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        total += lanes.iter().map(|&l| l as f64).sum::<f64>();
+    }
+    total + blocks.remainder().iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()
+}
+
+/// [`exp`] on 8 lanes (AVX2 has no `scalef`: `2^n` is built in the exponent bits, so `x`
+/// is kept to where `2^n` is a normal float): below -87.3 gives 0, above 88.3 gives
+/// infinity (the library's result there is a denormal, or finite up to 88.72 — nothing
+/// SiLU or a softmax can tell apart); NaN stays NaN.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn exp8(x: __m256) -> __m256 {
+    let (lo, hi) = (_mm256_set1_ps(-87.3), _mm256_set1_ps(88.3));
+    let c = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        c,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), c);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for k in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
+    }
+    let pow2n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+    let y = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+    let y = _mm256_blendv_ps(y, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LT_OQ>(x, lo));
+    let y = _mm256_blendv_ps(y, _mm256_set1_ps(f32::INFINITY), _mm256_cmp_ps::<_CMP_GT_OQ>(x, hi));
+    // NaN lanes: the clamps above made them finite.
+    _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
 }
 
 /// `e^x` per lane: `2^n · e^r` with `n = round(x / ln 2)`, `|r| ≤ ln 2 / 2`, `e^r` by its
@@ -117,6 +185,41 @@ mod tests {
         unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp(_mm512_loadu_ps(lanes.as_ptr()))) };
         assert_eq!((got[0], got[2]), (0.0, 0.0));
         assert!(got[1].is_nan());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp8_matches_the_library_within_two_ulp() {
+        if super::super::simd::level() < super::super::simd::Level::Avx2 {
+            return;
+        }
+        let mut xs: Vec<f32> = (-1700..=1700).map(|i| i as f32 * 0.0517).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            1e-8,
+            -1e-8,
+            -87.0,
+            88.0,
+            -1000.0,
+            1000.0,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            f32::NAN,
+        ]);
+        for chunk in xs.chunks(8) {
+            let mut lanes = [0f32; 8];
+            lanes[..chunk.len()].copy_from_slice(chunk);
+            let mut got = [0f32; 8];
+            // SAFETY: AVX2 and FMA are available (checked above).
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), exp8(_mm256_loadu_ps(lanes.as_ptr()))) };
+            for (&x, &y) in lanes.iter().zip(&got) {
+                let want = x.exp();
+                let ulp = (want.to_bits() as i64 - y.to_bits() as i64).abs();
+                let same = ulp <= 2 || (want - y).abs() < 1e-37 || (want.is_nan() && y.is_nan());
+                assert!(same, "exp8({x}) = {y}, library {want}");
+            }
+        }
     }
 
     #[test]
