@@ -8,7 +8,7 @@
 //!
 //! Layout: activations are converted once per matmul into bf16 pairs in blocks of 8 rows
 //! (k padded to a multiple of 32; 32 at a time on AVX-512). Weights are packed **once, at
-//! load** ([`PackedBf16`]) into panels of 32 output rows in pair-interleaved order
+//! load** ([`PackedBf16`]) into panels of 32 output rows on huge pages ([`super::huge`]) in pair-interleaved order
 //! (`[k/2][32]` u32 pairs, so one 512-bit load holds one k-pair of 16 output columns) —
 //! the packed copy replaces the row-major one, so memory stays one checkpoint. A matmul
 //! runs 8 × 32 register tiles straight from the panels: per k-pair, 2 weight loads, 8
@@ -22,6 +22,7 @@ use std::arch::x86_64::*;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
 
 const NR: usize = 32;
@@ -35,7 +36,7 @@ pub fn available() -> bool {
 /// A `[m, k]` bf16 weight packed into panels of [`NR`] rows for the tile kernel.
 pub struct PackedBf16 {
     /// `m.div_ceil(NR)` panels of `kp / 2 × NR` u32 pairs.
-    panels: Vec<u32>,
+    panels: HugeVec<u32>,
     m: usize,
     k: usize,
     kp: usize,
@@ -46,7 +47,7 @@ impl PackedBf16 {
     pub fn pack(w: &[bf16], m: usize, k: usize) -> Self {
         let kp = k.div_ceil(32) * 32;
         let panel = kp / 2 * NR;
-        let mut panels = vec![0u32; m.div_ceil(NR) * panel];
+        let mut panels = HugeVec::<u32>::zeroed(m.div_ceil(NR) * panel);
         panels.par_chunks_mut(panel).enumerate().for_each(|(p, out)| {
             let j0 = p * NR;
             for j in 0..NR.min(m - j0) {

@@ -17,6 +17,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use strata_common::{Error, Result};
 
+use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
 use crate::model::weights::{DType, HostTensor};
 
@@ -35,7 +36,7 @@ pub enum WeightData {
     /// int8 with one f32 scale per output row (`--quantize int8`): `w[j][i] ≈ q[j][i] ·
     /// scales[j]`. The kernels widen `q` like any other dtype and scale each output.
     Int8 {
-        q: Vec<i8>,
+        q: HugeVec<i8>,
         scales: Vec<f32>,
         sums: Vec<i32>,
     },
@@ -114,7 +115,7 @@ impl CpuWeight {
                 format!("{:?}: {rows} rows but scales of shape {:?}", q.name, scales.shape),
             ));
         }
-        Ok(Self::int8(rows, cols, bytemuck::cast_slice(q.bytes()).to_vec(), scales.to_f32_vec()))
+        Ok(Self::int8(rows, cols, HugeVec::from_slice(bytemuck::cast_slice(q.bytes())), scales.to_f32_vec()))
     }
 
     /// The int8 values and per-row scales of a quantized weight.
@@ -141,7 +142,7 @@ impl CpuWeight {
     /// whatever dtype the weight is in; the int8 copy replaces it.
     pub fn quantized_int8(self) -> Self {
         let (rows, cols) = (self.rows, self.cols);
-        let mut q = vec![0i8; rows * cols];
+        let mut q = HugeVec::<i8>::zeroed(rows * cols);
         let mut scales = vec![0f32; rows];
         q.par_chunks_mut(cols.max(1)).zip(scales.par_iter_mut()).enumerate().for_each_init(
             || vec![0f32; cols],
@@ -157,7 +158,7 @@ impl CpuWeight {
         Self::int8(rows, cols, q, scales)
     }
 
-    fn int8(rows: usize, cols: usize, q: Vec<i8>, scales: Vec<f32>) -> Self {
+    fn int8(rows: usize, cols: usize, q: HugeVec<i8>, scales: Vec<f32>) -> Self {
         #[cfg(target_arch = "x86_64")]
         let sums = super::int8_vnni::row_sums(&q, cols);
         #[cfg(not(target_arch = "x86_64"))]

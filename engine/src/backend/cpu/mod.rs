@@ -11,6 +11,7 @@
 mod attention;
 mod attention_tiles;
 mod bf16_gemm;
+mod huge;
 mod int8_avx2;
 mod int8_vnni;
 mod matmul;
