@@ -4,9 +4,11 @@
 //! first use); f16 weights, and bf16 weights under `--dtype f32`, are widened to f32 inside
 //! the matmul's tiles, never by materialising an f32 copy of the model. bf16 weights
 //! otherwise compute in bf16: packed once at load into the layout of the bf16
-//! dot-product kernel (the packed copy replaces the mapping), activations rounded to bf16
-//! at each matmul's input, f32 accumulation. Matmuls run on rayon's pool (see
-//! [`matmul`]); attention reads the paged cache through block tables (see [`attention`]).
+//! dot-product kernel (the packed copy replaces the mapping and lives on huge pages, see
+//! [`huge`]; so do int8 weights), activations rounded to bf16 at each matmul's input, f32
+//! accumulation. Matmuls run on rayon's pool (see [`matmul`]); attention reads the paged
+//! cache through block tables (see [`attention`]); `exp`, SiLU and the logits normaliser
+//! run in vectors ([`vmath`]).
 
 mod attention;
 mod attention_tiles;
