@@ -28,7 +28,10 @@ const STREAM_CHUNK: usize = 32;
 /// Weight rows widened per tile in the tiled (prefill) path.
 const TILE_ROWS: usize = 128;
 
-/// Weight elements, either borrowed from the checkpoint mapping or owned.
+/// Weights from this size on are copied onto huge pages at load (one huge page).
+const HUGE_MIN_BYTES: usize = 2 << 20;
+
+/// Weight elements: borrowed from the checkpoint mapping, owned, or copied onto huge pages.
 pub enum WeightData {
     F32(Elems<f32>),
     Bf16(Elems<bf16>),
@@ -48,6 +51,7 @@ pub enum WeightData {
 pub enum Elems<T> {
     Mapped(HostTensor),
     Owned(Vec<T>),
+    Huge(HugeVec<T>),
 }
 
 impl<T: bytemuck::Pod> Elems<T> {
@@ -60,10 +64,23 @@ impl<T: bytemuck::Pod> Elems<T> {
         }
     }
 
+    /// A copy on huge pages, from [`HUGE_MIN_BYTES`] on (see `super::huge`).
+    fn on_huge_pages(self) -> Self {
+        match self {
+            Elems::Mapped(_) | Elems::Owned(_)
+                if std::mem::size_of_val(self.as_slice()) >= HUGE_MIN_BYTES =>
+            {
+                Elems::Huge(HugeVec::from_slice(self.as_slice()))
+            }
+            e => e,
+        }
+    }
+
     fn as_slice(&self) -> &[T] {
         match self {
             Elems::Mapped(h) => bytemuck::cast_slice(h.bytes()),
             Elems::Owned(v) => v,
+            Elems::Huge(v) => v,
         }
     }
 }
@@ -164,6 +181,19 @@ impl CpuWeight {
         #[cfg(not(target_arch = "x86_64"))]
         let sums = Vec::new();
         CpuWeight { rows, cols, data: WeightData::Int8 { q, scales, sums } }
+    }
+
+    /// The weight with its elements on huge pages when it is big enough to matter (a
+    /// decode step streams every weight; see `super::huge`); packed and int8 weights are
+    /// there already.
+    pub fn on_huge_pages(self) -> Self {
+        let data = match self.data {
+            WeightData::F32(e) => WeightData::F32(e.on_huge_pages()),
+            WeightData::Bf16(e) => WeightData::Bf16(e.on_huge_pages()),
+            WeightData::F16(e) => WeightData::F16(e.on_huge_pages()),
+            d => d,
+        };
+        CpuWeight { data, ..self }
     }
 
     /// Packs a bf16 weight for the bf16 × bf16 kernel; the packed copy replaces the

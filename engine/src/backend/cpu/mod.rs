@@ -1,11 +1,13 @@
 //! The CPU backend: f32 activations, weights kept in their checkpoint dtype.
 //!
-//! Weights that are suitably aligned stay in the memory mapping (zero copy, paged in on
-//! first use); f16 weights, and bf16 weights under `--dtype f32`, are widened to f32 inside
-//! the matmul's tiles, never by materialising an f32 copy of the model. bf16 weights
+//! Weight matrices of 2 MiB and more are copied out of the memory mapping onto huge
+//! pages at load ([`huge`]: a decode step streams every one); smaller ones stay in the
+//! mapping (zero copy where aligned). f16 weights, and bf16 weights under `--dtype f32`,
+//! are widened to f32 inside the matmul's tiles, never by materialising an f32 copy of
+//! the model. bf16 weights
 //! otherwise compute in bf16: packed once at load into the layout of the bf16
-//! dot-product kernel (the packed copy replaces the mapping and lives on huge pages, see
-//! [`huge`]; so do int8 weights), activations rounded to bf16 at each matmul's input, f32
+//! dot-product kernel (the packed copy, on huge pages too, replaces the mapping; so do
+//! int8 weights), activations rounded to bf16 at each matmul's input, f32
 //! accumulation. Matmuls run on rayon's pool (see [`matmul`]); attention reads the paged
 //! cache through block tables (see [`attention`]); `exp`, SiLU and the logits normaliser
 //! run in vectors ([`vmath`]).
@@ -157,7 +159,7 @@ impl Backend for CpuBackend {
                 tracing::warn!(kernels = Self::kernels(), "no AVX512-BF16 kernels on this CPU (or STRATA_CPU_KERNELS caps them): bf16 weights are computed in f32 (exact, slower)")
             });
         }
-        Ok(w)
+        Ok(w.on_huge_pages())
     }
 
     fn load_weight_int8(&self, q: &HostTensor, scales: &HostTensor) -> Result<CpuWeight> {

@@ -60,6 +60,21 @@ fn matmul_bf16_widens_exactly() {
 }
 
 #[test]
+fn big_weights_move_onto_huge_pages_unchanged() {
+    let b = CpuBackend::new();
+    let (k, m) = (1024, 1100); // 2.1 MiB of bf16: over the threshold
+    let w16: Vec<bf16> = random(m * k, 5).into_iter().map(bf16::from_f32).collect();
+    let weight = CpuWeight { rows: m, cols: k, data: WeightData::Bf16(Elems::Owned(w16)) };
+    let x = CpuTensor::new(random(3 * k, 6), 3, k);
+    let before = b.matmul(&x, &weight).unwrap();
+    let moved = weight.on_huge_pages();
+    assert!(matches!(moved.data, WeightData::Bf16(Elems::Huge(_))));
+    assert_eq!(b.matmul(&x, &moved).unwrap().data, before.data);
+    let small = CpuWeight::from_f32(random(64, 7), 8, 8).on_huge_pages();
+    assert!(matches!(small.data, WeightData::F32(Elems::Owned(_))));
+}
+
+#[test]
 fn rms_norm_matches_reference() {
     let b = CpuBackend::new();
     let x = random(3 * 10, 5);
