@@ -31,7 +31,7 @@ const TILE_ROWS: usize = 128;
 /// Weights from this size on are copied onto huge pages at load (one huge page).
 const HUGE_MIN_BYTES: usize = 2 << 20;
 
-/// Weight elements: borrowed from the checkpoint mapping, owned, or copied onto huge pages.
+/// A weight's elements in the dtype the kernels read.
 pub enum WeightData {
     F32(Elems<f32>),
     Bf16(Elems<bf16>),
@@ -48,6 +48,7 @@ pub enum WeightData {
     Bf16Packed(super::bf16_gemm::PackedBf16),
 }
 
+/// Weight elements: borrowed from the checkpoint mapping, owned, or copied onto huge pages.
 pub enum Elems<T> {
     Mapped(HostTensor),
     Owned(Vec<T>),
