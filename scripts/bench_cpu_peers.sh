@@ -12,8 +12,11 @@
 # transformers. A peer that is not given is left out of the table. ROUNDS rounds each run
 # every measurement once; raw JSON goes to target/bench/peers/. To measure what a host
 # with AVX2 only would run, set STRATA_CPU_KERNELS=avx2, ATEN_CPU_CAPABILITY=avx2 and
-# ONEDNN_MAX_CPU_ISA=AVX2 (torch), and point LLAMA_CPP_BIN at a llama.cpp built without
-# AVX-512. (Strata's prefill GEMM, the gemm crate, still picks AVX-512 on its own.)
+# ONEDNN_MAX_CPU_ISA=AVX2 (torch), point LLAMA_CPP_BIN at a llama.cpp built without
+# AVX-512, and STRATA at a binary built without the gemm crate's AVX-512 kernels, which no
+# environment variable caps (`cargo build --release -p strata-cli --bin strata
+# --no-default-features`, then copy target/release/strata aside); the table's header says
+# which prefill GEMM ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STRATA=${STRATA:-target/release/strata}

@@ -73,6 +73,7 @@ class Rounds:
                 "h_decode": hf and hf["decode_tokens_per_s"],
                 "h_serve": hfb and hfb[0]["output_tokens_per_s"],
                 "kernels": bf16.get("cpu_kernels"),
+                "gemm": bf16.get("prefill_gemm_kernels"),
                 "commit": (lb or [{}])[0].get("build_commit"),
             }
             for k, v in row.items():
@@ -94,8 +95,9 @@ def main():
     R = Rounds(d)
     m = R.med
     kernels = ", ".join(sorted({k for k in R.m["kernels"] if k}))
+    gemm = ", ".join(sorted({k for k in R.m["gemm"] if k})) or "n/a"
     commit = next((c for c in R.m["commit"] if c), "n/a")
-    print(f"{R.n} rounds; CPU kernels {kernels}; bandwidth {fmt(m('bandwidth'))} GB/s (median); llama.cpp build {commit}")
+    print(f"{R.n} rounds; CPU kernels {kernels} (prefill GEMM {gemm}); bandwidth {fmt(m('bandwidth'))} GB/s (median); llama.cpp build {commit}")
     print()
     print("| measure (median of rounds) | Strata | llama.cpp | HF transformers | Strata / llama.cpp | Strata / HF |")
     print("|---|---|---|---|---|---|")

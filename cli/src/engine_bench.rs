@@ -27,6 +27,9 @@ pub struct EngineBenchReport {
     pub decode_comm_share: f64,
     /// The CPU kernels that ran (`avx512`, `avx2`, `portable`; see `STRATA_CPU_KERNELS`).
     pub cpu_kernels: &'static str,
+    /// The kernels of the prefill GEMM of unpacked weights (the `gemm` crate), which
+    /// `STRATA_CPU_KERNELS` does not cap (`CpuBackend::prefill_gemm_kernels`).
+    pub prefill_gemm_kernels: &'static str,
     /// `[batch, output tokens/s]` of batched decode steps, per requested batch size.
     pub batched_decode: Vec<(usize, f64)>,
     pub bandwidth_gb_per_s: f64,
@@ -118,6 +121,7 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
         decode_step_ms: 1e3 / decode,
         decode_comm_share,
         cpu_kernels: CpuBackend::kernels(),
+        prefill_gemm_kernels: CpuBackend::prefill_gemm_kernels(),
         batched_decode,
         bandwidth_gb_per_s: bandwidth / 1e9,
         gemv_gb_per_s: gemv / 1e9,

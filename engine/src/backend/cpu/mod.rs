@@ -119,6 +119,22 @@ impl CpuBackend {
         "portable"
     }
 
+    /// The kernels the prefill GEMM of weights kept unpacked (the `gemm` crate) picks on
+    /// this CPU: `avx512` only in a build with the `gemm-avx512` feature, whatever
+    /// `STRATA_CPU_KERNELS` says; else `avx2` (with FMA) or `portable`.
+    pub fn prefill_gemm_kernels() -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if cfg!(feature = "gemm-avx512") && std::arch::is_x86_feature_detected!("avx512f") {
+                return "avx512";
+            }
+            if std::arch::is_x86_feature_detected!("fma") {
+                return "avx2";
+            }
+        }
+        "portable"
+    }
+
     /// Whether this CPU has the bf16 dot products bf16 compute runs on (AVX512-BF16).
     pub fn bf16_compute_available() -> bool {
         #[cfg(target_arch = "x86_64")]
