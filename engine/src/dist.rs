@@ -19,7 +19,7 @@ use tracing::{debug_span, Span};
 use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
-use crate::logits::{LogitsWanted, StepLogits};
+use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput};
 use crate::model::Model;
 
 /// What the engine needs from whatever runs its steps.
@@ -27,15 +27,24 @@ pub trait StepExecutor: Send {
     fn config(&self) -> &ModelConfig;
     /// Allocates `num_blocks` KV blocks on every rank.
     fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()>;
-    /// Runs one step and returns, for `logit_rows`, what `wanted` asks: their logits
-    /// (`[rows, vocab]`) or their greedy picks.
+    /// Runs one step and returns, for `logit_rows`, what `wanted` asks — their logits
+    /// (`[rows, vocab]`), greedy picks or candidates — and, when `draws` is not empty (one
+    /// per logit row; only where [`StepExecutor::draws_on_device`]), each row's drawn
+    /// token.
     fn execute(
         &mut self,
         ids: &[u32],
         layout: &BatchLayout,
         logit_rows: &[usize],
         wanted: LogitsWanted,
-    ) -> Result<StepLogits>;
+        draws: &[Draw],
+    ) -> Result<StepOutput>;
+    /// Whether steps draw sampled tokens where the logits are ([`crate::logits::draw`]):
+    /// one rank whose backend does. Tensor- and pipeline-parallel replicas sample on the
+    /// leader's host.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
     /// Weight bytes on the leader rank.
     fn weight_bytes(&self) -> usize;
     /// Bytes of one K or V element in the KV cache (every rank runs the same backend).
@@ -112,12 +121,17 @@ impl<B: Backend> StepExecutor for LocalExecutor<B> {
         layout: &BatchLayout,
         logit_rows: &[usize],
         wanted: LogitsWanted,
-    ) -> Result<StepLogits> {
+        draws: &[Draw],
+    ) -> Result<StepOutput> {
         let started = Instant::now();
         let (model, kv) = (&self.model, &mut self.kv);
-        let logits = on_pool(model.backend(), None, || model.forward(ids, layout, kv, logit_rows, wanted))?;
+        let out =
+            on_pool(model.backend(), None, || model.forward(ids, layout, kv, logit_rows, wanted, draws))?;
         self.model.metrics.step(started.elapsed());
-        Ok(logits)
+        Ok(out)
+    }
+    fn draws_on_device(&self) -> bool {
+        self.model.backend().draws_on_device()
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
@@ -192,7 +206,11 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         layout: &BatchLayout,
         logit_rows: &[usize],
         wanted: LogitsWanted,
-    ) -> Result<StepLogits> {
+        draws: &[Draw],
+    ) -> Result<StepOutput> {
+        if !draws.is_empty() {
+            return Err(Error::Internal("a multi-rank step was asked to draw on the device".into()));
+        }
         // The current span is the engine's step: every rank's step becomes its child.
         let trace = strata_common::trace::context_of(&Span::current());
         let msg = encode_step(ids, layout, logit_rows, wanted, trace.as_ref());
@@ -208,10 +226,10 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
             run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), self.pool.as_ref(), step)
         })?;
         match own {
-            Some(logits) => Ok(logits),
+            Some(logits) => Ok(logits.into()),
             None => {
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
-                StepLogits::from_f32s(wanted, bytes_f32(&self.comm.recv(from)?))
+                Ok(StepLogits::from_f32s(wanted, bytes_f32(&self.comm.recv(from)?))?.into())
             }
         }
     }

@@ -18,7 +18,7 @@ use tracing::debug;
 use crate::backend::{Backend, BatchLayout, SeqSlice};
 use crate::dist::{kv_blocks, LocalExecutor, StepExecutor};
 use crate::kv::{BlockPool, BlockTable, DEFAULT_BLOCK_SIZE};
-use crate::logits::{LogitsWanted, StepLogits, MAX_PICK_VOCAB};
+use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
@@ -323,19 +323,28 @@ impl Engine {
         }
         let (ids, layout, logit_rows) = self.batch(&plan);
         let vocab = self.exec.config().vocab_size;
+        let draws = self.draws(&plan);
         let wanted = self.logits_wanted(&plan, vocab);
         let span = span_for(&plan.seqs);
-        let logits = span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted))?;
+        let StepOutput { logits, drawn } =
+            span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted, &draws))?;
         let returned = logits.rows(vocab);
-        if returned != logit_rows.len() {
-            return Err(Error::Internal(format!("a step returned {returned} rows for {}", logit_rows.len())));
+        if returned != logit_rows.len() || drawn.len() != draws.len() {
+            return Err(Error::Internal(format!(
+                "a step returned {returned} rows and {} draws for {} rows and {} draws",
+                drawn.len(),
+                logit_rows.len(),
+                draws.len()
+            )));
         }
         let max_context = self.max_context();
         let mut events = Vec::with_capacity(logit_rows.len());
         let mut sampled = Vec::with_capacity(logit_rows.len());
         let mut non_finite = Vec::new();
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
+            let drawn_here = draws.get(row).is_some_and(|d| d.temperature > 0.0);
             let finite = match &logits {
+                _ if drawn_here => drawn[row].logit.is_finite() && drawn[row].log_z.is_finite(),
                 StepLogits::Full(l) => l[row * vocab..(row + 1) * vocab].iter().all(|x| x.is_finite()),
                 StepLogits::Greedy(p) => p[row].logit.is_finite() && p[row].log_z.is_finite(),
                 StepLogits::Top(c) => c[row].finite(),
@@ -348,6 +357,7 @@ impl Engine {
             }
             let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
             let (token, logprobs) = match &logits {
+                _ if drawn_here => meta.sampler.accept_drawn(drawn[row].token),
                 StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
                 StepLogits::Greedy(p) => meta.sampler.accept(p[row]),
                 StepLogits::Top(c) => meta.sampler.take(&c[row]),
@@ -382,7 +392,25 @@ impl Engine {
         Ok(events)
     }
 
-    /// The step's inputs: token ids, their batch layout, and the rows to sample from.
+    /// One [`Draw`] per sampled row when the executor draws on the device and some row's
+    /// sampler is [`drawable`](Sampler::drawable) (the others get [`Draw::NONE`]); else
+    /// none. Each drawable row takes the next number of its sequence's stream.
+    fn draws(&mut self, plan: &StepPlan) -> Vec<Draw> {
+        if !self.exec.draws_on_device() || self.exec.config().vocab_size >= MAX_PICK_VOCAB {
+            return Vec::new();
+        }
+        let sampled = || plan.seqs.iter().filter(|s| s.sample);
+        if !sampled().any(|s| self.meta.get(&s.id).is_some_and(|m| m.sampler.drawable())) {
+            return Vec::new();
+        }
+        sampled()
+            .map(|s| match self.meta.get_mut(&s.id) {
+                Some(m) if m.sampler.drawable() => m.sampler.next_draw(),
+                _ => Draw::NONE,
+            })
+            .collect()
+    }
+
     /// The least of the logits a step's sampled rows need: greedy picks when every row
     /// decodes greedily, their most likely tokens when that is all any row needs (so a GPU
     /// sends candidates, not vocabularies, to the host), else the whole rows.
@@ -391,8 +419,13 @@ impl Engine {
             return LogitsWanted::Full;
         }
         let mut k = 0;
+        let on_device = self.exec.draws_on_device();
         for s in plan.seqs.iter().filter(|s| s.sample) {
-            match self.meta.get(&s.id).and_then(|m| m.sampler.candidates_needed()) {
+            let sampler = self.meta.get(&s.id).map(|m| &m.sampler);
+            if on_device && sampler.is_some_and(|s| s.drawable()) {
+                continue; // drawn on the device: needs nothing else
+            }
+            match sampler.and_then(|s| s.candidates_needed()) {
                 Some(n) => k = k.max(n),
                 None => return LogitsWanted::Full,
             }
@@ -407,6 +440,7 @@ impl Engine {
         }
     }
 
+    /// The step's inputs: token ids, their batch layout, and the rows to sample from.
     fn batch(&self, plan: &StepPlan) -> (Vec<u32>, BatchLayout, Vec<usize>) {
         let pool = self.scheduler.pool();
         let mut ids = Vec::with_capacity(plan.num_tokens());
@@ -478,8 +512,8 @@ impl Engine {
             }],
             block_size: pool.block_size(),
         };
-        let logits = self.exec.execute(tokens, &layout, rows, LogitsWanted::Full);
+        let logits = self.exec.execute(tokens, &layout, rows, LogitsWanted::Full, &[]);
         drop(blocks);
-        logits?.into_full()
+        logits?.logits.into_full()
     }
 }

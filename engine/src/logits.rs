@@ -1,7 +1,11 @@
-//! What a step hands back for its sampled rows: the whole logits, or only the greedy pick.
+//! What a step hands back for its sampled rows: the whole logits, their most likely
+//! tokens ([`top`]), only the greedy pick, or the token drawn where the logits are
+//! ([`draw`]).
 //!
-//! Sampling with a temperature, penalties or top logprobs needs each row's whole
-//! distribution, copied to the host. Plain greedy decoding needs three numbers per row —
+//! Penalties need each row's whole distribution, copied to the host; so does top-p,
+//! min-p or plain temperature sampling unless the backend draws on the device, and top
+//! logprobs or top-k sampling need the row's most likely tokens. Plain greedy decoding
+//! needs three numbers per row —
 //! the largest logit, its token and the row's log-sum-exp (for the chosen token's
 //! logprob) — which the backend reduces where the logits are ([`Backend::greedy_picks`],
 //! a kernel on a GPU). Tensor-parallel ranks each reduce their vocabulary shard and
@@ -11,8 +15,10 @@
 
 use strata_common::{Error, Result};
 
+pub mod draw;
 pub mod top;
 
+pub use draw::{Draw, DRAW_PARAMS};
 pub use top::{Candidates, MAX_TOP};
 
 /// Which form of the logits a step must return.
@@ -75,6 +81,21 @@ impl StepLogits {
             LogitsWanted::Greedy => StepLogits::Greedy(picks_from_f32s(&data)?),
             LogitsWanted::Top(k) => StepLogits::Top(top::top_from_f32s(&data, k)?),
         })
+    }
+}
+
+/// What a step returns: the logits its sampled rows asked for, and, when the step drew
+/// rows on the backend ([`draw`]), one pick per sampled row with the drawn token (rows
+/// that were not drawn carry their greedy pick, unused).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutput {
+    pub logits: StepLogits,
+    pub drawn: Vec<Pick>,
+}
+
+impl From<StepLogits> for StepOutput {
+    fn from(logits: StepLogits) -> Self {
+        StepOutput { logits, drawn: Vec::new() }
     }
 }
 

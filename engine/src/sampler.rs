@@ -3,8 +3,11 @@
 //! Order of processing (HF transformers' and vLLM's): repetition penalty, presence and
 //! frequency penalties, then temperature, top-k, top-p and min-p, then a draw from the
 //! sequence's own seeded ChaCha stream, so a seed reproduces a generation exactly whatever
-//! else shares the batch. Reported logprobs are those of the model's raw distribution
-//! (log-softmax of the unprocessed logits), as vLLM reports them.
+//! else shares the batch. A request with temperature and at most top-p and min-p draws by
+//! walking its kept tokens in id order ([`crate::logits::draw`]), the same on the host and
+//! on a device that draws where the logits are; any other walks them most likely first.
+//! Reported logprobs are those of the model's raw distribution (log-softmax of the
+//! unprocessed logits), as vLLM reports them.
 
 use std::collections::{HashMap, HashSet};
 
@@ -12,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use strata_common::SamplingParams;
 
-use crate::logits::{Candidates, Pick, MAX_TOP};
+use crate::logits::{Candidates, Draw, Pick, MAX_TOP};
 
 /// Candidates beyond top-k a step returns: logits that differ may be equal once divided by
 /// the temperature, and the draw breaks such ties by id.
@@ -65,6 +68,11 @@ impl Sampler {
         self.apply_penalties(&mut logits);
         let token = if self.params.is_greedy() {
             argmax(&logits)
+        } else if self.drawable() {
+            // As a device draws it (the walk in id order), so a backend that draws where
+            // the logits are gives the same token for the same row.
+            let draw = self.next_draw();
+            crate::logits::draw::host_draw(&logits, &draw) as u32
         } else {
             self.draw(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect())
         };
@@ -90,6 +98,38 @@ impl Sampler {
             (false, k) => k + TIE_ROOM,
         };
         Some(k.max(n)).filter(|&k| k <= MAX_TOP)
+    }
+
+    /// Whether this sequence's tokens can be drawn where the logits are
+    /// ([`crate::logits::draw`]): temperature sampling with top-p, min-p or neither, and
+    /// nothing else that needs the host — no top-k (its candidates serve it), penalties or
+    /// logprobs. A property of the request alone, so whether a token is drawn on the
+    /// device never depends on what shares the batch.
+    pub fn drawable(&self) -> bool {
+        let p = &self.params;
+        !p.is_greedy()
+            && p.top_k == 0
+            && p.logprobs.is_none()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
+    /// The next token's [`Draw`]: this sequence's parameters and the next number of its
+    /// stream (consumed as [`Sampler::sample`] would). Only for a
+    /// [`drawable`](Sampler::drawable) sampler; the token comes back to
+    /// [`Sampler::accept_drawn`].
+    pub fn next_draw(&mut self) -> Draw {
+        let p = &self.params;
+        let (temperature, top_p, min_p) = (p.temperature, p.top_p, p.min_p);
+        Draw { temperature, top_p, min_p, u: self.rng.random() }
+    }
+
+    /// Records the token the backend drew with [`Sampler::next_draw`]'s parameters.
+    pub fn accept_drawn(&mut self, token: u32) -> (u32, Option<TokenLogprobs>) {
+        debug_assert!(self.drawable(), "a drawn token for a sampler that draws on the host");
+        self.record(token);
+        (token, None)
     }
 
     /// Takes the token from a row's most likely tokens (for a sampler whose

@@ -15,7 +15,7 @@ use strata_common::Result;
 
 use super::cpu::CpuBackend;
 use super::{AttentionShape, Backend, BatchLayout, RopeTable, SeqSlice};
-use crate::logits::{Candidates, MAX_TOP};
+use crate::logits::{Candidates, Draw, MAX_TOP};
 use crate::model::weights::{DType, HostTensor};
 
 /// Shapes of the comparison.
@@ -290,6 +290,19 @@ fn check_rope_and_picks<B: Backend>(
         run.record("top_logits (tokens)", shape.clone(), &tokens(&got), &tokens(&want), 0.0);
         run.record("top_logits (logits, log_z)", shape, &values(&got), &values(&want), F32_TOL);
     }
+    // Tokens drawn where the logits are (top-p, min-p, both, neither), against the host's
+    // walk: equal unless a cut or a draw falls within rounding of a boundary.
+    let draws: Vec<Draw> = (0..n)
+        .map(|r| Draw {
+            temperature: [0.7, 1.0, 1.3][r % 3],
+            top_p: [0.9, 1.0, 0.5, 1.0][r % 4],
+            min_p: [0.0, 0.05][r % 2],
+            u: rng.random(),
+        })
+        .collect();
+    let got = dev.draw_tokens(&ld, &draws, 7)?;
+    let want = run.cpu.draw_tokens(&lc, &draws, 7)?;
+    run.record("draw_tokens (tokens)", format!("[{n}, {v}]"), &tokens(&got), &tokens(&want), 0.0);
 
     // RoPE on q-shaped rows at scattered positions (llama3-style frequencies are just a table).
     let d = s.head_dim;

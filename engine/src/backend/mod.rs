@@ -95,6 +95,9 @@ pub struct DecodeStep<'a> {
     /// The rows whose logits the step returns.
     pub logit_rows: &'a [usize],
     pub wanted: crate::logits::LogitsWanted,
+    /// Each logit row's draw on the device ([`Backend::draw_tokens`]), or empty when no
+    /// row is drawn.
+    pub draws: &'a [crate::logits::Draw],
     /// Columns of the logits (this rank's vocabulary) and the token id of the first.
     pub vocab: usize,
     pub first_id: u32,
@@ -242,12 +245,32 @@ pub trait Backend: Send + Sync + 'static {
         let cols = data.len().checked_div(rows).unwrap_or(0);
         Ok(crate::logits::top::host_top(&data, rows, cols, k, first_id))
     }
+    /// Whether [`Backend::draw_tokens`] runs where the logits are (a GPU): the engine then
+    /// draws the tokens of top-p, min-p and temperature sampling there instead of copying
+    /// whole rows to the host (see [`crate::logits::draw`]).
+    fn draws_on_device(&self) -> bool {
+        false
+    }
+    /// Each row of `logits` (a whole vocabulary whose first column is token `first_id`)
+    /// drawn as its [`Draw`](crate::logits::Draw) says: the drawn token, the row's largest
+    /// logit and its log-sum-exp. By default on the host.
+    fn draw_tokens(
+        &self,
+        logits: &Self::Tensor,
+        draws: &[crate::logits::Draw],
+        first_id: u32,
+    ) -> Result<Vec<crate::logits::Pick>> {
+        let data = self.to_host(logits)?;
+        let cols = data.len().checked_div(draws.len()).unwrap_or(0);
+        Ok(crate::logits::draw::host_draws(&data, cols, draws, first_id))
+    }
     /// Runs `step` from a captured graph, where this backend keeps them (a GPU, for pure
     /// decode steps; see `cuda::graphs`): `body` computes the logits of the step it is
     /// given — `step` padded to a captured batch size — and is called only to capture.
     /// Returns the logit rows reduced as `step.wanted` says, in the layout of
     /// [`crate::logits::picks_to_f32s`], [`crate::logits::top::top_to_f32s`] or whole
-    /// rows; None when the step is to run as usual.
+    /// rows, followed by the rows' draws as picks when `step.draws` asks; None when the
+    /// step is to run as usual.
     fn replay_decode(
         &self,
         _step: &DecodeStep<'_>,

@@ -21,7 +21,9 @@ use tracing::info;
 use crate::backend::{AttentionShape, Backend, BatchLayout, DecodeStep, RopeTable};
 use crate::comm::Collectives;
 use crate::logits::top::{merge, top_from_f32s, top_to_f32s};
-use crate::logits::{picks_from_f32s, picks_to_f32s, Candidates, LogitsWanted, Pick, StepLogits};
+use crate::logits::{
+    picks_from_f32s, picks_to_f32s, Candidates, Draw, LogitsWanted, Pick, StepLogits, StepOutput,
+};
 use crate::metrics::{RankMetrics, ReplicaLabels};
 use weights::{Checkpoint, HostTensor};
 
@@ -213,13 +215,23 @@ impl<B: Backend> Model<B> {
         kv: &mut [B::KvLayer],
         logit_rows: &[usize],
         wanted: LogitsWanted,
-    ) -> Result<StepLogits> {
+        draws: &[Draw],
+    ) -> Result<StepOutput> {
+        if !draws.is_empty() && (self.shard.par != Parallelism::NONE || draws.len() != logit_rows.len()) {
+            return Err(Error::Internal(format!(
+                "{} draws for {} rows of a {:?} shard: draws are for whole vocabularies on one rank",
+                draws.len(),
+                logit_rows.len(),
+                self.shard.par
+            )));
+        }
         if self.shard.par == Parallelism::NONE {
             let step = DecodeStep {
                 ids,
                 layout,
                 logit_rows,
                 wanted,
+                draws,
                 vocab: self.shard.shard.vocab.len(),
                 first_id: self.shard.shard.vocab.start as u32,
             };
@@ -228,15 +240,31 @@ impl<B: Backend> Model<B> {
                 let x = self.run_layers(x, layout, kv, &mut NoComm)?;
                 self.head_logits(&x, rows)
             })?;
-            if let Some(data) = replayed {
+            if let Some(mut data) = replayed {
                 self.metrics.graph_step();
-                return StepLogits::from_f32s(wanted, data);
+                let drawn = data.split_off(data.len() - 3 * draws.len());
+                return Ok(StepOutput {
+                    logits: StepLogits::from_f32s(wanted, data)?,
+                    drawn: picks_from_f32s(&drawn)?,
+                });
             }
         }
         let mut none = NoComm;
         let x = self.embed_tokens(ids, &mut none)?;
         let x = self.run_layers(x, layout, kv, &mut none)?;
-        self.step_logits(&x, logit_rows, wanted, &mut none)
+        if draws.is_empty() {
+            return Ok(self.step_logits(&x, logit_rows, wanted, &mut none)?.into());
+        }
+        let b = &self.backend;
+        let first_id = self.shard.shard.vocab.start as u32;
+        let head = self.head_logits(&x, logit_rows)?;
+        let drawn = b.draw_tokens(&head, draws, first_id)?;
+        let logits = match wanted {
+            LogitsWanted::Full => StepLogits::Full(b.to_host(&head)?),
+            LogitsWanted::Greedy => StepLogits::Greedy(b.greedy_picks(&head, first_id)?),
+            LogitsWanted::Top(k) => StepLogits::Top(b.top_logits(&head, logit_rows.len(), k, first_id)?),
+        };
+        Ok(StepOutput { logits, drawn })
     }
 
     /// Runs this shard's decoder layers over hidden states `x`.

@@ -104,6 +104,7 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(gather_rows)
     EMU_KERNEL(greedy_pick)
     EMU_KERNEL(top_logits)
+    EMU_KERNEL(draw_tokens)
     EMU_KERNEL(paged_attention)
     EMU_KERNEL(tiled_attention)
     return -1;

@@ -83,6 +83,7 @@ pub struct EmulatedGpu {
     capture: Mutex<Option<EmuGraph>>,
     captures: AtomicU64,
     replays: AtomicU64,
+    downloaded: AtomicU64,
     /// Tests: replays fail, as a graph the device cannot run would.
     pub fail_replays: AtomicBool,
 }
@@ -100,6 +101,11 @@ impl EmulatedGpu {
     /// Graph replays so far.
     pub fn replays(&self) -> u64 {
         self.replays.load(Ordering::Relaxed)
+    }
+
+    /// Bytes copied to the host so far.
+    pub fn downloaded_bytes(&self) -> u64 {
+        self.downloaded.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'static, ()> {
@@ -224,6 +230,7 @@ impl Gpu for EmulatedGpu {
         let _g = self.lock();
         // SAFETY: bounds checked above; no launch runs meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(buf.ptr(), out.as_mut_ptr(), out.len()) };
+        self.downloaded.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 

@@ -13,7 +13,8 @@
 //! size — token ids, positions, slots, contexts, block tables at a fixed stride — the
 //! model's ops run with the device recording instead of executing, and the reduced
 //! result is copied into a fixed output buffer. Every later step of that bucket rewrites
-//! the inputs (four small copies), replays the graph and reads the output. A step whose
+//! the inputs (four small copies; a fifth with the rows' draw parameters when the step
+//! draws tokens on the device), replays the graph and reads the output. A step whose
 //! block tables outgrow the stride is captured again at twice the stride. Anything the
 //! capture cannot hold (an op that must reach the host), or a graph whose first replay
 //! fails (its memory does not fit), leaves that bucket to run eagerly from then on.
@@ -28,7 +29,8 @@ use super::device::Gpu;
 use super::layout::DeviceLayout;
 use super::{i32_bytes, to_i32, CudaBackend, GpuTensor};
 use crate::backend::{BatchLayout, DecodeStep, SeqSlice, StepBody as Body};
-use crate::logits::LogitsWanted;
+use crate::logits::draw::draws_to_f32s;
+use crate::logits::{Draw, LogitsWanted};
 
 /// Batch sizes a graph is captured for; larger decode batches run eagerly (their launch
 /// overhead is small beside their GEMMs).
@@ -40,6 +42,8 @@ const MIN_TABLE_STRIDE: usize = 16;
 struct Key {
     rows: usize,
     wanted: LogitsWanted,
+    /// Whether the step also draws its rows' tokens ([`crate::logits::draw`]).
+    drawn: bool,
 }
 
 struct Captured<G: Gpu> {
@@ -50,6 +54,8 @@ struct Captured<G: Gpu> {
     table_stride: usize,
     out: G::Buf,
     out_cols: usize,
+    /// The draws' parameters and the drawn picks, when the step draws.
+    draw: Option<(G::Buf, G::Buf)>,
 }
 
 /// The step inputs an op finds while a graph is captured instead of uploading its own.
@@ -83,6 +89,8 @@ struct Padded {
     ids: Vec<u32>,
     layout: BatchLayout,
     rows: Vec<usize>,
+    /// The draws' parameters as the kernel reads them (empty when the step draws none).
+    draws: Vec<f32>,
 }
 
 /// Rows of a pure decode step (every sequence one new token, in order, each sampled), or
@@ -102,7 +110,13 @@ fn decode_rows(step: &DecodeStep<'_>) -> Option<usize> {
 }
 
 fn pad(step: &DecodeStep<'_>, rows: usize, scratch_block: u32) -> Padded {
-    let mut p = Padded { ids: step.ids.to_vec(), layout: step.layout.clone(), rows: (0..rows).collect() };
+    let mut draws = step.draws.to_vec();
+    if !draws.is_empty() {
+        draws.resize(rows, Draw::NONE);
+    }
+    let draws = draws_to_f32s(&draws);
+    let mut p =
+        Padded { ids: step.ids.to_vec(), layout: step.layout.clone(), rows: (0..rows).collect(), draws };
     let scratch_slot = scratch_block * step.layout.block_size as u32;
     for i in step.ids.len()..rows {
         p.ids.push(0);
@@ -138,7 +152,7 @@ impl<G: Gpu> CudaBackend<G> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         let (Some(n), Some(scratch)) = (decode_rows(step), self.scratch_block()) else { return Ok(None) };
         let Some(&rows) = BUCKETS.iter().find(|&&b| b >= n) else { return Ok(None) };
-        let key = Key { rows, wanted: step.wanted };
+        let key = Key { rows, wanted: step.wanted, drawn: !step.draws.is_empty() };
         if !graphs.enabled || graphs.refused.contains(&key) {
             return Ok(None);
         }
@@ -197,6 +211,13 @@ impl<G: Gpu> CudaBackend<G> {
         let rows = Arc::new(gpu.upload(i32_bytes(&rows_i))?);
         let out_cols = out_cols(step.wanted, step.vocab);
         let mut out = gpu.alloc(padded.rows.len() * out_cols * 4)?;
+        let mut draw = None;
+        if !padded.draws.is_empty() {
+            draw = Some((
+                gpu.upload(bytemuck::cast_slice(&padded.draws))?,
+                gpu.alloc(padded.rows.len() * 3 * 4)?,
+            ));
+        }
         // The ops of the captured step find these instead of uploading their own.
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
@@ -206,6 +227,10 @@ impl<G: Gpu> CudaBackend<G> {
         gpu.begin_capture()?;
         let recorded = (|| {
             let logits = body(&padded.ids, &padded.layout, &padded.rows)?;
+            if let Some((params, drawn)) = draw.as_mut() {
+                let picks = self.draw_tensor(&logits, params, step.first_id)?;
+                gpu.copy(&picks.buf, drawn, padded.rows.len() * 3 * 4)?;
+            }
             let reduced = self.reduce(logits, step.wanted, step.first_id)?;
             gpu.copy(&reduced.buf, &mut out, padded.rows.len() * out_cols * 4)
         })();
@@ -213,7 +238,7 @@ impl<G: Gpu> CudaBackend<G> {
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = None;
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = None;
         recorded?;
-        Ok(Captured { graph: graph?, layout, ids, _rows: rows, table_stride, out, out_cols })
+        Ok(Captured { graph: graph?, layout, ids, _rows: rows, table_stride, out, out_cols, draw })
     }
 
     /// The step's logits reduced as `wanted` says, on the device.
@@ -238,9 +263,17 @@ impl<G: Gpu> CudaBackend<G> {
         Arc::get_mut(&mut c.layout).ok_or_else(stale)?.refill(gpu, &padded.layout, c.table_stride)?;
         let ids = to_i32(padded.ids.iter().map(|&i| i as usize))?;
         gpu.write(Arc::get_mut(&mut c.ids).ok_or_else(stale)?, i32_bytes(&ids))?;
+        if let Some((params, _)) = c.draw.as_mut() {
+            gpu.write(params, bytemuck::cast_slice(&padded.draws))?;
+        }
         gpu.replay(&c.graph)?;
         let mut host = vec![0f32; n * c.out_cols];
         gpu.download(&c.out, bytemuck::cast_slice_mut(&mut host))?;
+        if let Some((_, drawn)) = &c.draw {
+            let mut picks = vec![0f32; n * 3];
+            gpu.download(drawn, bytemuck::cast_slice_mut(&mut picks))?;
+            host.extend(picks);
+        }
         Ok(host)
     }
 }

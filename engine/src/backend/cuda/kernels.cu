@@ -217,6 +217,40 @@ DEVICE void block_argmax(float* best, int* where, int tid) {
     }
 }
 
+// The row's largest value and its column (the first on ties) into best[0] and where[0]
+// (-1 for an empty row); every thread calls it.
+DEVICE void block_row_argmax(const float* row, int cols, float* best, int* where, int tid) {
+    float m = -INFINITY;
+    int at = -1;
+    for (int c = tid; c < cols; c += blockDim.x) {
+        if (at < 0 || row[c] > m) {
+            m = row[c];
+            at = c;
+        }
+    }
+    best[tid] = m;
+    where[tid] = at;
+    block_argmax(best, where, tid);
+}
+
+// Block-wide sum (or, with `smallest`, minimum) of each thread's v, combined in a fixed
+// order; every thread gets it.
+DEVICE float block_reduce(float v, bool smallest, float* scratch, int tid) {
+    SYNC();  // scratch may still be read by the caller's previous reduction
+    scratch[tid] = v;
+    SYNC();
+    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
+        if (tid < stride) {
+            float other = scratch[tid + stride];
+            scratch[tid] = smallest ? (other < scratch[tid] ? other : scratch[tid]) : scratch[tid] + other;
+        }
+        SYNC();
+    }
+    float r = scratch[0];
+    SYNC();
+    return r;
+}
+
 // log(sum(exp(row))) of a row whose largest value is `top`, summed across the block with
 // `scratch` (blockDim.x floats). Every thread calls it and gets the value.
 DEVICE float block_log_sum_exp(const float* row, int cols, float top, float* scratch, int tid) {
@@ -226,17 +260,7 @@ DEVICE float block_log_sum_exp(const float* row, int cols, float top, float* scr
             sum += expf(row[c] - top);
         }
     }
-    SYNC();  // scratch may still be read by the caller's previous reduction
-    scratch[tid] = sum;
-    SYNC();
-    for (int stride = blockDim.x / 2; stride > 0; stride >>= 1) {
-        if (tid < stride) {
-            scratch[tid] += scratch[tid + stride];
-        }
-        SYNC();
-    }
-    float total = scratch[0];
-    SYNC();
+    float total = block_reduce(sum, false, scratch, tid);
     return top == -INFINITY ? top : top + logf(total);
 }
 
@@ -249,17 +273,7 @@ KERNEL void greedy_pick(const float* x, float* out, int cols, int first_id) {
     SHARED int where[1024];
     const float* row = x + (long long)blockIdx.x * cols;
     int tid = threadIdx.x;
-    float m = -INFINITY;
-    int at = -1;
-    for (int c = tid; c < cols; c += blockDim.x) {
-        if (at < 0 || row[c] > m) {
-            m = row[c];
-            at = c;
-        }
-    }
-    best[tid] = m;
-    where[tid] = at;
-    block_argmax(best, where, tid);
+    block_row_argmax(row, cols, best, where, tid);
     float top = best[0];
     int top_at = where[0];
     float log_z = block_log_sum_exp(row, cols, top, best, tid);
@@ -321,6 +335,206 @@ KERNEL void top_logits(const float* x, float* out, int cols, int k, int first_id
             }
         }
         SYNC();
+    }
+}
+
+// Sampling parameters of one row of draw_tokens: temperature, top_p, min_p and the row's
+// uniform draw u in [0, 1) (from the sequence's own seeded stream, on the host).
+#define DRAW_PARAMS 4
+
+// Key of a float in its order: a < b exactly when float_key(a) < float_key(b).
+DEVICE unsigned int float_key(float f) {
+    unsigned int u = (unsigned int)__float_as_int(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The sum of v over the threads before this one, in thread order.
+DEVICE float block_exclusive_sum(float v, float* scratch, int tid) {
+    SYNC();
+    scratch[tid] = v;
+    SYNC();
+    if (tid == 0) {
+        float run = 0.0f;
+        for (int t = 0; t < (int)blockDim.x; t++) {
+            float x = scratch[t];
+            scratch[t] = run;
+            run += x;
+        }
+    }
+    SYNC();
+    float before = scratch[tid];
+    SYNC();
+    return before;
+}
+
+// A row's tempered weights: exp(l/T - top/T), the largest weighing 1.
+struct Tempered {
+    float top_t, temperature;
+};
+
+DEVICE float weight_of(Tempered t, float l) {
+    return expf(l / t.temperature - t.top_t);
+}
+
+// Block-wide tempered weight of the row's columns whose logit's key is >= key (each
+// thread sums its run [c0, c1)).
+DEVICE float mass_from(const float* row, int c0, int c1, unsigned int key, Tempered t, float* scratch, int tid) {
+    float s = 0.0f;
+    for (int c = c0; c < c1; c++) {
+        if (float_key(row[c]) >= key) {
+            s += weight_of(t, row[c]);
+        }
+    }
+    return block_reduce(s, false, scratch, tid);
+}
+
+// Which tokens a nucleus keeps: those above the logit b, and the first `ties` of those
+// equal to it (in id order). Without a nucleus (top_p >= 1), every token.
+struct Nucleus {
+    unsigned int b_key;
+    float ties;
+    bool cut;
+};
+
+// The nucleus of top_p: b is the largest logit whose tokens at or above it weigh top_p of
+// the row (bisection on the order keys: mass(lo) >= need > mass(hi)); of the tokens equal
+// to b, the fewest that reach it.
+DEVICE Nucleus find_nucleus(const float* row, int c0, int c1, float top, Tempered t, float top_p, float* scratch,
+                            int tid) {
+    Nucleus n = {0u, 0.0f, false};
+    if (top_p >= 1.0f) {
+        return n;
+    }
+    float need = top_p * mass_from(row, c0, c1, 0u, t, scratch, tid);
+    n.cut = true;
+    n.b_key = float_key(top);
+    n.ties = 1.0f;
+    if (!(need > 0.0f)) {
+        return n;
+    }
+    unsigned int lo = 0u, hi = float_key(top) + 1u;
+    while (hi - lo > 1u) {
+        unsigned int mid = lo + (hi - lo) / 2u;
+        if (mass_from(row, c0, c1, mid, t, scratch, tid) >= need) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    float local = INFINITY;
+    for (int c = c0; c < c1; c++) {
+        if (float_key(row[c]) >= lo && row[c] < local) {
+            local = row[c];
+        }
+    }
+    float b = block_reduce(local, true, scratch, tid);
+    float above = mass_from(row, c0, c1, float_key(b) + 1u, t, scratch, tid);
+    float ties = ceilf((need - above) / weight_of(t, b));
+    n.b_key = float_key(b);
+    n.ties = ties < 1.0f ? 1.0f : ties;
+    return n;
+}
+
+// The weight column c keeps under the nucleus and min-p (0 if dropped); `rank` counts the
+// ties at the boundary seen so far in id order, and advances past c if it is one.
+DEVICE float kept_weight(const float* row, int c, Nucleus n, Tempered t, float min_p, float* rank) {
+    unsigned int k = float_key(row[c]);
+    bool in_nucleus = !n.cut || k > n.b_key || (k == n.b_key && *rank < n.ties);
+    if (n.cut && k == n.b_key) {
+        *rank += 1.0f;
+    }
+    float w = weight_of(t, row[c]);
+    return in_nucleus && w >= min_p && w > 0.0f ? w : 0.0f;
+}
+
+// The kept token of the row's columns at u times their kept weight, walking them in id
+// order (each thread its run, the runs in thread order); if rounding leaves the target
+// past every run, the last kept token. -1 if none is kept.
+DEVICE int walk_kept(const float* row, int c0, int c1, Nucleus n, Tempered t, float min_p, float u, float* best,
+                     int* where, int tid) {
+    float ties = 0.0f;
+    for (int c = c0; c < c1; c++) {
+        ties += n.cut && float_key(row[c]) == n.b_key ? 1.0f : 0.0f;
+    }
+    float first_rank = block_exclusive_sum(ties, best, tid);
+    float rank = first_rank, kept = 0.0f;
+    for (int c = c0; c < c1; c++) {
+        kept += kept_weight(row, c, n, t, min_p, &rank);
+    }
+    float acc = block_exclusive_sum(kept, best, tid);
+    float target = u * block_reduce(kept, false, best, tid);
+    int found = -1, last = -1;
+    rank = first_rank;
+    for (int c = c0; c < c1; c++) {
+        float w = kept_weight(row, c, n, t, min_p, &rank);
+        if (w > 0.0f) {
+            last = c;
+            if (found < 0 && target < acc + w) {
+                found = c;
+            }
+            acc += w;
+        }
+    }
+    // The first thread that found it; else the last kept column of any.
+    best[tid] = found >= 0 ? 1.0f : 0.0f;
+    where[tid] = found >= 0 ? found : last;
+    SYNC();
+    if (tid == 0) {
+        int f = -1, l = -1;
+        for (int i = 0; i < (int)blockDim.x; i++) {
+            if (best[i] > 0.0f && f < 0) {
+                f = where[i];
+            }
+            if (best[i] == 0.0f && where[i] > l) {
+                l = where[i];
+            }
+        }
+        where[0] = f >= 0 ? f : l;
+    }
+    SYNC();
+    int chosen = where[0];
+    SYNC();
+    return chosen;
+}
+
+// One block per row of a whole vocabulary's logits: draws the row's next token as the
+// sampler defines it (temperature, then top-p and min-p over the tempered softmax, then a
+// draw with the row's u), so only the token crosses to the host. out[row] = {token, the
+// row's largest logit, its log-sum-exp} (as greedy_pick's: the host checks the row was
+// finite). A row with temperature <= 0 or non-finite logits gets its greedy pick.
+//
+// The kept tokens are those the sampler's sorted walk keeps, found without sorting: the
+// nucleus boundary by bisection (find_nucleus); the tokens above it are kept and, of
+// those equal to it, the first by id (the sampler's order on ties) that reach top_p;
+// min-p keeps weights >= min_p (the largest weighs 1); a weight of 0 is never kept. The
+// draw walks the kept tokens in id order to u times their weight (walk_kept), as the host
+// sampler does for such requests. Each thread owns a contiguous run of columns.
+// blockDim.x is a power of two <= 1024.
+KERNEL void draw_tokens(const float* x, const float* params, float* out, int cols, int first_id) {
+    SHARED float best[1024];
+    SHARED int where[1024];
+    const float* row = x + (long long)blockIdx.x * cols;
+    const float* p = params + (long long)blockIdx.x * DRAW_PARAMS;
+    float temperature = p[0], top_p = p[1], min_p = p[2], u = p[3];
+    int tid = threadIdx.x;
+    int chunk = (cols + (int)blockDim.x - 1) / (int)blockDim.x;
+    int c0 = tid * chunk < cols ? tid * chunk : cols;
+    int c1 = c0 + chunk < cols ? c0 + chunk : cols;
+    block_row_argmax(row, cols, best, where, tid);
+    float top = best[0];
+    int chosen = where[0];
+    float log_z = block_log_sum_exp(row, cols, top, best, tid);
+    if (log_z - log_z == 0.0f && temperature > 0.0f) {  // finite, and drawn
+        Tempered t = {top / temperature, temperature};
+        Nucleus n = find_nucleus(row, c0, c1, top, t, top_p, best, tid);
+        int drawn = walk_kept(row, c0, c1, n, t, min_p, u, best, where, tid);
+        chosen = drawn >= 0 ? drawn : chosen;
+    }
+    if (tid == 0) {
+        float* o = out + (long long)blockIdx.x * 3;
+        o[0] = (float)(first_id + (chosen < 0 ? 0 : chosen));
+        o[1] = top;
+        o[2] = log_z;
     }
 }
 

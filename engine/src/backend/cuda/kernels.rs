@@ -42,12 +42,13 @@ pub enum Kernel {
     GatherRows,
     GreedyPick,
     TopLogits,
+    DrawTokens,
     PagedAttention,
     TiledAttention,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 15] = [
+    pub const ALL: [Kernel; 16] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -61,6 +62,7 @@ impl Kernel {
         Kernel::GatherRows,
         Kernel::GreedyPick,
         Kernel::TopLogits,
+        Kernel::DrawTokens,
         Kernel::PagedAttention,
         Kernel::TiledAttention,
     ];
@@ -81,6 +83,7 @@ impl Kernel {
             Kernel::GatherRows => "gather_rows",
             Kernel::GreedyPick => "greedy_pick",
             Kernel::TopLogits => "top_logits",
+            Kernel::DrawTokens => "draw_tokens",
             Kernel::PagedAttention => "paged_attention",
             Kernel::TiledAttention => "tiled_attention",
         }

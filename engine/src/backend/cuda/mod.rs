@@ -34,8 +34,9 @@ use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::logits::draw::{draws_to_f32s, host_draws};
 use crate::logits::top::{host_top, top_from_f32s};
-use crate::logits::{picks_from_f32s, Candidates, Pick, MAX_TOP};
+use crate::logits::{picks_from_f32s, Candidates, Draw, Pick, MAX_TOP};
 use crate::model::weights::{DType, HostTensor};
 
 /// Threads per block of the attention kernels (a power of two).
@@ -243,6 +244,29 @@ impl<G: Gpu> CudaBackend<G> {
                 Arg::Buf(&out.buf),
                 Arg::I32(dim(logits.cols)?),
                 Arg::I32(dim(k)?),
+                Arg::I32(dim(first_id as usize)?),
+            ],
+        )?;
+        Ok(out)
+    }
+
+    /// Each row's token drawn on the device as its parameters in `params` say
+    /// ([`crate::logits::DRAW_PARAMS`] floats per row, see [`crate::logits::draw`]): `[rows, 3]` picks.
+    fn draw_tensor(
+        &self,
+        logits: &GpuTensor<G::Buf>,
+        params: &G::Buf,
+        first_id: u32,
+    ) -> Result<GpuTensor<G::Buf>> {
+        let out = self.tensor(logits.rows, 3)?;
+        self.launch(
+            Kernel::DrawTokens,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(params),
+                Arg::Buf(&out.buf),
+                Arg::I32(dim(logits.cols)?),
                 Arg::I32(dim(first_id as usize)?),
             ],
         )?;
@@ -664,6 +688,21 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             return Ok(host_top(&[], logits.rows, 0, k, first_id));
         }
         top_from_f32s(&self.to_host(&self.top_tensor(logits, k, first_id)?)?, k)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        true
+    }
+
+    fn draw_tokens(&self, logits: &Self::Tensor, draws: &[Draw], first_id: u32) -> Result<Vec<Pick>> {
+        if draws.len() != logits.rows {
+            return Err(Error::Internal(format!("{} draws for {} rows of logits", draws.len(), logits.rows)));
+        }
+        if logits.rows == 0 || logits.cols == 0 {
+            return Ok(host_draws(&[], logits.cols, draws, first_id));
+        }
+        let params = self.gpu.upload(bytemuck::cast_slice(&draws_to_f32s(draws)))?;
+        picks_from_f32s(&self.to_host(&self.draw_tensor(logits, &params, first_id)?)?)
     }
 
     fn replay_decode(

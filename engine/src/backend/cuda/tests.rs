@@ -219,6 +219,7 @@ fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
         layout: &layout,
         logit_rows: &[0],
         wanted: LogitsWanted::Full,
+        draws: &[],
         vocab: 4,
         first_id: 0,
     };
@@ -276,6 +277,7 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
             layout: &layout,
             logit_rows: &rows,
             wanted: LogitsWanted::Full,
+            draws: &[],
             vocab: 3,
             first_id: 0,
         };
@@ -293,4 +295,99 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
     gpu.fail_replays.store(false, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(run(&[3, 1, 0]), None, "and every later one of this batch size");
     assert_eq!((gpu.captures(), gpu.replays()), (1, 2));
+}
+
+/// The device draws the token the host reference draws — top-p, min-p, both, neither,
+/// and a nucleus that cuts a run of equal logits (ties go by id) — and, over a grid of
+/// uniform numbers, each kept token in proportion to its probability and nothing else.
+#[test]
+fn device_draws_follow_the_samplers_kept_distribution() {
+    use crate::backend::Backend;
+    use crate::logits::draw::{host_draw, kept};
+    use crate::logits::Draw;
+    use crate::sampler::Sampler;
+    let b = backend();
+    let (rows, vocab) = (16, 300);
+    let mut logits: Vec<f32> =
+        (0..rows * vocab).map(|i| ((i as u64 * 2654435761) % 1000) as f32 / 150.0 - 3.0).collect();
+    logits[..vocab].iter_mut().enumerate().for_each(|(c, l)| *l = if c % 7 == 3 { 4.0 } else { -4.0 });
+    let on_device = b.upload(logits.clone(), rows, vocab).unwrap();
+    for (temperature, top_p, min_p) in [(0.8, 0.9, 0.0), (1.0, 1.0, 0.1), (0.6, 0.5, 0.05), (1.2, 1.0, 0.0)] {
+        let draws: Vec<Draw> = (0..rows)
+            .map(|r| Draw { temperature, top_p, min_p, u: ((r * 37 + 11) % 100) as f32 / 100.0 })
+            .collect();
+        let picks = b.draw_tokens(&on_device, &draws, 0).unwrap();
+        for (r, (p, d)) in picks.iter().zip(&draws).enumerate() {
+            assert_eq!(p.token as usize, host_draw(&logits[r * vocab..(r + 1) * vocab], d), "row {r}, {d:?}");
+        }
+    }
+    // The host sampler draws such a request the same way: the same tokens, seed for seed.
+    let params =
+        SamplingParams { temperature: 0.8, top_p: 0.9, min_p: 0.02, seed: Some(4), ..Default::default() };
+    let (mut host, mut dev) = (Sampler::new(params.clone(), &[]), Sampler::new(params, &[]));
+    assert!(dev.drawable());
+    let draws: Vec<Draw> = (0..rows).map(|_| dev.next_draw()).collect();
+    let picks = b.draw_tokens(&on_device, &draws, 0).unwrap();
+    for (r, p) in picks.iter().enumerate() {
+        assert_eq!(p.token, host.sample(&logits[r * vocab..(r + 1) * vocab]).0, "row {r}: the host sampler");
+    }
+    let row = &logits[vocab..2 * vocab];
+    let d = Draw { temperature: 0.9, top_p: 0.7, min_p: 0.02, u: 0.0 };
+    let n = 400;
+    let grid: Vec<Draw> = (0..n).map(|i| Draw { u: (i as f32 + 0.5) / n as f32, ..d }).collect();
+    let picks = b.draw_tokens(&b.upload(row.repeat(n), n, vocab).unwrap(), &grid, 0).unwrap();
+    let keep = kept(row, &d);
+    let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let weight = |c: usize| ((row[c] / d.temperature - top / d.temperature) as f64).exp();
+    let total: f64 = keep.iter().map(|&c| weight(c)).sum();
+    let mut counts = vec![0usize; vocab];
+    picks.iter().for_each(|p| counts[p.token as usize] += 1);
+    for (c, &count) in counts.iter().enumerate() {
+        let want = if keep.contains(&c) { weight(c) / total * n as f64 } else { 0.0 };
+        assert!((count as f64 - want).abs() <= 2.0, "token {c}: drawn {count} times, {want:.1} expected");
+    }
+}
+
+/// A top-p sequence's tokens are drawn on the device — not one row of logits crosses to
+/// the host — and are the same whether it decodes alone or beside a sequence whose
+/// penalties need whole rows and a greedy one, with graphs or without: whether a token is
+/// drawn on the device depends on its request only, so a seed reproduces a generation.
+#[test]
+fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
+    let dir = tiny_bf16_model(1);
+    let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let nucleus = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.8,
+        min_p: 0.01,
+        seed: Some(11),
+        max_new_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let run = |graphs: bool, companions: bool| {
+        let gpu = Arc::new(EmulatedGpu::new());
+        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
+        let mut e = Engine::new(Model::load(dir.path(), backend).unwrap(), &config).unwrap();
+        e.add(crate::SeqId(0), vec![1, 17, 300], nucleus.clone()).unwrap();
+        if companions {
+            let penalised = SamplingParams { repetition_penalty: 1.3, seed: Some(2), ..nucleus.clone() };
+            e.add(crate::SeqId(1), vec![5, 6], penalised).unwrap();
+            e.add(crate::SeqId(2), vec![9], SamplingParams { temperature: 0.0, ..nucleus.clone() }).unwrap();
+        }
+        let mut out = Vec::new();
+        while e.has_work() {
+            let events = e.step().unwrap();
+            out.extend(events.into_iter().filter(|ev| ev.seq == crate::SeqId(0)).map(|ev| ev.token));
+        }
+        (out, gpu.downloaded_bytes())
+    };
+    let (alone, bytes) = run(true, false);
+    eprintln!("drawn alone: {alone:?}, {bytes} bytes downloaded");
+    assert_eq!(alone.len(), 8);
+    assert!(bytes < (vocab * 4) as u64, "{bytes} bytes reached the host: a row of logits is {}", vocab * 4);
+    assert_eq!(run(false, false).0, alone, "eager steps");
+    assert_eq!(run(true, true).0, alone, "beside whole-row and greedy sequences, with graphs");
+    assert_eq!(run(false, true).0, alone, "beside whole-row and greedy sequences, eager");
 }
