@@ -48,49 +48,47 @@ pub fn draws_to_f32s(draws: &[Draw]) -> Vec<f32> {
     draws.iter().flat_map(|d| [d.temperature, d.top_p, d.min_p, d.u]).collect()
 }
 
-/// The columns `draw` keeps of `row`, in id order (the definition the device kernel
-/// follows without sorting).
-pub fn kept(row: &[f32], draw: &Draw) -> Vec<usize> {
+/// The columns `draw` keeps of `row`, in id order, with their tempered weights
+/// `exp(l/T − max/T)` (the definition the device kernel follows without sorting).
+pub fn kept(row: &[f32], draw: &Draw) -> Vec<(usize, f32)> {
     let mut order: Vec<usize> = (0..row.len()).collect();
     order.sort_unstable_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
     let Some(&first) = order.first() else { return Vec::new() };
     let top_t = row[first] / draw.temperature;
-    let weight = |c: usize| (row[c] / draw.temperature - top_t).exp();
-    let total: f64 = order.iter().map(|&c| weight(c) as f64).sum();
-    let need = draw.top_p as f64 * total;
+    let weights: Vec<f32> = row.iter().map(|&l| (l / draw.temperature - top_t).exp()).collect();
+    let need = draw.top_p as f64 * weights.iter().map(|&w| w as f64).sum::<f64>();
     let mut cum = 0f64;
     let mut keep = Vec::new();
     for &c in &order {
         if draw.top_p < 1.0 && cum >= need && !keep.is_empty() {
             break;
         }
-        cum += weight(c) as f64;
-        if (weight(c) >= draw.min_p && weight(c) > 0.0) || keep.is_empty() {
-            keep.push(c);
+        let w = weights[c];
+        cum += w as f64;
+        if (w >= draw.min_p && w > 0.0) || keep.is_empty() {
+            keep.push((c, w));
         }
     }
-    keep.sort_unstable();
+    keep.sort_unstable_by_key(|k| k.0);
     keep
 }
 
-/// The column `draw` picks of `row` (the host reference of the device kernel).
+/// The column `draw` picks of `row`: its kept tokens walked in id order to `u` times
+/// their weight (the host's draw, and the reference of the device kernel).
 pub fn host_draw(row: &[f32], draw: &Draw) -> usize {
-    let argmax = || (0..row.len()).fold(0, |best, c| if row[c] > row[best] { c } else { best });
     if draw.temperature.is_nan() || draw.temperature <= 0.0 || row.is_empty() {
-        return argmax();
+        return (0..row.len()).fold(0, |best, c| if row[c] > row[best] { c } else { best });
     }
     let keep = kept(row, draw);
-    let top_t = row[argmax()] / draw.temperature;
-    let weights: Vec<f64> = keep.iter().map(|&c| (row[c] / draw.temperature - top_t).exp() as f64).collect();
-    let target = draw.u as f64 * weights.iter().sum::<f64>();
+    let target = draw.u as f64 * keep.iter().map(|k| k.1 as f64).sum::<f64>();
     let mut acc = 0f64;
-    for (&c, w) in keep.iter().zip(&weights) {
-        acc += w;
+    for &(c, w) in &keep {
+        acc += w as f64;
         if target < acc {
             return c;
         }
     }
-    *keep.last().expect("a row keeps its most likely token")
+    keep.last().expect("a row keeps its most likely token").0
 }
 
 /// [`host_draw`] of each of the `rows` `cols`-wide rows of `data` (whose first column is
@@ -125,6 +123,10 @@ mod tests {
             .collect()
     }
 
+    fn ids(kept: Vec<(usize, f32)>) -> Vec<usize> {
+        kept.into_iter().map(|k| k.0).collect()
+    }
+
     fn probs(row: &[f32], t: f32) -> Vec<f64> {
         let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let w: Vec<f64> = row.iter().map(|&l| ((l / t - m / t).exp()) as f64).collect();
@@ -136,7 +138,7 @@ mod tests {
     fn the_nucleus_is_the_fewest_likeliest_tokens_reaching_top_p() {
         let r = row(300, 3);
         let d = Draw { temperature: 0.7, top_p: 0.6, min_p: 0.0, u: 0.0 };
-        let keep = kept(&r, &d);
+        let keep = ids(kept(&r, &d));
         let p = probs(&r, 0.7);
         let mass: f64 = keep.iter().map(|&c| p[c]).sum();
         let least = keep.iter().map(|&c| p[c]).fold(f64::INFINITY, f64::min);
@@ -150,13 +152,13 @@ mod tests {
     fn min_p_keeps_tokens_near_the_most_likely_and_ties_go_by_id() {
         let r = [1.0f32, 3.0, 3.0, 2.9, -5.0];
         let only_top = Draw { temperature: 1.0, top_p: 1.0, min_p: 0.99, u: 0.0 };
-        assert_eq!(kept(&r, &only_top), [1, 2]);
+        assert_eq!(ids(kept(&r, &only_top)), [1, 2]);
         let near = Draw { min_p: 0.5, ..only_top };
-        assert_eq!(kept(&r, &near), [1, 2, 3]);
+        assert_eq!(ids(kept(&r, &near)), [1, 2, 3]);
         // A nucleus that one of two equal tokens fills keeps the smaller id.
         let r = [3.0f32, 3.0, -20.0];
         let d = Draw { temperature: 1.0, top_p: 0.4, min_p: 0.0, u: 0.99 };
-        assert_eq!(kept(&r, &d), [0]);
+        assert_eq!(ids(kept(&r, &d)), [0]);
         assert_eq!(host_draw(&r, &d), 0);
     }
 
@@ -164,7 +166,7 @@ mod tests {
     fn draws_follow_the_kept_distribution() {
         let r = row(64, 9);
         let d = Draw { temperature: 1.3, top_p: 0.8, min_p: 0.05, u: 0.0 };
-        let keep = kept(&r, &d);
+        let keep = ids(kept(&r, &d));
         let p = probs(&r, 1.3);
         let kept_mass: f64 = keep.iter().map(|&c| p[c]).sum();
         let n = 20_000;

@@ -336,7 +336,7 @@ fn device_draws_follow_the_samplers_kept_distribution() {
     let n = 400;
     let grid: Vec<Draw> = (0..n).map(|i| Draw { u: (i as f32 + 0.5) / n as f32, ..d }).collect();
     let picks = b.draw_tokens(&b.upload(row.repeat(n), n, vocab).unwrap(), &grid, 0).unwrap();
-    let keep = kept(row, &d);
+    let keep: Vec<usize> = kept(row, &d).into_iter().map(|k| k.0).collect();
     let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let weight = |c: usize| ((row[c] / d.temperature - top / d.temperature) as f64).exp();
     let total: f64 = keep.iter().map(|&c| weight(c)).sum();
