@@ -88,7 +88,7 @@ impl Sampler {
     /// min-p without top-k need the whole distribution).
     pub fn candidates_needed(&self) -> Option<usize> {
         let p = &self.params;
-        if p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+        if self.penalised() {
             return None;
         }
         let n = p.logprobs.unwrap_or(0) as usize;
@@ -107,12 +107,13 @@ impl Sampler {
     /// device never depends on what shares the batch.
     pub fn drawable(&self) -> bool {
         let p = &self.params;
-        !p.is_greedy()
-            && p.top_k == 0
-            && p.logprobs.is_none()
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0
+        !p.is_greedy() && p.top_k == 0 && p.logprobs.is_none() && !self.penalised()
+    }
+
+    /// Whether penalties move this sequence's logits (so its rows go to the host whole).
+    fn penalised(&self) -> bool {
+        let p = &self.params;
+        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
     }
 
     /// The next token's [`Draw`]: this sequence's parameters and the next number of its

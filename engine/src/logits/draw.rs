@@ -101,15 +101,10 @@ pub fn host_draws(data: &[f32], cols: usize, draws: &[Draw], first_id: u32) -> V
     data.chunks_exact(cols)
         .zip(draws)
         .zip(picks)
-        .map(
-            |((row, d), p)| {
-                if p.log_z.is_finite() {
-                    Pick { token: first_id + host_draw(row, d) as u32, ..p }
-                } else {
-                    p
-                }
-            },
-        )
+        .map(|((row, d), p)| match p.log_z.is_finite() {
+            true => Pick { token: first_id + host_draw(row, d) as u32, ..p },
+            false => p,
+        })
         .collect()
 }
 
