@@ -10,6 +10,9 @@ STRATA_RELEASE := target/release/strata
 ## HF comparisons again with the AVX2 and portable kernels), and that the `cuda`
 ## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
 ## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
+## A full run builds every target from scratch: incremental caches (as large again as the
+## build itself) would only fill the disk.
+test: export CARGO_INCREMENTAL ?= 0
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	$(CARGO) build --workspace --all-targets
