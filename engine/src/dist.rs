@@ -292,6 +292,12 @@ fn rank_step<B: Backend>(
     let s = &model.shard.shard;
     let tp = model.shard.par.tp;
     let b = model.backend();
+    // A one-stage TP rank replays decode steps from graphs when its all-reduces are
+    // device work (NCCL); then only the reduced rows cross the group.
+    if let Some(out) = model.replayed(ids, layout, kv, (logit_rows, wanted, &[]), comm)? {
+        let merged = model.merge_shards(out.logits, logit_rows.len(), wanted, comm)?;
+        return Ok((s.tp_rank == 0).then_some(merged));
+    }
     let x = if s.stage == 0 {
         model.embed_tokens(ids, comm)?
     } else {

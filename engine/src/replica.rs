@@ -130,23 +130,34 @@ macro_rules! with_backend {
 
 /// An engine for the model in `dir`: in-process ranks when `par` has more than one.
 pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Result<Engine> {
-    with_backend!(config.backend, |make| local_replica_on(dir, par, config, make))
+    let device = config.backend.device;
+    let rank_comm = move |comm: TcpComm, rank: usize| {
+        let rank_device = match device {
+            Device::Cpu => Device::Cpu,
+            Device::Cuda(base) => Device::Cuda(base + rank),
+        };
+        communicator(comm, rank_device, par)
+    };
+    with_backend!(config.backend, |make| local_replica_on(dir, par, config, make, rank_comm))
 }
 
-/// `local_replica` on backends made by `backend(rank)`.
-fn local_replica_on<B, F>(dir: &Path, par: Parallelism, config: &EngineConfig, backend: F) -> Result<Engine>
+/// `local_replica` on backends made by `backend(rank)`, each rank's TCP mesh endpoint
+/// made its communicator by `communicator(mesh, rank)`.
+pub(crate) fn local_replica_on<B, F, C>(
+    dir: &Path,
+    par: Parallelism,
+    config: &EngineConfig,
+    backend: F,
+    communicator: C,
+) -> Result<Engine>
 where
     B: Backend,
     F: Fn(usize) -> Result<B> + Clone + Send + 'static,
+    C: Fn(TcpComm, usize) -> Result<Box<dyn Communicator>> + Clone + Send + 'static,
 {
     if par.world() == 1 {
         return Engine::new(Model::load(dir, backend(0)?)?, config);
     }
-    let device = config.backend.device;
-    let rank_device = move |rank: usize| match device {
-        Device::Cpu => Device::Cpu,
-        Device::Cuda(base) => Device::Cuda(base + rank),
-    };
     let mut comms = local_group(par.world(), SETUP_TIMEOUT)?.into_iter();
     let leader_comm = comms.next().expect("world >= 1");
     let mut followers = Vec::new();
@@ -155,12 +166,13 @@ where
         let dir = dir.to_owned();
         let make = backend.clone();
         let labels = config.labels.clone();
+        let communicator = communicator.clone();
         let (tx, rx) = std::sync::mpsc::channel::<Result<()>>();
         let handle = std::thread::Builder::new()
             .name(format!("rank-{rank}"))
             .spawn(move || {
                 let run = || -> Result<()> {
-                    let comm = communicator(comm, rank_device(rank), par)?;
+                    let comm = communicator(comm, rank)?;
                     let mut model = Model::load_shard(&dir, make(rank)?, par, rank)?;
                     model.label(&labels);
                     let pool = model
@@ -179,7 +191,7 @@ where
             .map_err(|e| Error::Internal(format!("cannot start rank {rank}: {e}")))?;
         followers.push((rank, rx, handle));
     }
-    let leader_comm = communicator(leader_comm, rank_device(0), par)?;
+    let leader_comm = communicator(leader_comm, 0)?;
     for (rank, rx, _) in &followers {
         match rx.recv() {
             Ok(Ok(())) => {}

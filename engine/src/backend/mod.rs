@@ -292,4 +292,10 @@ pub trait Backend: Send + Sync + 'static {
     fn all_reduce(&self, x: &mut Self::Tensor, group: &[usize], comm: &mut dyn Collectives) -> Result<()> {
         self.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
     }
+    /// Whether a decode step's [`Backend::all_reduce`]s through `comm` can be captured in
+    /// [`Backend::replay_decode`]'s graphs: they run on the device, in stream order (NCCL
+    /// on a GPU), so a tensor-parallel rank replays its whole step too.
+    fn captures_collectives(&self, _comm: &mut dyn Collectives) -> bool {
+        false
+    }
 }

@@ -20,10 +20,8 @@ use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, DecodeStep, RopeTable};
 use crate::comm::Collectives;
-use crate::logits::top::{merge, top_from_f32s, top_to_f32s};
-use crate::logits::{
-    picks_from_f32s, picks_to_f32s, Candidates, Draw, LogitsWanted, Pick, StepLogits, StepOutput,
-};
+use crate::logits::top::{merge, top_from_f32s};
+use crate::logits::{picks_from_f32s, Draw, LogitsWanted, StepLogits, StepOutput};
 use crate::metrics::{RankMetrics, ReplicaLabels};
 use weights::{Checkpoint, HostTensor};
 
@@ -225,29 +223,8 @@ impl<B: Backend> Model<B> {
                 self.shard.par
             )));
         }
-        if self.shard.par == Parallelism::NONE {
-            let step = DecodeStep {
-                ids,
-                layout,
-                logit_rows,
-                wanted,
-                draws,
-                vocab: self.shard.shard.vocab.len(),
-                first_id: self.shard.shard.vocab.start as u32,
-            };
-            let replayed = self.backend.replay_decode(&step, &mut |ids, layout, rows| {
-                let x = self.embed_tokens(ids, &mut NoComm)?;
-                let x = self.run_layers(x, layout, kv, &mut NoComm)?;
-                self.head_logits(&x, rows)
-            })?;
-            if let Some(mut data) = replayed {
-                self.metrics.graph_step();
-                let drawn = data.split_off(data.len() - 3 * draws.len());
-                return Ok(StepOutput {
-                    logits: StepLogits::from_f32s(wanted, data)?,
-                    drawn: picks_from_f32s(&drawn)?,
-                });
-            }
+        if let Some(out) = self.replayed(ids, layout, kv, (logit_rows, wanted, draws), &mut NoComm)? {
+            return Ok(out);
         }
         let mut none = NoComm;
         let x = self.embed_tokens(ids, &mut none)?;
@@ -259,12 +236,43 @@ impl<B: Backend> Model<B> {
         let first_id = self.shard.shard.vocab.start as u32;
         let head = self.head_logits(&x, logit_rows)?;
         let drawn = b.draw_tokens(&head, draws, first_id)?;
-        let logits = match wanted {
-            LogitsWanted::Full => StepLogits::Full(b.to_host(&head)?),
-            LogitsWanted::Greedy => StepLogits::Greedy(b.greedy_picks(&head, first_id)?),
-            LogitsWanted::Top(k) => StepLogits::Top(b.top_logits(&head, logit_rows.len(), k, first_id)?),
+        Ok(StepOutput { logits: self.shard_logits(&head, logit_rows.len(), wanted)?, drawn })
+    }
+
+    /// A pure decode step replayed from a captured graph (see [`Backend::replay_decode`])
+    /// where the backend keeps them: a one-stage shard whose TP all-reduces, if it has
+    /// any, are device work the graph captures. Returns this rank's reduction of its
+    /// vocabulary shard (merged across TP by [`Model::merge_shards`]) and the drawn
+    /// tokens; None when the step is to run op by op.
+    pub fn replayed(
+        &self,
+        ids: &[u32],
+        layout: &BatchLayout,
+        kv: &mut [B::KvLayer],
+        (logit_rows, wanted, draws): (&[usize], LogitsWanted, &[Draw]),
+        comm: &mut dyn Collectives,
+    ) -> Result<Option<StepOutput>> {
+        if self.shard.par.pp != 1 || (self.shard.tp() > 1 && !self.backend.captures_collectives(comm)) {
+            return Ok(None);
+        }
+        let step = DecodeStep {
+            ids,
+            layout,
+            logit_rows,
+            wanted,
+            draws,
+            vocab: self.shard.shard.vocab.len(),
+            first_id: self.shard.shard.vocab.start as u32,
         };
-        Ok(StepOutput { logits, drawn })
+        let replayed = self.backend.replay_decode(&step, &mut |ids, layout, rows| {
+            let x = self.embed_tokens(ids, &mut *comm)?;
+            let x = self.run_layers(x, layout, kv, &mut *comm)?;
+            self.head_logits(&x, rows)
+        })?;
+        let Some(mut data) = replayed else { return Ok(None) };
+        self.metrics.graph_step();
+        let drawn = data.split_off(data.len() - 3 * draws.len());
+        Ok(Some(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn: picks_from_f32s(&drawn)? }))
     }
 
     /// Runs this shard's decoder layers over hidden states `x`.
@@ -309,18 +317,83 @@ impl<B: Backend> Model<B> {
         Ok(x)
     }
 
-    /// Final norm and LM head for `rows` of `x` (last stage); vocabulary shards are
-    /// gathered across TP. Returns `[rows, vocab]` row-major.
-    pub fn logits(&self, x: &B::Tensor, rows: &[usize], comm: &mut dyn Collectives) -> Result<Vec<f32>> {
+    /// What `wanted` asks of the logits of `rows` of `x` (last stage): reduced on this
+    /// rank's vocabulary shard, then merged across TP.
+    pub fn step_logits(
+        &self,
+        x: &B::Tensor,
+        rows: &[usize],
+        wanted: LogitsWanted,
+        comm: &mut dyn Collectives,
+    ) -> Result<StepLogits> {
+        let local = self.shard_logits(&self.head_logits(x, rows)?, rows.len(), wanted)?;
+        self.merge_shards(local, rows.len(), wanted, comm)
+    }
+
+    /// This rank's vocabulary shard of `n` rows of logits (`head`), reduced as `wanted`
+    /// says: whole rows, greedy picks or top-k candidates.
+    fn shard_logits(&self, head: &B::Tensor, n: usize, wanted: LogitsWanted) -> Result<StepLogits> {
         let b = &self.backend;
-        let local = b.to_host(&self.head_logits(x, rows)?)?;
-        if self.shard.tp() == 1 {
+        let first_id = self.shard.shard.vocab.start as u32;
+        Ok(match wanted {
+            LogitsWanted::Full => StepLogits::Full(b.to_host(head)?),
+            LogitsWanted::Greedy => StepLogits::Greedy(b.greedy_picks(head, first_id)?),
+            LogitsWanted::Top(k) => StepLogits::Top(b.top_logits(head, n, k, first_id)?),
+        })
+    }
+
+    /// Every TP rank's [`Model::shard_logits`] of `n` rows merged into the whole
+    /// vocabulary's: whole rows are gathered and interleaved; picks (three numbers a row)
+    /// and top-k candidates (`2k + 1`) are gathered and merged, so a reduced step never
+    /// moves a shard's logits.
+    pub fn merge_shards(
+        &self,
+        local: StepLogits,
+        n: usize,
+        wanted: LogitsWanted,
+        comm: &mut dyn Collectives,
+    ) -> Result<StepLogits> {
+        let tp = self.shard.tp();
+        if tp == 1 {
             return Ok(local);
         }
-        let gathered = comm.all_gather(&self.shard.tp_group, &local)?;
-        // Gathered: rank blocks of [rows, vocab_r]; interleave into [rows, vocab].
-        let n = rows.len();
+        let gathered = comm.all_gather(&self.shard.tp_group, &local.into_f32s(wanted))?;
+        let short = |what: &str, got: usize| {
+            Error::Internal(format!("{got} {what} gathered for {n} rows × {tp} ranks"))
+        };
+        match wanted {
+            LogitsWanted::Full => Ok(StepLogits::Full(self.interleave_shards(&gathered, n)?)),
+            LogitsWanted::Greedy => {
+                let all = picks_from_f32s(&gathered)?;
+                if all.len() != n * tp {
+                    return Err(short("picks", all.len()));
+                }
+                // Rank blocks in vocabulary order: the earlier shard wins ties.
+                Ok(StepLogits::Greedy(
+                    (0..n).map(|t| (1..tp).fold(all[t], |acc, r| acc.merge(all[r * n + t]))).collect(),
+                ))
+            }
+            LogitsWanted::Top(k) => {
+                let all = top_from_f32s(&gathered, k)?;
+                if all.len() != n * tp {
+                    return Err(short("candidate rows", all.len()));
+                }
+                let merged =
+                    (0..n).map(|t| merge(&(0..tp).map(|r| all[r * n + t].clone()).collect::<Vec<_>>(), k));
+                Ok(StepLogits::Top(merged.collect()))
+            }
+        }
+    }
+
+    /// Gathered whole rows — rank blocks of `[n, vocab_r]` — interleaved into `[n, vocab]`.
+    fn interleave_shards(&self, gathered: &[f32], n: usize) -> Result<Vec<f32>> {
         let vocab = self.config.vocab_size;
+        if gathered.len() != n * vocab {
+            return Err(Error::Internal(format!(
+                "{} logits gathered for {n} rows of {vocab}",
+                gathered.len()
+            )));
+        }
         let per = vocab.div_ceil(self.shard.tp());
         let mut out = vec![0f32; n * vocab];
         let mut offset = 0;
@@ -334,73 +407,6 @@ impl<B: Backend> Model<B> {
             offset += n * width;
         }
         Ok(out)
-    }
-
-    /// What [`Model::logits`] or [`Model::greedy_picks`] returns, as `wanted` says.
-    pub fn step_logits(
-        &self,
-        x: &B::Tensor,
-        rows: &[usize],
-        wanted: LogitsWanted,
-        comm: &mut dyn Collectives,
-    ) -> Result<StepLogits> {
-        Ok(match wanted {
-            LogitsWanted::Full => StepLogits::Full(self.logits(x, rows, comm)?),
-            LogitsWanted::Greedy => StepLogits::Greedy(self.greedy_picks(x, rows, comm)?),
-            LogitsWanted::Top(k) => StepLogits::Top(self.top_logits(x, rows, k, comm)?),
-        })
-    }
-
-    /// The `k` most likely tokens of each of `rows` (last stage), selected on this rank's
-    /// vocabulary shard and merged across TP: `2k + 1` numbers per row cross the TP group.
-    pub fn top_logits(
-        &self,
-        x: &B::Tensor,
-        rows: &[usize],
-        k: usize,
-        comm: &mut dyn Collectives,
-    ) -> Result<Vec<Candidates>> {
-        let tp = self.shard.tp();
-        let first_id = self.shard.shard.vocab.start as u32;
-        let local = self.backend.top_logits(&self.head_logits(x, rows)?, rows.len(), k, first_id)?;
-        if tp == 1 {
-            return Ok(local);
-        }
-        let gathered = comm.all_gather(&self.shard.tp_group, &top_to_f32s(&local, k))?;
-        let all = top_from_f32s(&gathered, k)?;
-        let n = rows.len();
-        if all.len() != n * tp {
-            return Err(Error::Internal(format!(
-                "{} candidate rows gathered for {n} rows × {tp} ranks",
-                all.len()
-            )));
-        }
-        Ok((0..n).map(|t| merge(&(0..tp).map(|r| all[r * n + t].clone()).collect::<Vec<_>>(), k)).collect())
-    }
-
-    /// The greedy pick of each of `rows` (last stage), reduced on this rank's vocabulary
-    /// shard and merged across TP: three numbers per row cross the TP group, not the
-    /// shard's logits.
-    pub fn greedy_picks(
-        &self,
-        x: &B::Tensor,
-        rows: &[usize],
-        comm: &mut dyn Collectives,
-    ) -> Result<Vec<Pick>> {
-        let tp = self.shard.tp();
-        let first_id = self.shard.shard.vocab.start as u32;
-        let local = self.backend.greedy_picks(&self.head_logits(x, rows)?, first_id)?;
-        if tp == 1 {
-            return Ok(local);
-        }
-        let gathered = comm.all_gather(&self.shard.tp_group, &picks_to_f32s(&local))?;
-        let all = picks_from_f32s(&gathered)?;
-        let n = rows.len();
-        if all.len() != n * tp {
-            return Err(Error::Internal(format!("{} picks gathered for {n} rows × {tp} ranks", all.len())));
-        }
-        // Rank blocks in vocabulary order: the earlier shard wins ties.
-        Ok((0..n).map(|t| (1..tp).fold(all[t], |acc, r| acc.merge(all[r * n + t]))).collect())
     }
 
     /// This rank's vocabulary shard of the logits of `rows`: final norm and LM head.

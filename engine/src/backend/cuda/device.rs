@@ -100,4 +100,9 @@ pub trait Gpu: Send + Sync + 'static {
     ) -> Result<bool> {
         Ok(false)
     }
+    /// Whether [`Gpu::all_reduce_sum`] reduces on the device with `comm`: then its
+    /// collectives are device work in stream order, which a graph can capture.
+    fn reduces_on_device(&self, _comm: &mut dyn crate::comm::Collectives) -> bool {
+        false
+    }
 }

@@ -414,6 +414,10 @@ impl Gpu for CudaGpu {
         nccl.all_reduce_device(group, &mut view, &self.stream)?;
         Ok(true)
     }
+
+    fn reduces_on_device(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
+        comm.as_any_mut().is_some_and(|c| c.is::<crate::comm::nccl::NcclComm>())
+    }
 }
 
 #[cfg(test)]

@@ -6,6 +6,10 @@
 //! Device memory is host memory. Launches are serialised process-wide (kernels' shared
 //! memory is static in the emulation). It is slow — thousands of OS threads per launch — and meant
 //! for tiny shapes.
+//!
+//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces of emulated device buffers
+//! are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
+//! with its own emulated device, exercise the path that NCCL takes on GPUs.
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
@@ -17,6 +21,7 @@ use strata_common::{Error, Result};
 
 use super::device::{Arg, Gpu, Launch};
 use super::kernels::Kernel;
+use crate::comm::{Collectives, CommStats, Communicator, StepChannel};
 
 extern "C" {
     fn strata_emu_launch(
@@ -59,6 +64,67 @@ enum Recorded {
     Launch { kernel: CString, launch: Launch, values: Vec<u64> },
     Gemm { m: usize, n: usize, k: usize, a: *const u16, b: *const u16, c: *mut f32 },
     Copy { src: *const u8, dst: *mut u8, bytes: usize },
+    AllReduce { comm: SharedComm, group: Vec<usize>, data: *mut f32, count: usize },
+}
+
+type SharedComm = Arc<Mutex<Box<dyn Communicator>>>;
+
+/// The emulator's stand-in for NCCL: a communicator whose all-reduce takes emulated
+/// device buffers. Device memory is host memory here, so the sum runs through the
+/// communicator it wraps (TCP between ranks); what it adds is that the reduction is device
+/// work — in stream order, and recorded into a graph being captured (replayed with the
+/// graph) as NCCL's kernels are. Everything else is the wrapped communicator's.
+pub struct EmulatedDeviceComm {
+    inner: SharedComm,
+}
+
+impl EmulatedDeviceComm {
+    pub fn new(inner: Box<dyn Communicator>) -> Self {
+        EmulatedDeviceComm { inner: Arc::new(Mutex::new(inner)) }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut dyn Communicator) -> T) -> T {
+        f(self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_mut())
+    }
+}
+
+impl Collectives for EmulatedDeviceComm {
+    fn rank(&self) -> usize {
+        self.with(|c| c.rank())
+    }
+    fn world(&self) -> usize {
+        self.with(|c| c.world())
+    }
+    fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+        self.with(|c| c.all_reduce_sum(group, data))
+    }
+    fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
+        self.with(|c| c.all_gather(group, local))
+    }
+    fn barrier(&mut self, group: &[usize]) -> Result<()> {
+        self.with(|c| c.barrier(group))
+    }
+    fn stats(&self) -> CommStats {
+        self.with(|c| c.stats())
+    }
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl StepChannel for EmulatedDeviceComm {
+    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
+        self.with(|c| c.broadcast(group, root, data))
+    }
+    fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
+        self.with(|c| c.send(to, data))
+    }
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.with(|c| c.recv(from))
+    }
+    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
+        self.with(|c| c.recv_idle(from))
+    }
 }
 
 /// A captured graph: the recorded work and the memory allocated while capturing (a CUDA
@@ -133,7 +199,9 @@ impl EmulatedGpu {
     }
 
     fn run(&self, work: &Recorded) -> Result<()> {
-        let _g = self.lock();
+        // A collective runs outside the launch lock: the other ranks' devices run their own
+        // work up to it meanwhile, as separate GPUs would.
+        let _g = (!matches!(work, Recorded::AllReduce { .. })).then(|| self.lock());
         match work {
             Recorded::Launch { kernel, launch: l, values } => {
                 let mut values = values.clone();
@@ -175,6 +243,12 @@ impl EmulatedGpu {
             }
             // SAFETY: sizes checked when the copy was queued.
             &Recorded::Copy { src, dst, bytes } => unsafe { std::ptr::copy(src, dst, bytes) },
+            Recorded::AllReduce { comm, group, data, count } => {
+                // SAFETY: the buffer held `count` f32s when the collective was queued, and
+                // its storage outlives the work (a graph keeps it).
+                let data = unsafe { std::slice::from_raw_parts_mut(*data, *count) };
+                comm.lock().unwrap_or_else(|p| p.into_inner()).all_reduce_sum(group, data)?;
+            }
         }
         Ok(())
     }
@@ -306,5 +380,27 @@ impl Gpu for EmulatedGpu {
         }
         self.replays.fetch_add(1, Ordering::Relaxed);
         graph.work.iter().try_for_each(|w| self.run(w))
+    }
+
+    fn all_reduce_sum(
+        &self,
+        buf: &mut EmuBuf,
+        count: usize,
+        group: &[usize],
+        comm: &mut dyn Collectives,
+    ) -> Result<bool> {
+        let Some(device) = comm.as_any_mut().and_then(|c| c.downcast_mut::<EmulatedDeviceComm>()) else {
+            return Ok(false);
+        };
+        if count * 4 > buf.bytes {
+            return Err(Error::Internal(format!("all-reduce of {count} f32s from {} bytes", buf.bytes)));
+        }
+        let data = buf.ptr() as *mut f32;
+        self.submit(Recorded::AllReduce { comm: device.inner.clone(), group: group.to_vec(), data, count })?;
+        Ok(true)
+    }
+
+    fn reduces_on_device(&self, comm: &mut dyn Collectives) -> bool {
+        comm.as_any_mut().is_some_and(|c| c.is::<EmulatedDeviceComm>())
     }
 }

@@ -18,6 +18,14 @@
 //! block tables outgrow the stride is captured again at twice the stride. Anything the
 //! capture cannot hold (an op that must reach the host), or a graph whose first replay
 //! fails (its memory does not fit), leaves that bucket to run eagerly from then on.
+//!
+//! A tensor-parallel rank (one pipeline stage) captures its steps the same way when its
+//! all-reduces are device work (NCCL on the backend's stream, which a capture records like
+//! any kernel): every rank of the group sees the same steps, so every rank warms, captures
+//! and replays the same buckets, and their graphs' collectives meet in the same order. The
+//! graph ends at the rank's reduction of its vocabulary shard; the ranks then merge those
+//! (picks, candidates or whole rows) across the group on the host. Pipeline stages, whose
+//! steps hand hidden states to the next stage over the host, run eagerly.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

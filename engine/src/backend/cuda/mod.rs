@@ -562,6 +562,10 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
     }
 
+    fn captures_collectives(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
+        self.gpu.reduces_on_device(comm)
+    }
+
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         let y = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;

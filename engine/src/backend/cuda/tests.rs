@@ -391,3 +391,58 @@ fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
     assert_eq!(run(true, true).0, alone, "beside whole-row and greedy sequences, with graphs");
     assert_eq!(run(false, true).0, alone, "beside whole-row and greedy sequences, eager");
 }
+
+/// A tensor-parallel rank replays its decode steps from graphs when its all-reduces are
+/// device work (NCCL on GPUs; here the emulator's stand-in, [`EmulatedDeviceComm`]): two
+/// ranks, each its own emulated device, give exactly the tokens and logprobs of eager
+/// steps — greedy, seeded top-k with logprobs, and seeded top-p (whole rows gathered
+/// across the ranks) — and capture the same graphs. With a communicator of host memory
+/// nothing is captured (the all-reduces could not be) and the tokens are the same.
+#[test]
+fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
+    use super::emulator::EmulatedDeviceComm;
+    use crate::comm::Communicator;
+    let dir = tiny_bf16_model(2);
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let par = strata_common::Parallelism { tp: 2, pp: 1 };
+    let run = |graphs: bool, on_device: bool| {
+        let gpus: Vec<Arc<EmulatedGpu>> = (0..2).map(|_| Arc::new(EmulatedGpu::new())).collect();
+        let ranks = gpus.clone();
+        let backend = move |rank: usize| Ok(CudaBackend::with_graphs(ranks[rank].clone(), graphs));
+        let comm = move |mesh: crate::comm::tcp::TcpComm,
+                         _rank: usize|
+              -> strata_common::Result<Box<dyn Communicator>> {
+            Ok(if on_device { Box::new(EmulatedDeviceComm::new(Box::new(mesh))) } else { Box::new(mesh) })
+        };
+        let mut e = crate::replica::local_replica_on(dir.path(), par, &config, backend, comm).unwrap();
+        let greedy = |n| SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() };
+        let top_k =
+            SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), logprobs: Some(2), ..greedy(6) };
+        let top_p = SamplingParams { temperature: 0.9, top_p: 0.8, seed: Some(5), ..greedy(6) };
+        e.add(crate::SeqId(0), vec![1, 17, 300], greedy(9)).unwrap();
+        e.add(crate::SeqId(1), vec![5, 6, 7, 8], top_k).unwrap();
+        e.add(crate::SeqId(2), vec![400, 2], top_p).unwrap();
+        let mut out = Vec::new();
+        while e.has_work() {
+            out.extend(
+                e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, format!("{:?}", ev.logprobs))),
+            );
+        }
+        drop(e); // stops the other rank before its device is read
+        let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
+        (out, counts)
+    };
+    let (eager, none) = run(false, true);
+    let (replayed, counts) = run(true, true);
+    let (host, host_counts) = run(true, false);
+    eprintln!("{} tokens; (captures, replays) per rank: {counts:?}", replayed.len());
+    assert_eq!(none, vec![(0, 0); 2], "--enforce-eager captures nothing");
+    assert_eq!(eager.len(), 9 + 6 + 6);
+    assert_eq!(replayed, eager, "tokens and logprobs with graphs");
+    assert_eq!(host, eager, "tokens and logprobs through a host communicator");
+    assert_eq!(host_counts, vec![(0, 0); 2], "host all-reduces are not captured");
+    assert_eq!(counts[0], counts[1], "every rank captures and replays the same steps");
+    // Greedy, top-k and whole rows are three graph keys of three rows, then one and two
+    // rows as sequences finish: at least one capture, and replays after it.
+    assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
+}
