@@ -433,12 +433,14 @@ fn device_all_reduce(device: Device, world: usize, mib: usize) -> anyhow::Result
         let ok = results.iter().all(|r| r.correct);
         println!(
             "{}",
-            json!({"communicator": "nccl", "world": world, "check": "all_reduce_device", "ok": ok,
+            json!({"communicator": "nccl", "world": world, "check": "all_reduce_device+all_gather_device", "ok": ok,
                    "mib": mib, "median_ms": seconds * 1e3, "algbw_gb_per_s": bytes / seconds / 1e9,
                    "busbw_gb_per_s": 2.0 * (world - 1) as f64 / world as f64 * bytes / seconds / 1e9})
         );
         if !ok {
-            bail!("NCCL's all-reduce of device buffers did not sum");
+            bail!(
+                "NCCL's all-reduce of device buffers did not sum, or its all-gather put blocks out of order"
+            );
         }
     }
     let _ = (device, world, mib);

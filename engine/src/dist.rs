@@ -178,12 +178,21 @@ pub struct LeaderExecutor<B: Backend> {
     comm: Box<dyn Communicator>,
     /// Its own thread pool when the other ranks are threads of this process.
     pool: Option<rayon::ThreadPool>,
+    /// Whether steps draw tokens on the device (see [`StepExecutor::draws_on_device`]).
+    device_draws: bool,
 }
 
 impl<B: Backend> LeaderExecutor<B> {
     /// `pool`: see [`rank_pool`]; None when the other ranks are other processes.
-    pub fn new(model: Model<B>, comm: Box<dyn Communicator>, pool: Option<rayon::ThreadPool>) -> Self {
-        LeaderExecutor { model, kv: Vec::new(), comm, pool }
+    pub fn new(model: Model<B>, mut comm: Box<dyn Communicator>, pool: Option<rayon::ThreadPool>) -> Self {
+        // One stage whose TP ranks gather the vocabulary on their devices (equal shards):
+        // every rank draws from the gathered rows, rank 0's tokens are the step's.
+        let par = model.shard.par;
+        let device_draws = par.pp == 1
+            && model.config.vocab_size.is_multiple_of(par.tp)
+            && model.backend().draws_on_device()
+            && model.backend().captures_collectives(comm.as_mut());
+        LeaderExecutor { model, kv: Vec::new(), comm, pool, device_draws }
     }
 }
 
@@ -208,12 +217,12 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         wanted: LogitsWanted,
         draws: &[Draw],
     ) -> Result<StepOutput> {
-        if !draws.is_empty() {
+        if !draws.is_empty() && !self.device_draws {
             return Err(Error::Internal("a multi-rank step was asked to draw on the device".into()));
         }
         // The current span is the engine's step: every rank's step becomes its child.
         let trace = strata_common::trace::context_of(&Span::current());
-        let msg = encode_step(ids, layout, logit_rows, wanted, trace.as_ref());
+        let msg = encode_step(ids, layout, (logit_rows, wanted, draws), trace.as_ref());
         for r in 1..self.comm.world() {
             self.comm.send(r, &msg)?;
         }
@@ -222,16 +231,19 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
             None => Span::none(),
         };
         let own = span.in_scope(|| {
-            let step = RankStep { ids, layout, logit_rows, wanted };
+            let step = RankStep { ids, layout, logit_rows, wanted, draws };
             run_rank_step(&self.model, &mut self.kv, self.comm.as_mut(), self.pool.as_ref(), step)
         })?;
         match own {
-            Some(logits) => Ok(logits.into()),
+            Some(out) => Ok(out),
             None => {
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
                 Ok(StepLogits::from_f32s(wanted, bytes_f32(&self.comm.recv(from)?))?.into())
             }
         }
+    }
+    fn draws_on_device(&self) -> bool {
+        self.device_draws
     }
     fn weight_bytes(&self) -> usize {
         self.model.weight_bytes()
@@ -256,18 +268,17 @@ impl<B: Backend> Drop for LeaderExecutor<B> {
     }
 }
 
-/// This rank's part of a step, timed. Returns the logits (or picks) on the last stage's
-/// TP rank 0.
+/// This rank's part of a step, timed. Returns the step's output on the last stage's TP
+/// rank 0.
 fn run_rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
     comm: &mut dyn Communicator,
     pool: Option<&rayon::ThreadPool>,
     step: RankStep<'_>,
-) -> Result<Option<StepLogits>> {
+) -> Result<Option<StepOutput>> {
     let started = Instant::now();
-    let RankStep { ids, layout, logit_rows, wanted } = step;
-    let out = on_pool(model.backend(), pool, || rank_step(model, kv, comm, ids, layout, logit_rows, wanted))?;
+    let out = on_pool(model.backend(), pool, || rank_step(model, kv, comm, step))?;
     model.metrics.step(started.elapsed());
     Ok(out)
 }
@@ -278,25 +289,25 @@ struct RankStep<'a> {
     layout: &'a BatchLayout,
     logit_rows: &'a [usize],
     wanted: LogitsWanted,
+    /// Tokens to draw on the device (every rank of the one stage draws; see
+    /// [`LeaderExecutor::new`]).
+    draws: &'a [Draw],
 }
 
 fn rank_step<B: Backend>(
     model: &Model<B>,
     kv: &mut [B::KvLayer],
     comm: &mut dyn Communicator,
-    ids: &[u32],
-    layout: &BatchLayout,
-    logit_rows: &[usize],
-    wanted: LogitsWanted,
-) -> Result<Option<StepLogits>> {
+    step: RankStep<'_>,
+) -> Result<Option<StepOutput>> {
+    let RankStep { ids, layout, logit_rows, wanted, draws } = step;
     let s = &model.shard.shard;
     let tp = model.shard.par.tp;
     let b = model.backend();
-    // A one-stage TP rank replays decode steps from graphs when its all-reduces are
+    // A one-stage TP rank replays decode steps from graphs when its collectives are
     // device work (NCCL); then only the reduced rows cross the group.
-    if let Some(out) = model.replayed(ids, layout, kv, (logit_rows, wanted, &[]), comm)? {
-        let merged = model.merge_shards(out.logits, logit_rows.len(), wanted, comm)?;
-        return Ok((s.tp_rank == 0).then_some(merged));
+    if let Some(out) = model.replayed(ids, layout, kv, (logit_rows, wanted, draws), comm)? {
+        return Ok((s.tp_rank == 0).then_some(out));
     }
     let x = if s.stage == 0 {
         model.embed_tokens(ids, comm)?
@@ -317,8 +328,8 @@ fn rank_step<B: Backend>(
         comm.send((s.stage + 1) * tp + s.tp_rank, f32_bytes(&b.to_host(&x)?))?;
         return Ok(None);
     }
-    let logits = model.step_logits(&x, logit_rows, wanted, comm)?;
-    Ok((s.tp_rank == 0).then_some(logits))
+    let out = model.step_output(&x, (logit_rows, wanted, draws), comm)?;
+    Ok((s.tp_rank == 0).then_some(out))
 }
 
 /// The loop of every rank but the leader: allocate the KV cache the leader asks for, then
@@ -345,7 +356,7 @@ pub fn follower_loop<B: Backend>(
                 return Err(Error::Internal("the leader sent a second KV cache size".into()))
             }
         };
-        let StepPlan { ids, layout, logit_rows, wanted, trace } = plan;
+        let StepPlan { ids, layout, logit_rows, wanted, draws, trace } = plan;
         let span = match &trace {
             Some(cx) => {
                 let span = debug_span!("rank.step", rank = rank as i64, tokens = ids.len() as i64);
@@ -354,11 +365,13 @@ pub fn follower_loop<B: Backend>(
             }
             None => Span::none(),
         };
-        let step = RankStep { ids: &ids, layout: &layout, logit_rows: &logit_rows, wanted };
-        let logits = span.in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), pool.as_ref(), step))?;
-        if let (true, Some(l)) = (last_lead, logits) {
+        let step = RankStep { ids: &ids, layout: &layout, logit_rows: &logit_rows, wanted, draws: &draws };
+        let out = span.in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), pool.as_ref(), step))?;
+        // Only one-stage replicas draw, and their last stage's rank 0 is the leader: a
+        // later stage sends logits alone.
+        if let (true, Some(out)) = (last_lead, out) {
             if rank != 0 {
-                comm.send(0, f32_bytes(&l.into_f32s(wanted)))?;
+                comm.send(0, f32_bytes(&out.logits.into_f32s(wanted)))?;
             }
         }
     }

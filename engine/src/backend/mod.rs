@@ -298,4 +298,16 @@ pub trait Backend: Send + Sync + 'static {
     fn captures_collectives(&self, _comm: &mut dyn Collectives) -> bool {
         false
     }
+    /// The whole vocabulary's logits, `[rows, shard.cols × group.len()]`, from every TP
+    /// rank's vocabulary shard (`shard`, all of equal width), gathered on the device
+    /// through `comm` where [`Backend::captures_collectives`] says it can; None where
+    /// not.
+    fn gather_vocab(
+        &self,
+        _shard: &Self::Tensor,
+        _group: &[usize],
+        _comm: &mut dyn Collectives,
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
+    }
 }

@@ -110,6 +110,34 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Gathers `send` (f32s on this rank's GPU, the same count on every rank) from every
+    /// rank of `group` into `recv`, rank blocks in group order; ordered on the compute
+    /// stream `on` as [`NcclComm::all_reduce_device`] is.
+    pub fn all_gather_device(
+        &mut self,
+        group: &[usize],
+        send: &cudarc::driver::CudaView<'_, f32>,
+        recv: &mut cudarc::driver::CudaViewMut<'_, f32>,
+        on: &CudaStream,
+    ) -> Result<()> {
+        if recv.len() != send.len() * group.len() {
+            return Err(Error::Internal(format!(
+                "all-gather of {} f32s from {} ranks into {}",
+                send.len(),
+                group.len(),
+                recv.len()
+            )));
+        }
+        let started = Instant::now();
+        let comm = self.group(group)?;
+        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
+        comm.all_gather(send, recv).map_err(nccl_err("all-gather"))?;
+        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
+        self.stats.bytes_sent += (send.len() * 4) as u64;
+        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
     fn group(&self, group: &[usize]) -> Result<&Comm> {
         self.groups
             .get(group)
@@ -212,7 +240,8 @@ pub struct AllReduceBench {
 impl NcclComm {
     /// Times in-place all-reduces of `count` f32s on GPU `device` across `group` (every
     /// member calls it at once) through [`NcclComm::all_reduce_device`], the path the CUDA
-    /// backend takes, on a stream of its own; checks the first result.
+    /// backend takes, on a stream of its own; checks the first result and one
+    /// [`NcclComm::all_gather_device`].
     pub fn bench_all_reduce(
         &mut self,
         device: usize,
@@ -223,6 +252,7 @@ impl NcclComm {
         let ctx = CudaContext::new(device).map_err(cuda_err("context"))?;
         let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
         let mut buf = stream.clone_htod(&vec![1f32; count.max(1)]).map_err(cuda_err("copy to device"))?;
+        let gathered = self.gathers(group, &stream)?;
         let mut run = |buf: &mut cudarc::driver::CudaSlice<f32>| -> Result<f64> {
             let started = Instant::now();
             self.all_reduce_device(group, &mut buf.as_view_mut(), &stream)?;
@@ -233,7 +263,7 @@ impl NcclComm {
         let mut first = vec![0f32; count.clamp(1, 1024)];
         stream.memcpy_dtoh(&buf.slice(..first.len()), &mut first).map_err(cuda_err("copy to host"))?;
         stream.synchronize().map_err(cuda_err("synchronize"))?;
-        let correct = first.iter().all(|&v| v == group.len() as f32);
+        let correct = first.iter().all(|&v| v == group.len() as f32) && gathered;
         // Values grow by the group size each time; refill before they could overflow.
         let mut times = Vec::with_capacity(iters);
         for i in 0..iters {
@@ -244,6 +274,22 @@ impl NcclComm {
         }
         times.sort_by(f64::total_cmp);
         Ok(AllReduceBench { seconds: times.get(times.len() / 2).copied().unwrap_or(0.0), correct })
+    }
+}
+
+impl NcclComm {
+    /// Whether [`NcclComm::all_gather_device`] (the gather of vocabulary shards for tokens
+    /// drawn on the device) puts every rank's block in group order.
+    fn gathers(&mut self, group: &[usize], stream: &Arc<CudaStream>) -> Result<bool> {
+        const BLOCK: usize = 256;
+        let me = group.iter().position(|&r| r == self.rank()).unwrap_or(0);
+        let send = stream.clone_htod(&[me as f32; BLOCK]).map_err(cuda_err("copy to device"))?;
+        let mut recv = stream.alloc_zeros::<f32>(BLOCK * group.len()).map_err(cuda_err("alloc"))?;
+        self.all_gather_device(group, &send.as_view(), &mut recv.as_view_mut(), stream)?;
+        let mut all = vec![0f32; BLOCK * group.len()];
+        stream.memcpy_dtoh(&recv, &mut all).map_err(cuda_err("copy to host"))?;
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
+        Ok(all.chunks(BLOCK).enumerate().all(|(i, block)| block.iter().all(|&v| v == i as f32)))
     }
 }
 

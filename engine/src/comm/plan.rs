@@ -12,10 +12,10 @@ use strata_common::trace::{TraceContext, MAX_TRACESTATE};
 use strata_common::{Error, Result};
 
 use crate::backend::{BatchLayout, SeqSlice};
-use crate::logits::LogitsWanted;
+use crate::logits::{Draw, LogitsWanted, DRAW_PARAMS};
 
 /// Bumped whenever the layout below changes; ranks of one replica must agree.
-pub const PLAN_VERSION: u8 = 2;
+pub const PLAN_VERSION: u8 = 3;
 
 const KIND_STEP: u8 = 1;
 const KIND_SHUTDOWN: u8 = 2;
@@ -31,6 +31,9 @@ pub struct StepPlan {
     pub layout: BatchLayout,
     pub logit_rows: Vec<usize>,
     pub wanted: LogitsWanted,
+    /// One per logit row when the step draws its tokens on the device (a TP group whose
+    /// collectives run there: every rank gathers the vocabulary and draws), else empty.
+    pub draws: Vec<Draw>,
     /// The leader's step span, so each rank's step joins the trace of the requests it
     /// serves (None when spans are not exported).
     pub trace: Option<TraceContext>,
@@ -85,7 +88,8 @@ impl LeaderMessage {
             }
             LeaderMessage::Shutdown => vec![KIND_SHUTDOWN, PLAN_VERSION],
             LeaderMessage::Step(p) => {
-                encode_step(&p.ids, &p.layout, &p.logit_rows, p.wanted, p.trace.as_ref())
+                let rows = (&p.logit_rows[..], p.wanted, &p.draws[..]);
+                encode_step(&p.ids, &p.layout, rows, p.trace.as_ref())
             }
         }
     }
@@ -127,8 +131,7 @@ impl LeaderMessage {
 pub fn encode_step(
     ids: &[u32],
     layout: &BatchLayout,
-    logit_rows: &[usize],
-    wanted: LogitsWanted,
+    (logit_rows, wanted, draws): (&[usize], LogitsWanted, &[Draw]),
     trace: Option<&TraceContext>,
 ) -> Vec<u8> {
     let mut out = vec![KIND_STEP, PLAN_VERSION];
@@ -152,6 +155,8 @@ pub fn encode_step(
             LogitsWanted::Top(k) => 2 + k,
         },
     );
+    let params = crate::logits::draw::draws_to_f32s(draws);
+    put_all(&mut out, params.iter().map(|v| v.to_bits() as usize));
     let (parent, state) = trace.map_or(("", ""), |t| (t.traceparent.as_str(), t.tracestate.as_str()));
     for text in [parent, state] {
         put(&mut out, text.len());
@@ -225,13 +230,21 @@ fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
         w if (3..=2 + crate::logits::MAX_TOP as u32).contains(&w) => LogitsWanted::Top(w as usize - 2),
         w => return Err(bad(format!("logits form {w}"))),
     };
+    let params: Vec<f32> = r.vec()?.into_iter().map(f32::from_bits).collect();
+    if !params.len().is_multiple_of(DRAW_PARAMS) {
+        return Err(bad(format!("{} draw parameters", params.len())));
+    }
+    let draws = params
+        .chunks_exact(DRAW_PARAMS)
+        .map(|d| Draw { temperature: d[0], top_p: d[1], min_p: d[2], u: d[3] })
+        .collect();
     let parent = r.text(MAX_TRACEPARENT)?.to_string();
     let state = r.text(MAX_TRACESTATE)?;
     // A context that is not W3C's form is dropped: tracing is never a reason to fail a step.
     let trace =
         (!parent.is_empty()).then(|| TraceContext::from_headers(Some(&parent), Some(state))).flatten();
     let layout = BatchLayout { positions, slots, seqs, block_size };
-    Ok(StepPlan { ids, layout, logit_rows, wanted, trace })
+    Ok(StepPlan { ids, layout, logit_rows, wanted, draws, trace })
 }
 
 /// Every index in `p` stays inside the KV cache, the vocabulary and the step's own rows.
@@ -267,6 +280,20 @@ fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
     if let Some(r) = p.logit_rows.iter().find(|&&r| r >= n) {
         return Err(bad(format!("logit row {r} of a {n}-token step")));
     }
+    if !p.draws.is_empty() && p.draws.len() != p.logit_rows.len() {
+        return Err(bad(format!("{} draws for {} logit rows", p.draws.len(), p.logit_rows.len())));
+    }
+    let valid = |d: &Draw| {
+        d.temperature.is_finite()
+            && d.temperature >= 0.0
+            && d.top_p > 0.0
+            && d.top_p <= 1.0
+            && (0.0..=1.0).contains(&d.min_p)
+            && (0.0..1.0).contains(&d.u)
+    };
+    if let Some(d) = p.draws.iter().find(|d| !valid(d)) {
+        return Err(bad(format!("draw parameters {d:?}")));
+    }
     Ok(())
 }
 
@@ -288,6 +315,7 @@ mod tests {
             },
             logit_rows: vec![1, 2],
             wanted: LogitsWanted::Greedy,
+            draws: Vec::new(),
             trace: Some(TraceContext {
                 traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
                 tracestate: "k=v".into(),
@@ -318,6 +346,10 @@ mod tests {
             let p = StepPlan { wanted, ..plan() };
             assert_eq!(step(&LeaderMessage::Step(p).encode()).unwrap().wanted, wanted);
         }
+        let draws =
+            vec![Draw { temperature: 0.7, top_p: 0.9, min_p: 0.05, u: 0.25 }, Draw { u: 0.5, ..Draw::NONE }];
+        let drawn = StepPlan { draws: draws.clone(), ..plan() };
+        assert_eq!(step(&LeaderMessage::Step(drawn).encode()).unwrap().draws, draws);
         let too_many = StepPlan { wanted: LogitsWanted::Top(crate::logits::MAX_TOP + 1), ..plan() };
         assert!(
             step(&LeaderMessage::Step(too_many).encode()).is_err(),
@@ -360,6 +392,12 @@ mod tests {
             ("positions", Box::new(|p| p.layout.positions.pop().map(|_| ()).unwrap_or(()))),
             ("blocks for", Box::new(|p| p.layout.seqs[1].context_before = 40)),
             ("block size", Box::new(|p| p.layout.block_size = 32)),
+            ("draws for", Box::new(|p| p.draws = vec![Draw::NONE])),
+            (
+                "draw parameters",
+                Box::new(|p| p.draws = vec![Draw::NONE, Draw { top_p: f32::NAN, ..Draw::NONE }]),
+            ),
+            ("draw parameters", Box::new(|p| p.draws = vec![Draw::NONE, Draw { u: 1.0, ..Draw::NONE }])),
         ];
         for (what, edit) in cases {
             let mut p = plan();
@@ -373,7 +411,8 @@ mod tests {
     fn mutated_messages_never_panic() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-        let good = LeaderMessage::Step(plan()).encode();
+        let drawn = vec![Draw { temperature: 0.7, top_p: 0.9, min_p: 0.05, u: 0.25 }; 2];
+        let good = LeaderMessage::Step(StepPlan { draws: drawn, ..plan() }).encode();
         for _ in 0..5000 {
             let mut m = good.clone();
             match rng.random_range(0..3) {

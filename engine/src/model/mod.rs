@@ -215,12 +215,11 @@ impl<B: Backend> Model<B> {
         wanted: LogitsWanted,
         draws: &[Draw],
     ) -> Result<StepOutput> {
-        if !draws.is_empty() && (self.shard.par != Parallelism::NONE || draws.len() != logit_rows.len()) {
+        if !draws.is_empty() && draws.len() != logit_rows.len() {
             return Err(Error::Internal(format!(
-                "{} draws for {} rows of a {:?} shard: draws are for whole vocabularies on one rank",
+                "{} draws for {} logit rows",
                 draws.len(),
-                logit_rows.len(),
-                self.shard.par
+                logit_rows.len()
             )));
         }
         if let Some(out) = self.replayed(ids, layout, kv, (logit_rows, wanted, draws), &mut NoComm)? {
@@ -229,21 +228,13 @@ impl<B: Backend> Model<B> {
         let mut none = NoComm;
         let x = self.embed_tokens(ids, &mut none)?;
         let x = self.run_layers(x, layout, kv, &mut none)?;
-        if draws.is_empty() {
-            return Ok(self.step_logits(&x, logit_rows, wanted, &mut none)?.into());
-        }
-        let b = &self.backend;
-        let first_id = self.shard.shard.vocab.start as u32;
-        let head = self.head_logits(&x, logit_rows)?;
-        let drawn = b.draw_tokens(&head, draws, first_id)?;
-        Ok(StepOutput { logits: self.shard_logits(&head, logit_rows.len(), wanted)?, drawn })
+        self.step_output(&x, (logit_rows, wanted, draws), &mut none)
     }
 
     /// A pure decode step replayed from a captured graph (see [`Backend::replay_decode`])
-    /// where the backend keeps them: a one-stage shard whose TP all-reduces, if it has
-    /// any, are device work the graph captures. Returns this rank's reduction of its
-    /// vocabulary shard (merged across TP by [`Model::merge_shards`]) and the drawn
-    /// tokens; None when the step is to run op by op.
+    /// where the backend keeps them: a one-stage shard whose TP collectives, if it has
+    /// any, are device work the graph captures. Returns what [`Model::step_output`]
+    /// returns; None when the step is to run op by op.
     pub fn replayed(
         &self,
         ids: &[u32],
@@ -255,24 +246,65 @@ impl<B: Backend> Model<B> {
         if self.shard.par.pp != 1 || (self.shard.tp() > 1 && !self.backend.captures_collectives(comm)) {
             return Ok(None);
         }
-        let step = DecodeStep {
-            ids,
-            layout,
-            logit_rows,
-            wanted,
-            draws,
-            vocab: self.shard.shard.vocab.len(),
-            first_id: self.shard.shard.vocab.start as u32,
+        // A drawing step reduces the whole vocabulary (gathered in the graph); any other
+        // reduces this rank's shard, merged across TP after the replay.
+        let (vocab, first_id) = match draws.is_empty() {
+            true => (self.shard.shard.vocab.len(), self.shard.shard.vocab.start as u32),
+            false => (self.config.vocab_size, 0),
         };
+        let step = DecodeStep { ids, layout, logit_rows, wanted, draws, vocab, first_id };
         let replayed = self.backend.replay_decode(&step, &mut |ids, layout, rows| {
             let x = self.embed_tokens(ids, &mut *comm)?;
             let x = self.run_layers(x, layout, kv, &mut *comm)?;
-            self.head_logits(&x, rows)
+            let head = self.head_logits(&x, rows)?;
+            if draws.is_empty() {
+                return Ok(head);
+            }
+            self.whole_vocab(head, &mut *comm)
         })?;
         let Some(mut data) = replayed else { return Ok(None) };
         self.metrics.graph_step();
-        let drawn = data.split_off(data.len() - 3 * draws.len());
-        Ok(Some(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn: picks_from_f32s(&drawn)? }))
+        let drawn = picks_from_f32s(&data.split_off(data.len() - 3 * draws.len()))?;
+        let mut logits = StepLogits::from_f32s(wanted, data)?;
+        if draws.is_empty() {
+            logits = self.merge_shards(logits, logit_rows.len(), wanted, comm)?;
+        }
+        Ok(Some(StepOutput { logits, drawn }))
+    }
+
+    /// The step's output from the last stage's hidden states `x`: the logits `wanted` of
+    /// `logit_rows`, merged across TP, and where `draws` asks, tokens drawn on the device
+    /// from the whole vocabulary (gathered across TP on the device first).
+    pub fn step_output(
+        &self,
+        x: &B::Tensor,
+        (logit_rows, wanted, draws): (&[usize], LogitsWanted, &[Draw]),
+        comm: &mut dyn Collectives,
+    ) -> Result<StepOutput> {
+        if draws.is_empty() {
+            return Ok(self.step_logits(x, logit_rows, wanted, comm)?.into());
+        }
+        let head = self.whole_vocab(self.head_logits(x, logit_rows)?, comm)?;
+        let drawn = self.backend.draw_tokens(&head, draws, 0)?;
+        Ok(StepOutput { logits: self.shard_logits(&head, logit_rows.len(), wanted, 0)?, drawn })
+    }
+
+    /// Logits of this rank's vocabulary shard as the whole vocabulary's: gathered across
+    /// TP on the device (equal shards; what draws on the device need).
+    fn whole_vocab(&self, head: B::Tensor, comm: &mut dyn Collectives) -> Result<B::Tensor> {
+        if self.shard.tp() == 1 {
+            return Ok(head);
+        }
+        if self.shard.shard.vocab.len() * self.shard.tp() != self.config.vocab_size {
+            return Err(Error::Unsupported(format!(
+                "tokens drawn on the device across {} ranks need a vocabulary they divide ({})",
+                self.shard.tp(),
+                self.config.vocab_size
+            )));
+        }
+        self.backend.gather_vocab(&head, &self.shard.tp_group, comm)?.ok_or_else(|| {
+            Error::Internal("tokens drawn on the device need a communicator of device buffers".into())
+        })
     }
 
     /// Runs this shard's decoder layers over hidden states `x`.
@@ -326,15 +358,21 @@ impl<B: Backend> Model<B> {
         wanted: LogitsWanted,
         comm: &mut dyn Collectives,
     ) -> Result<StepLogits> {
-        let local = self.shard_logits(&self.head_logits(x, rows)?, rows.len(), wanted)?;
+        let first_id = self.shard.shard.vocab.start as u32;
+        let local = self.shard_logits(&self.head_logits(x, rows)?, rows.len(), wanted, first_id)?;
         self.merge_shards(local, rows.len(), wanted, comm)
     }
 
-    /// This rank's vocabulary shard of `n` rows of logits (`head`), reduced as `wanted`
-    /// says: whole rows, greedy picks or top-k candidates.
-    fn shard_logits(&self, head: &B::Tensor, n: usize, wanted: LogitsWanted) -> Result<StepLogits> {
+    /// `n` rows of logits (`head`, a vocabulary shard whose first column is token
+    /// `first_id`), reduced as `wanted` says: whole rows, greedy picks or top-k candidates.
+    fn shard_logits(
+        &self,
+        head: &B::Tensor,
+        n: usize,
+        wanted: LogitsWanted,
+        first_id: u32,
+    ) -> Result<StepLogits> {
         let b = &self.backend;
-        let first_id = self.shard.shard.vocab.start as u32;
         Ok(match wanted {
             LogitsWanted::Full => StepLogits::Full(b.to_host(head)?),
             LogitsWanted::Greedy => StepLogits::Greedy(b.greedy_picks(head, first_id)?),

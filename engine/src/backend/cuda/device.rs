@@ -100,6 +100,20 @@ pub trait Gpu: Send + Sync + 'static {
     ) -> Result<bool> {
         Ok(false)
     }
+    /// Gathers the first `count` f32s of `send` from every rank of `group` into `recv`
+    /// (rank blocks in group order) through `comm`, on the device, as
+    /// [`Gpu::all_reduce_sum`] reduces; false when `comm` is not a communicator of this
+    /// device's buffers.
+    fn all_gather(
+        &self,
+        _send: &Self::Buf,
+        _recv: &mut Self::Buf,
+        _count: usize,
+        _group: &[usize],
+        _comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Whether [`Gpu::all_reduce_sum`] reduces on the device with `comm`: then its
     /// collectives are device work in stream order, which a graph can capture.
     fn reduces_on_device(&self, _comm: &mut dyn crate::comm::Collectives) -> bool {

@@ -403,10 +403,7 @@ impl Gpu for CudaGpu {
         group: &[usize],
         comm: &mut dyn crate::comm::Collectives,
     ) -> Result<bool> {
-        let Some(nccl) = comm.as_any_mut().and_then(|c| c.downcast_mut::<crate::comm::nccl::NcclComm>())
-        else {
-            return Ok(false);
-        };
+        let Some(nccl) = nccl(comm) else { return Ok(false) };
         // SAFETY: the buffer holds f32 activations (a GpuTensor's), at least `count` of them
         // (checked by transmute_mut's length check).
         let mut view = unsafe { buf.transmute_mut::<f32>(count) }
@@ -415,9 +412,33 @@ impl Gpu for CudaGpu {
         Ok(true)
     }
 
-    fn reduces_on_device(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
-        comm.as_any_mut().is_some_and(|c| c.is::<crate::comm::nccl::NcclComm>())
+    fn all_gather(
+        &self,
+        send: &CudaSlice<u8>,
+        recv: &mut CudaSlice<u8>,
+        count: usize,
+        group: &[usize],
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        let Some(nccl) = nccl(comm) else { return Ok(false) };
+        let short = || {
+            Error::Internal(format!("all-gather of {count} f32s × {} ranks: buffer too small", group.len()))
+        };
+        // SAFETY: both buffers hold f32 logits (GpuTensors'); the lengths are checked.
+        let send = unsafe { send.transmute::<f32>(count) }.ok_or_else(short)?;
+        let mut recv = unsafe { recv.transmute_mut::<f32>(count * group.len()) }.ok_or_else(short)?;
+        nccl.all_gather_device(group, &send, &mut recv, &self.stream)?;
+        Ok(true)
     }
+
+    fn reduces_on_device(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
+        nccl(comm).is_some()
+    }
+}
+
+/// `comm` as NCCL, whose collectives take this device's buffers; None for any other.
+fn nccl(comm: &mut dyn crate::comm::Collectives) -> Option<&mut crate::comm::nccl::NcclComm> {
+    comm.as_any_mut().and_then(|c| c.downcast_mut::<crate::comm::nccl::NcclComm>())
 }
 
 #[cfg(test)]

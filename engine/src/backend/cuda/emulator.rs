@@ -7,8 +7,8 @@
 //! memory is static in the emulation). It is slow — thousands of OS threads per launch — and meant
 //! for tiny shapes.
 //!
-//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces of emulated device buffers
-//! are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
+//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces and all-gathers of emulated
+//! device buffers are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
 //! with its own emulated device, exercise the path that NCCL takes on GPUs.
 
 use std::cell::UnsafeCell;
@@ -65,6 +65,7 @@ enum Recorded {
     Gemm { m: usize, n: usize, k: usize, a: *const u16, b: *const u16, c: *mut f32 },
     Copy { src: *const u8, dst: *mut u8, bytes: usize },
     AllReduce { comm: SharedComm, group: Vec<usize>, data: *mut f32, count: usize },
+    AllGather { comm: SharedComm, group: Vec<usize>, send: *const f32, recv: *mut f32, count: usize },
 }
 
 type SharedComm = Arc<Mutex<Box<dyn Communicator>>>;
@@ -81,6 +82,11 @@ pub struct EmulatedDeviceComm {
 impl EmulatedDeviceComm {
     pub fn new(inner: Box<dyn Communicator>) -> Self {
         EmulatedDeviceComm { inner: Arc::new(Mutex::new(inner)) }
+    }
+
+    /// `comm` as this stand-in, whose collectives take emulated device buffers.
+    fn of(comm: &mut dyn Collectives) -> Option<&mut Self> {
+        comm.as_any_mut().and_then(|c| c.downcast_mut::<Self>())
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut dyn Communicator) -> T) -> T {
@@ -201,7 +207,8 @@ impl EmulatedGpu {
     fn run(&self, work: &Recorded) -> Result<()> {
         // A collective runs outside the launch lock: the other ranks' devices run their own
         // work up to it meanwhile, as separate GPUs would.
-        let _g = (!matches!(work, Recorded::AllReduce { .. })).then(|| self.lock());
+        let collective = matches!(work, Recorded::AllReduce { .. } | Recorded::AllGather { .. });
+        let _g = (!collective).then(|| self.lock());
         match work {
             Recorded::Launch { kernel, launch: l, values } => {
                 let mut values = values.clone();
@@ -248,6 +255,19 @@ impl EmulatedGpu {
                 // its storage outlives the work (a graph keeps it).
                 let data = unsafe { std::slice::from_raw_parts_mut(*data, *count) };
                 comm.lock().unwrap_or_else(|p| p.into_inner()).all_reduce_sum(group, data)?;
+            }
+            Recorded::AllGather { comm, group, send, recv, count } => {
+                // SAFETY: as for the all-reduce: sizes checked when it was queued.
+                let send = unsafe { std::slice::from_raw_parts(*send, *count) };
+                let all = comm.lock().unwrap_or_else(|p| p.into_inner()).all_gather(group, send)?;
+                if all.len() != count * group.len() {
+                    return Err(Error::Internal(format!(
+                        "{} f32s gathered, {count} per rank expected",
+                        all.len()
+                    )));
+                }
+                // SAFETY: recv holds count × group.len() f32s (checked when queued).
+                unsafe { std::ptr::copy_nonoverlapping(all.as_ptr(), *recv, all.len()) };
             }
         }
         Ok(())
@@ -389,9 +409,7 @@ impl Gpu for EmulatedGpu {
         group: &[usize],
         comm: &mut dyn Collectives,
     ) -> Result<bool> {
-        let Some(device) = comm.as_any_mut().and_then(|c| c.downcast_mut::<EmulatedDeviceComm>()) else {
-            return Ok(false);
-        };
+        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
         if count * 4 > buf.bytes {
             return Err(Error::Internal(format!("all-reduce of {count} f32s from {} bytes", buf.bytes)));
         }
@@ -400,7 +418,30 @@ impl Gpu for EmulatedGpu {
         Ok(true)
     }
 
+    fn all_gather(
+        &self,
+        send: &EmuBuf,
+        recv: &mut EmuBuf,
+        count: usize,
+        group: &[usize],
+        comm: &mut dyn Collectives,
+    ) -> Result<bool> {
+        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
+        if count * 4 > send.bytes || count * group.len() * 4 > recv.bytes {
+            return Err(Error::Internal(format!("all-gather of {count} f32s × {} ranks", group.len())));
+        }
+        let (send, recv) = (send.ptr() as *const f32, recv.ptr() as *mut f32);
+        self.submit(Recorded::AllGather {
+            comm: device.inner.clone(),
+            group: group.to_vec(),
+            send,
+            recv,
+            count,
+        })?;
+        Ok(true)
+    }
+
     fn reduces_on_device(&self, comm: &mut dyn Collectives) -> bool {
-        comm.as_any_mut().is_some_and(|c| c.is::<EmulatedDeviceComm>())
+        EmulatedDeviceComm::of(comm).is_some()
     }
 }

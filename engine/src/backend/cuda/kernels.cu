@@ -198,6 +198,15 @@ KERNEL void gather_rows(const float* x, const int* rows, float* y, int cols) {
     }
 }
 
+// y[t, r*w + c] = x[r, t, c]: whole rows of `ranks` vocabulary shards of width w gathered
+// rank after rank ([ranks][rows][w], an all-gather's order). One block per row.
+KERNEL void unshard_rows(const float* x, float* y, int rows, int w, int ranks) {
+    float* dst = y + (long long)blockIdx.x * w * ranks;
+    for (int i = threadIdx.x; i < w * ranks; i += blockDim.x) {
+        dst[i] = x[((long long)(i / w) * rows + blockIdx.x) * w + i % w];
+    }
+}
+
 // Block-wide argmax of each thread's (best[tid], where[tid]) into slot 0: the larger
 // value, the smaller column on ties; a column < 0 is "none". Every thread of the block
 // calls it; on return all may read slot 0.

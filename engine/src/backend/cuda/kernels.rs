@@ -40,6 +40,7 @@ pub enum Kernel {
     Embed,
     WriteKv,
     GatherRows,
+    UnshardRows,
     GreedyPick,
     TopLogits,
     DrawTokens,
@@ -48,7 +49,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 16] = [
+    pub const ALL: [Kernel; 17] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -60,6 +61,7 @@ impl Kernel {
         Kernel::Embed,
         Kernel::WriteKv,
         Kernel::GatherRows,
+        Kernel::UnshardRows,
         Kernel::GreedyPick,
         Kernel::TopLogits,
         Kernel::DrawTokens,
@@ -81,6 +83,7 @@ impl Kernel {
             Kernel::Embed => "embed",
             Kernel::WriteKv => "write_kv",
             Kernel::GatherRows => "gather_rows",
+            Kernel::UnshardRows => "unshard_rows",
             Kernel::GreedyPick => "greedy_pick",
             Kernel::TopLogits => "top_logits",
             Kernel::DrawTokens => "draw_tokens",

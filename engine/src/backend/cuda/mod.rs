@@ -566,6 +566,34 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         self.gpu.reduces_on_device(comm)
     }
 
+    fn gather_vocab(
+        &self,
+        shard: &Self::Tensor,
+        group: &[usize],
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<Option<Self::Tensor>> {
+        let (rows, w, ranks) = (shard.rows, shard.cols, group.len());
+        let mut all = self.tensor(ranks * rows, w)?;
+        if !self.gpu.all_gather(&shard.buf, &mut all.buf, rows * w, group, comm)? {
+            return Ok(None);
+        }
+        let y = self.tensor(rows, w * ranks)?;
+        if rows > 0 {
+            self.launch(
+                Kernel::UnshardRows,
+                Launch::rows(rows, ROW_THREADS),
+                &[
+                    Arg::Buf(&all.buf),
+                    Arg::Buf(&y.buf),
+                    Arg::I32(dim(rows)?),
+                    Arg::I32(dim(w)?),
+                    Arg::I32(dim(ranks)?),
+                ],
+            )?;
+        }
+        Ok(Some(y))
+    }
+
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
         let y = self.tensor(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;

@@ -392,12 +392,13 @@ fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
     assert_eq!(run(false, true).0, alone, "beside whole-row and greedy sequences, eager");
 }
 
-/// A tensor-parallel rank replays its decode steps from graphs when its all-reduces are
-/// device work (NCCL on GPUs; here the emulator's stand-in, [`EmulatedDeviceComm`]): two
-/// ranks, each its own emulated device, give exactly the tokens and logprobs of eager
-/// steps — greedy, seeded top-k with logprobs, and seeded top-p (whole rows gathered
-/// across the ranks) — and capture the same graphs. With a communicator of host memory
-/// nothing is captured (the all-reduces could not be) and the tokens are the same.
+/// A tensor-parallel rank replays its decode steps from graphs when its collectives are
+/// device work (NCCL on GPUs; here the emulator's stand-in, [`EmulatedDeviceComm`]), and
+/// draws top-p tokens from the vocabulary gathered on the device: two ranks, each its own
+/// emulated device, give exactly the tokens and logprobs of eager steps — greedy, seeded
+/// top-k with logprobs, and seeded top-p — and capture the same graphs. With a
+/// communicator of host memory nothing is captured (the collectives could not be), the
+/// top-p rows are gathered and drawn on the host, and the tokens are the same.
 #[test]
 fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
     use super::emulator::EmulatedDeviceComm;
@@ -430,12 +431,19 @@ fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
         }
         drop(e); // stops the other rank before its device is read
         let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
-        (out, counts)
+        (out, counts, gpus[0].downloaded_bytes())
     };
-    let (eager, none) = run(false, true);
-    let (replayed, counts) = run(true, true);
-    let (host, host_counts) = run(true, false);
+    let (eager, none, eager_bytes) = run(false, true);
+    let (replayed, counts, bytes) = run(true, true);
+    let (host, host_counts, host_bytes) = run(true, false);
     eprintln!("{} tokens; (captures, replays) per rank: {counts:?}", replayed.len());
+    eprintln!(
+        "bytes to rank 0's host: {bytes} with graphs, {eager_bytes} eager, {host_bytes} through the host"
+    );
+    // Device collectives: the top-p rows are drawn from the vocabulary gathered on the
+    // device, so only picks and candidates reach the host; a host communicator gathers
+    // every step's logit rows there and draws on the host (the same walk: same tokens).
+    assert!(bytes * 10 < host_bytes && eager_bytes * 10 < host_bytes, "rows of logits reached the host");
     assert_eq!(none, vec![(0, 0); 2], "--enforce-eager captures nothing");
     assert_eq!(eager.len(), 9 + 6 + 6);
     assert_eq!(replayed, eager, "tokens and logprobs with graphs");
