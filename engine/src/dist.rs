@@ -19,7 +19,7 @@ use tracing::{debug_span, Span};
 use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
-use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput};
+use crate::logits::{picks_from_f32s, picks_to_f32s, Draw, LogitsWanted, StepLogits, StepOutput};
 use crate::model::Model;
 
 /// What the engine needs from whatever runs its steps.
@@ -185,13 +185,13 @@ pub struct LeaderExecutor<B: Backend> {
 impl<B: Backend> LeaderExecutor<B> {
     /// `pool`: see [`rank_pool`]; None when the other ranks are other processes.
     pub fn new(model: Model<B>, mut comm: Box<dyn Communicator>, pool: Option<rayon::ThreadPool>) -> Self {
-        // One stage whose TP ranks gather the vocabulary on their devices (equal shards):
-        // every rank draws from the gathered rows, rank 0's tokens are the step's.
-        let par = model.shard.par;
-        let device_draws = par.pp == 1
-            && model.config.vocab_size.is_multiple_of(par.tp)
-            && model.backend().draws_on_device()
-            && model.backend().captures_collectives(comm.as_mut());
+        // The last stage draws: on one rank, or on every TP rank from the vocabulary
+        // gathered on their devices (equal shards), rank 0's tokens being the step's.
+        let tp = model.shard.par.tp;
+        let device_draws = model.backend().draws_on_device()
+            && (tp == 1
+                || (model.config.vocab_size.is_multiple_of(tp)
+                    && model.backend().captures_collectives(comm.as_mut())));
         LeaderExecutor { model, kv: Vec::new(), comm, pool, device_draws }
     }
 }
@@ -237,8 +237,15 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         match own {
             Some(out) => Ok(out),
             None => {
+                // The last stage's TP rank 0: the logits as `wanted`, then the drawn picks.
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
-                Ok(StepLogits::from_f32s(wanted, bytes_f32(&self.comm.recv(from)?))?.into())
+                let mut data = bytes_f32(&self.comm.recv(from)?);
+                let picks = 3 * draws.len();
+                if data.len() < picks {
+                    return Err(Error::Internal(format!("{} values from the last stage", data.len())));
+                }
+                let drawn = picks_from_f32s(&data.split_off(data.len() - picks))?;
+                Ok(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn })
             }
         }
     }
@@ -289,7 +296,7 @@ struct RankStep<'a> {
     layout: &'a BatchLayout,
     logit_rows: &'a [usize],
     wanted: LogitsWanted,
-    /// Tokens to draw on the device (every rank of the one stage draws; see
+    /// Tokens to draw on the device (every rank of the last stage draws; see
     /// [`LeaderExecutor::new`]).
     draws: &'a [Draw],
 }
@@ -367,11 +374,11 @@ pub fn follower_loop<B: Backend>(
         };
         let step = RankStep { ids: &ids, layout: &layout, logit_rows: &logit_rows, wanted, draws: &draws };
         let out = span.in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), pool.as_ref(), step))?;
-        // Only one-stage replicas draw, and their last stage's rank 0 is the leader: a
-        // later stage sends logits alone.
         if let (true, Some(out)) = (last_lead, out) {
             if rank != 0 {
-                comm.send(0, f32_bytes(&out.logits.into_f32s(wanted)))?;
+                let mut data = out.logits.into_f32s(wanted);
+                data.extend(picks_to_f32s(&out.drawn));
+                comm.send(0, f32_bytes(&data))?;
             }
         }
     }

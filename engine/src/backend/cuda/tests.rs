@@ -454,3 +454,53 @@ fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
     // rows as sequences finish: at least one capture, and replays after it.
     assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
 }
+
+/// A pipeline-parallel replica draws on its last stage's device: the drawn picks travel to
+/// the leader with the step's logits, never a row of them. Two stages on two emulated
+/// devices give the tokens of one rank (the stages hand hidden states over exactly), and
+/// the last stage's device sends its host less than one row of logits in all.
+#[test]
+fn pipeline_stages_draw_on_the_last_stages_device() {
+    use crate::comm::Communicator;
+    use strata_common::Parallelism;
+    let dir = tiny_bf16_model(2);
+    let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let nucleus = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.8,
+        min_p: 0.01,
+        seed: Some(11),
+        max_new_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let run = |par: Parallelism| {
+        let gpus: Vec<Arc<EmulatedGpu>> = (0..par.world()).map(|_| Arc::new(EmulatedGpu::new())).collect();
+        let ranks = gpus.clone();
+        let backend = move |rank: usize| Ok(CudaBackend::new(ranks[rank].clone()));
+        let comm = |mesh: crate::comm::tcp::TcpComm,
+                    _rank: usize|
+         -> strata_common::Result<Box<dyn Communicator>> { Ok(Box::new(mesh)) };
+        let mut e = crate::replica::local_replica_on(dir.path(), par, &config, backend, comm).unwrap();
+        e.add(crate::SeqId(0), vec![1, 17, 300], nucleus.clone()).unwrap();
+        e.add(crate::SeqId(1), vec![5, 6], SamplingParams { seed: Some(4), ..nucleus.clone() }).unwrap();
+        let mut out = Vec::new();
+        while e.has_work() {
+            out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token)));
+        }
+        drop(e); // stops the other stage before its device is read
+        (out, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
+    };
+    let (one, _) = run(Parallelism::NONE);
+    let (staged, bytes) = run(Parallelism { tp: 1, pp: 2 });
+    eprintln!("tokens {staged:?}; bytes to each stage's host {bytes:?}");
+    assert_eq!(staged.len(), 16);
+    assert_eq!(staged, one, "two stages draw the tokens one rank draws");
+    assert!(
+        bytes[1] < (vocab * 4) as u64,
+        "{} bytes reached the last stage's host: a row is {}",
+        bytes[1],
+        vocab * 4
+    );
+}
