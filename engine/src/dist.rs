@@ -308,35 +308,20 @@ fn rank_step<B: Backend>(
     step: RankStep<'_>,
 ) -> Result<Option<StepOutput>> {
     let RankStep { ids, layout, logit_rows, wanted, draws } = step;
-    let s = &model.shard.shard;
-    let tp = model.shard.par.tp;
-    let b = model.backend();
-    // A one-stage TP rank replays decode steps from graphs when its collectives are
-    // device work (NCCL); then only the reduced rows cross the group.
+    let lead = model.shard.is_last_stage() && model.shard.shard.tp_rank == 0;
+    // Decode steps replay from graphs where the replica's collectives and hand-offs are
+    // device work (NCCL); then only reduced rows reach the host.
     if let Some(out) = model.replayed(ids, layout, kv, (logit_rows, wanted, draws), comm)? {
-        return Ok((s.tp_rank == 0).then_some(out));
+        return Ok(lead.then_some(out));
     }
-    let x = if s.stage == 0 {
-        model.embed_tokens(ids, comm)?
-    } else {
-        let data = bytes_f32(&comm.recv((s.stage - 1) * tp + s.tp_rank)?);
-        if data.len() != ids.len() * model.config.hidden_size {
-            return Err(Error::Internal(format!(
-                "rank {}: hidden states of {} values for {} tokens",
-                s.rank,
-                data.len(),
-                ids.len()
-            )));
-        }
-        b.upload(data, ids.len(), model.config.hidden_size)?
-    };
+    let x = model.stage_input(ids, comm)?;
     let x = model.run_layers(x, layout, kv, comm)?;
     if !model.shard.is_last_stage() {
-        comm.send((s.stage + 1) * tp + s.tp_rank, f32_bytes(&b.to_host(&x)?))?;
+        model.backend().send_hidden(&x, model.next_stage_rank(), comm)?;
         return Ok(None);
     }
     let out = model.step_output(&x, (logit_rows, wanted, draws), comm)?;
-    Ok((s.tp_rank == 0).then_some(out))
+    Ok(lead.then_some(out))
 }
 
 /// The loop of every rank but the leader: allocate the KV cache the leader asks for, then

@@ -77,20 +77,21 @@ pub fn device_memory(device: Device) -> Result<(u64, u64)> {
 }
 
 /// Joins rank `rank`'s TCP mesh to the replica's communicator: the mesh itself on CPUs;
-/// NCCL for the TP groups on GPUs (every rank calls this at the same time, as NCCL's
-/// set-up is collective).
+/// NCCL on GPUs, for the TP groups and the stage-to-stage pairs (every rank calls this at
+/// the same time, as NCCL's set-up is collective).
 fn communicator(comm: TcpComm, device: Device, par: Parallelism) -> Result<Box<dyn Communicator>> {
     match device {
         Device::Cpu => Ok(Box::new(comm)),
-        Device::Cuda(_) if par.tp == 1 => Ok(Box::new(comm)), // PP only: send/recv over the mesh
         #[cfg(feature = "cuda")]
         Device::Cuda(ordinal) => {
-            let groups: Vec<Vec<usize>> =
-                (0..par.pp).map(|s| (s * par.tp..(s + 1) * par.tp).collect()).collect();
+            let groups = crate::comm::nccl::replica_groups(par.tp, par.pp);
             Ok(Box::new(crate::comm::nccl::NcclComm::new(ordinal, Box::new(comm), &groups)?))
         }
         #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => Err(Error::Internal("CUDA device in a build without CUDA".into())),
+        Device::Cuda(_) => {
+            let _ = par;
+            Err(Error::Internal("CUDA device in a build without CUDA".into()))
+        }
     }
 }
 

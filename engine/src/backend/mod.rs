@@ -13,7 +13,7 @@ pub mod cuda;
 
 use strata_common::Result;
 
-use crate::comm::Collectives;
+use crate::comm::{Collectives, Communicator};
 use crate::model::weights::HostTensor;
 
 pub use strata_common::Device;
@@ -98,7 +98,9 @@ pub struct DecodeStep<'a> {
     /// Each logit row's draw on the device ([`Backend::draw_tokens`]), or empty when no
     /// row is drawn.
     pub draws: &'a [crate::logits::Draw],
-    /// Columns of the logits (this rank's vocabulary) and the token id of the first.
+    /// Columns of the logits (this rank's vocabulary, or the whole one when the step
+    /// draws) and the token id of the first; 0 on a pipeline stage before the last, whose
+    /// step returns nothing.
     pub vocab: usize,
     pub first_id: u32,
 }
@@ -309,5 +311,29 @@ pub trait Backend: Send + Sync + 'static {
         _comm: &mut dyn Collectives,
     ) -> Result<Option<Self::Tensor>> {
         Ok(None)
+    }
+    /// Sends hidden states `x` to rank `to` (the next pipeline stage's) through `comm`:
+    /// device to device where the backend's collectives run there (a graph then captures
+    /// the hand-off), else through host memory.
+    fn send_hidden(&self, x: &Self::Tensor, to: usize, comm: &mut dyn Communicator) -> Result<()> {
+        comm.send(to, crate::comm::f32_bytes(&self.to_host(x)?))
+    }
+    /// Receives `[rows, cols]` hidden states from rank `from` (the previous pipeline
+    /// stage's), the other end of [`Backend::send_hidden`].
+    fn recv_hidden(
+        &self,
+        rows: usize,
+        cols: usize,
+        from: usize,
+        comm: &mut dyn Communicator,
+    ) -> Result<Self::Tensor> {
+        let data = crate::comm::bytes_f32(&comm.recv(from)?);
+        if data.len() != rows * cols {
+            return Err(strata_common::Error::Internal(format!(
+                "{} values from rank {from} for [{rows}, {cols}] hidden states",
+                data.len()
+            )));
+        }
+        self.upload(data, rows, cols)
     }
 }

@@ -138,6 +138,48 @@ impl NcclComm {
         Ok(())
     }
 
+    /// Sends `data` (f32s on this rank's GPU) to rank `to`, through the communicator of
+    /// the pair (see [`pipeline_pairs`]), ordered on the compute stream `on` as
+    /// [`NcclComm::all_reduce_device`] is.
+    pub fn send_device(
+        &mut self,
+        to: usize,
+        data: &cudarc::driver::CudaView<'_, f32>,
+        on: &CudaStream,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let (comm, peer) = self.pair(to)?;
+        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
+        comm.send(data, peer).map_err(nccl_err("send"))?;
+        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
+        self.stats.bytes_sent += (data.len() * 4) as u64;
+        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Receives `data` from rank `from`, the other end of [`NcclComm::send_device`].
+    pub fn recv_device(
+        &mut self,
+        from: usize,
+        data: &mut cudarc::driver::CudaViewMut<'_, f32>,
+        on: &CudaStream,
+    ) -> Result<()> {
+        let started = Instant::now();
+        let (comm, peer) = self.pair(from)?;
+        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
+        comm.recv(data, peer).map_err(nccl_err("receive"))?;
+        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
+        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// The communicator of this rank and `other`, and `other`'s rank in it.
+    fn pair(&self, other: usize) -> Result<(&Comm, i32)> {
+        let me = self.rank();
+        let group = [me.min(other), me.max(other)];
+        Ok((self.group(&group)?, (other > me) as i32))
+    }
+
     fn group(&self, group: &[usize]) -> Result<&Comm> {
         self.groups
             .get(group)
@@ -293,6 +335,21 @@ impl NcclComm {
     }
 }
 
+/// The groups of a `tp × pp` replica's NCCL communicators: each stage's TP group, then
+/// each pair of ranks that hand hidden states from one stage to the next (stage `s`'s TP
+/// rank `t` to stage `s + 1`'s).
+pub fn replica_groups(tp: usize, pp: usize) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> =
+        (0..pp).filter(|_| tp > 1).map(|s| (s * tp..(s + 1) * tp).collect()).collect();
+    groups.extend(pipeline_pairs(tp, pp));
+    groups
+}
+
+/// Stage-to-stage pairs of a `tp × pp` replica, `[sender, receiver]`.
+pub fn pipeline_pairs(tp: usize, pp: usize) -> Vec<Vec<usize>> {
+    (0..pp.saturating_sub(1)).flat_map(|s| (0..tp).map(move |t| vec![s * tp + t, (s + 1) * tp + t])).collect()
+}
+
 /// Number of CUDA devices the driver sees.
 pub fn device_count() -> Result<usize> {
     probe_libraries()?;
@@ -331,5 +388,12 @@ mod tests {
                 assert!(msg.contains("LD_LIBRARY_PATH") && msg.contains("libcuda"), "{msg}");
             }
         }
+    }
+
+    #[test]
+    fn replica_groups_name_each_stage_and_each_hand_off() {
+        assert_eq!(replica_groups(2, 2), vec![vec![0, 1], vec![2, 3], vec![0, 2], vec![1, 3]]);
+        assert_eq!(replica_groups(1, 3), vec![vec![0, 1], vec![1, 2]]);
+        assert_eq!(replica_groups(4, 1), vec![vec![0, 1, 2, 3]]);
     }
 }

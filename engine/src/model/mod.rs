@@ -19,7 +19,7 @@ use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPla
 use tracing::info;
 
 use crate::backend::{AttentionShape, Backend, BatchLayout, DecodeStep, RopeTable};
-use crate::comm::Collectives;
+use crate::comm::{Collectives, Communicator};
 use crate::logits::top::{merge, top_from_f32s};
 use crate::logits::{picks_from_f32s, Draw, LogitsWanted, StepLogits, StepOutput};
 use crate::metrics::{RankMetrics, ReplicaLabels};
@@ -232,30 +232,40 @@ impl<B: Backend> Model<B> {
     }
 
     /// A pure decode step replayed from a captured graph (see [`Backend::replay_decode`])
-    /// where the backend keeps them: a one-stage shard whose TP collectives, if it has
-    /// any, are device work the graph captures. Returns what [`Model::step_output`]
-    /// returns; None when the step is to run op by op.
+    /// where the backend keeps them and a multi-rank replica's collectives and stage
+    /// hand-offs are device work the graph captures. Returns what [`Model::step_output`]
+    /// returns on the last stage, nothing on the others; None when the step is to run op
+    /// by op.
     pub fn replayed(
         &self,
         ids: &[u32],
         layout: &BatchLayout,
         kv: &mut [B::KvLayer],
         (logit_rows, wanted, draws): (&[usize], LogitsWanted, &[Draw]),
-        comm: &mut dyn Collectives,
+        comm: &mut dyn Communicator,
     ) -> Result<Option<StepOutput>> {
-        if self.shard.par.pp != 1 || (self.shard.tp() > 1 && !self.backend.captures_collectives(comm)) {
+        if self.shard.par.world() > 1 && !self.backend.captures_collectives(comm) {
             return Ok(None);
         }
+        let last = self.shard.is_last_stage();
         // A drawing step reduces the whole vocabulary (gathered in the graph); any other
-        // reduces this rank's shard, merged across TP after the replay.
-        let (vocab, first_id) = match draws.is_empty() {
-            true => (self.shard.shard.vocab.len(), self.shard.shard.vocab.start as u32),
-            false => (self.config.vocab_size, 0),
+        // reduces this rank's shard, merged across TP after the replay. A stage before the
+        // last hands its hidden states on and returns nothing.
+        let (vocab, first_id) = match (last, draws.is_empty()) {
+            (false, _) => (0, 0),
+            (true, true) => (self.shard.shard.vocab.len(), self.shard.shard.vocab.start as u32),
+            (true, false) => (self.config.vocab_size, 0),
         };
+        let draws = if last { draws } else { &[] };
+        let wanted = if last { wanted } else { LogitsWanted::Full };
         let step = DecodeStep { ids, layout, logit_rows, wanted, draws, vocab, first_id };
         let replayed = self.backend.replay_decode(&step, &mut |ids, layout, rows| {
-            let x = self.embed_tokens(ids, &mut *comm)?;
+            let x = self.stage_input(ids, &mut *comm)?;
             let x = self.run_layers(x, layout, kv, &mut *comm)?;
+            if !last {
+                self.backend.send_hidden(&x, self.next_stage_rank(), &mut *comm)?;
+                return Ok(x);
+            }
             let head = self.head_logits(&x, rows)?;
             if draws.is_empty() {
                 return Ok(head);
@@ -264,12 +274,31 @@ impl<B: Backend> Model<B> {
         })?;
         let Some(mut data) = replayed else { return Ok(None) };
         self.metrics.graph_step();
+        if !last {
+            return Ok(Some(StepLogits::Full(Vec::new()).into()));
+        }
         let drawn = picks_from_f32s(&data.split_off(data.len() - 3 * draws.len()))?;
         let mut logits = StepLogits::from_f32s(wanted, data)?;
         if draws.is_empty() {
             logits = self.merge_shards(logits, logit_rows.len(), wanted, comm)?;
         }
         Ok(Some(StepOutput { logits, drawn }))
+    }
+
+    /// This stage's input for the step's `ids`: their embeddings on the first stage, the
+    /// previous stage's hidden states on the others.
+    pub fn stage_input(&self, ids: &[u32], comm: &mut dyn Communicator) -> Result<B::Tensor> {
+        let s = &self.shard.shard;
+        if s.stage == 0 {
+            return self.embed_tokens(ids, comm);
+        }
+        let from = (s.stage - 1) * self.shard.tp() + s.tp_rank;
+        self.backend.recv_hidden(ids.len(), self.config.hidden_size, from, comm)
+    }
+
+    /// The rank of the next stage this one hands its hidden states to (same TP rank).
+    pub fn next_stage_rank(&self) -> usize {
+        (self.shard.shard.stage + 1) * self.shard.tp() + self.shard.shard.tp_rank
     }
 
     /// The step's output from the last stage's hidden states `x`: the logits `wanted` of
@@ -516,6 +545,18 @@ impl Collectives for NoComm {
     }
     fn stats(&self) -> crate::comm::CommStats {
         crate::comm::CommStats::default()
+    }
+}
+
+impl crate::comm::StepChannel for NoComm {
+    fn broadcast(&mut self, _: &[usize], _: usize, _: &mut Vec<u8>) -> Result<()> {
+        Ok(())
+    }
+    fn send(&mut self, to: usize, _: &[u8]) -> Result<()> {
+        Err(Error::Internal(format!("a one-rank replica has no rank {to} to send to")))
+    }
+    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
+        Err(Error::Internal(format!("a one-rank replica has no rank {from} to receive from")))
     }
 }
 

@@ -114,6 +114,28 @@ pub trait Gpu: Send + Sync + 'static {
     ) -> Result<bool> {
         Ok(false)
     }
+    /// Sends the first `count` f32s of `buf` to rank `to` through `comm`, device to
+    /// device (NCCL's point-to-point), in stream order; false when `comm` is not a
+    /// communicator of this device's buffers.
+    fn send(
+        &self,
+        _buf: &Self::Buf,
+        _count: usize,
+        _to: usize,
+        _comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+    /// Receives `count` f32s from rank `from` into `buf`, the other end of [`Gpu::send`].
+    fn recv(
+        &self,
+        _buf: &mut Self::Buf,
+        _count: usize,
+        _from: usize,
+        _comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Whether [`Gpu::all_reduce_sum`] reduces on the device with `comm`: then its
     /// collectives are device work in stream order, which a graph can capture.
     fn reduces_on_device(&self, _comm: &mut dyn crate::comm::Collectives) -> bool {

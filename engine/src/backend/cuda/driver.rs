@@ -431,6 +431,36 @@ impl Gpu for CudaGpu {
         Ok(true)
     }
 
+    fn send(
+        &self,
+        buf: &CudaSlice<u8>,
+        count: usize,
+        to: usize,
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        let Some(nccl) = nccl(comm) else { return Ok(false) };
+        // SAFETY: the buffer holds f32 hidden states (a GpuTensor's); length checked.
+        let view = unsafe { buf.transmute::<f32>(count) }
+            .ok_or_else(|| Error::Internal(format!("send of {count} f32s from a smaller buffer")))?;
+        nccl.send_device(to, &view, &self.stream)?;
+        Ok(true)
+    }
+
+    fn recv(
+        &self,
+        buf: &mut CudaSlice<u8>,
+        count: usize,
+        from: usize,
+        comm: &mut dyn crate::comm::Collectives,
+    ) -> Result<bool> {
+        let Some(nccl) = nccl(comm) else { return Ok(false) };
+        // SAFETY: as for `send`.
+        let mut view = unsafe { buf.transmute_mut::<f32>(count) }
+            .ok_or_else(|| Error::Internal(format!("receive of {count} f32s into a smaller buffer")))?;
+        nccl.recv_device(from, &mut view, &self.stream)?;
+        Ok(true)
+    }
+
     fn reduces_on_device(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
         nccl(comm).is_some()
     }

@@ -7,8 +7,8 @@
 //! memory is static in the emulation). It is slow — thousands of OS threads per launch — and meant
 //! for tiny shapes.
 //!
-//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces and all-gathers of emulated
-//! device buffers are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
+//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces, all-gathers and
+//! point-to-point hand-offs of emulated device buffers are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
 //! with its own emulated device, exercise the path that NCCL takes on GPUs.
 
 use std::cell::UnsafeCell;
@@ -66,15 +66,18 @@ enum Recorded {
     Copy { src: *const u8, dst: *mut u8, bytes: usize },
     AllReduce { comm: SharedComm, group: Vec<usize>, data: *mut f32, count: usize },
     AllGather { comm: SharedComm, group: Vec<usize>, send: *const f32, recv: *mut f32, count: usize },
+    Send { comm: SharedComm, to: usize, data: *const f32, count: usize },
+    Recv { comm: SharedComm, from: usize, data: *mut f32, count: usize },
 }
 
 type SharedComm = Arc<Mutex<Box<dyn Communicator>>>;
 
-/// The emulator's stand-in for NCCL: a communicator whose all-reduce takes emulated
-/// device buffers. Device memory is host memory here, so the sum runs through the
-/// communicator it wraps (TCP between ranks); what it adds is that the reduction is device
-/// work — in stream order, and recorded into a graph being captured (replayed with the
-/// graph) as NCCL's kernels are. Everything else is the wrapped communicator's.
+/// The emulator's stand-in for NCCL: a communicator whose all-reduce, all-gather and
+/// point-to-point transfers take emulated device buffers. Device memory is host memory
+/// here, so they run through the communicator it wraps (TCP between ranks); what it adds
+/// is that they are device work — in stream order, and recorded into a graph being
+/// captured (replayed with the graph) as NCCL's kernels are. Everything else is the
+/// wrapped communicator's.
 pub struct EmulatedDeviceComm {
     inner: SharedComm,
 }
@@ -207,7 +210,13 @@ impl EmulatedGpu {
     fn run(&self, work: &Recorded) -> Result<()> {
         // A collective runs outside the launch lock: the other ranks' devices run their own
         // work up to it meanwhile, as separate GPUs would.
-        let collective = matches!(work, Recorded::AllReduce { .. } | Recorded::AllGather { .. });
+        let collective = matches!(
+            work,
+            Recorded::AllReduce { .. }
+                | Recorded::AllGather { .. }
+                | Recorded::Send { .. }
+                | Recorded::Recv { .. }
+        );
         let _g = (!collective).then(|| self.lock());
         match work {
             Recorded::Launch { kernel, launch: l, values } => {
@@ -268,6 +277,23 @@ impl EmulatedGpu {
                 }
                 // SAFETY: recv holds count × group.len() f32s (checked when queued).
                 unsafe { std::ptr::copy_nonoverlapping(all.as_ptr(), *recv, all.len()) };
+            }
+            Recorded::Send { comm, to, data, count } => {
+                // SAFETY: sizes checked when the send was queued.
+                let data = unsafe { std::slice::from_raw_parts(*data, *count) };
+                comm.lock().unwrap_or_else(|p| p.into_inner()).send(*to, crate::comm::f32_bytes(data))?;
+            }
+            Recorded::Recv { comm, from, data, count } => {
+                let got =
+                    crate::comm::bytes_f32(&comm.lock().unwrap_or_else(|p| p.into_inner()).recv(*from)?);
+                if got.len() != *count {
+                    return Err(Error::Internal(format!(
+                        "{} f32s from rank {from}, {count} expected",
+                        got.len()
+                    )));
+                }
+                // SAFETY: the buffer holds `count` f32s (checked when queued).
+                unsafe { std::ptr::copy_nonoverlapping(got.as_ptr(), *data, got.len()) };
             }
         }
         Ok(())
@@ -438,6 +464,26 @@ impl Gpu for EmulatedGpu {
             recv,
             count,
         })?;
+        Ok(true)
+    }
+
+    fn send(&self, buf: &EmuBuf, count: usize, to: usize, comm: &mut dyn Collectives) -> Result<bool> {
+        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
+        if count * 4 > buf.bytes {
+            return Err(Error::Internal(format!("send of {count} f32s from {} bytes", buf.bytes)));
+        }
+        let data = buf.ptr() as *const f32;
+        self.submit(Recorded::Send { comm: device.inner.clone(), to, data, count })?;
+        Ok(true)
+    }
+
+    fn recv(&self, buf: &mut EmuBuf, count: usize, from: usize, comm: &mut dyn Collectives) -> Result<bool> {
+        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
+        if count * 4 > buf.bytes {
+            return Err(Error::Internal(format!("receive of {count} f32s into {} bytes", buf.bytes)));
+        }
+        let data = buf.ptr() as *mut f32;
+        self.submit(Recorded::Recv { comm: device.inner.clone(), from, data, count })?;
         Ok(true)
     }
 

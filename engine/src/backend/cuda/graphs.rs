@@ -24,8 +24,10 @@
 //! any kernel): every rank of the group sees the same steps, so every rank warms, captures
 //! and replays the same buckets, and their graphs' collectives meet in the same order. The
 //! graph ends at the rank's reduction of its vocabulary shard; the ranks then merge those
-//! (picks, candidates or whole rows) across the group on the host. Pipeline stages, whose
-//! steps hand hidden states to the next stage over the host, run eagerly.
+//! (picks, candidates or whole rows) across the group on the host. Pipeline stages
+//! capture theirs too when they hand hidden states over on the device (NCCL's send and
+//! receive): a stage's graph starts with the receive from the previous stage and, before
+//! the last, ends with the send to the next (its step has no output; `vocab` 0).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -238,6 +240,9 @@ impl<G: Gpu> CudaBackend<G> {
             if let Some((params, drawn)) = draw.as_mut() {
                 let picks = self.draw_tensor(&logits, params, step.first_id)?;
                 gpu.copy(&picks.buf, drawn, padded.rows.len() * 3 * 4)?;
+            }
+            if out_cols == 0 {
+                return Ok(()); // a pipeline stage before the last: it hands its rows on
             }
             let reduced = self.reduce(logits, step.wanted, step.first_id)?;
             gpu.copy(&reduced.buf, &mut out, padded.rows.len() * out_cols * 4)

@@ -16,6 +16,7 @@
 //! by every layer; small per-call uploads (token ids, row indices) are the only host →
 //! device traffic besides the step's hidden states at pipeline boundaries.
 
+mod collective;
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
@@ -552,14 +553,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         group: &[usize],
         comm: &mut dyn crate::comm::Collectives,
     ) -> Result<()> {
-        if group.len() <= 1 {
-            return Ok(());
-        }
-        // NCCL on the device buffer where the communicator is one; else through the host.
-        if self.gpu.all_reduce_sum(&mut x.buf, x.rows * x.cols, group, comm)? {
-            return Ok(());
-        }
-        self.with_host_mut(x, &mut |data| comm.all_reduce_sum(group, data))
+        self.all_reduce_tensor(x, group, comm)
     }
 
     fn captures_collectives(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
@@ -572,26 +566,26 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         group: &[usize],
         comm: &mut dyn crate::comm::Collectives,
     ) -> Result<Option<Self::Tensor>> {
-        let (rows, w, ranks) = (shard.rows, shard.cols, group.len());
-        let mut all = self.tensor(ranks * rows, w)?;
-        if !self.gpu.all_gather(&shard.buf, &mut all.buf, rows * w, group, comm)? {
-            return Ok(None);
-        }
-        let y = self.tensor(rows, w * ranks)?;
-        if rows > 0 {
-            self.launch(
-                Kernel::UnshardRows,
-                Launch::rows(rows, ROW_THREADS),
-                &[
-                    Arg::Buf(&all.buf),
-                    Arg::Buf(&y.buf),
-                    Arg::I32(dim(rows)?),
-                    Arg::I32(dim(w)?),
-                    Arg::I32(dim(ranks)?),
-                ],
-            )?;
-        }
-        Ok(Some(y))
+        self.gather_vocab_tensor(shard, group, comm)
+    }
+
+    fn send_hidden(
+        &self,
+        x: &Self::Tensor,
+        to: usize,
+        comm: &mut dyn crate::comm::Communicator,
+    ) -> Result<()> {
+        self.send_tensor(x, to, comm)
+    }
+
+    fn recv_hidden(
+        &self,
+        rows: usize,
+        cols: usize,
+        from: usize,
+        comm: &mut dyn crate::comm::Communicator,
+    ) -> Result<Self::Tensor> {
+        self.recv_tensor(rows, cols, from, comm)
     }
 
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use strata_common::{Architecture, SamplingParams};
 
-use super::emulator::EmulatedGpu;
+use super::emulator::{EmulatedDeviceComm, EmulatedGpu};
 use super::CudaBackend;
 use crate::backend::check::{check_ops, CheckSizes};
 use crate::backend::cpu::CpuBackend;
@@ -401,7 +401,6 @@ fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
 /// top-p rows are gathered and drawn on the host, and the tokens are the same.
 #[test]
 fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
-    use super::emulator::EmulatedDeviceComm;
     use crate::comm::Communicator;
     let dir = tiny_bf16_model(2);
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
@@ -455,12 +454,14 @@ fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
     assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
 }
 
-/// A pipeline-parallel replica draws on its last stage's device: the drawn picks travel to
-/// the leader with the step's logits, never a row of them. Two stages on two emulated
-/// devices give the tokens of one rank (the stages hand hidden states over exactly), and
-/// the last stage's device sends its host less than one row of logits in all.
+/// A pipeline-parallel replica draws on its last stage's device — the picks travel to the
+/// leader with the step's logits, never a row of them — and, where its stages hand hidden
+/// states over on the device (NCCL; here the emulator's stand-in), every stage replays its
+/// decode steps from graphs that receive from the previous stage and send to the next.
+/// Two stages on two emulated devices give one rank's top-p tokens every way; so do two
+/// stages of two TP ranks each, with graphs and without.
 #[test]
-fn pipeline_stages_draw_on_the_last_stages_device() {
+fn pipeline_stages_replay_graphs_and_draw_on_the_last_stages_device() {
     use crate::comm::Communicator;
     use strata_common::Parallelism;
     let dir = tiny_bf16_model(2);
@@ -475,13 +476,14 @@ fn pipeline_stages_draw_on_the_last_stages_device() {
         ignore_eos: true,
         ..Default::default()
     };
-    let run = |par: Parallelism| {
+    let run = |par: Parallelism, on_device: bool, graphs: bool| {
         let gpus: Vec<Arc<EmulatedGpu>> = (0..par.world()).map(|_| Arc::new(EmulatedGpu::new())).collect();
         let ranks = gpus.clone();
-        let backend = move |rank: usize| Ok(CudaBackend::new(ranks[rank].clone()));
-        let comm = |mesh: crate::comm::tcp::TcpComm,
-                    _rank: usize|
-         -> strata_common::Result<Box<dyn Communicator>> { Ok(Box::new(mesh)) };
+        let backend = move |rank: usize| Ok(CudaBackend::with_graphs(ranks[rank].clone(), graphs));
+        let comm =
+            move |mesh: crate::comm::tcp::TcpComm, _| -> strata_common::Result<Box<dyn Communicator>> {
+                Ok(if on_device { Box::new(EmulatedDeviceComm::new(Box::new(mesh))) } else { Box::new(mesh) })
+            };
         let mut e = crate::replica::local_replica_on(dir.path(), par, &config, backend, comm).unwrap();
         e.add(crate::SeqId(0), vec![1, 17, 300], nucleus.clone()).unwrap();
         e.add(crate::SeqId(1), vec![5, 6], SamplingParams { seed: Some(4), ..nucleus.clone() }).unwrap();
@@ -489,18 +491,31 @@ fn pipeline_stages_draw_on_the_last_stages_device() {
         while e.has_work() {
             out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token)));
         }
-        drop(e); // stops the other stage before its device is read
-        (out, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
+        drop(e); // stops the other ranks before their devices are read
+        let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
+        (out, counts, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
     };
-    let (one, _) = run(Parallelism::NONE);
-    let (staged, bytes) = run(Parallelism { tp: 1, pp: 2 });
-    eprintln!("tokens {staged:?}; bytes to each stage's host {bytes:?}");
-    assert_eq!(staged.len(), 16);
-    assert_eq!(staged, one, "two stages draw the tokens one rank draws");
-    assert!(
-        bytes[1] < (vocab * 4) as u64,
-        "{} bytes reached the last stage's host: a row is {}",
-        bytes[1],
-        vocab * 4
+    let two = Parallelism { tp: 1, pp: 2 };
+    let (one, ..) = run(Parallelism::NONE, false, true);
+    let (host, host_counts, host_bytes) = run(two, false, true);
+    let (device, counts, bytes) = run(two, true, true);
+    let (eager, ..) = run(two, true, false);
+    eprintln!(
+        "bytes to each stage's host: {host_bytes:?} handing over through the host, {bytes:?} on the device"
     );
+    eprintln!("(captures, replays) per stage: {counts:?}");
+    assert_eq!(one.len(), 16);
+    assert_eq!(host, one, "two stages through the host draw the tokens one rank draws");
+    assert_eq!(device, one, "two stages handing over on the device, with graphs");
+    assert_eq!(eager, one, "two stages handing over on the device, without graphs");
+    assert!(host_bytes[1] < (vocab * 4) as u64, "{} bytes reached the last stage's host", host_bytes[1]);
+    assert_eq!(host_counts, vec![(0, 0); 2], "a hand-off through the host is not captured");
+    assert_eq!(counts[0], counts[1], "both stages capture and replay the same steps");
+    assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
+    assert!(bytes[0] * 4 < host_bytes[0], "the first stage's hidden states went through its host");
+    let grid = Parallelism { tp: 2, pp: 2 };
+    let (grid_graphs, grid_counts, _) = run(grid, true, true);
+    let (grid_eager, ..) = run(grid, true, false);
+    assert_eq!(grid_graphs, grid_eager, "2 × 2 ranks with graphs and without");
+    assert!(grid_counts.iter().all(|&c| c == grid_counts[0] && c.0 >= 1), "{grid_counts:?}");
 }
