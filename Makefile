@@ -11,14 +11,16 @@ STRATA_RELEASE := target/release/strata
 ## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
 ## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
 ## A full run builds every target from scratch: incremental caches (as large again as the
-## build itself) would only fill the disk.
+## build itself) would only fill the disk. The kernel reruns select tests across the
+## workspace (not `-p`), so they reuse the workspace build instead of rebuilding the
+## dependencies with one package's features.
 test: export CARGO_INCREMENTAL ?= 0
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
-	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test -p strata-engine --lib backend::cpu \
-		&& STRATA_CPU_KERNELS=$$k $(CARGO) test -p strata-tests --test hf_reference || exit 1; done
+	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --lib backend::cpu \
+		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --test hf_reference || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features strata-cli/cuda,strata-engine/cuda-emulator -- -D warnings
 	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-engine --features cuda,cuda-emulator
