@@ -99,8 +99,8 @@ pub struct DecodeStep<'a> {
     /// row is drawn.
     pub draws: &'a [crate::logits::Draw],
     /// Columns of the logits (this rank's vocabulary, or the whole one when the step
-    /// draws) and the token id of the first; 0 on a pipeline stage before the last, whose
-    /// step returns nothing.
+    /// draws) and the token id of the first; 0 for a step that returns nothing (a
+    /// pipeline stage before the last; a TP rank other than 0 of a drawing step).
     pub vocab: usize,
     pub first_id: u32,
 }

@@ -248,13 +248,17 @@ impl<B: Backend> Model<B> {
             return Ok(None);
         }
         let last = self.shard.is_last_stage();
-        // A drawing step reduces the whole vocabulary (gathered in the graph); any other
-        // reduces this rank's shard, merged across TP after the replay. A stage before the
-        // last hands its hidden states on and returns nothing.
-        let (vocab, first_id) = match (last, draws.is_empty()) {
+        let drawing = last && !draws.is_empty();
+        // A drawing step reduces the whole vocabulary (gathered in the graph), and only the
+        // last stage's TP rank 0 needs its result: the other ranks join the gather and
+        // stop there. Any other step reduces this rank's shard, merged across TP after
+        // the replay. A stage before the last hands its hidden states on. A step without
+        // output has `vocab` 0.
+        let output = last && (!drawing || self.shard.shard.tp_rank == 0);
+        let (vocab, first_id) = match (output, drawing) {
             (false, _) => (0, 0),
-            (true, true) => (self.shard.shard.vocab.len(), self.shard.shard.vocab.start as u32),
-            (true, false) => (self.config.vocab_size, 0),
+            (true, false) => (self.shard.shard.vocab.len(), self.shard.shard.vocab.start as u32),
+            (true, true) => (self.config.vocab_size, 0),
         };
         let draws = if last { draws } else { &[] };
         let wanted = if last { wanted } else { LogitsWanted::Full };
@@ -267,14 +271,14 @@ impl<B: Backend> Model<B> {
                 return Ok(x);
             }
             let head = self.head_logits(&x, rows)?;
-            if draws.is_empty() {
+            if !drawing {
                 return Ok(head);
             }
             self.whole_vocab(head, &mut *comm)
         })?;
         let Some(mut data) = replayed else { return Ok(None) };
         self.metrics.graph_step();
-        if !last {
+        if !output {
             return Ok(Some(StepLogits::Full(Vec::new()).into()));
         }
         let drawn = picks_from_f32s(&data.split_off(data.len() - 3 * draws.len()))?;
@@ -314,6 +318,9 @@ impl<B: Backend> Model<B> {
             return Ok(self.step_logits(x, logit_rows, wanted, comm)?.into());
         }
         let head = self.whole_vocab(self.head_logits(x, logit_rows)?, comm)?;
+        if self.shard.shard.tp_rank != 0 {
+            return Ok(StepLogits::Full(Vec::new()).into()); // the gather was this rank's part
+        }
         let drawn = self.backend.draw_tokens(&head, draws, 0)?;
         Ok(StepOutput { logits: self.shard_logits(&head, logit_rows.len(), wanted, 0)?, drawn })
     }

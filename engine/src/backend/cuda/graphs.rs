@@ -219,10 +219,12 @@ impl<G: Gpu> CudaBackend<G> {
         let rows_i = to_i32(padded.rows.iter().copied())?;
         let ids = Arc::new(gpu.upload(i32_bytes(&ids_i))?);
         let rows = Arc::new(gpu.upload(i32_bytes(&rows_i))?);
-        let out_cols = out_cols(step.wanted, step.vocab);
+        // A step without output (`vocab` 0: a stage before the last, or a TP rank that
+        // only joins a drawing step's gather) reduces and draws nothing.
+        let out_cols = if step.vocab == 0 { 0 } else { out_cols(step.wanted, step.vocab) };
         let mut out = gpu.alloc(padded.rows.len() * out_cols * 4)?;
         let mut draw = None;
-        if !padded.draws.is_empty() {
+        if !padded.draws.is_empty() && out_cols > 0 {
             draw = Some((
                 gpu.upload(bytemuck::cast_slice(&padded.draws))?,
                 gpu.alloc(padded.rows.len() * 3 * 4)?,
@@ -242,7 +244,7 @@ impl<G: Gpu> CudaBackend<G> {
                 gpu.copy(&picks.buf, drawn, padded.rows.len() * 3 * 4)?;
             }
             if out_cols == 0 {
-                return Ok(()); // a pipeline stage before the last: it hands its rows on
+                return Ok(());
             }
             let reduced = self.reduce(logits, step.wanted, step.first_id)?;
             gpu.copy(&reduced.buf, &mut out, padded.rows.len() * out_cols * 4)
