@@ -87,6 +87,19 @@ fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
 }
 
 /// A tiny random Llama with bf16 weights and `layers` layers, in a temporary directory.
+/// Seeded top-p and min-p sampling of 8 tokens: drawn on the device.
+fn nucleus_sampling() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.9,
+        top_p: 0.8,
+        min_p: 0.01,
+        seed: Some(11),
+        max_new_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
 fn tiny_bf16_model(layers: usize) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let mut spec = RandomModelSpec::tiny(Architecture::Llama);
@@ -357,15 +370,7 @@ fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
     let dir = tiny_bf16_model(1);
     let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let nucleus = SamplingParams {
-        temperature: 0.9,
-        top_p: 0.8,
-        min_p: 0.01,
-        seed: Some(11),
-        max_new_tokens: 8,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let nucleus = nucleus_sampling();
     let run = |graphs: bool, companions: bool| {
         let gpu = Arc::new(EmulatedGpu::new());
         let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
@@ -469,15 +474,7 @@ fn pipeline_stages_replay_graphs_and_draw_on_the_last_stages_device() {
     let dir = tiny_bf16_model(2);
     let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let nucleus = SamplingParams {
-        temperature: 0.9,
-        top_p: 0.8,
-        min_p: 0.01,
-        seed: Some(11),
-        max_new_tokens: 8,
-        ignore_eos: true,
-        ..Default::default()
-    };
+    let nucleus = nucleus_sampling();
     let run = |par: Parallelism, on_device: bool, graphs: bool| {
         let gpus: Vec<Arc<EmulatedGpu>> = (0..par.world()).map(|_| Arc::new(EmulatedGpu::new())).collect();
         let ranks = gpus.clone();
