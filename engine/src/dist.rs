@@ -19,7 +19,7 @@ use tracing::{debug_span, Span};
 use crate::backend::{Backend, BatchLayout};
 use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds, StepPlan};
 use crate::comm::{bytes_f32, f32_bytes, Communicator};
-use crate::logits::{picks_from_f32s, picks_to_f32s, Draw, LogitsWanted, StepLogits, StepOutput};
+use crate::logits::{Draw, LogitsWanted, StepOutput};
 use crate::model::Model;
 
 /// What the engine needs from whatever runs its steps.
@@ -237,15 +237,9 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         match own {
             Some(out) => Ok(out),
             None => {
-                // The last stage's TP rank 0: the logits as `wanted`, then the drawn picks.
+                // The last stage's TP rank 0 replies.
                 let from = self.model.shard.par.world() - self.model.shard.par.tp;
-                let mut data = bytes_f32(&self.comm.recv(from)?);
-                let picks = 3 * draws.len();
-                if data.len() < picks {
-                    return Err(Error::Internal(format!("{} values from the last stage", data.len())));
-                }
-                let drawn = picks_from_f32s(&data.split_off(data.len() - picks))?;
-                Ok(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn })
+                StepOutput::from_f32s(wanted, draws.len(), bytes_f32(&self.comm.recv(from)?))
             }
         }
     }
@@ -361,9 +355,7 @@ pub fn follower_loop<B: Backend>(
         let out = span.in_scope(|| run_rank_step(&model, &mut kv, comm.as_mut(), pool.as_ref(), step))?;
         if let (true, Some(out)) = (last_lead, out) {
             if rank != 0 {
-                let mut data = out.logits.into_f32s(wanted);
-                data.extend(picks_to_f32s(&out.drawn));
-                comm.send(0, f32_bytes(&data))?;
+                comm.send(0, f32_bytes(&out.into_f32s(wanted)))?;
             }
         }
     }

@@ -93,6 +93,27 @@ pub struct StepOutput {
     pub drawn: Vec<Pick>,
 }
 
+impl StepOutput {
+    /// As `f32`s: the logits as [`StepLogits::into_f32s`] writes them, then the drawn
+    /// picks — the layout of a replayed graph's output and of the last stage's reply to
+    /// the leader.
+    pub fn into_f32s(self, wanted: LogitsWanted) -> Vec<f32> {
+        let mut data = self.logits.into_f32s(wanted);
+        data.extend(picks_to_f32s(&self.drawn));
+        data
+    }
+
+    /// The inverse of [`StepOutput::into_f32s`], for a step that drew `drawn` rows.
+    pub fn from_f32s(wanted: LogitsWanted, drawn: usize, mut data: Vec<f32>) -> Result<Self> {
+        let picks = 3 * drawn;
+        if data.len() < picks {
+            return Err(Error::Internal(format!("{} values for a step that drew {drawn} rows", data.len())));
+        }
+        let drawn = picks_from_f32s(&data.split_off(data.len() - picks))?;
+        Ok(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn })
+    }
+}
+
 impl From<StepLogits> for StepOutput {
     fn from(logits: StepLogits) -> Self {
         StepOutput { logits, drawn: Vec::new() }

@@ -316,7 +316,7 @@ pub trait Backend: Send + Sync + 'static {
     /// device to device where the backend's collectives run there (a graph then captures
     /// the hand-off), else through host memory.
     fn send_hidden(&self, x: &Self::Tensor, to: usize, comm: &mut dyn Communicator) -> Result<()> {
-        comm.send(to, crate::comm::f32_bytes(&self.to_host(x)?))
+        send_through_host(self, x, to, comm)
     }
     /// Receives `[rows, cols]` hidden states from rank `from` (the previous pipeline
     /// stage's), the other end of [`Backend::send_hidden`].
@@ -327,13 +327,34 @@ pub trait Backend: Send + Sync + 'static {
         from: usize,
         comm: &mut dyn Communicator,
     ) -> Result<Self::Tensor> {
-        let data = crate::comm::bytes_f32(&comm.recv(from)?);
-        if data.len() != rows * cols {
-            return Err(strata_common::Error::Internal(format!(
-                "{} values from rank {from} for [{rows}, {cols}] hidden states",
-                data.len()
-            )));
-        }
-        self.upload(data, rows, cols)
+        recv_through_host(self, rows, cols, from, comm)
     }
+}
+
+/// [`Backend::send_hidden`] through host memory (the step channel's bytes).
+pub fn send_through_host<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Tensor,
+    to: usize,
+    comm: &mut dyn Communicator,
+) -> Result<()> {
+    comm.send(to, crate::comm::f32_bytes(&b.to_host(x)?))
+}
+
+/// [`Backend::recv_hidden`] through host memory, its length checked before upload.
+pub fn recv_through_host<B: Backend + ?Sized>(
+    b: &B,
+    rows: usize,
+    cols: usize,
+    from: usize,
+    comm: &mut dyn Communicator,
+) -> Result<B::Tensor> {
+    let data = crate::comm::bytes_f32(&comm.recv(from)?);
+    if data.len() != rows * cols {
+        return Err(strata_common::Error::Internal(format!(
+            "{} values from rank {from} for [{rows}, {cols}] hidden states",
+            data.len()
+        )));
+    }
+    b.upload(data, rows, cols)
 }

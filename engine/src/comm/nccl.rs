@@ -99,15 +99,11 @@ impl NcclComm {
         data: &mut cudarc::driver::CudaViewMut<'_, f32>,
         on: &CudaStream,
     ) -> Result<()> {
-        let started = Instant::now();
-        let count = data.len();
-        let comm = self.group(group)?;
-        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
-        comm.all_reduce_in_place(data, &ReduceOp::Sum).map_err(nccl_err("all-reduce"))?;
-        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
-        self.stats.bytes_sent += (count * 4) as u64;
-        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
-        Ok(())
+        let bytes = data.len() * 4;
+        self.in_stream_order(on, bytes, |c| {
+            c.group(group)?.all_reduce_in_place(data, &ReduceOp::Sum).map_err(nccl_err("all-reduce"))?;
+            Ok(())
+        })
     }
 
     /// Gathers `send` (f32s on this rank's GPU, the same count on every rank) from every
@@ -128,14 +124,10 @@ impl NcclComm {
                 recv.len()
             )));
         }
-        let started = Instant::now();
-        let comm = self.group(group)?;
-        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
-        comm.all_gather(send, recv).map_err(nccl_err("all-gather"))?;
-        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
-        self.stats.bytes_sent += (send.len() * 4) as u64;
-        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
-        Ok(())
+        self.in_stream_order(on, send.len() * 4, |c| {
+            c.group(group)?.all_gather(send, recv).map_err(nccl_err("all-gather"))?;
+            Ok(())
+        })
     }
 
     /// Sends `data` (f32s on this rank's GPU) to rank `to`, through the communicator of
@@ -147,14 +139,10 @@ impl NcclComm {
         data: &cudarc::driver::CudaView<'_, f32>,
         on: &CudaStream,
     ) -> Result<()> {
-        let started = Instant::now();
-        let (comm, peer) = self.pair(to)?;
-        self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
-        comm.send(data, peer).map_err(nccl_err("send"))?;
-        on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
-        self.stats.bytes_sent += (data.len() * 4) as u64;
-        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
-        Ok(())
+        self.in_stream_order(on, data.len() * 4, |c| {
+            let (comm, peer) = c.pair(to)?;
+            comm.send(data, peer).map_err(nccl_err("send"))
+        })
     }
 
     /// Receives `data` from rank `from`, the other end of [`NcclComm::send_device`].
@@ -164,11 +152,27 @@ impl NcclComm {
         data: &mut cudarc::driver::CudaViewMut<'_, f32>,
         on: &CudaStream,
     ) -> Result<()> {
+        self.in_stream_order(on, 0, |c| {
+            let (comm, peer) = c.pair(from)?;
+            comm.recv(data, peer).map_err(nccl_err("receive"))?;
+            Ok(())
+        })
+    }
+
+    /// Runs `op` (NCCL calls on this communicator's stream) ordered after the work queued
+    /// on the compute stream `on` and before anything queued there next, through events:
+    /// no host copy and no host synchronisation. Counts `sent` bytes and the time taken.
+    fn in_stream_order(
+        &mut self,
+        on: &CudaStream,
+        sent: usize,
+        op: impl FnOnce(&Self) -> Result<()>,
+    ) -> Result<()> {
         let started = Instant::now();
-        let (comm, peer) = self.pair(from)?;
         self.stream.join(on).map_err(cuda_err("ordering NCCL after the compute stream"))?;
-        comm.recv(data, peer).map_err(nccl_err("receive"))?;
+        op(self)?;
         on.join(&self.stream).map_err(cuda_err("ordering the compute stream after NCCL"))?;
+        self.stats.bytes_sent += sent as u64;
         self.stats.busy_ns += started.elapsed().as_nanos() as u64;
         Ok(())
     }
@@ -317,9 +321,7 @@ impl NcclComm {
         times.sort_by(f64::total_cmp);
         Ok(AllReduceBench { seconds: times.get(times.len() / 2).copied().unwrap_or(0.0), correct })
     }
-}
 
-impl NcclComm {
     /// Whether [`NcclComm::all_gather_device`] (the gather of vocabulary shards for tokens
     /// drawn on the device) puts every rank's block in group order.
     fn gathers(&mut self, group: &[usize], stream: &Arc<CudaStream>) -> Result<bool> {

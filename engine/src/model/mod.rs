@@ -276,17 +276,16 @@ impl<B: Backend> Model<B> {
             }
             self.whole_vocab(head, &mut *comm)
         })?;
-        let Some(mut data) = replayed else { return Ok(None) };
+        let Some(data) = replayed else { return Ok(None) };
         self.metrics.graph_step();
         if !output {
             return Ok(Some(StepLogits::Full(Vec::new()).into()));
         }
-        let drawn = picks_from_f32s(&data.split_off(data.len() - 3 * draws.len()))?;
-        let mut logits = StepLogits::from_f32s(wanted, data)?;
+        let mut out = StepOutput::from_f32s(wanted, draws.len(), data)?;
         if draws.is_empty() {
-            logits = self.merge_shards(logits, logit_rows.len(), wanted, comm)?;
+            out.logits = self.merge_shards(out.logits, logit_rows.len(), wanted, comm)?;
         }
-        Ok(Some(StepOutput { logits, drawn }))
+        Ok(Some(out))
     }
 
     /// This stage's input for the step's `ids`: their embeddings on the first stage, the

@@ -3,13 +3,13 @@
 //! emulator's stand-in in tests) — in stream order, so a graph captures them like any
 //! kernel — and through host memory where it does not.
 
-use strata_common::{Error, Result};
+use strata_common::Result;
 
 use super::device::{Arg, Gpu, Launch};
 use super::kernels::Kernel;
 use super::{dim, CudaBackend, GpuTensor, ROW_THREADS};
-use crate::backend::Backend;
-use crate::comm::{bytes_f32, f32_bytes, Collectives, Communicator};
+use crate::backend::{recv_through_host, send_through_host, Backend};
+use crate::comm::{Collectives, Communicator};
 
 impl<G: Gpu> CudaBackend<G> {
     /// See [`Backend::all_reduce`].
@@ -66,7 +66,7 @@ impl<G: Gpu> CudaBackend<G> {
         if self.gpu.send(&x.buf, x.rows * x.cols, to, comm)? {
             return Ok(());
         }
-        comm.send(to, f32_bytes(&self.to_host(x)?))
+        send_through_host(self, x, to, comm)
     }
 
     /// See [`Backend::recv_hidden`].
@@ -81,13 +81,6 @@ impl<G: Gpu> CudaBackend<G> {
         if self.gpu.recv(&mut x.buf, rows * cols, from, comm)? {
             return Ok(x);
         }
-        let data = bytes_f32(&comm.recv(from)?);
-        if data.len() != rows * cols {
-            return Err(Error::Internal(format!(
-                "{} values from rank {from} for [{rows}, {cols}]",
-                data.len()
-            )));
-        }
-        self.upload(data, rows, cols)
+        recv_through_host(self, rows, cols, from, comm)
     }
 }
