@@ -343,7 +343,11 @@ fn streaming<T: Kernel>(x: &CpuTensor, w: &[T], m: usize) -> CpuTensor {
                 unsafe { super::simd::rows_by_4(w4, &x.data, n, k, &mut out[jj * n..], (1, n)) };
                 jj += 4;
             }
-        } else if n > 1 && super::simd::level() == super::simd::Level::Avx2 {
+        } else if super::simd::level() == super::simd::Level::Avx2 {
+            // Register tiles of 4 weight rows × up to 2 activation rows — for a single
+            // activation row too: four weight rows streamed side by side read faster than
+            // one row at a time (batch-1 decode of the 1B shape on an AVX2 host: 10.3 ->
+            // 11.0-14.2 tok/s; docs/PERFORMANCE.md).
             while jj + 4 <= rows {
                 let w4 = [row(jj), row(jj + 1), row(jj + 2), row(jj + 3)];
                 // SAFETY: AVX2, FMA and F16C are available; shapes as above.

@@ -29,6 +29,7 @@ use strata_common::{Error, Result};
 use super::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::model::weights::{DType, HostTensor};
 
+pub use huge::HugeVec;
 pub use matmul::{CpuWeight, WeightData};
 
 /// Row-major 2-D f32 tensor.
