@@ -72,6 +72,18 @@ fn all_reduce_through_a_host_communicator_sums_across_ranks() {
     assert_eq!(sums, vec![want.clone(), want]);
 }
 
+/// One decode event: sequence, token and logprobs.
+type Event = (crate::SeqId, u32, Option<strata_common::TokenLogprobs>);
+
+/// Every event of `e`'s steps until its sequences finish.
+fn events(e: &mut Engine) -> Vec<Event> {
+    let mut out = Vec::new();
+    while e.has_work() {
+        out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, ev.logprobs)));
+    }
+    out
+}
+
 fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
     e.add(
         crate::SeqId(0),
@@ -188,10 +200,7 @@ fn decode_graphs_replay_what_eager_steps_compute() {
         e.add(crate::SeqId(0), vec![1, 17, 300], greedy(19)).unwrap();
         e.add(crate::SeqId(1), vec![5, 6, 7, 8], sampled.clone()).unwrap();
         e.add(crate::SeqId(2), vec![400, 2], sampled).unwrap();
-        let mut out = Vec::new();
-        while e.has_work() {
-            out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, ev.logprobs)));
-        }
+        let out = events(&mut e);
         (out, gpu.captures(), gpu.replays())
     };
     let (eager, no_captures, no_replays) = run(false);
@@ -425,10 +434,7 @@ fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
         e.add(crate::SeqId(0), vec![1, 17, 300], greedy(9)).unwrap();
         e.add(crate::SeqId(1), vec![5, 6, 7, 8], top_k).unwrap();
         e.add(crate::SeqId(2), vec![400, 2], top_p).unwrap();
-        let mut out = Vec::new();
-        while e.has_work() {
-            out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, ev.logprobs)));
-        }
+        let out = events(&mut e);
         drop(e); // stops the other rank before its device is read
         let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
         (out, counts, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
@@ -459,9 +465,6 @@ fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
     // rows as sequences finish: at least one capture, and replays after it.
     assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
 }
-
-/// One decode event: sequence, token and logprobs.
-type Event = (crate::SeqId, u32, Option<strata_common::TokenLogprobs>);
 
 /// `got` has `want`'s tokens exactly, and its logprobs (the chosen token's and the top
 /// alternatives', same tokens in the same order) within `tol` of `want`'s.
