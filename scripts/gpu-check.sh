@@ -6,9 +6,11 @@
 #      and Llama-8B-sized ones;
 #   3. greedy tokens of every fixture model on the GPU against the CPU backend and HF's
 #      reference (a difference is reported as a bf16 near-tie or a mismatch);
-#   4. the communicator contract over NCCL, one rank per GPU (needs 2 GPUs; with one,
-#      NCCL's loading and a one-rank communicator), and NCCL's all-reduce of device
-#      buffers (the CUDA backend's tensor-parallel path) with its bus bandwidth;
+#   4. the device-collectives contract over NCCL (all-reduce, all-gather, all-to-all with
+#      uneven counts, send/recv, the host endpoint), one rank per GPU for every group size
+#      the GPUs allow (one GPU: groups of one, NCCL's own path still), and NCCL's
+#      all-reduce of device buffers (the CUDA backend's tensor-parallel path) with its bus
+#      bandwidth;
 #   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
 #      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
 #      bandwidth measured here), decode tokens/s at 8, 32 and 128 sequences, and prefill
@@ -94,16 +96,16 @@ PY
 )
 row "| greedy tokens, ${#fixtures[@]} fixture models | $status | $summary |"
 
-# 4. The communicator contract over NCCL (the checks the TCP communicator's tests run),
-#    one rank per GPU; with one GPU only NCCL's loading and a one-rank communicator.
-if "$STRATA" gpu-check --device "$DEVICE" comm >"$OUT/comm.jsonl" 2>>"$LOG"; then
-  row "| communicator contract | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip()]; s=[x for x in r if 'skipped' in x]; print(f\"{r[0]['communicator']}: one-rank init {'ok' if s[0]['one_rank_init'] else s[0]['one_rank_init']}; {s[0]['skipped']}\" if s else f\"{r[0]['communicator']}: {len(r)} checks passed, groups of 2..{max(x['world'] for x in r)}\")" "$OUT/comm.jsonl") | |"
+# 4. The device-collectives contract over NCCL (the checks the CPU and emulator suites
+#    run), one rank per GPU, then NCCL's all-reduce of device buffers.
+if "$STRATA" gpu-check --device "$DEVICE" collectives >"$OUT/collectives.jsonl" 2>>"$LOG"; then
+  row "| device-collectives contract | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if l.strip() and 'mib' not in l]; print(f\"{r[0]['collectives']}: {len(r)} checks passed, groups of 1..{max(x['world'] for x in r)}\")" "$OUT/collectives.jsonl") | |"
 else
-  row "| communicator contract | FAILED | see comm.jsonl and gpu-check.log |"
+  row "| device-collectives contract | FAILED | see collectives.jsonl and gpu-check.log |"
 fi
-cat "$OUT/comm.jsonl" >>"$LOG" 2>/dev/null
-if grep -q all_reduce_device "$OUT/comm.jsonl" 2>/dev/null; then
-  row "| NCCL all-reduce of device buffers | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'all_reduce_device' in l][-1]; print(f\"{'ok' if r['ok'] else 'WRONG SUM'}: {r['world']} rank(s), {r['mib']} MiB in {r['median_ms']:.2f} ms, bus bandwidth {r['busbw_gb_per_s']:.0f} GB/s\")" "$OUT/comm.jsonl") | |"
+cat "$OUT/collectives.jsonl" >>"$LOG" 2>/dev/null
+if grep -q all_reduce_device "$OUT/collectives.jsonl" 2>/dev/null; then
+  row "| NCCL all-reduce of device buffers | $("$PY" -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1]) if 'all_reduce_device' in l][-1]; print(f\"{'ok' if r['ok'] else 'WRONG SUM'}: {r['world']} rank(s), {r['mib']} MiB in {r['median_ms']:.2f} ms, bus bandwidth {r['busbw_gb_per_s']:.0f} GB/s\")" "$OUT/collectives.jsonl") | |"
 fi
 
 # 5. Decode speed vs the roofline.

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use strata_common::{Architecture, SamplingParams};
 use strata_engine::model::random::RandomModelSpec;
-use strata_engine::model::weights::DType;
+use strata_engine::tensor::DType;
 use strata_engine::EngineConfig;
 
 use crate::local::{LocalModel, Prompt};

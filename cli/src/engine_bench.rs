@@ -199,7 +199,7 @@ fn read_streams<const S: usize>(c: &[u32]) -> u32 {
 /// (median of `repeats`), in the layout the backend keeps bf16 weights in on this CPU.
 pub fn measure_gemv_bandwidth(repeats: usize) -> f64 {
     use strata_engine::backend::cpu::{CpuTensor, CpuWeight};
-    use strata_engine::backend::Backend;
+    use strata_engine::backend::prelude::*;
     let (m, k) = (32768, 4096);
     let w: Vec<half::bf16> =
         (0..m * k).map(|i| half::bf16::from_f32(((i % 89) as f32 - 44.0) / 890.0)).collect();
@@ -222,7 +222,7 @@ pub fn measure_gemv_bandwidth(repeats: usize) -> f64 {
 /// GFLOP/s of the CPU backend's matmul on a prefill-shaped problem (median).
 pub fn measure_gemm_gflops(repeats: usize) -> f64 {
     use strata_engine::backend::cpu::{CpuTensor, CpuWeight};
-    use strata_engine::backend::Backend;
+    use strata_engine::backend::prelude::*;
     let (n, k, m) = (256, 2048, 8192);
     let x = CpuTensor::new((0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), n, k);
     let w = CpuWeight::from_f32((0..m * k).map(|i| ((i % 89) as f32 - 44.0) / 890.0).collect(), m, k);

@@ -8,11 +8,14 @@
 //! - `decode`: batch-1 decode tokens/s beside the roofline from the device's copy bandwidth,
 //!   decode tokens/s of batches (8, 32, 128 sequences) and prefill tokens/s;
 //! - `bandwidth`: the device-to-device copy bandwidth alone;
-//! - `comm`: the communicator contract (`strata_engine::comm::contract`, the checks the
-//!   TCP communicator's tests run) over NCCL, one rank per GPU, for every group size from 2
-//!   to the number of GPUs (NCCL allows one rank per GPU: one GPU cannot check it), then
-//!   NCCL's all-reduce of device buffers (the CUDA backend's path) with its bus bandwidth
-//!   (one GPU: a one-rank all-reduce, which checks the path).
+//! - `comm`: the host communicator's contract (`strata_engine::comm::contract`, the checks
+//!   the TCP communicator's tests run) over loopback TCP, the step channel every replica's
+//!   ranks share whatever their device;
+//! - `collectives`: the device-collectives contract (`strata_engine::comm::device_contract`,
+//!   which the CPU and emulator suites run) over NCCL, one rank per GPU, for every group
+//!   size up to the number of GPUs (one GPU: groups of one rank, NCCL's own path still),
+//!   then NCCL's all-reduce of device buffers with its bus bandwidth. With `--device cpu`,
+//!   over tensors staged through the host and TCP.
 //!
 //! Every subcommand prints JSON objects, one per line. `--device cpu` runs the same code
 //! with the CPU backend as the "device" (a self-check, used by the tests).
@@ -25,9 +28,13 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 use strata_common::{Parallelism, SamplingParams};
 use strata_engine::backend::check::{check_ops, CheckSizes};
-use strata_engine::backend::{BackendOptions, Device};
+use strata_engine::backend::cpu::CpuBackend;
+use strata_engine::backend::cuda::driver::CudaGpu;
+use strata_engine::backend::cuda::CudaBackend;
+use strata_engine::backend::{BackendOptions, Device, Tensors};
 use strata_engine::comm::contract::boxed;
-use strata_engine::comm::Communicator;
+use strata_engine::comm::device_contract::{self, Rank};
+use strata_engine::comm::{nccl, tcp, DeviceCollectives, HostStaged};
 use strata_engine::replica::local_replica;
 use strata_engine::{Engine, EngineConfig};
 use tracing::info;
@@ -79,8 +86,15 @@ pub enum GpuCheckCommand {
         #[arg(long)]
         enforce_eager: bool,
     },
-    /// The communicator contract over NCCL (over TCP with `--device cpu`), one rank per GPU.
+    /// The host communicator's contract over loopback TCP, groups of 2 up to `--max-world`.
     Comm {
+        /// Largest group to check (at most 4).
+        #[arg(long, default_value_t = 8)]
+        max_world: usize,
+    },
+    /// The device-collectives contract over NCCL, one rank per GPU (over TCP with
+    /// `--device cpu`), then NCCL's all-reduce of device buffers.
+    Collectives {
         /// Largest group to check (default: every GPU, at most 8).
         #[arg(long, default_value_t = 8)]
         max_world: usize,
@@ -98,7 +112,7 @@ fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
         // The CPU side is the reference: exact f32 compute.
         backend: BackendOptions {
             device,
-            dtype: (device == Device::Cpu).then_some(strata_engine::model::weights::DType::F32),
+            dtype: (device == Device::Cpu).then_some(strata_engine::tensor::DType::F32),
             ..Default::default()
         },
         ..Default::default()
@@ -125,16 +139,7 @@ use strata_common::stats::median;
 fn bandwidth(device: Device, mib: usize) -> anyhow::Result<f64> {
     match device {
         Device::Cpu => Ok(crate::engine_bench::measure_bandwidth(5)),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(n) => {
-            let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
-            Ok(gpu.copy_bandwidth(mib << 20, 20)?)
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => {
-            let _ = mib;
-            bail!("--device cuda: this build has no CUDA support (build with `--features cuda`)")
-        }
+        Device::Cuda(n) => Ok(CudaGpu::open(n)?.copy_bandwidth(mib << 20, 20)?),
     }
 }
 
@@ -148,7 +153,8 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
             let sizes = DecodeSizes { tokens, kv_cache_mib, batches, prefill_len, enforce_eager };
             decode(device, &model, &sizes)
         }
-        GpuCheckCommand::Comm { max_world } => comm(device, max_world),
+        GpuCheckCommand::Comm { max_world } => comm(max_world),
+        GpuCheckCommand::Collectives { max_world } => collectives(device, max_world),
         GpuCheckCommand::Bandwidth { mib } => {
             let bw = bandwidth(device, mib)?;
             println!(
@@ -165,18 +171,11 @@ fn ops(device: Device, large: bool, seed: u64) -> anyhow::Result<()> {
     let report = match device {
         // The self-check keeps weights in bf16 like a GPU does.
         Device::Cpu => check_ops(
-            &strata_engine::backend::cpu::CpuBackend::new()
-                .with_weight_dtype(Some(strata_engine::model::weights::DType::BF16)),
+            &CpuBackend::new().with_weight_dtype(Some(strata_engine::tensor::DType::BF16)),
             &sizes,
             seed,
         )?,
-        #[cfg(feature = "cuda")]
-        Device::Cuda(n) => {
-            let gpu = strata_engine::backend::cuda::driver::CudaGpu::open(n)?;
-            check_ops(&strata_engine::backend::cuda::CudaBackend::new(gpu), &sizes, seed)?
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => bail!("no CUDA support in this build"),
+        Device::Cuda(n) => check_ops(&CudaBackend::new(CudaGpu::open(n)?), &sizes, seed)?,
     };
     let mut failed = 0;
     for r in &report {
@@ -346,54 +345,15 @@ fn prefill_speed(e: &mut Engine, len: usize) -> anyhow::Result<f64> {
     Ok(median(&speeds))
 }
 
-fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {
-    let (backend, available) = match device {
-        Device::Cpu => ("tcp", max_world.min(4)),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(first) => {
-            ("nccl", strata_engine::comm::nccl::device_count()?.saturating_sub(first).min(max_world))
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => bail!("no CUDA support in this build"),
-    };
-    let make = |world: usize| -> strata_common::Result<Vec<Box<dyn Communicator>>> {
-        match device {
-            #[cfg(feature = "cuda")]
-            Device::Cuda(first) => Ok(boxed(strata_engine::comm::nccl::local_group(
-                first,
-                world,
-                &strata_engine::comm::contract::groups(world),
-            )?)),
-            _ => Ok(boxed(strata_engine::comm::tcp::local_group(world, std::time::Duration::from_secs(30))?)),
-        }
-    };
-    if available < 2 {
-        // One GPU still shows whether NCCL loads and a (one-rank) communicator forms.
-        let init = if available == 1 { Some(make(1).map(drop)) } else { None };
-        let error = init.as_ref().and_then(|r| r.as_ref().err()).map(|e| e.to_string());
-        println!(
-            "{}",
-            json!({"communicator": backend,
-                   "one_rank_init": init.as_ref().map(|r| r.is_ok()),
-                   "error": error,
-                   "skipped": format!(
-                "NCCL needs one GPU per rank: {available} GPU(s) from {device} on, a group needs 2")})
-        );
-        if let Some(e) = error {
-            bail!("NCCL could not form a one-rank communicator: {e}");
-        }
-        if available == 1 {
-            device_all_reduce(device, 1, 64)?;
-        }
-        return Ok(());
-    }
+fn comm(max_world: usize) -> anyhow::Result<()> {
+    let make = |world: usize| Ok(boxed(tcp::local_group(world, std::time::Duration::from_secs(30))?));
     let mut failed = 0;
-    for world in 2..=available {
-        for (check, result) in strata_engine::comm::contract::run_all(world, &make) {
+    for world in 2..=max_world.min(4) {
+        for (check, result) in strata_engine::comm::contract::run_all(world, make) {
             failed += usize::from(result.is_err());
             println!(
                 "{}",
-                json!({"communicator": backend, "world": world, "check": check, "ok": result.is_ok(),
+                json!({"communicator": "tcp", "world": world, "check": check, "ok": result.is_ok(),
                        "error": result.err().map(|e| e.to_string())})
             );
         }
@@ -401,48 +361,106 @@ fn comm(device: Device, max_world: usize) -> anyhow::Result<()> {
     if failed > 0 {
         bail!("{failed} communicator check(s) failed");
     }
-    device_all_reduce(device, available, 256)
+    Ok(())
 }
 
-/// NCCL all-reduce of device buffers (the CUDA backend's path, ordered on a compute
-/// stream) across `world` GPUs: whether it summed, the median time, and the bus bandwidth
-/// as nccl-tests define it (2(n−1)/n × bytes ÷ time; 0 for one rank).
-fn device_all_reduce(device: Device, world: usize, mib: usize) -> anyhow::Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(first) = device {
-        use strata_engine::comm::nccl;
-        let group: Vec<usize> = (0..world).collect();
-        let comms = nccl::local_group(first, world, std::slice::from_ref(&group))?;
-        let count = (mib << 20) / 4;
-        let results = std::thread::scope(|s| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .enumerate()
-                .map(|(r, mut c)| {
-                    let group = &group;
-                    s.spawn(move || c.bench_all_reduce(first + r, group, count, 20))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().map_err(|_| anyhow::anyhow!("an NCCL rank panicked"))?.map_err(Into::into))
-                .collect::<anyhow::Result<Vec<_>>>()
-        })?;
-        let seconds = results.iter().map(|r| r.seconds).fold(0f64, f64::max);
-        let bytes = (count * 4) as f64;
-        let ok = results.iter().all(|r| r.correct);
-        println!(
-            "{}",
-            json!({"communicator": "nccl", "world": world, "check": "all_reduce_device+all_gather_device", "ok": ok,
-                   "mib": mib, "median_ms": seconds * 1e3, "algbw_gb_per_s": bytes / seconds / 1e9,
-                   "busbw_gb_per_s": 2.0 * (world - 1) as f64 / world as f64 * bytes / seconds / 1e9})
-        );
-        if !ok {
-            bail!(
-                "NCCL's all-reduce of device buffers did not sum, or its all-gather put blocks out of order"
+/// Runs the device-collectives contract for groups of 1 to `max_world` ranks made by
+/// `make`, one JSON line a check; the number that failed.
+fn device_contract_lines<B: Tensors>(
+    name: &str,
+    max_world: usize,
+    mut make: impl FnMut(usize) -> strata_common::Result<Vec<Rank<B>>>,
+) -> usize {
+    let mut failed = 0;
+    for world in 1..=max_world {
+        for (check, result) in device_contract::run_all(world, &mut make) {
+            failed += usize::from(result.is_err());
+            println!(
+                "{}",
+                json!({"collectives": name, "world": world, "check": check, "ok": result.is_ok(),
+                       "error": result.err().map(|e| e.to_string())})
             );
         }
     }
-    let _ = (device, world, mib);
+    failed
+}
+
+fn collectives(device: Device, max_world: usize) -> anyhow::Result<()> {
+    let failed = match device {
+        Device::Cpu => device_contract_lines("host-staged tcp", max_world.min(4), |world| {
+            let meshes = tcp::local_group(world, std::time::Duration::from_secs(30))?;
+            Ok(meshes
+                .into_iter()
+                .map(|m| {
+                    (
+                        CpuBackend::new(),
+                        Box::new(HostStaged::new(Box::new(m))) as Box<dyn DeviceCollectives<_>>,
+                    )
+                })
+                .collect())
+        }),
+        Device::Cuda(first) => {
+            let available = nccl::device_count()?.saturating_sub(first).min(max_world);
+            if available == 0 {
+                bail!("no GPU from {device} on");
+            }
+            let failed = device_contract_lines("nccl", available, |world| {
+                let comms = nccl::local_group(first, world, &device_contract::groups(world))?;
+                comms
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, c)| {
+                        Ok((
+                            CudaBackend::new(CudaGpu::open(first + r)?),
+                            Box::new(c) as Box<dyn DeviceCollectives<_>>,
+                        ))
+                    })
+                    .collect()
+            });
+            if failed == 0 {
+                device_all_reduce(first, available, if available == 1 { 64 } else { 256 })?;
+            }
+            failed
+        }
+    };
+    if failed > 0 {
+        bail!("{failed} device-collectives check(s) failed");
+    }
+    Ok(())
+}
+
+/// NCCL all-reduce of device buffers (the CUDA backend's path, ordered on a compute
+/// stream) across `world` GPUs from `first` on: whether it summed, the median time, and
+/// the bus bandwidth as nccl-tests define it (2(n−1)/n × bytes ÷ time; 0 for one rank).
+fn device_all_reduce(first: usize, world: usize, mib: usize) -> anyhow::Result<()> {
+    let group: Vec<usize> = (0..world).collect();
+    let comms = nccl::local_group(first, world, std::slice::from_ref(&group))?;
+    let count = (mib << 20) / 4;
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(r, mut c)| {
+                let group = &group;
+                s.spawn(move || c.bench_all_reduce(first + r, group, count, 20))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().map_err(|_| anyhow::anyhow!("an NCCL rank panicked"))?.map_err(Into::into))
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    let seconds = results.iter().map(|r| r.seconds).fold(0f64, f64::max);
+    let bytes = (count * 4) as f64;
+    let ok = results.iter().all(|r| r.correct);
+    println!(
+        "{}",
+        json!({"collectives": "nccl", "world": world, "check": "all_reduce_device+all_gather_device", "ok": ok,
+               "mib": mib, "median_ms": seconds * 1e3, "algbw_gb_per_s": bytes / seconds / 1e9,
+               "busbw_gb_per_s": 2.0 * (world - 1) as f64 / world as f64 * bytes / seconds / 1e9})
+    );
+    if !ok {
+        bail!("NCCL's all-reduce of device buffers did not sum, or its all-gather put blocks out of order");
+    }
     Ok(())
 }

@@ -15,14 +15,16 @@ use std::collections::{HashMap, HashSet};
 use strata_common::{Error, FinishReason, Result, SamplingParams};
 use tracing::debug;
 
-use crate::backend::{Backend, BatchLayout, SeqSlice};
-use crate::dist::{kv_blocks, LocalExecutor, StepExecutor};
+use crate::backend::Backend;
+use crate::dist::{kv_blocks, LeaderExecutor, StepExecutor};
 use crate::kv::{BlockPool, BlockTable, DEFAULT_BLOCK_SIZE};
 use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
-use crate::scheduler::{Scheduled, Scheduler, SchedulerConfig, SeqData, StepPlan};
+use crate::scheduler::{Schedule, Scheduled, Scheduler, SchedulerConfig, SeqData};
+pub use crate::step::SeqId;
+use crate::step::{BatchLayout, SeqSlice, Step};
 
 /// A KV cache in host memory must fit in what the machine has available: asking for more
 /// is an error naming the setting, never an allocation that aborts the process.
@@ -39,16 +41,6 @@ fn check_kv_memory(config: &EngineConfig) -> Result<()> {
             ),
         )),
         _ => Ok(()),
-    }
-}
-
-/// Caller-chosen identifier of a sequence within one engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct SeqId(pub u64);
-
-impl std::fmt::Display for SeqId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
     }
 }
 
@@ -125,7 +117,7 @@ impl Engine {
     pub fn new<B: Backend>(mut model: Model<B>, config: &EngineConfig) -> Result<Self> {
         model.label(&config.labels);
         let par = model.shard.par;
-        Self::with_executor(Box::new(LocalExecutor::new(model)), par, config)
+        Self::with_executor(Box::new(LeaderExecutor::solo(model)), par, config)
     }
 
     /// An engine whose steps run on `exec` (a single rank or a replica's leader).
@@ -321,25 +313,25 @@ impl Engine {
         if plan.seqs.is_empty() {
             return Ok(Vec::new());
         }
-        let (ids, layout, logit_rows) = self.batch(&plan);
         let vocab = self.exec.config().vocab_size;
-        let draws = self.draws(&plan);
-        let wanted = self.logits_wanted(&plan, vocab);
+        let mut step = self.batch(&plan);
+        step.draws = self.draws(&plan);
+        step.wanted = self.logits_wanted(&plan, vocab);
         let span = span_for(&plan.seqs);
-        let StepOutput { logits, drawn } =
-            span.in_scope(|| self.exec.execute(&ids, &layout, &logit_rows, wanted, &draws))?;
+        step.trace = strata_common::trace::context_of(&span);
+        let StepOutput { logits, drawn } = span.in_scope(|| self.exec.execute(&step))?;
+        let (rows, draws) = (step.logit_rows.len(), &step.draws);
         let returned = logits.rows(vocab);
-        if returned != logit_rows.len() || drawn.len() != draws.len() {
+        if returned != rows || drawn.len() != draws.len() {
             return Err(Error::Internal(format!(
-                "a step returned {returned} rows and {} draws for {} rows and {} draws",
+                "a step returned {returned} rows and {} draws for {rows} rows and {} draws",
                 drawn.len(),
-                logit_rows.len(),
                 draws.len()
             )));
         }
         let max_context = self.max_context();
-        let mut events = Vec::with_capacity(logit_rows.len());
-        let mut sampled = Vec::with_capacity(logit_rows.len());
+        let mut events = Vec::with_capacity(rows);
+        let mut sampled = Vec::with_capacity(rows);
         let mut non_finite = Vec::new();
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
             let drawn_here = draws.get(row).is_some_and(|d| d.temperature > 0.0);
@@ -395,7 +387,7 @@ impl Engine {
     /// One [`Draw`] per sampled row when the executor draws on the device and some row's
     /// sampler is [`drawable`](Sampler::drawable) (the others get [`Draw::NONE`]); else
     /// none. Each drawable row takes the next number of its sequence's stream.
-    fn draws(&mut self, plan: &StepPlan) -> Vec<Draw> {
+    fn draws(&mut self, plan: &Schedule) -> Vec<Draw> {
         if !self.exec.draws_on_device() || self.exec.config().vocab_size >= MAX_PICK_VOCAB {
             return Vec::new();
         }
@@ -414,7 +406,7 @@ impl Engine {
     /// The least of the logits a step's sampled rows need: greedy picks when every row
     /// decodes greedily, their most likely tokens when that is all any row needs (so a GPU
     /// sends candidates, not vocabularies, to the host), else the whole rows.
-    fn logits_wanted(&self, plan: &StepPlan, vocab: usize) -> LogitsWanted {
+    fn logits_wanted(&self, plan: &Schedule, vocab: usize) -> LogitsWanted {
         if vocab >= MAX_PICK_VOCAB {
             return LogitsWanted::Full;
         }
@@ -440,8 +432,9 @@ impl Engine {
         }
     }
 
-    /// The step's inputs: token ids, their batch layout, and the rows to sample from.
-    fn batch(&self, plan: &StepPlan) -> (Vec<u32>, BatchLayout, Vec<usize>) {
+    /// The step of `plan`: token ids, their batch layout, and the rows to sample from
+    /// (whole rows, until the caller says what it needs of them).
+    fn batch(&self, plan: &Schedule) -> Step {
         let pool = self.scheduler.pool();
         let mut ids = Vec::with_capacity(plan.num_tokens());
         let mut layout = BatchLayout { block_size: pool.block_size(), ..Default::default() };
@@ -464,7 +457,7 @@ impl Engine {
                 logit_rows.push(ids.len() - 1);
             }
         }
-        (ids, layout, logit_rows)
+        Step::full_logits(ids, layout, logit_rows)
     }
 
     /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,
@@ -512,7 +505,7 @@ impl Engine {
             }],
             block_size: pool.block_size(),
         };
-        let logits = self.exec.execute(tokens, &layout, rows, LogitsWanted::Full, &[]);
+        let logits = self.exec.execute(&Step::full_logits(tokens.to_vec(), layout, rows.to_vec()));
         drop(blocks);
         logits?.logits.into_full()
     }

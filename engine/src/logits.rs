@@ -11,7 +11,7 @@
 //! a kernel on a GPU). Tensor-parallel ranks each reduce their vocabulary shard and
 //! exchange three numbers per row instead of their shard of the logits.
 //!
-//! [`Backend::greedy_picks`]: crate::backend::Backend::greedy_picks
+//! [`LogitsOps::greedy_picks`]: crate::backend::LogitsOps::greedy_picks
 
 use strata_common::{Error, Result};
 
@@ -158,33 +158,6 @@ fn log_add_exp(a: f32, b: f32) -> f32 {
     m + ((a - m).exp() + (b - m).exp()).ln()
 }
 
-/// The pick of each of the `rows` `cols`-wide rows of `data`, whose first column is token
-/// `first_id`: the host reduction (CPU backend) and the reference for device kernels. A
-/// row of an empty shard has no mass (`-inf`), so merging ignores it.
-pub fn host_picks(data: &[f32], rows: usize, cols: usize, first_id: u32) -> Vec<Pick> {
-    if cols == 0 {
-        let none = Pick { token: first_id, logit: f32::NEG_INFINITY, log_z: f32::NEG_INFINITY };
-        return vec![none; rows];
-    }
-    data.chunks_exact(cols)
-        .map(|row| {
-            let mut best = 0;
-            for (i, &l) in row.iter().enumerate() {
-                if l > row[best] {
-                    best = i;
-                }
-            }
-            let max = row[best];
-            let log_z = if max == f32::NEG_INFINITY {
-                max
-            } else {
-                max + crate::backend::cpu::vmath::sum_exp(row, max).ln() as f32
-            };
-            Pick { token: first_id + best as u32, logit: max, log_z }
-        })
-        .collect()
-}
-
 /// Picks as `[token, logit, log_z]` triples of `f32` (for the communicators, which move
 /// `f32`s; ids below [`MAX_PICK_VOCAB`] are exact).
 pub fn picks_to_f32s(picks: &[Pick]) -> Vec<f32> {
@@ -210,35 +183,6 @@ pub fn picks_from_f32s(data: &[f32]) -> Result<Vec<Pick>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::{argmax, logprobs};
-
-    #[test]
-    fn host_picks_agree_with_the_sampler() {
-        let row = [0.5f32, 2.0, -1.0, 2.0, 1.5];
-        let p = host_picks(&row, 1, 5, 0)[0];
-        assert_eq!(p.token, argmax(&row));
-        assert_eq!(p.token, 1, "the first of equal logits");
-        let lp = logprobs(&row, p.token, 0);
-        assert!((p.logprob() - lp.logprob).abs() < 1e-6);
-    }
-
-    #[test]
-    fn merged_shards_equal_the_whole_row() {
-        let row: Vec<f32> = (0..37).map(|i| ((i * 7919) % 101) as f32 * 0.03 - 1.0).collect();
-        let whole = host_picks(&row, 1, row.len(), 0)[0];
-        for split in [1, 10, 19, 36] {
-            let a = host_picks(&row[..split], 1, split, 0)[0];
-            let b = host_picks(&row[split..], 1, row.len() - split, split as u32)[0];
-            let m = a.merge(b);
-            assert_eq!(m.token, whole.token, "split at {split}");
-            assert_eq!(m.logit, whole.logit);
-            assert!((m.log_z - whole.log_z).abs() < 1e-5, "split at {split}: {m:?} vs {whole:?}");
-        }
-        // Ties across shards go to the lower ids.
-        let tie = [1.0f32, 3.0, 3.0, 0.0];
-        let m = host_picks(&tie[..2], 1, 2, 0)[0].merge(host_picks(&tie[2..], 1, 2, 2)[0]);
-        assert_eq!(m.token, 1);
-    }
 
     #[test]
     fn picks_round_trip_through_f32s_and_bad_ones_are_refused() {
@@ -251,18 +195,5 @@ mod tests {
         assert!(picks_from_f32s(&[1.5, 2.0, 3.0]).is_err());
         assert!(picks_from_f32s(&[-1.0, 2.0, 3.0]).is_err());
         assert!(picks_from_f32s(&[f32::NAN, 2.0, 3.0]).is_err());
-    }
-
-    #[test]
-    fn a_row_of_minus_infinity_has_no_mass() {
-        let p = host_picks(&[f32::NEG_INFINITY; 3], 1, 3, 4)[0];
-        assert_eq!((p.token, p.log_z), (4, f32::NEG_INFINITY));
-        assert_eq!(p.merge(Pick { token: 9, logit: 0.0, log_z: 0.0 }).token, 9);
-        // An empty vocabulary shard (more TP ranks than a tiny vocabulary fills) still
-        // answers every row, with nothing that can win a merge.
-        let empty = host_picks(&[], 2, 0, 5);
-        assert_eq!(empty.len(), 2);
-        let other = Pick { token: 1, logit: -3.0, log_z: 0.5 };
-        assert_eq!(other.merge(empty[0]), other);
     }
 }

@@ -16,13 +16,17 @@ use strata_common::{Error, Parallelism, Result};
 use tracing::{error, info};
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::driver::{memory_info, probe, CudaGpu, CUBLAS, CUBLASLT, DRIVER, NVRTC};
+use crate::backend::cuda::CudaBackend;
 use crate::backend::{Backend, BackendOptions, Device};
+use crate::comm::nccl::{replica_groups, NcclComm};
 use crate::comm::tcp::{local_group, TcpComm, TcpCommConfig};
-use crate::comm::Communicator;
+use crate::comm::{DeviceCollectives, HostStaged};
 use crate::dist::{follower_loop, rank_pool, LeaderExecutor};
 use crate::engine::{Engine, EngineConfig};
 use crate::metrics::ReplicaLabels;
 use crate::model::Model;
+use crate::tensor::DType;
 
 /// How long a replica waits for all its ranks to connect.
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -31,7 +35,6 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The CPU backend `opts` describe.
 fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
-    use crate::model::weights::DType;
     // f32 widens the stored weights in the matmul: the same numbers as upcasting them.
     let (weights, bf16_compute) = match opts.dtype {
         Some(DType::F32) => (None, false),
@@ -40,22 +43,20 @@ fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
     CpuBackend::new().with_weight_dtype(weights).with_bf16_compute(bf16_compute).with_quantize(opts.quantize)
 }
 
-/// Checks that this build and machine can drive `device`, before anything is loaded.
+/// `--device {device}: ` before an unavailable device's message.
+fn on_device(device: Device) -> impl FnOnce(Error) -> Error {
+    move |e| match e {
+        Error::Unavailable(m) => Error::Unavailable(format!("--device {device}: {m}")),
+        other => other,
+    }
+}
+
+/// Checks that this build and machine can drive `device`, before anything is loaded (a
+/// build without CUDA says so).
 pub fn check_device(device: Device) -> Result<()> {
     match device {
         Device::Cpu => Ok(()),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            use crate::backend::cuda::driver::{probe, CUBLAS, CUBLASLT, DRIVER, NVRTC};
-            probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT]).map_err(|e| match e {
-                Error::Unavailable(m) => Error::Unavailable(format!("--device {device}: {m}")),
-                other => other,
-            })
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(n) => Err(Error::Unavailable(format!(
-            "--device cuda:{n}: this build has no CUDA support (build with `--features cuda`)"
-        ))),
+        Device::Cuda(_) => probe(&[DRIVER, NVRTC, CUBLAS, CUBLASLT]).map_err(on_device(device)),
     }
 }
 
@@ -67,39 +68,32 @@ pub fn device_memory(device: Device) -> Result<(u64, u64)> {
             let free = strata_common::host::available_memory();
             Ok((free.unwrap_or(0), strata_common::host::total_memory().or(free).unwrap_or(0)))
         }
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => crate::backend::cuda::driver::memory_info(ordinal),
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(n) => Err(Error::Unavailable(format!(
-            "--device cuda:{n}: this build has no CUDA support (build with `--features cuda`)"
-        ))),
+        Device::Cuda(ordinal) => memory_info(ordinal).map_err(on_device(device)),
     }
 }
 
-/// Joins rank `rank`'s TCP mesh to the replica's communicator: the mesh itself on CPUs;
-/// NCCL on GPUs, for the TP groups and the stage-to-stage pairs (every rank calls this at
-/// the same time, as NCCL's set-up is collective).
-fn communicator(comm: TcpComm, device: Device, par: Parallelism) -> Result<Box<dyn Communicator>> {
-    match device {
-        Device::Cpu => Ok(Box::new(comm)),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => {
-            let groups = crate::comm::nccl::replica_groups(par.tp, par.pp);
-            Ok(Box::new(crate::comm::nccl::NcclComm::new(ordinal, Box::new(comm), &groups)?))
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(_) => {
-            let _ = par;
-            Err(Error::Internal("CUDA device in a build without CUDA".into()))
-        }
-    }
+/// A CPU rank's collectives: its TCP mesh endpoint, tensors staged through host memory.
+fn host_staged(mesh: TcpComm) -> Result<Box<dyn DeviceCollectives<CpuBackend>>> {
+    Ok(Box::new(HostStaged::new(Box::new(mesh))))
 }
 
-/// Runs `$body` with `$make` bound to a `Fn(rank) -> Result<backend>` for `$opts.device`,
-/// where `$base` is the device index of rank 0 (on CUDA, rank r of an in-process replica
-/// uses device `$base + r`; a worker process passes its own rank's device and rank 0).
+/// A GPU rank's collectives: NCCL on GPU `ordinal` for the TP groups and the stage-to-stage
+/// pairs, bootstrapped over the rank's TCP mesh endpoint (every rank calls this at the
+/// same time, as NCCL's set-up is collective).
+fn nccl(
+    mesh: TcpComm,
+    ordinal: usize,
+    par: Parallelism,
+) -> Result<Box<dyn DeviceCollectives<CudaBackend<CudaGpu>>>> {
+    Ok(Box::new(NcclComm::new(ordinal, Box::new(mesh), &replica_groups(par.tp, par.pp))?))
+}
+
+/// Runs `$body` with `$make` bound to a `Fn(offset) -> Result<backend>` for `$opts.device`
+/// and `$comm` to a `Fn(mesh, offset, par) -> Result<collectives>` for the same backend,
+/// where `offset` is added to the device index (on CUDA, rank r of an in-process replica
+/// uses device `base + r`; a worker process passes 0 for its own device).
 macro_rules! with_backend {
-    ($opts:expr, |$make:ident| $body:expr) => {{
+    ($opts:expr, |$make:ident, $comm:ident| $body:expr) => {{
         let opts: BackendOptions = $opts.clone();
         check_device(opts.device)?;
         if opts.quantize.is_some() && opts.device != Device::Cpu {
@@ -110,41 +104,33 @@ macro_rules! with_backend {
         }
         match opts.device {
             Device::Cpu => {
-                let $make = move |_rank: usize| -> Result<CpuBackend> { Ok(cpu_backend(&opts)) };
+                let $make = move |_: usize| -> Result<CpuBackend> { Ok(cpu_backend(&opts)) };
+                let $comm = |mesh: TcpComm, _: usize, _: Parallelism| host_staged(mesh);
                 $body
             }
-            #[cfg(feature = "cuda")]
             Device::Cuda(base) => {
-                let $make = move |rank: usize| -> Result<
-                    crate::backend::cuda::CudaBackend<crate::backend::cuda::driver::CudaGpu>,
-                > {
-                    let gpu = crate::backend::cuda::driver::CudaGpu::open(base + rank)?;
-                    Ok(crate::backend::cuda::CudaBackend::with_graphs(gpu, !opts.enforce_eager))
+                let eager = opts.enforce_eager;
+                let $make = move |offset: usize| -> Result<CudaBackend<CudaGpu>> {
+                    Ok(CudaBackend::with_graphs(CudaGpu::open(base + offset)?, !eager))
                 };
+                let $comm =
+                    move |mesh: TcpComm, offset: usize, par: Parallelism| nccl(mesh, base + offset, par);
                 $body
             }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => Err(Error::Internal("CUDA device in a build without CUDA".into())),
         }
     }};
 }
 
 /// An engine for the model in `dir`: in-process ranks when `par` has more than one.
 pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Result<Engine> {
-    let device = config.backend.device;
-    let rank_comm = move |comm: TcpComm, rank: usize| {
-        let rank_device = match device {
-            Device::Cpu => Device::Cpu,
-            Device::Cuda(base) => Device::Cuda(base + rank),
-        };
-        communicator(comm, rank_device, par)
-    };
-    with_backend!(config.backend, |make| local_replica_on(dir, par, config, make, rank_comm))
+    with_backend!(config.backend, |make, comm| {
+        local_replica_on(dir, par, config, make, move |mesh, rank| comm(mesh, rank, par))
+    })
 }
 
 /// `local_replica` on backends made by `backend(rank)`, each rank's TCP mesh endpoint
-/// made its communicator by `communicator(mesh, rank)`.
-pub(crate) fn local_replica_on<B, F, C>(
+/// made its collectives by `communicator(mesh, rank)`.
+pub fn local_replica_on<B, F, C>(
     dir: &Path,
     par: Parallelism,
     config: &EngineConfig,
@@ -154,7 +140,7 @@ pub(crate) fn local_replica_on<B, F, C>(
 where
     B: Backend,
     F: Fn(usize) -> Result<B> + Clone + Send + 'static,
-    C: Fn(TcpComm, usize) -> Result<Box<dyn Communicator>> + Clone + Send + 'static,
+    C: Fn(TcpComm, usize) -> Result<Box<dyn DeviceCollectives<B>>> + Clone + Send + 'static,
 {
     if par.world() == 1 {
         return Engine::new(Model::load(dir, backend(0)?)?, config);
@@ -226,8 +212,8 @@ pub fn leader_with_external_ranks(
         recv_timeout: STEP_TIMEOUT,
         secret: secret.to_vec(),
     };
-    with_backend!(config.backend, |make| {
-        let comm = communicator(TcpComm::connect(&cfg, Some(rendezvous))?, config.backend.device, par)?;
+    with_backend!(config.backend, |make, comm| {
+        let comm = comm(TcpComm::connect(&cfg, Some(rendezvous))?, 0, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, 0)?;
         model.label(&config.labels);
         Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, None)), par, config)
@@ -268,8 +254,8 @@ pub fn run_worker_rank(
         recv_timeout: STEP_TIMEOUT,
         secret: secret.to_vec(),
     };
-    with_backend!(opts, |make| {
-        let comm = communicator(TcpComm::connect(&cfg, None)?, opts.device, par)?;
+    with_backend!(opts, |make, comm| {
+        let comm = comm(TcpComm::connect(&cfg, None)?, 0, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, rank)?;
         model.label(&labels);
         info!(rank, device = %opts.device, "worker rank ready");

@@ -117,6 +117,17 @@ impl Drop for SequenceStream {
 impl EngineHandle {
     /// Starts a runner thread that owns `engine`.
     pub fn spawn(engine: Engine, limits: RunnerLimits, name: &str) -> Result<Self> {
+        let (handle, runner) = Self::unspawned(engine, limits);
+        std::thread::Builder::new()
+            .name(format!("engine-{name}"))
+            .spawn(move || runner.run())
+            .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
+        Ok(handle)
+    }
+
+    /// A handle and the runner it talks to, not yet on a thread of its own (tests drive
+    /// the runner's state by hand).
+    fn unspawned(engine: Engine, limits: RunnerLimits) -> (Self, Runner) {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
@@ -136,12 +147,8 @@ impl EngineHandle {
             canaries: Vec::new(),
             next_canary: CANARY_IDS,
         };
-        std::thread::Builder::new()
-            .name(format!("engine-{name}"))
-            .spawn(move || runner.run())
-            .map_err(|e| Error::Internal(format!("cannot start the engine thread: {e}")))?;
         let max_open = engine_slots + limits.max_waiting;
-        Ok(EngineHandle { tx, shared, limits, max_open })
+        (EngineHandle { tx, shared, limits, max_open }, runner)
     }
 
     /// Queues a sequence; its tokens arrive on the returned stream.
@@ -313,14 +320,20 @@ impl Runner {
                     Err(_) => return, // every handle is gone
                 }
             }
-            while let Ok(cmd) = self.rx.try_recv() {
-                self.handle(cmd);
-            }
-            if self.engine.has_work() {
-                self.step();
-            }
-            self.publish();
+            self.turn();
         }
+    }
+
+    /// One turn of the loop: the commands waiting, a step if the engine has work, the
+    /// counters published.
+    fn turn(&mut self) {
+        while let Ok(cmd) = self.rx.try_recv() {
+            self.handle(cmd);
+        }
+        if self.engine.has_work() {
+            self.step();
+        }
+        self.publish();
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -517,3 +530,6 @@ impl Runner {
         self.metrics.kv_used.set((self.engine.total_blocks() - free) as i64);
     }
 }
+
+#[cfg(test)]
+mod tests;

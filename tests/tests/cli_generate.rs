@@ -453,3 +453,23 @@ fn model_compare_reports_agreement_and_log_likelihood() {
     let err = failure(&["model", "compare", "--model", &model("llama_gqa"), "--quantize", "int4"]);
     assert!(err.contains("--quantize") && err.contains("int4"), "{err}");
 }
+
+#[test]
+fn gpu_check_runs_the_device_collectives_contract_on_the_cpu() {
+    // `strata gpu-check collectives` runs the device-collectives contract over NCCL on GPUs;
+    // with `--device cpu`, over CPU tensors staged through the host and TCP.
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["gpu-check", "--device", "cpu", "collectives", "--max-world", "3"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<serde_json::Value> =
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let worlds: std::collections::BTreeSet<u64> =
+        lines.iter().map(|l| l["world"].as_u64().unwrap()).collect();
+    assert_eq!(worlds.into_iter().collect::<Vec<_>>(), [1, 2, 3], "{lines:?}");
+    assert!(lines.iter().all(|l| l["ok"] == true), "{lines:?}");
+    let checks: Vec<&str> = lines.iter().map(|l| l["check"].as_str().unwrap()).collect();
+    assert!(checks.contains(&"all_to_all, uneven counts"), "{checks:?}");
+}

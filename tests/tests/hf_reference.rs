@@ -8,9 +8,9 @@
 use strata_common::SamplingParams;
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_engine::backend::cpu::CpuBackend;
-use strata_engine::model::weights::DType;
 use strata_engine::model::Model;
 use strata_engine::replica::local_replica;
+use strata_engine::tensor::DType;
 use strata_engine::{Engine, EngineConfig};
 use strata_tests::{fixture_models, floats, ids, reference};
 

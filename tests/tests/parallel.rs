@@ -12,10 +12,10 @@ use strata_tests::{fixture_models, ids, reference};
 /// Exact f32 compute, so splits can be held to 1e-4 and to HF's float32 tokens
 /// (bf16 compute under TP: `bf16_splits_match_one_rank`).
 fn config() -> EngineConfig {
-    dtype_config(Some(strata_engine::model::weights::DType::F32))
+    dtype_config(Some(strata_engine::tensor::DType::F32))
 }
 
-fn dtype_config(dtype: Option<strata_engine::model::weights::DType>) -> EngineConfig {
+fn dtype_config(dtype: Option<strata_engine::tensor::DType>) -> EngineConfig {
     EngineConfig {
         kv_cache_bytes: 8 << 20,
         backend: strata_engine::backend::BackendOptions { dtype, ..Default::default() },
@@ -73,7 +73,7 @@ fn bf16_splits_match_one_rank() {
     for name in ["llama_bf16", "qwen2_bias_tied"] {
         let dir = strata_tests::fixtures_dir().join(name);
         let prompt = ids(&reference(&dir)["prompt_ids"]);
-        let bf16 = dtype_config(Some(strata_engine::model::weights::DType::BF16));
+        let bf16 = dtype_config(Some(strata_engine::tensor::DType::BF16));
         let mut single = local_replica(&dir, Parallelism::NONE, &bf16).unwrap();
         let want_logits = single.prompt_logits(&prompt).unwrap();
         let want = greedy_run(&mut single, &prompt, 24);

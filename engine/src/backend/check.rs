@@ -14,9 +14,10 @@ use serde::Serialize;
 use strata_common::Result;
 
 use super::cpu::CpuBackend;
-use super::{AttentionShape, Backend, BatchLayout, RopeTable, SeqSlice};
+use super::prelude::*;
+use super::{AttentionShape, BatchLayout, RopeTable, SeqSlice};
 use crate::logits::{Candidates, Draw, MAX_TOP};
-use crate::model::weights::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor};
 
 /// Shapes of the comparison.
 #[derive(Debug, Clone)]
@@ -280,7 +281,7 @@ fn check_rope_and_picks<B: Backend>(
         [(&logits, &ld, v, 5), (&logits, &ld, v, MAX_TOP.min(v)), (&narrow, &nd, 3, 5)]
     {
         let got = dev.top_logits(on_dev, n, k, 7)?;
-        let want = crate::logits::top::host_top(data, n, cols, k, 7);
+        let want = super::host_logits::host_top(data, n, cols, k, 7);
         let tokens =
             |c: &[Candidates]| c.iter().flat_map(|c| c.top.iter().map(|t| t.0 as f32)).collect::<Vec<_>>();
         let values = |c: &[Candidates]| {

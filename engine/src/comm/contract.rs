@@ -131,6 +131,28 @@ pub fn subgroups_gathers_broadcasts_and_sends(comms: Vec<Box<dyn Communicator>>)
     Ok(())
 }
 
+/// All-to-all with uneven parts (some empty): rank `i` sends rank `j` `(i + 2j + 1) % 3`
+/// values tagged with both ranks, and every rank gets each part from the rank it came
+/// from, in group order.
+pub fn all_to_all_uneven(comms: Vec<Box<dyn Communicator>>) -> Result<()> {
+    let part = |from: usize, to: usize| -> Vec<f32> {
+        (0..(from + 2 * to + 1) % 3).map(|k| (from * 100 + to * 10 + k) as f32).collect()
+    };
+    let out = on_every_rank(comms, |c| {
+        let group: Vec<usize> = (0..c.world()).collect();
+        let parts: Vec<Vec<f32>> = group.iter().map(|&to| part(c.rank(), to)).collect();
+        let refs: Vec<&[f32]> = parts.iter().map(|p| &p[..]).collect();
+        Ok((c.world(), c.all_to_all(&group, &refs)?))
+    })?;
+    for (rank, (world, got)) in out.into_iter().enumerate() {
+        let want: Vec<Vec<f32>> = (0..world).map(|from| part(from, rank)).collect();
+        if got != want {
+            return Err(differs("all_to_all with uneven parts", rank, got, want));
+        }
+    }
+    Ok(())
+}
+
 /// The checks by name, for reports: each builds its own group with `make(world)`.
 pub fn run_all(
     world: usize,
@@ -141,7 +163,9 @@ pub fn run_all(
         let r = make(world).and_then(|c| all_reduce_sums(c, len));
         out.push((format!("all_reduce_sum, {len} values"), r));
     }
-    let r = make(world).and_then(subgroups_gathers_broadcasts_and_sends);
-    out.push(("subgroups, all_gather, broadcast, send/recv, barrier".to_string(), r));
+    let r = make(world)
+        .and_then(subgroups_gathers_broadcasts_and_sends)
+        .and_then(|()| make(world).and_then(all_to_all_uneven));
+    out.push(("subgroups, all_gather, all_to_all, broadcast, send/recv, barrier".to_string(), r));
     out
 }

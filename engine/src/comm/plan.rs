@@ -1,5 +1,6 @@
 //! What the leader rank tells the others over the [`StepChannel`](super::StepChannel):
-//! the KV cache to allocate, each step's plan, and when to stop.
+//! the KV cache to allocate, each [`Step`], and when to stop. The step a follower decodes
+//! is the value the leader encoded, and goes to its model as it is.
 //!
 //! Wire format: `[kind: u8][version: u8]` then little-endian u32 fields; vectors are a
 //! u32 count followed by their elements. Every count is checked against the bytes that
@@ -11,8 +12,8 @@
 use strata_common::trace::{TraceContext, MAX_TRACESTATE};
 use strata_common::{Error, Result};
 
-use crate::backend::{BatchLayout, SeqSlice};
 use crate::logits::{Draw, LogitsWanted, DRAW_PARAMS};
+use crate::step::{BatchLayout, SeqSlice, Step};
 
 /// Bumped whenever the layout below changes; ranks of one replica must agree.
 pub const PLAN_VERSION: u8 = 3;
@@ -23,21 +24,6 @@ const KIND_INIT: u8 = 3;
 
 /// Largest block size a plan may name (the engine's are 16–256).
 pub const MAX_BLOCK_SIZE: usize = 1 << 16;
-
-/// One step: token ids, where they go, and which rows need logits in what form.
-#[derive(Debug, Clone)]
-pub struct StepPlan {
-    pub ids: Vec<u32>,
-    pub layout: BatchLayout,
-    pub logit_rows: Vec<usize>,
-    pub wanted: LogitsWanted,
-    /// One per logit row when the step draws its tokens on the device (a TP group whose
-    /// collectives run there: every rank gathers the vocabulary and draws), else empty.
-    pub draws: Vec<Draw>,
-    /// The leader's step span, so each rank's step joins the trace of the requests it
-    /// serves (None when spans are not exported).
-    pub trace: Option<TraceContext>,
-}
 
 /// Longest `traceparent` a step carries (the W3C form is 55 bytes).
 const MAX_TRACEPARENT: usize = 64;
@@ -50,7 +36,7 @@ pub enum LeaderMessage {
         num_blocks: usize,
         block_size: usize,
     },
-    Step(StepPlan),
+    Step(Step),
     Shutdown,
 }
 
@@ -87,10 +73,7 @@ impl LeaderMessage {
                 out
             }
             LeaderMessage::Shutdown => vec![KIND_SHUTDOWN, PLAN_VERSION],
-            LeaderMessage::Step(p) => {
-                let rows = (&p.logit_rows[..], p.wanted, &p.draws[..]);
-                encode_step(&p.ids, &p.layout, rows, p.trace.as_ref())
-            }
+            LeaderMessage::Step(step) => encode_step(step),
         }
     }
 
@@ -127,13 +110,10 @@ impl LeaderMessage {
     }
 }
 
-/// A step message from borrowed parts (the leader encodes every step without copying).
-pub fn encode_step(
-    ids: &[u32],
-    layout: &BatchLayout,
-    (logit_rows, wanted, draws): (&[usize], LogitsWanted, &[Draw]),
-    trace: Option<&TraceContext>,
-) -> Vec<u8> {
+/// A step message (the leader encodes every step without copying it).
+pub fn encode_step(step: &Step) -> Vec<u8> {
+    let Step { ids, layout, logit_rows, wanted, draws, trace } = step;
+    let (wanted, trace) = (*wanted, trace.as_ref());
     let mut out = vec![KIND_STEP, PLAN_VERSION];
     put_all(&mut out, ids.iter().map(|&x| x as usize));
     put_all(&mut out, layout.positions.iter().map(|&x| x as usize));
@@ -207,7 +187,7 @@ impl Reader<'_> {
     }
 }
 
-fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
+fn decode_step(r: &mut Reader<'_>) -> Result<Step> {
     let ids = r.vec()?;
     let positions = r.vec()?;
     let slots = r.vec()?;
@@ -244,16 +224,13 @@ fn decode_step(r: &mut Reader<'_>) -> Result<StepPlan> {
     let trace =
         (!parent.is_empty()).then(|| TraceContext::from_headers(Some(&parent), Some(state))).flatten();
     let layout = BatchLayout { positions, slots, seqs, block_size };
-    Ok(StepPlan { ids, layout, logit_rows, wanted, draws, trace })
+    Ok(Step { ids, layout, logit_rows, wanted, draws, trace })
 }
 
 /// Every index in `p` stays inside the KV cache, the vocabulary and the step's own rows.
-fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
+fn check(p: &Step, b: PlanBounds) -> Result<()> {
+    p.check_shape().map_err(|e| bad(e.to_string()))?;
     let l = &p.layout;
-    let n = p.ids.len();
-    if l.positions.len() != n || l.slots.len() != n {
-        return Err(bad(format!("{n} ids, {} positions, {} slots", l.positions.len(), l.slots.len())));
-    }
     if l.block_size != b.block_size {
         return Err(bad(format!("block size {} in a cache of {}", l.block_size, b.block_size)));
     }
@@ -265,10 +242,6 @@ fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
         return Err(bad(format!("KV slot {s} outside a cache of {cache_slots}")));
     }
     for s in &l.seqs {
-        let end = s.token_start.checked_add(s.num_tokens).filter(|&e| e <= n);
-        if end.is_none() {
-            return Err(bad(format!("rows {}+{} of a {n}-token step", s.token_start, s.num_tokens)));
-        }
         let context = s.context_before + s.num_tokens;
         if s.block_table.len() * b.block_size < context {
             return Err(bad(format!("{} blocks for {context} positions", s.block_table.len())));
@@ -276,12 +249,6 @@ fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
         if let Some(blk) = s.block_table.iter().find(|&&x| x as usize >= b.num_blocks) {
             return Err(bad(format!("block {blk} outside a cache of {}", b.num_blocks)));
         }
-    }
-    if let Some(r) = p.logit_rows.iter().find(|&&r| r >= n) {
-        return Err(bad(format!("logit row {r} of a {n}-token step")));
-    }
-    if !p.draws.is_empty() && p.draws.len() != p.logit_rows.len() {
-        return Err(bad(format!("{} draws for {} logit rows", p.draws.len(), p.logit_rows.len())));
     }
     let valid = |d: &Draw| {
         d.temperature.is_finite()
@@ -301,8 +268,8 @@ fn check(p: &StepPlan, b: PlanBounds) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn plan() -> StepPlan {
-        StepPlan {
+    fn plan() -> Step {
+        Step {
             ids: vec![5, 6, 9],
             layout: BatchLayout {
                 positions: vec![0, 1, 7],
@@ -325,7 +292,7 @@ mod tests {
 
     const BOUNDS: PlanBounds = PlanBounds { num_blocks: 8, block_size: 16, vocab_size: 100 };
 
-    fn step(msg: &[u8]) -> Result<StepPlan> {
+    fn step(msg: &[u8]) -> Result<Step> {
         match LeaderMessage::decode(msg, Some(BOUNDS))? {
             LeaderMessage::Step(p) => Ok(p),
             other => panic!("{other:?}"),
@@ -340,17 +307,17 @@ mod tests {
         assert_eq!((back.layout.positions, back.layout.slots), (p.layout.positions, p.layout.slots));
         assert_eq!(back.layout.seqs[1].block_table, vec![4]);
         assert_eq!(back.trace, p.trace);
-        let untraced = StepPlan { trace: None, ..plan() };
+        let untraced = Step { trace: None, ..plan() };
         assert_eq!(step(&LeaderMessage::Step(untraced).encode()).unwrap().trace, None);
         for wanted in [LogitsWanted::Full, LogitsWanted::Top(1), LogitsWanted::Top(crate::logits::MAX_TOP)] {
-            let p = StepPlan { wanted, ..plan() };
+            let p = Step { wanted, ..plan() };
             assert_eq!(step(&LeaderMessage::Step(p).encode()).unwrap().wanted, wanted);
         }
         let draws =
             vec![Draw { temperature: 0.7, top_p: 0.9, min_p: 0.05, u: 0.25 }, Draw { u: 0.5, ..Draw::NONE }];
-        let drawn = StepPlan { draws: draws.clone(), ..plan() };
+        let drawn = Step { draws: draws.clone(), ..plan() };
         assert_eq!(step(&LeaderMessage::Step(drawn).encode()).unwrap().draws, draws);
-        let too_many = StepPlan { wanted: LogitsWanted::Top(crate::logits::MAX_TOP + 1), ..plan() };
+        let too_many = Step { wanted: LogitsWanted::Top(crate::logits::MAX_TOP + 1), ..plan() };
         assert!(
             step(&LeaderMessage::Step(too_many).encode()).is_err(),
             "more candidates than a step returns"
@@ -382,7 +349,7 @@ mod tests {
 
     #[test]
     fn plans_outside_the_cache_or_vocabulary_are_refused() {
-        type Edit = Box<dyn Fn(&mut StepPlan)>;
+        type Edit = Box<dyn Fn(&mut Step)>;
         let cases: Vec<(&str, Edit)> = vec![
             ("token id", Box::new(|p| p.ids[0] = 100)),
             ("KV slot", Box::new(|p| p.layout.slots[2] = 8 * 16)),
@@ -412,7 +379,7 @@ mod tests {
         use rand::{Rng, SeedableRng};
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
         let drawn = vec![Draw { temperature: 0.7, top_p: 0.9, min_p: 0.05, u: 0.25 }; 2];
-        let good = LeaderMessage::Step(StepPlan { draws: drawn, ..plan() }).encode();
+        let good = LeaderMessage::Step(Step { draws: drawn, ..plan() }).encode();
         for _ in 0..5000 {
             let mut m = good.clone();
             match rng.random_range(0..3) {

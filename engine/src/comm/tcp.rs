@@ -428,6 +428,25 @@ impl Collectives for TcpComm {
             Ok(parts.concat())
         })
     }
+    fn all_to_all(&mut self, group: &[usize], parts: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+        let g = group.len();
+        if parts.len() != g {
+            return Err(Error::Internal(format!("an all-to-all over {g} ranks with {} parts", parts.len())));
+        }
+        self.timed(|c| {
+            let me = c.position(group)?;
+            let mut got: Vec<Vec<f32>> = vec![Vec::new(); g];
+            got[me] = parts[me].to_vec();
+            // Round `step`: send to the member `step` ahead, receive from the one `step`
+            // behind, both at once — every pair meets in one round, none waits on another.
+            for step in 1..g {
+                let (to, from) = ((me + step) % g, (me + g - step) % g);
+                c.exchange(group[to], f32_bytes(parts[to]), group[from])?;
+                got[from] = bytes_f32(&c.scratch);
+            }
+            Ok(got)
+        })
+    }
     fn barrier(&mut self, group: &[usize]) -> Result<()> {
         let mut token = [1f32];
         self.all_reduce_sum(group, &mut token)

@@ -130,6 +130,9 @@ fn a_wrong_sum_is_caught_by_the_contract() {
         fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
             self.0.all_gather(group, local)
         }
+        fn all_to_all(&mut self, group: &[usize], parts: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+            self.0.all_to_all(group, parts)
+        }
         fn barrier(&mut self, group: &[usize]) -> Result<()> {
             self.0.barrier(group)
         }

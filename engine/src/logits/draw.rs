@@ -2,7 +2,7 @@
 //!
 //! Top-p, min-p and plain temperature sampling need the whole tempered distribution of a
 //! row, which the host would otherwise copy across (a vocabulary of floats per row per
-//! step). A backend that draws on the device ([`Backend::draws_on_device`]) is handed
+//! step). A backend that draws on the device ([`LogitsOps::draws_on_device`]) is handed
 //! each such row's [`Draw`] — its temperature, top-p, min-p and the uniform number the
 //! sequence's own seeded stream gave for this token — and returns the token as a
 //! [`Pick`] (with the row's largest logit and log-sum-exp, so the host still sees a row
@@ -18,9 +18,7 @@
 //! and whether a row is drawn on the device depends on its request alone, never on what
 //! shares its batch: a seed still reproduces a generation.
 //!
-//! [`Backend::draws_on_device`]: crate::backend::Backend::draws_on_device
-
-use super::Pick;
+//! [`LogitsOps::draws_on_device`]: crate::backend::LogitsOps::draws_on_device
 
 /// Floats per row of a draw's parameters, as the device reads them.
 pub const DRAW_PARAMS: usize = 4;
@@ -89,23 +87,6 @@ pub fn host_draw(row: &[f32], draw: &Draw) -> usize {
         }
     }
     keep.last().expect("a row keeps its most likely token").0
-}
-
-/// [`host_draw`] of each of the `rows` `cols`-wide rows of `data` (whose first column is
-/// token `first_id`), as the device returns them.
-pub fn host_draws(data: &[f32], cols: usize, draws: &[Draw], first_id: u32) -> Vec<Pick> {
-    let picks = super::host_picks(data, draws.len(), cols, first_id);
-    if cols == 0 {
-        return picks;
-    }
-    data.chunks_exact(cols)
-        .zip(draws)
-        .zip(picks)
-        .map(|((row, d), p)| match p.log_z.is_finite() {
-            true => Pick { token: first_id + host_draw(row, d) as u32, ..p },
-            false => p,
-        })
-        .collect()
 }
 
 #[cfg(test)]
@@ -177,13 +158,5 @@ mod tests {
                 counts[c]
             );
         }
-    }
-
-    #[test]
-    fn rows_not_drawn_or_not_finite_get_their_greedy_pick() {
-        let data = [0.0f32, 2.0, 1.0, f32::NAN, 1.0, 0.0];
-        let picks = host_draws(&data, 3, &[Draw::NONE, Draw { temperature: 1.0, ..Draw::NONE }], 10);
-        assert_eq!(picks[0].token, 11);
-        assert!(!picks[1].log_z.is_finite());
     }
 }

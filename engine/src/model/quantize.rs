@@ -13,8 +13,9 @@ use std::path::Path;
 use safetensors::tensor::TensorView;
 use strata_common::{Error, Result};
 
-use super::weights::{Checkpoint, DType};
+use super::weights::Checkpoint;
 use crate::backend::cpu::CpuWeight;
+use crate::tensor::DType;
 
 /// What [`write_int8`] wrote.
 #[derive(Debug, Clone, serde::Serialize)]

@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use serde_json::json;
 use strata_common::{Architecture, Error, Result};
 
-use super::weights::DType;
+use crate::tensor::DType;
 
 /// The shape of a random model.
 #[derive(Debug, Clone)]

@@ -163,7 +163,7 @@ fn a_resumed_sampler_continues_the_same_stream() {
 
 #[test]
 fn candidates_suffice_exactly_when_the_sampler_says_so() {
-    use crate::logits::top::host_top;
+    use crate::backend::host_logits::host_top;
     assert_eq!(Sampler::new(params(|_| {}), &[]).candidates_needed(), Some(0), "greedy: a pick");
     let with = |f: fn(&mut SamplingParams)| Sampler::new(params(f), &[]).candidates_needed();
     assert_eq!(with(|p| p.logprobs = Some(5)), Some(5), "greedy with top logprobs");
@@ -192,4 +192,28 @@ fn candidates_suffice_exactly_when_the_sampler_says_so() {
             assert_eq!(cands.take(&c), whole.sample(&row), "top_k {top_k}, row {r}");
         }
     }
+}
+
+#[test]
+fn host_picks_agree_with_the_sampler() {
+    let row = [0.5f32, 2.0, -1.0, 2.0, 1.5];
+    let p = crate::backend::host_logits::host_picks(&row, 1, 5, 0)[0];
+    assert_eq!(p.token, argmax(&row));
+    assert_eq!(p.token, 1, "the first of equal logits");
+    let lp = logprobs(&row, p.token, 0);
+    assert!((p.logprob() - lp.logprob).abs() < 1e-6);
+}
+
+#[test]
+fn the_top_tokens_come_in_the_samplers_order() {
+    let r = [0.5f32, 2.0, -1.0, 2.0, 1.5];
+    let c = &crate::backend::host_logits::host_top(&r, 1, 5, 3, 10)[0];
+    assert_eq!(c.top, [(11, 2.0), (13, 2.0), (14, 1.5)], "ties: the smaller id first");
+    let lp = logprobs(&r, 1, 0);
+    assert!((2.0 - c.log_z - lp.logprob).abs() < 1e-6);
+    assert_eq!(
+        crate::backend::host_logits::host_top(&r, 1, 5, 9, 0)[0].top.len(),
+        5,
+        "k beyond the row: all of it"
+    );
 }

@@ -24,8 +24,8 @@ use std::collections::VecDeque;
 use strata_common::sampling::Priority;
 use strata_common::Error;
 
-use crate::engine::SeqId;
 use crate::kv::{chain_hash, BlockHash, BlockPool, BlockTable};
+use crate::step::SeqId;
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -86,7 +86,7 @@ pub struct Scheduled {
 }
 
 #[derive(Debug, Default)]
-pub struct StepPlan {
+pub struct Schedule {
     pub seqs: Vec<Scheduled>,
     /// Sequences moved back to the queue this step.
     pub preempted: Vec<SeqId>,
@@ -96,7 +96,7 @@ pub struct StepPlan {
     pub aborted: Vec<(SeqId, Error)>,
 }
 
-impl StepPlan {
+impl Schedule {
     pub fn num_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.end - s.start).sum()
     }
@@ -181,8 +181,8 @@ impl Scheduler {
     }
 
     /// Plans one step. Running sequences are continued first, then waiting ones admitted.
-    pub fn schedule(&mut self) -> StepPlan {
-        let mut plan = StepPlan::default();
+    pub fn schedule(&mut self) -> Schedule {
+        let mut plan = Schedule::default();
         let mut budget = self.config.max_batched_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -209,7 +209,7 @@ impl Scheduler {
 
     /// Makes room for running sequence `i` to hold `positions` positions, preempting newer
     /// sequences as needed. False when `i` had to go itself.
-    fn grow_running(&mut self, i: usize, positions: usize, plan: &mut StepPlan) -> bool {
+    fn grow_running(&mut self, i: usize, positions: usize, plan: &mut Schedule) -> bool {
         loop {
             let seq = &mut self.running[i];
             if self.pool.grow(&mut seq.blocks, positions).is_ok() {
@@ -247,7 +247,7 @@ impl Scheduler {
         self.waiting.insert(at, seq);
     }
 
-    fn admit(&mut self, plan: &mut StepPlan, mut budget: usize) {
+    fn admit(&mut self, plan: &mut Schedule, mut budget: usize) {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
             if seq.blocks.is_empty() && self.pool.prefix_caching() {
@@ -291,7 +291,7 @@ impl Scheduler {
 
     /// Records a step's outcome: chunks computed, and the token sampled for each
     /// sequence whose chunk reached its end.
-    pub fn complete(&mut self, plan: &StepPlan, sampled: &[(SeqId, u32)]) {
+    pub fn complete(&mut self, plan: &Schedule, sampled: &[(SeqId, u32)]) {
         let bs = self.pool.block_size();
         for item in &plan.seqs {
             let Some(seq) = self.running.iter_mut().find(|s| s.id == item.id) else { continue };

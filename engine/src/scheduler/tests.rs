@@ -20,7 +20,7 @@ fn prompt(len: usize, first: u32) -> Vec<u32> {
 }
 
 /// Runs a step as the engine would: every sampled sequence gets token 7.
-fn step(s: &mut Scheduler) -> StepPlan {
+fn step(s: &mut Scheduler) -> Schedule {
     let plan = s.schedule();
     let sampled: Vec<(SeqId, u32)> = plan.seqs.iter().filter(|x| x.sample).map(|x| (x.id, 7)).collect();
     s.complete(&plan, &sampled);

@@ -19,7 +19,7 @@ use strata_common::{Error, Result};
 
 use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
-use crate::model::weights::{DType, HostTensor};
+use crate::tensor::{DType, HostTensor};
 
 /// Up to this many activation rows take the streaming (decode) path.
 const STREAM_MAX_ROWS: usize = 48;

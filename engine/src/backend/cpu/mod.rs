@@ -26,8 +26,10 @@ pub(crate) mod vmath;
 use rayon::prelude::*;
 use strata_common::{Error, Result};
 
-use super::{AttentionShape, Backend, BatchLayout, RopeTable};
-use crate::model::weights::{DType, HostTensor};
+use super::{
+    AttentionOps, AttentionShape, BatchLayout, LogitsOps, RopeTable, StepGraphs, TensorOps, Tensors,
+};
+use crate::tensor::{DType, HostTensor};
 
 pub use huge::HugeVec;
 pub use matmul::{CpuWeight, WeightData};
@@ -145,19 +147,15 @@ impl CpuBackend {
     }
 }
 
-impl Backend for CpuBackend {
+impl Tensors for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
-    type KvLayer = CpuKvLayer;
-
     fn name(&self) -> &'static str {
         "cpu"
     }
-
     fn uses_thread_pool(&self) -> bool {
         true
     }
-
     fn load_weight(&self, host: &HostTensor) -> Result<CpuWeight> {
         let w = match self.weight_dtype {
             Some(d) if d != host.dtype && host.dtype != DType::I8 => CpuWeight::from_host(&host.cast(d))?,
@@ -178,11 +176,9 @@ impl Backend for CpuBackend {
         }
         Ok(w.on_huge_pages())
     }
-
     fn load_weight_int8(&self, q: &HostTensor, scales: &HostTensor) -> Result<CpuWeight> {
         CpuWeight::from_int8(q, scales)
     }
-
     fn load_vector(&self, host: &HostTensor) -> Result<CpuTensor> {
         if host.shape.len() != 1 {
             return Err(Error::model_file(
@@ -194,19 +190,28 @@ impl Backend for CpuBackend {
         let n = data.len();
         Ok(CpuTensor::new(data, 1, n))
     }
-
-    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
-        let n = num_blocks
-            .checked_mul(block_size)
-            .and_then(|n| n.checked_mul(kv_dim))
-            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
-        Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim })
-    }
-
     fn weight_bytes(&self, w: &CpuWeight) -> usize {
         w.bytes()
     }
+    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
+    }
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuTensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
+        }
+        Ok(CpuTensor::new(data, rows, cols))
+    }
+    fn with_host_mut(&self, x: &mut CpuTensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        f(&mut x.data)
+    }
 
+    fn shape(&self, x: &CpuTensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+}
+
+impl TensorOps for CpuBackend {
     fn embed(&self, table: &CpuWeight, ids: &[u32], first_id: u32) -> Result<CpuTensor> {
         let cols = table.cols;
         let mut out = CpuTensor::zeros(ids.len(), cols);
@@ -217,29 +222,15 @@ impl Backend for CpuBackend {
         }
         Ok(out)
     }
-
-    fn with_host_mut(&self, x: &mut CpuTensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        f(&mut x.data)
-    }
-
-    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<CpuTensor> {
-        if data.len() != rows * cols {
-            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
-        }
-        Ok(CpuTensor::new(data, rows, cols))
-    }
-
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight) -> Result<CpuTensor> {
         Ok(matmul::matmul(x, w))
     }
-
     /// The matmuls side by side in one parallel region (each splits its rows as alone): a
     /// thread that finishes its share of one goes on to another's instead of waiting at
     /// a join, so q, k and v (and gate and up) cost one join per layer, not three.
     fn matmul_many(&self, x: &CpuTensor, ws: &[&CpuWeight]) -> Result<Vec<CpuTensor>> {
         Ok(ws.par_iter().map(|w| matmul::matmul(x, w)).collect())
     }
-
     fn add_bias(&self, x: &mut CpuTensor, bias: &CpuTensor) -> Result<()> {
         for row in x.data.chunks_mut(x.cols) {
             for (a, b) in row.iter_mut().zip(&bias.data) {
@@ -248,7 +239,6 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
     fn add_assign(&self, x: &mut CpuTensor, y: &CpuTensor) -> Result<()> {
         debug_assert_eq!(x.data.len(), y.data.len());
         for (a, b) in x.data.iter_mut().zip(&y.data) {
@@ -256,7 +246,6 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
     fn rms_norm(&self, x: &CpuTensor, weight: &CpuTensor, eps: f32) -> Result<CpuTensor> {
         let mut out = CpuTensor::zeros(x.rows, x.cols);
         let norm_row = |(src, dst): (&[f32], &mut [f32])| {
@@ -273,7 +262,50 @@ impl Backend for CpuBackend {
         }
         Ok(out)
     }
+    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        let mut out = CpuTensor::zeros(gate.rows, gate.cols);
+        let cols = gate.cols.max(1);
+        let rows = gate.data.chunks(cols).zip(up.data.chunks(cols));
+        if gate.rows >= PAR_ROWS {
+            let rows = gate.data.par_chunks(cols).zip(up.data.par_chunks(cols));
+            rows.zip(out.data.par_chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+        } else {
+            rows.zip(out.data.chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+        }
+        Ok(out)
+    }
+    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
+        let mut data = Vec::with_capacity(rows.len() * x.cols);
+        for &r in rows {
+            data.extend_from_slice(x.row(r));
+        }
+        Ok(CpuTensor::new(data, rows.len(), x.cols))
+    }
 
+    fn interleave_blocks(&self, x: &CpuTensor, blocks: usize) -> Result<CpuTensor> {
+        if blocks == 0 || !x.rows.is_multiple_of(blocks) {
+            return Err(Error::Internal(format!("{} rows are not {blocks} blocks", x.rows)));
+        }
+        let (n, w) = (x.rows / blocks, x.cols);
+        let mut out = CpuTensor::zeros(n, blocks * w);
+        for b in 0..blocks {
+            for r in 0..n {
+                out.data[r * blocks * w + b * w..][..w].copy_from_slice(x.row(b * n + r));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl AttentionOps for CpuBackend {
+    type KvLayer = CpuKvLayer;
+    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
+        let n = num_blocks
+            .checked_mul(block_size)
+            .and_then(|n| n.checked_mul(kv_dim))
+            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
+        Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim })
+    }
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
         let half = head_dim / 2;
         let cols = x.cols;
@@ -301,20 +333,6 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
-        let mut out = CpuTensor::zeros(gate.rows, gate.cols);
-        let cols = gate.cols.max(1);
-        let rows = gate.data.chunks(cols).zip(up.data.chunks(cols));
-        if gate.rows >= PAR_ROWS {
-            let rows = gate.data.par_chunks(cols).zip(up.data.par_chunks(cols));
-            rows.zip(out.data.par_chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
-        } else {
-            rows.zip(out.data.chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
-        }
-        Ok(out)
-    }
-
     fn write_kv(
         &self,
         cache: &mut CpuKvLayer,
@@ -330,7 +348,6 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
     fn attention(
         &self,
         q: &CpuTensor,
@@ -340,23 +357,16 @@ impl Backend for CpuBackend {
     ) -> Result<CpuTensor> {
         Ok(attention::paged_attention(q, cache, layout, shape))
     }
+}
 
-    fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
-        let mut data = Vec::with_capacity(rows.len() * x.cols);
-        for &r in rows {
-            data.extend_from_slice(x.row(r));
-        }
-        Ok(CpuTensor::new(data, rows.len(), x.cols))
-    }
-
+impl LogitsOps for CpuBackend {
     fn greedy_picks(&self, logits: &CpuTensor, first_id: u32) -> Result<Vec<crate::logits::Pick>> {
-        Ok(crate::logits::host_picks(&logits.data, logits.rows, logits.cols, first_id))
-    }
-
-    fn to_host(&self, x: &CpuTensor) -> Result<Vec<f32>> {
-        Ok(x.data.clone())
+        Ok(super::host_logits::host_picks(&logits.data, logits.rows, logits.cols, first_id))
     }
 }
+
+/// The CPU replays nothing: its decode steps cost no launches.
+impl StepGraphs for CpuBackend {}
 
 #[cfg(test)]
 mod tests;

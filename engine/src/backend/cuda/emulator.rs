@@ -7,9 +7,11 @@
 //! memory is static in the emulation). It is slow — thousands of OS threads per launch — and meant
 //! for tiny shapes.
 //!
-//! [`EmulatedDeviceComm`] stands in for NCCL: its all-reduces, all-gathers and
-//! point-to-point hand-offs of emulated device buffers are device work (queued in order, captured into graphs), so tensor-parallel ranks, each
-//! with its own emulated device, exercise the path that NCCL takes on GPUs.
+//! Host work can be queued as device work too ([`EmulatedGpu::enqueue_host`]): in stream
+//! order, recorded into a graph being captured and run again at each replay. The
+//! emulator's stand-in for NCCL (`comm::nccl::emulated`) queues its collectives so, and
+//! tensor-parallel ranks, each with its own emulated device, take the path NCCL takes on
+//! GPUs.
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
@@ -21,7 +23,6 @@ use strata_common::{Error, Result};
 
 use super::device::{Arg, Gpu, Launch};
 use super::kernels::Kernel;
-use crate::comm::{Collectives, CommStats, Communicator, StepChannel};
 
 extern "C" {
     fn strata_emu_launch(
@@ -53,87 +54,54 @@ impl EmuBuf {
         EmuBuf { storage: Arc::new(Storage(UnsafeCell::new(vec![0u64; bytes.div_ceil(8).max(1)]))), bytes }
     }
 
-    fn ptr(&self) -> *mut u8 {
+    /// Its memory's address (as a device pointer is, for the kernels).
+    pub fn ptr(&self) -> *mut u8 {
         // SAFETY: see the Sync impl.
         unsafe { (*self.storage.0.get()).as_mut_ptr() as *mut u8 }
     }
+
+    /// A second handle to the same memory, which keeps it alive: what host work queued on
+    /// the device holds of the buffers it reads and writes.
+    pub fn alias(&self) -> EmuBuf {
+        EmuBuf { storage: self.storage.clone(), bytes: self.bytes }
+    }
+
+    /// Its size, bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
 }
+
+/// Host work queued as device work: run in stream order, again at every replay of a graph
+/// that recorded it.
+pub type HostWork = Arc<dyn Fn() -> Result<()> + Send + Sync>;
 
 /// One recorded piece of device work; pointers are into storage the graph keeps alive.
 enum Recorded {
-    Launch { kernel: CString, launch: Launch, values: Vec<u64> },
-    Gemm { m: usize, n: usize, k: usize, a: *const u16, b: *const u16, c: *mut f32 },
-    Copy { src: *const u8, dst: *mut u8, bytes: usize },
-    AllReduce { comm: SharedComm, group: Vec<usize>, data: *mut f32, count: usize },
-    AllGather { comm: SharedComm, group: Vec<usize>, send: *const f32, recv: *mut f32, count: usize },
-    Send { comm: SharedComm, to: usize, data: *const f32, count: usize },
-    Recv { comm: SharedComm, from: usize, data: *mut f32, count: usize },
-}
-
-type SharedComm = Arc<Mutex<Box<dyn Communicator>>>;
-
-/// The emulator's stand-in for NCCL: a communicator whose all-reduce, all-gather and
-/// point-to-point transfers take emulated device buffers. Device memory is host memory
-/// here, so they run through the communicator it wraps (TCP between ranks); what it adds
-/// is that they are device work — in stream order, and recorded into a graph being
-/// captured (replayed with the graph) as NCCL's kernels are. Everything else is the
-/// wrapped communicator's.
-pub struct EmulatedDeviceComm {
-    inner: SharedComm,
-}
-
-impl EmulatedDeviceComm {
-    pub fn new(inner: Box<dyn Communicator>) -> Self {
-        EmulatedDeviceComm { inner: Arc::new(Mutex::new(inner)) }
-    }
-
-    /// `comm` as this stand-in, whose collectives take emulated device buffers.
-    fn of(comm: &mut dyn Collectives) -> Option<&mut Self> {
-        comm.as_any_mut().and_then(|c| c.downcast_mut::<Self>())
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&mut dyn Communicator) -> T) -> T {
-        f(self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_mut())
-    }
-}
-
-impl Collectives for EmulatedDeviceComm {
-    fn rank(&self) -> usize {
-        self.with(|c| c.rank())
-    }
-    fn world(&self) -> usize {
-        self.with(|c| c.world())
-    }
-    fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
-        self.with(|c| c.all_reduce_sum(group, data))
-    }
-    fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
-        self.with(|c| c.all_gather(group, local))
-    }
-    fn barrier(&mut self, group: &[usize]) -> Result<()> {
-        self.with(|c| c.barrier(group))
-    }
-    fn stats(&self) -> CommStats {
-        self.with(|c| c.stats())
-    }
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
-    }
-}
-
-impl StepChannel for EmulatedDeviceComm {
-    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
-        self.with(|c| c.broadcast(group, root, data))
-    }
-    fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
-        self.with(|c| c.send(to, data))
-    }
-    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.with(|c| c.recv(from))
-    }
-    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.with(|c| c.recv_idle(from))
-    }
+    Launch {
+        kernel: CString,
+        launch: Launch,
+        values: Vec<u64>,
+    },
+    Gemm {
+        m: usize,
+        n: usize,
+        k: usize,
+        a: *const u16,
+        b: *const u16,
+        c: *mut f32,
+    },
+    Copy {
+        src: *const u8,
+        dst: *mut u8,
+        bytes: usize,
+    },
+    /// Host work (a collective of the emulated NCCL), outside the launch lock.
+    Host(HostWork),
 }
 
 /// A captured graph: the recorded work and the memory allocated while capturing (a CUDA
@@ -210,14 +178,7 @@ impl EmulatedGpu {
     fn run(&self, work: &Recorded) -> Result<()> {
         // A collective runs outside the launch lock: the other ranks' devices run their own
         // work up to it meanwhile, as separate GPUs would.
-        let collective = matches!(
-            work,
-            Recorded::AllReduce { .. }
-                | Recorded::AllGather { .. }
-                | Recorded::Send { .. }
-                | Recorded::Recv { .. }
-        );
-        let _g = (!collective).then(|| self.lock());
+        let _g = (!matches!(work, Recorded::Host(_))).then(|| self.lock());
         match work {
             Recorded::Launch { kernel, launch: l, values } => {
                 let mut values = values.clone();
@@ -259,44 +220,17 @@ impl EmulatedGpu {
             }
             // SAFETY: sizes checked when the copy was queued.
             &Recorded::Copy { src, dst, bytes } => unsafe { std::ptr::copy(src, dst, bytes) },
-            Recorded::AllReduce { comm, group, data, count } => {
-                // SAFETY: the buffer held `count` f32s when the collective was queued, and
-                // its storage outlives the work (a graph keeps it).
-                let data = unsafe { std::slice::from_raw_parts_mut(*data, *count) };
-                comm.lock().unwrap_or_else(|p| p.into_inner()).all_reduce_sum(group, data)?;
-            }
-            Recorded::AllGather { comm, group, send, recv, count } => {
-                // SAFETY: as for the all-reduce: sizes checked when it was queued.
-                let send = unsafe { std::slice::from_raw_parts(*send, *count) };
-                let all = comm.lock().unwrap_or_else(|p| p.into_inner()).all_gather(group, send)?;
-                if all.len() != count * group.len() {
-                    return Err(Error::Internal(format!(
-                        "{} f32s gathered, {count} per rank expected",
-                        all.len()
-                    )));
-                }
-                // SAFETY: recv holds count × group.len() f32s (checked when queued).
-                unsafe { std::ptr::copy_nonoverlapping(all.as_ptr(), *recv, all.len()) };
-            }
-            Recorded::Send { comm, to, data, count } => {
-                // SAFETY: sizes checked when the send was queued.
-                let data = unsafe { std::slice::from_raw_parts(*data, *count) };
-                comm.lock().unwrap_or_else(|p| p.into_inner()).send(*to, crate::comm::f32_bytes(data))?;
-            }
-            Recorded::Recv { comm, from, data, count } => {
-                let got =
-                    crate::comm::bytes_f32(&comm.lock().unwrap_or_else(|p| p.into_inner()).recv(*from)?);
-                if got.len() != *count {
-                    return Err(Error::Internal(format!(
-                        "{} f32s from rank {from}, {count} expected",
-                        got.len()
-                    )));
-                }
-                // SAFETY: the buffer holds `count` f32s (checked when queued).
-                unsafe { std::ptr::copy_nonoverlapping(got.as_ptr(), *data, got.len()) };
-            }
+            Recorded::Host(work) => work()?,
         }
         Ok(())
+    }
+
+    /// Queues host `work` as device work: run now, or recorded into the graph being
+    /// captured (and run at each of its replays). The work runs outside the launch lock,
+    /// so the other ranks' emulated devices go on with their own work meanwhile, as
+    /// separate GPUs would.
+    pub fn enqueue_host(&self, work: HostWork) -> Result<()> {
+        self.submit(Recorded::Host(work))
     }
 
     /// Runs `work` now, or queues it into the graph being captured.
@@ -426,68 +360,5 @@ impl Gpu for EmulatedGpu {
         }
         self.replays.fetch_add(1, Ordering::Relaxed);
         graph.work.iter().try_for_each(|w| self.run(w))
-    }
-
-    fn all_reduce_sum(
-        &self,
-        buf: &mut EmuBuf,
-        count: usize,
-        group: &[usize],
-        comm: &mut dyn Collectives,
-    ) -> Result<bool> {
-        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
-        if count * 4 > buf.bytes {
-            return Err(Error::Internal(format!("all-reduce of {count} f32s from {} bytes", buf.bytes)));
-        }
-        let data = buf.ptr() as *mut f32;
-        self.submit(Recorded::AllReduce { comm: device.inner.clone(), group: group.to_vec(), data, count })?;
-        Ok(true)
-    }
-
-    fn all_gather(
-        &self,
-        send: &EmuBuf,
-        recv: &mut EmuBuf,
-        count: usize,
-        group: &[usize],
-        comm: &mut dyn Collectives,
-    ) -> Result<bool> {
-        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
-        if count * 4 > send.bytes || count * group.len() * 4 > recv.bytes {
-            return Err(Error::Internal(format!("all-gather of {count} f32s × {} ranks", group.len())));
-        }
-        let (send, recv) = (send.ptr() as *const f32, recv.ptr() as *mut f32);
-        self.submit(Recorded::AllGather {
-            comm: device.inner.clone(),
-            group: group.to_vec(),
-            send,
-            recv,
-            count,
-        })?;
-        Ok(true)
-    }
-
-    fn send(&self, buf: &EmuBuf, count: usize, to: usize, comm: &mut dyn Collectives) -> Result<bool> {
-        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
-        if count * 4 > buf.bytes {
-            return Err(Error::Internal(format!("send of {count} f32s from {} bytes", buf.bytes)));
-        }
-        let data = buf.ptr() as *const f32;
-        self.submit(Recorded::Send { comm: device.inner.clone(), to, data, count })?;
-        Ok(true)
-    }
-
-    fn recv(&self, buf: &mut EmuBuf, count: usize, from: usize, comm: &mut dyn Collectives) -> Result<bool> {
-        let Some(device) = EmulatedDeviceComm::of(comm) else { return Ok(false) };
-        if count * 4 > buf.bytes {
-            return Err(Error::Internal(format!("receive of {count} f32s into {} bytes", buf.bytes)));
-        }
-        let data = buf.ptr() as *mut f32;
-        self.submit(Recorded::Recv { comm: device.inner.clone(), from, data, count })?;
-        Ok(true)
-    }
-
-    fn reduces_on_device(&self, comm: &mut dyn Collectives) -> bool {
-        EmulatedDeviceComm::of(comm).is_some()
     }
 }

@@ -38,9 +38,10 @@ use tracing::{debug, warn};
 use super::device::Gpu;
 use super::layout::DeviceLayout;
 use super::{i32_bytes, to_i32, CudaBackend, GpuTensor};
-use crate::backend::{BatchLayout, DecodeStep, SeqSlice, StepBody as Body};
+use crate::backend::{GraphOutput, SeqSlice, StepBody as Body};
 use crate::logits::draw::draws_to_f32s;
 use crate::logits::{Draw, LogitsWanted};
+use crate::step::Step;
 
 /// Batch sizes a graph is captured for; larger decode batches run eagerly (their launch
 /// overhead is small beside their GEMMs).
@@ -96,16 +97,14 @@ impl<G: Gpu> Graphs<G> {
 
 /// The step padded to `rows` sequences.
 struct Padded {
-    ids: Vec<u32>,
-    layout: BatchLayout,
-    rows: Vec<usize>,
+    step: Step,
     /// The draws' parameters as the kernel reads them (empty when the step draws none).
     draws: Vec<f32>,
 }
 
 /// Rows of a pure decode step (every sequence one new token, in order, each sampled), or
 /// None for any other step.
-fn decode_rows(step: &DecodeStep<'_>) -> Option<usize> {
+fn decode_rows(step: &Step) -> Option<usize> {
     let n = step.layout.seqs.len();
     let in_order = step.layout.seqs.iter().enumerate().all(|(i, s)| s.token_start == i && s.num_tokens == 1);
     let sampled = step.logit_rows.iter().enumerate().all(|(i, &r)| r == i);
@@ -119,20 +118,30 @@ fn decode_rows(step: &DecodeStep<'_>) -> Option<usize> {
         .then_some(n)
 }
 
-fn pad(step: &DecodeStep<'_>, rows: usize, scratch_block: u32) -> Padded {
-    let mut draws = step.draws.to_vec();
+/// `step` padded to `rows` sequences, drawing (`draw`) or not.
+fn pad(step: &Step, draw: bool, rows: usize, scratch_block: u32) -> Padded {
+    let mut draws = if draw { step.draws.clone() } else { Vec::new() };
     if !draws.is_empty() {
         draws.resize(rows, Draw::NONE);
     }
-    let draws = draws_to_f32s(&draws);
-    let mut p =
-        Padded { ids: step.ids.to_vec(), layout: step.layout.clone(), rows: (0..rows).collect(), draws };
+    let params = draws_to_f32s(&draws);
+    let mut p = Padded {
+        step: Step {
+            ids: step.ids.clone(),
+            layout: step.layout.clone(),
+            logit_rows: (0..rows).collect(),
+            wanted: step.wanted,
+            draws,
+            trace: None,
+        },
+        draws: params,
+    };
     let scratch_slot = scratch_block * step.layout.block_size as u32;
     for i in step.ids.len()..rows {
-        p.ids.push(0);
-        p.layout.positions.push(0);
-        p.layout.slots.push(scratch_slot);
-        p.layout.seqs.push(SeqSlice {
+        p.step.ids.push(0);
+        p.step.layout.positions.push(0);
+        p.step.layout.slots.push(scratch_slot);
+        p.step.layout.seqs.push(SeqSlice {
             token_start: i,
             num_tokens: 1,
             context_before: 0,
@@ -156,25 +165,27 @@ impl<G: Gpu> CudaBackend<G> {
     /// See [`crate::backend::Backend::replay_decode`].
     pub(super) fn replay_decode_step(
         &self,
-        step: &DecodeStep<'_>,
+        step: &Step,
+        output: GraphOutput,
         body: &mut Body<'_, GpuTensor<G::Buf>>,
     ) -> Result<Option<Vec<f32>>> {
         let mut graphs = self.graphs.lock().unwrap_or_else(|p| p.into_inner());
         let (Some(n), Some(scratch)) = (decode_rows(step), self.scratch_block()) else { return Ok(None) };
         let Some(&rows) = BUCKETS.iter().find(|&&b| b >= n) else { return Ok(None) };
-        let key = Key { rows, wanted: step.wanted, drawn: !step.draws.is_empty() };
+        let drawn = output.draw && !step.draws.is_empty();
+        let key = Key { rows, wanted: output.wanted, drawn };
         if !graphs.enabled || graphs.refused.contains(&key) {
             return Ok(None);
         }
-        let padded = pad(step, rows, scratch);
-        let longest = padded.layout.seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let padded = pad(step, drawn, rows, scratch);
+        let longest = padded.step.layout.seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
         if let Some(c) = graphs.captured.get_mut(&key).filter(|c| c.table_stride >= longest) {
             match self.replay(c, &padded, n) {
                 Ok(out) => return Ok(Some(out)),
                 // Rerunning the step eagerly is safe: it rewrites the same KV slots with
                 // the same values.
                 Err(e) => {
-                    warn!(rows, wanted = ?step.wanted, error = %e, "a graph failed; decode steps of this batch size run without one");
+                    warn!(rows, wanted = ?output.wanted, error = %e, "a graph failed; decode steps of this batch size run without one");
                     graphs.captured.remove(&key);
                     graphs.refused.insert(key);
                     return Ok(None);
@@ -187,18 +198,18 @@ impl<G: Gpu> CudaBackend<G> {
         let stride = longest.next_power_of_two().max(MIN_TABLE_STRIDE);
         // The first replay belongs to the capture: a graph the device cannot run (its
         // memory does not fit beside the KV cache) leaves the step to run eagerly.
-        let captured = self.capture(step, &padded, stride, body).and_then(|mut c| {
+        let captured = self.capture(output, &padded, stride, body).and_then(|mut c| {
             let out = self.replay(&mut c, &padded, n)?;
             Ok((c, out))
         });
         match captured {
             Ok((c, out)) => {
-                debug!(rows, wanted = ?step.wanted, table_stride = stride, "decode step captured as a graph");
+                debug!(rows, wanted = ?output.wanted, table_stride = stride, "decode step captured as a graph");
                 graphs.captured.insert(key, c);
                 Ok(Some(out))
             }
             Err(e) => {
-                warn!(rows, wanted = ?step.wanted, error = %e, "decode steps of this batch size run without a graph");
+                warn!(rows, wanted = ?output.wanted, error = %e, "decode steps of this batch size run without a graph");
                 graphs.refused.insert(key);
                 graphs.captured.remove(&key);
                 Ok(None)
@@ -208,52 +219,51 @@ impl<G: Gpu> CudaBackend<G> {
 
     fn capture(
         &self,
-        step: &DecodeStep<'_>,
+        output: GraphOutput,
         padded: &Padded,
         table_stride: usize,
         body: &mut Body<'_, GpuTensor<G::Buf>>,
     ) -> Result<Captured<G>> {
         let gpu = &*self.gpu;
-        let layout = Arc::new(DeviceLayout::upload(gpu, &padded.layout, Some(table_stride))?);
-        let ids_i = to_i32(padded.ids.iter().map(|&i| i as usize))?;
-        let rows_i = to_i32(padded.rows.iter().copied())?;
+        let p = &padded.step;
+        let layout = Arc::new(DeviceLayout::upload(gpu, &p.layout, Some(table_stride))?);
+        let ids_i = to_i32(p.ids.iter().map(|&i| i as usize))?;
+        let rows_i = to_i32(p.logit_rows.iter().copied())?;
         let ids = Arc::new(gpu.upload(i32_bytes(&ids_i))?);
-        let rows = Arc::new(gpu.upload(i32_bytes(&rows_i))?);
+        let row_buf = Arc::new(gpu.upload(i32_bytes(&rows_i))?);
         // A step without output (`vocab` 0: a stage before the last, or a TP rank that
         // only joins a drawing step's gather) reduces and draws nothing.
-        let out_cols = if step.vocab == 0 { 0 } else { out_cols(step.wanted, step.vocab) };
-        let mut out = gpu.alloc(padded.rows.len() * out_cols * 4)?;
+        let out_cols = if output.vocab == 0 { 0 } else { out_cols(output.wanted, output.vocab) };
+        let rows = p.logit_rows.len();
+        let mut out = gpu.alloc(rows * out_cols * 4)?;
         let mut draw = None;
         if !padded.draws.is_empty() && out_cols > 0 {
-            draw = Some((
-                gpu.upload(bytemuck::cast_slice(&padded.draws))?,
-                gpu.alloc(padded.rows.len() * 3 * 4)?,
-            ));
+            draw = Some((gpu.upload(bytemuck::cast_slice(&padded.draws))?, gpu.alloc(rows * 3 * 4)?));
         }
         // The ops of the captured step find these instead of uploading their own.
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
             ids: Indices { values: ids_i, buf: ids.clone() },
-            rows: Indices { values: rows_i, buf: rows.clone() },
+            rows: Indices { values: rows_i, buf: row_buf.clone() },
         });
         gpu.begin_capture()?;
         let recorded = (|| {
-            let logits = body(&padded.ids, &padded.layout, &padded.rows)?;
+            let logits = body(p)?;
             if let Some((params, drawn)) = draw.as_mut() {
-                let picks = self.draw_tensor(&logits, params, step.first_id)?;
-                gpu.copy(&picks.buf, drawn, padded.rows.len() * 3 * 4)?;
+                let picks = self.draw_tensor(&logits, params, output.first_id)?;
+                gpu.copy(&picks.buf, drawn, rows * 3 * 4)?;
             }
             if out_cols == 0 {
                 return Ok(());
             }
-            let reduced = self.reduce(logits, step.wanted, step.first_id)?;
-            gpu.copy(&reduced.buf, &mut out, padded.rows.len() * out_cols * 4)
+            let reduced = self.reduce(logits, output.wanted, output.first_id)?;
+            gpu.copy(&reduced.buf, &mut out, rows * out_cols * 4)
         })();
         let graph = gpu.end_capture();
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = None;
         *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = None;
         recorded?;
-        Ok(Captured { graph: graph?, layout, ids, _rows: rows, table_stride, out, out_cols, draw })
+        Ok(Captured { graph: graph?, layout, ids, _rows: row_buf, table_stride, out, out_cols, draw })
     }
 
     /// The step's logits reduced as `wanted` says, on the device.
@@ -275,8 +285,8 @@ impl<G: Gpu> CudaBackend<G> {
     fn replay(&self, c: &mut Captured<G>, padded: &Padded, n: usize) -> Result<Vec<f32>> {
         let gpu = &*self.gpu;
         let stale = || Error::Internal("a graph's inputs are still shared".into());
-        Arc::get_mut(&mut c.layout).ok_or_else(stale)?.refill(gpu, &padded.layout, c.table_stride)?;
-        let ids = to_i32(padded.ids.iter().map(|&i| i as usize))?;
+        Arc::get_mut(&mut c.layout).ok_or_else(stale)?.refill(gpu, &padded.step.layout, c.table_stride)?;
+        let ids = to_i32(padded.step.ids.iter().map(|&i| i as usize))?;
         gpu.write(Arc::get_mut(&mut c.ids).ok_or_else(stale)?, i32_bytes(&ids))?;
         if let Some((params, _)) = c.draw.as_mut() {
             gpu.write(params, bytemuck::cast_slice(&padded.draws))?;

@@ -16,9 +16,12 @@
 //! by every layer; small per-call uploads (token ids, row indices) are the only host →
 //! device traffic besides the step's hidden states at pipeline boundaries.
 
-mod collective;
 pub mod device;
 #[cfg(feature = "cuda")]
+pub mod driver;
+/// Without the `cuda` feature: the same names, every call an error that says so.
+#[cfg(not(feature = "cuda"))]
+#[path = "driver_stub.rs"]
 pub mod driver;
 #[cfg(feature = "cuda-emulator")]
 pub mod emulator;
@@ -34,11 +37,16 @@ use strata_common::{Error, Result};
 use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
-use super::{AttentionShape, Backend, BatchLayout, RopeTable};
-use crate::logits::draw::{draws_to_f32s, host_draws};
-use crate::logits::top::{host_top, top_from_f32s};
+use super::{
+    AttentionOps, AttentionShape, BatchLayout, GraphOutput, LogitsOps, RopeTable, StepBody, StepGraphs,
+    TensorOps, Tensors,
+};
+use crate::backend::host_logits::{host_draws, host_top};
+use crate::logits::draw::draws_to_f32s;
+use crate::logits::top::top_from_f32s;
 use crate::logits::{picks_from_f32s, Candidates, Draw, Pick, MAX_TOP};
-use crate::model::weights::{DType, HostTensor};
+use crate::step::Step;
+use crate::tensor::{DType, HostTensor};
 
 /// Threads per block of the attention kernels (a power of two).
 const ATTN_THREADS: u32 = 128;
@@ -58,6 +66,18 @@ pub struct GpuTensor<B> {
     buf: B,
     pub rows: usize,
     pub cols: usize,
+}
+
+impl<B> GpuTensor<B> {
+    /// Its device buffer (at least `rows × cols` f32s), for a communicator of device
+    /// buffers.
+    pub fn buf(&self) -> &B {
+        &self.buf
+    }
+
+    pub fn buf_mut(&mut self) -> &mut B {
+        &mut self.buf
+    }
 }
 
 /// A `[rows, cols]` bf16 weight matrix on the device.
@@ -148,8 +168,8 @@ impl<G: Gpu> CudaBackend<G> {
         &self.gpu
     }
 
-    /// An output tensor (contents undefined until the op writes every element).
-    fn tensor(&self, rows: usize, cols: usize) -> Result<GpuTensor<G::Buf>> {
+    /// An output tensor (contents undefined until an op writes every element).
+    pub fn output(&self, rows: usize, cols: usize) -> Result<GpuTensor<G::Buf>> {
         Ok(GpuTensor { buf: self.gpu.alloc_output((rows * cols).max(1) * 4)?, rows, cols })
     }
 
@@ -172,7 +192,7 @@ impl<G: Gpu> CudaBackend<G> {
                 x.rows, x.cols, w.rows, w.cols
             )));
         }
-        let mut y = self.tensor(x.rows, w.rows)?;
+        let mut y = self.output(x.rows, w.rows)?;
         if x.rows > 0 {
             self.gpu.gemm_bf16(w.rows, x.rows, w.cols, &w.buf, xb, &mut y.buf)?;
         }
@@ -216,7 +236,7 @@ impl<G: Gpu> CudaBackend<G> {
 impl<G: Gpu> CudaBackend<G> {
     /// Each row's greedy pick on the device: `[rows, 3]` (token, logit, log-sum-exp).
     fn greedy_tensor(&self, logits: &GpuTensor<G::Buf>, first_id: u32) -> Result<GpuTensor<G::Buf>> {
-        let out = self.tensor(logits.rows, 3)?;
+        let out = self.output(logits.rows, 3)?;
         self.launch(
             Kernel::GreedyPick,
             Launch::rows(logits.rows, ROW_THREADS),
@@ -236,7 +256,7 @@ impl<G: Gpu> CudaBackend<G> {
         if k == 0 || k > MAX_TOP {
             return Err(Error::Internal(format!("{k} candidates asked; 1..={MAX_TOP} are returned")));
         }
-        let out = self.tensor(logits.rows, 2 * k + 1)?;
+        let out = self.output(logits.rows, 2 * k + 1)?;
         self.launch(
             Kernel::TopLogits,
             Launch::rows(logits.rows, ROW_THREADS),
@@ -259,7 +279,7 @@ impl<G: Gpu> CudaBackend<G> {
         params: &G::Buf,
         first_id: u32,
     ) -> Result<GpuTensor<G::Buf>> {
-        let out = self.tensor(logits.rows, 3)?;
+        let out = self.output(logits.rows, 3)?;
         self.launch(
             Kernel::DrawTokens,
             Launch::rows(logits.rows, ROW_THREADS),
@@ -321,15 +341,12 @@ impl<G: Gpu> CudaBackend<G> {
     }
 }
 
-impl<G: Gpu> Backend for CudaBackend<G> {
+impl<G: Gpu> Tensors for CudaBackend<G> {
     type Tensor = GpuTensor<G::Buf>;
     type Weight = GpuWeight<G::Buf>;
-    type KvLayer = GpuKv<G::Buf>;
-
     fn name(&self) -> &'static str {
         "cuda"
     }
-
     fn load_weight(&self, host: &HostTensor) -> Result<Self::Weight> {
         let [rows, cols] = host.shape[..] else {
             return Err(Error::model_file(
@@ -340,7 +357,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let bf16 = host.cast(DType::BF16);
         Ok(GpuWeight { buf: self.gpu.upload(bf16.bytes())?, rows, cols })
     }
-
     fn load_vector(&self, host: &HostTensor) -> Result<Self::Tensor> {
         if host.shape.len() != 1 {
             return Err(Error::model_file(
@@ -351,28 +367,38 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let data = host.to_f32_vec();
         self.upload(data.clone(), 1, data.len())
     }
-
-    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
-        // One block more than asked: the scratch block of graphs' padding rows.
-        self.kv_blocks.store(num_blocks, Ordering::Relaxed);
-        let bytes = (num_blocks + 1)
-            .checked_mul(block_size)
-            .and_then(|n| n.checked_mul(kv_dim))
-            .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
-            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
-        Ok(GpuKv { k: self.gpu.alloc(bytes.max(4))?, v: self.gpu.alloc(bytes.max(4))?, kv_dim })
-    }
-
-    fn kv_element_bytes(&self) -> usize {
-        KV_ELEMENT_BYTES
-    }
-
     fn weight_bytes(&self, w: &Self::Weight) -> usize {
         w.rows * w.cols * 2
     }
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; x.rows * x.cols];
+        self.gpu.download(&x.buf, bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Tensor> {
+        if data.len() != rows * cols {
+            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
+        }
+        let bytes: &[u8] = if data.is_empty() { &[0; 4] } else { bytemuck::cast_slice(&data) };
+        Ok(GpuTensor { buf: self.gpu.upload(bytes)?, rows, cols })
+    }
+    fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        let mut host = self.to_host(x)?;
+        f(&mut host)?;
+        if !host.is_empty() {
+            self.gpu.write(&mut x.buf, bytemuck::cast_slice(&host))?;
+        }
+        Ok(())
+    }
 
+    fn shape(&self, x: &Self::Tensor) -> (usize, usize) {
+        (x.rows, x.cols)
+    }
+}
+
+impl<G: Gpu> TensorOps for CudaBackend<G> {
     fn embed(&self, table: &Self::Weight, ids: &[u32], first_id: u32) -> Result<Self::Tensor> {
-        let out = self.tensor(ids.len(), table.cols)?;
+        let out = self.output(ids.len(), table.cols)?;
         let ids_buf = self.indices(ids.iter().map(|&i| i as usize), |p| &p.ids)?;
         self.launch(
             Kernel::Embed,
@@ -388,18 +414,15 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         )?;
         Ok(out)
     }
-
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor> {
         let xb = self.cast_bf16(x)?;
         self.gemm(x, &xb, w)
     }
-
     fn matmul_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Result<Vec<Self::Tensor>> {
         // One bf16 copy of the input for every projection that reads it (q/k/v, gate/up).
         let xb = self.cast_bf16(x)?;
         ws.iter().map(|w| self.gemm(x, &xb, w)).collect()
     }
-
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Tensor) -> Result<()> {
         let n = x.rows * x.cols;
         self.launch(
@@ -408,7 +431,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             &[Arg::Buf(&x.buf), Arg::Buf(&bias.buf), Arg::I32(dim(x.rows)?), Arg::I32(dim(x.cols)?)],
         )
     }
-
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()> {
         let n = x.rows * x.cols;
         if n != y.rows * y.cols {
@@ -420,9 +442,8 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             &[Arg::Buf(&x.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
         )
     }
-
     fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Tensor, eps: f32) -> Result<Self::Tensor> {
-        let y = self.tensor(x.rows, x.cols)?;
+        let y = self.output(x.rows, x.cols)?;
         self.launch(
             Kernel::RmsNorm,
             Launch::rows(x.rows, ROW_THREADS),
@@ -436,7 +457,88 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         )?;
         Ok(y)
     }
+    fn add_rms_norm(
+        &self,
+        x: &mut Self::Tensor,
+        delta: &Self::Tensor,
+        weight: &Self::Tensor,
+        eps: f32,
+    ) -> Result<Self::Tensor> {
+        if (x.rows, x.cols) != (delta.rows, delta.cols) || weight.rows * weight.cols != x.cols {
+            return Err(Error::Internal("add_rms_norm of tensors of different shapes".into()));
+        }
+        let y = self.output(x.rows, x.cols)?;
+        self.launch(
+            Kernel::AddRmsNorm,
+            Launch::rows(x.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&x.buf),
+                Arg::Buf(&delta.buf),
+                Arg::Buf(&weight.buf),
+                Arg::Buf(&y.buf),
+                Arg::I32(dim(x.cols)?),
+                Arg::F32(eps),
+            ],
+        )?;
+        Ok(y)
+    }
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        let y = self.output(gate.rows, gate.cols)?;
+        let n = gate.rows * gate.cols;
+        self.launch(
+            Kernel::SiluMul,
+            Launch::elements(n, ELEMENTWISE_THREADS),
+            &[Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
+        )?;
+        Ok(y)
+    }
+    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
+        if let Some(bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
+        }
+        let y = self.output(rows.len(), x.cols)?;
+        let idx_buf = self.indices(rows.iter().copied(), |p| &p.rows)?;
+        self.launch(
+            Kernel::GatherRows,
+            Launch::rows(rows.len(), ROW_THREADS),
+            &[Arg::Buf(&x.buf), Arg::Buf(&idx_buf), Arg::Buf(&y.buf), Arg::I32(dim(x.cols)?)],
+        )?;
+        Ok(y)
+    }
 
+    fn interleave_blocks(&self, x: &Self::Tensor, blocks: usize) -> Result<Self::Tensor> {
+        if blocks == 0 || !x.rows.is_multiple_of(blocks) {
+            return Err(Error::Internal(format!("{} rows are not {blocks} blocks", x.rows)));
+        }
+        let (rows, w) = (x.rows / blocks, x.cols);
+        let y = self.output(rows, w * blocks)?;
+        let args = [
+            Arg::Buf(&x.buf),
+            Arg::Buf(&y.buf),
+            Arg::I32(dim(rows)?),
+            Arg::I32(dim(w)?),
+            Arg::I32(dim(blocks)?),
+        ];
+        self.launch(Kernel::UnshardRows, Launch::rows(rows, ROW_THREADS), &args)?;
+        Ok(y)
+    }
+}
+
+impl<G: Gpu> AttentionOps for CudaBackend<G> {
+    type KvLayer = GpuKv<G::Buf>;
+    fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
+        // One block more than asked: the scratch block of graphs' padding rows.
+        self.kv_blocks.store(num_blocks, Ordering::Relaxed);
+        let bytes = (num_blocks + 1)
+            .checked_mul(block_size)
+            .and_then(|n| n.checked_mul(kv_dim))
+            .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
+            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
+        Ok(GpuKv { k: self.gpu.alloc(bytes.max(4))?, v: self.gpu.alloc(bytes.max(4))?, kv_dim })
+    }
+    fn kv_element_bytes(&self) -> usize {
+        KV_ELEMENT_BYTES
+    }
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
         if positions.len() != x.rows
             || head_dim == 0
@@ -475,33 +577,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             ],
         )
     }
-
-    fn add_rms_norm(
-        &self,
-        x: &mut Self::Tensor,
-        delta: &Self::Tensor,
-        weight: &Self::Tensor,
-        eps: f32,
-    ) -> Result<Self::Tensor> {
-        if (x.rows, x.cols) != (delta.rows, delta.cols) || weight.rows * weight.cols != x.cols {
-            return Err(Error::Internal("add_rms_norm of tensors of different shapes".into()));
-        }
-        let y = self.tensor(x.rows, x.cols)?;
-        self.launch(
-            Kernel::AddRmsNorm,
-            Launch::rows(x.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&x.buf),
-                Arg::Buf(&delta.buf),
-                Arg::Buf(&weight.buf),
-                Arg::Buf(&y.buf),
-                Arg::I32(dim(x.cols)?),
-                Arg::F32(eps),
-            ],
-        )?;
-        Ok(y)
-    }
-
     fn rope_write_kv(
         &self,
         q: &mut Self::Tensor,
@@ -546,59 +621,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             ],
         )
     }
-
-    fn all_reduce(
-        &self,
-        x: &mut Self::Tensor,
-        group: &[usize],
-        comm: &mut dyn crate::comm::Collectives,
-    ) -> Result<()> {
-        self.all_reduce_tensor(x, group, comm)
-    }
-
-    fn captures_collectives(&self, comm: &mut dyn crate::comm::Collectives) -> bool {
-        self.gpu.reduces_on_device(comm)
-    }
-
-    fn gather_vocab(
-        &self,
-        shard: &Self::Tensor,
-        group: &[usize],
-        comm: &mut dyn crate::comm::Collectives,
-    ) -> Result<Option<Self::Tensor>> {
-        self.gather_vocab_tensor(shard, group, comm)
-    }
-
-    fn send_hidden(
-        &self,
-        x: &Self::Tensor,
-        to: usize,
-        comm: &mut dyn crate::comm::Communicator,
-    ) -> Result<()> {
-        self.send_tensor(x, to, comm)
-    }
-
-    fn recv_hidden(
-        &self,
-        rows: usize,
-        cols: usize,
-        from: usize,
-        comm: &mut dyn crate::comm::Communicator,
-    ) -> Result<Self::Tensor> {
-        self.recv_tensor(rows, cols, from, comm)
-    }
-
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
-        let y = self.tensor(gate.rows, gate.cols)?;
-        let n = gate.rows * gate.cols;
-        self.launch(
-            Kernel::SiluMul,
-            Launch::elements(n, ELEMENTWISE_THREADS),
-            &[Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
-        )?;
-        Ok(y)
-    }
-
     fn write_kv(
         &self,
         cache: &mut Self::KvLayer,
@@ -623,7 +645,6 @@ impl<G: Gpu> Backend for CudaBackend<G> {
             ],
         )
     }
-
     fn attention(
         &self,
         q: &Self::Tensor,
@@ -637,7 +658,7 @@ impl<G: Gpu> Backend for CudaBackend<G> {
                 "CUDA attention needs head_dim ≤ {MAX_HEAD_DIM} and heads divisible by KV heads (head_dim {head_dim}, {num_heads} heads, {num_kv_heads} KV heads)"
             )));
         }
-        let out = self.tensor(q.rows, num_heads * head_dim)?;
+        let out = self.output(q.rows, num_heads * head_dim)?;
         let l = self.device_layout(layout)?;
         // Prefill chunks in tiles (K/V read once per tile, not per query); decoding tokens
         // one block each (their positions spread over the block's threads).
@@ -675,25 +696,12 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         )?;
         Ok(out)
     }
+}
 
-    fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
-        if let Some(bad) = rows.iter().find(|&&r| r >= x.rows) {
-            return Err(Error::Internal(format!("gather of row {bad} of {}", x.rows)));
-        }
-        let y = self.tensor(rows.len(), x.cols)?;
-        let idx_buf = self.indices(rows.iter().copied(), |p| &p.rows)?;
-        self.launch(
-            Kernel::GatherRows,
-            Launch::rows(rows.len(), ROW_THREADS),
-            &[Arg::Buf(&x.buf), Arg::Buf(&idx_buf), Arg::Buf(&y.buf), Arg::I32(dim(x.cols)?)],
-        )?;
-        Ok(y)
-    }
-
+impl<G: Gpu> LogitsOps for CudaBackend<G> {
     fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<Pick>> {
         picks_from_f32s(&self.to_host(&self.greedy_tensor(logits, first_id)?)?)
     }
-
     fn top_logits(
         &self,
         logits: &Self::Tensor,
@@ -715,11 +723,9 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         }
         top_from_f32s(&self.to_host(&self.top_tensor(logits, k, first_id)?)?, k)
     }
-
     fn draws_on_device(&self) -> bool {
         true
     }
-
     fn draw_tokens(&self, logits: &Self::Tensor, draws: &[Draw], first_id: u32) -> Result<Vec<Pick>> {
         if draws.len() != logits.rows {
             return Err(Error::Internal(format!("{} draws for {} rows of logits", draws.len(), logits.rows)));
@@ -730,36 +736,16 @@ impl<G: Gpu> Backend for CudaBackend<G> {
         let params = self.gpu.upload(bytemuck::cast_slice(&draws_to_f32s(draws)))?;
         picks_from_f32s(&self.to_host(&self.draw_tensor(logits, &params, first_id)?)?)
     }
+}
 
+impl<G: Gpu> StepGraphs for CudaBackend<G> {
     fn replay_decode(
         &self,
-        step: &super::DecodeStep<'_>,
-        body: &mut super::StepBody<'_, Self::Tensor>,
+        step: &Step,
+        output: GraphOutput,
+        body: &mut StepBody<'_, Self::Tensor>,
     ) -> Result<Option<Vec<f32>>> {
-        self.replay_decode_step(step, body)
-    }
-
-    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>> {
-        let mut out = vec![0f32; x.rows * x.cols];
-        self.gpu.download(&x.buf, bytemuck::cast_slice_mut(&mut out))?;
-        Ok(out)
-    }
-
-    fn upload(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Self::Tensor> {
-        if data.len() != rows * cols {
-            return Err(Error::Internal(format!("{} values for a [{rows}, {cols}] tensor", data.len())));
-        }
-        let bytes: &[u8] = if data.is_empty() { &[0; 4] } else { bytemuck::cast_slice(&data) };
-        Ok(GpuTensor { buf: self.gpu.upload(bytes)?, rows, cols })
-    }
-
-    fn with_host_mut(&self, x: &mut Self::Tensor, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        let mut host = self.to_host(x)?;
-        f(&mut host)?;
-        if !host.is_empty() {
-            self.gpu.write(&mut x.buf, bytemuck::cast_slice(&host))?;
-        }
-        Ok(())
+        self.replay_decode_step(step, output, body)
     }
 }
 

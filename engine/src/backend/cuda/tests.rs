@@ -1,18 +1,12 @@
 //! The CUDA backend's host code and kernels on the CPU emulator (feature
-//! `cuda-emulator`): every op against the CPU backend, then a whole model.
+//! `cuda-emulator`): every op against the CPU backend, and graph capture and replay.
+//! Whole models, replicas and the emulated NCCL run in `engine/tests/cuda_emulator.rs`.
 
 use std::sync::Arc;
 
-use strata_common::{Architecture, SamplingParams};
-
-use super::emulator::{EmulatedDeviceComm, EmulatedGpu};
+use super::emulator::EmulatedGpu;
 use super::CudaBackend;
 use crate::backend::check::{check_ops, CheckSizes};
-use crate::backend::cpu::CpuBackend;
-use crate::model::random::RandomModelSpec;
-use crate::model::weights::DType;
-use crate::model::Model;
-use crate::{Engine, EngineConfig};
 
 fn backend() -> CudaBackend<EmulatedGpu> {
     CudaBackend::new(Arc::new(EmulatedGpu::new()))
@@ -45,212 +39,29 @@ fn every_op_matches_the_cpu_backend() {
     assert!(bad.is_empty(), "ops beyond tolerance: {bad:?}");
 }
 
-/// A communicator of host memory (TCP) is not handed device buffers: the all-reduce goes
-/// through the host and still sums across ranks. (NCCL on device buffers needs a GPU per
-/// rank: `strata gpu-check comm` runs it.)
-#[test]
-fn all_reduce_through_a_host_communicator_sums_across_ranks() {
-    use crate::backend::Backend;
-    let comms = crate::comm::tcp::local_group(2, std::time::Duration::from_secs(20)).unwrap();
-    let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut comm)| {
-                s.spawn(move || {
-                    let b = backend();
-                    let data: Vec<f32> = (0..12).map(|i| (i * (rank + 1)) as f32).collect();
-                    let mut x = b.upload(data, 3, 4).unwrap();
-                    b.all_reduce(&mut x, &[0, 1], &mut comm).unwrap();
-                    b.to_host(&x).unwrap()
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let want: Vec<f32> = (0..12).map(|i| (i * 3) as f32).collect();
-    assert_eq!(sums, vec![want.clone(), want]);
-}
-
-/// One decode event: sequence, token and logprobs.
-type Event = (crate::SeqId, u32, Option<strata_common::TokenLogprobs>);
-
-/// Every event of `e`'s steps until its sequences finish.
-fn events(e: &mut Engine) -> Vec<Event> {
-    let mut out = Vec::new();
-    while e.has_work() {
-        out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token, ev.logprobs)));
-    }
-    out
-}
-
-fn greedy(e: &mut Engine, prompt: &[u32], n: u32) -> Vec<u32> {
-    e.add(
-        crate::SeqId(0),
-        prompt.to_vec(),
-        SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() },
-    )
-    .unwrap();
-    let mut out = Vec::new();
-    while e.has_work() {
-        out.extend(e.step().unwrap().into_iter().map(|ev| ev.token));
-    }
-    out
-}
-
-/// A tiny random Llama with bf16 weights and `layers` layers, in a temporary directory.
-/// Seeded top-p and min-p sampling of 8 tokens: drawn on the device.
-fn nucleus_sampling() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.9,
-        top_p: 0.8,
-        min_p: 0.01,
-        seed: Some(11),
-        max_new_tokens: 8,
-        ignore_eos: true,
-        ..Default::default()
-    }
-}
-
-fn tiny_bf16_model(layers: usize) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    let mut spec = RandomModelSpec::tiny(Architecture::Llama);
-    spec.dtype = DType::BF16;
-    spec.layers = layers;
-    spec.write(dir.path(), |_, _| {}).unwrap();
-    dir
-}
-
-#[test]
-fn a_whole_model_matches_the_cpu_backend() {
-    // bf16 weights on both sides; the device also rounds matmul inputs to bf16.
-    let dir = tiny_bf16_model(2);
-    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let mut cpu = Engine::new(Model::load(dir.path(), CpuBackend::new()).unwrap(), &config).unwrap();
-    let mut gpu = Engine::new(Model::load(dir.path(), backend()).unwrap(), &config).unwrap();
-    // The device's KV cache is bf16: the same budget holds twice the blocks.
-    assert_eq!(gpu.total_blocks(), 2 * cpu.total_blocks());
-    let prompt: Vec<u32> = vec![1, 17, 300, 42, 9, 511, 3];
-    let want = cpu.prompt_logits(&prompt).unwrap();
-    let got = gpu.prompt_logits(&prompt).unwrap();
-    let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
-    let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-    eprintln!("prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
-    assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
-    // Greedy decoding over the paged (bf16) cache: prefill, then decode steps across blocks.
-    let a = greedy(&mut cpu, &prompt, 6);
-    let b = greedy(&mut gpu, &prompt, 6);
-    assert_eq!(a, b, "greedy tokens");
-}
-
-/// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
-/// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
-/// does.
-#[test]
-fn sampling_from_device_candidates_equals_sampling_whole_rows() {
-    use crate::backend::Backend;
-    use crate::sampler::Sampler;
-    let b = backend();
-    let (rows, vocab) = (24, 300);
-    let logits: Vec<f32> =
-        (0..rows * vocab).map(|i| ((i as u64 * 2654435761) % 1000) as f32 / 90.0 - 5.0).collect();
-    let on_device = b.upload(logits.clone(), rows, vocab).unwrap();
-    for (top_k, top_p, min_p) in [(20, 1.0, 0.0), (50, 0.8, 0.0), (5, 1.0, 0.2), (1, 1.0, 0.0)] {
-        let params = SamplingParams {
-            temperature: 0.7,
-            top_k,
-            top_p,
-            min_p,
-            seed: Some(5),
-            logprobs: Some(4),
-            ..Default::default()
-        };
-        let (mut whole, mut cands) = (Sampler::new(params.clone(), &[]), Sampler::new(params, &[]));
-        let k = cands.candidates_needed().expect("top-k sampling needs candidates only");
-        let top = b.top_logits(&on_device, rows, k, 0).unwrap();
-        for (r, c) in top.iter().enumerate() {
-            let want = whole.sample(&logits[r * vocab..(r + 1) * vocab]);
-            let got = cands.take(c);
-            assert_eq!(got.0, want.0, "top_k {top_k}: row {r}");
-            let (g, w) = (got.1.unwrap(), want.1.unwrap());
-            assert_eq!(
-                g.top.iter().map(|t| t.0).collect::<Vec<_>>(),
-                w.top.iter().map(|t| t.0).collect::<Vec<_>>()
-            );
-            assert!((g.logprob - w.logprob).abs() < 1e-4, "row {r}: {g:?} vs {w:?}");
-        }
-    }
-}
-
-/// Decode steps replayed from captured graphs give exactly the tokens and logprobs that
-/// running every op gives: three sequences padded to a graph of four rows (seeded top-k
-/// sampling), then one alone (greedy: another graph) whose one-position blocks outgrow the
-/// graph's block-table stride, so that it is captured again.
-#[test]
-fn decode_graphs_replay_what_eager_steps_compute() {
-    let dir = tiny_bf16_model(1);
-    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 1, ..Default::default() };
-    let run = |graphs: bool| {
-        let gpu = Arc::new(EmulatedGpu::new());
-        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
-        let mut e = Engine::new(Model::load(dir.path(), backend).unwrap(), &config).unwrap();
-        let greedy = |n| SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() };
-        let sampled =
-            SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), logprobs: Some(2), ..greedy(5) };
-        e.add(crate::SeqId(0), vec![1, 17, 300], greedy(19)).unwrap();
-        e.add(crate::SeqId(1), vec![5, 6, 7, 8], sampled.clone()).unwrap();
-        e.add(crate::SeqId(2), vec![400, 2], sampled).unwrap();
-        let out = events(&mut e);
-        (out, gpu.captures(), gpu.replays())
-    };
-    let (eager, no_captures, no_replays) = run(false);
-    let (replayed, captures, replays) = run(true);
-    eprintln!("{} tokens; {captures} graphs captured, {replays} replays", replayed.len());
-    assert_eq!((no_captures, no_replays), (0, 0), "--enforce-eager captures nothing");
-    assert_eq!(eager.len(), 19 + 5 + 5);
-    assert_eq!(replayed, eager, "tokens and logprobs with graphs");
-    // Four rows, top-k (4 decode steps): warm-up, then a capture and 3 replays (a capture
-    // runs by replaying). One row, greedy (14 steps): warm-up at 9 blocks, capture at 10
-    // (stride 16), capture again at 17 blocks (stride 32): 13 replays.
-    assert_eq!(captures, 3, "captures");
-    assert_eq!(replays, 3 + 13, "replays");
-    // Operators see the replays (other tests of this process may add their own).
-    let counted: u64 = strata_common::metrics::encode()
-        .lines()
-        .filter(|l| l.starts_with("strata_graph_steps_total"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum();
-    assert!(counted >= replays, "strata_graph_steps_total {counted}, {replays} replays");
-}
-
 /// A step whose ops cannot be captured (here an upload, which a capture refuses) runs
 /// eagerly, and its batch size is not captured again.
 #[test]
 fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
-    use crate::backend::{Backend, BatchLayout, DecodeStep, SeqSlice};
+    use crate::backend::{AttentionOps, BatchLayout, GraphOutput, SeqSlice, StepGraphs, Tensors};
     use crate::logits::LogitsWanted;
+    use crate::step::Step;
     let gpu = Arc::new(EmulatedGpu::new());
     let b = CudaBackend::with_graphs(gpu.clone(), true);
     b.alloc_kv(4, 2, 8).unwrap();
     let seq = SeqSlice { token_start: 0, num_tokens: 1, context_before: 3, block_table: vec![0, 1] };
     let layout = BatchLayout { positions: vec![3], slots: vec![3], seqs: vec![seq], block_size: 2 };
-    let step = DecodeStep {
-        ids: &[1],
-        layout: &layout,
-        logit_rows: &[0],
-        wanted: LogitsWanted::Full,
-        draws: &[],
-        vocab: 4,
-        first_id: 0,
-    };
+    let step = Step::full_logits(vec![1], layout, vec![0]);
+    let output = GraphOutput { wanted: LogitsWanted::Full, draw: false, vocab: 4, first_id: 0 };
     let mut calls = 0;
-    let mut body = |_: &[u32], _: &BatchLayout, rows: &[usize]| {
+    let mut body = |s: &Step| {
         calls += 1;
-        b.upload(vec![0.5; rows.len() * 4], rows.len(), 4)
+        let rows = s.logit_rows.len();
+        b.upload(vec![0.5; rows * 4], rows, 4)
     };
     // Warm-up (the caller runs it), the failed capture, then no more attempts.
     for _ in 0..3 {
-        assert!(b.replay_decode(&step, &mut body).unwrap().is_none());
+        assert!(b.replay_decode(&step, output, &mut body).unwrap().is_none());
     }
     assert_eq!(calls, 1, "the body runs once, in the failed capture");
     assert_eq!((gpu.captures(), gpu.replays()), (1, 0));
@@ -264,9 +75,10 @@ fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
 /// batch size to eager steps.
 #[test]
 fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
-    use crate::backend::{Backend, BatchLayout, DecodeStep, SeqSlice};
+    use crate::backend::{AttentionOps, BatchLayout, GraphOutput, SeqSlice, StepGraphs, TensorOps, Tensors};
     use crate::logits::LogitsWanted;
-    use crate::model::weights::HostTensor;
+    use crate::step::Step;
+    use crate::tensor::HostTensor;
     let gpu = Arc::new(EmulatedGpu::new());
     let b = CudaBackend::with_graphs(gpu.clone(), true);
     b.alloc_kv(8, 2, 4).unwrap();
@@ -290,18 +102,9 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
         }
     };
     let run = |ids: &[u32]| {
-        let layout = step_of(ids);
-        let rows: Vec<usize> = (0..ids.len()).collect();
-        let step = DecodeStep {
-            ids,
-            layout: &layout,
-            logit_rows: &rows,
-            wanted: LogitsWanted::Full,
-            draws: &[],
-            vocab: 3,
-            first_id: 0,
-        };
-        b.replay_decode(&step, &mut |ids, _, _| b.embed(&table, ids, 0)).unwrap()
+        let step = Step::full_logits(ids.to_vec(), step_of(ids), (0..ids.len()).collect());
+        let output = GraphOutput { wanted: LogitsWanted::Full, draw: false, vocab: 3, first_id: 0 };
+        b.replay_decode(&step, output, &mut |s: &Step| b.embed(&table, &s.ids, 0)).unwrap()
     };
     let rows_of = |ids: &[u32]| {
         ids.iter().flat_map(|&t| values[t as usize * 3..t as usize * 3 + 3].to_vec()).collect::<Vec<_>>()
@@ -315,230 +118,4 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
     gpu.fail_replays.store(false, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(run(&[3, 1, 0]), None, "and every later one of this batch size");
     assert_eq!((gpu.captures(), gpu.replays()), (1, 2));
-}
-
-/// The device draws the token the host reference draws — top-p, min-p, both, neither,
-/// and a nucleus that cuts a run of equal logits (ties go by id) — and, over a grid of
-/// uniform numbers, each kept token in proportion to its probability and nothing else.
-#[test]
-fn device_draws_follow_the_samplers_kept_distribution() {
-    use crate::backend::Backend;
-    use crate::logits::draw::{host_draw, kept};
-    use crate::logits::Draw;
-    use crate::sampler::Sampler;
-    let b = backend();
-    let (rows, vocab) = (16, 300);
-    let mut logits: Vec<f32> =
-        (0..rows * vocab).map(|i| ((i as u64 * 2654435761) % 1000) as f32 / 150.0 - 3.0).collect();
-    logits[..vocab].iter_mut().enumerate().for_each(|(c, l)| *l = if c % 7 == 3 { 4.0 } else { -4.0 });
-    let on_device = b.upload(logits.clone(), rows, vocab).unwrap();
-    for (temperature, top_p, min_p) in [(0.8, 0.9, 0.0), (1.0, 1.0, 0.1), (0.6, 0.5, 0.05), (1.2, 1.0, 0.0)] {
-        let draws: Vec<Draw> = (0..rows)
-            .map(|r| Draw { temperature, top_p, min_p, u: ((r * 37 + 11) % 100) as f32 / 100.0 })
-            .collect();
-        let picks = b.draw_tokens(&on_device, &draws, 0).unwrap();
-        for (r, (p, d)) in picks.iter().zip(&draws).enumerate() {
-            assert_eq!(p.token as usize, host_draw(&logits[r * vocab..(r + 1) * vocab], d), "row {r}, {d:?}");
-        }
-    }
-    // The host sampler draws such a request the same way: the same tokens, seed for seed.
-    let params =
-        SamplingParams { temperature: 0.8, top_p: 0.9, min_p: 0.02, seed: Some(4), ..Default::default() };
-    let (mut host, mut dev) = (Sampler::new(params.clone(), &[]), Sampler::new(params, &[]));
-    assert!(dev.drawable());
-    let draws: Vec<Draw> = (0..rows).map(|_| dev.next_draw()).collect();
-    let picks = b.draw_tokens(&on_device, &draws, 0).unwrap();
-    for (r, p) in picks.iter().enumerate() {
-        assert_eq!(p.token, host.sample(&logits[r * vocab..(r + 1) * vocab]).0, "row {r}: the host sampler");
-    }
-    let row = &logits[vocab..2 * vocab];
-    let d = Draw { temperature: 0.9, top_p: 0.7, min_p: 0.02, u: 0.0 };
-    let n = 400;
-    let grid: Vec<Draw> = (0..n).map(|i| Draw { u: (i as f32 + 0.5) / n as f32, ..d }).collect();
-    let picks = b.draw_tokens(&b.upload(row.repeat(n), n, vocab).unwrap(), &grid, 0).unwrap();
-    let keep: Vec<usize> = kept(row, &d).into_iter().map(|k| k.0).collect();
-    let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weight = |c: usize| ((row[c] / d.temperature - top / d.temperature) as f64).exp();
-    let total: f64 = keep.iter().map(|&c| weight(c)).sum();
-    let mut counts = vec![0usize; vocab];
-    picks.iter().for_each(|p| counts[p.token as usize] += 1);
-    for (c, &count) in counts.iter().enumerate() {
-        let want = if keep.contains(&c) { weight(c) / total * n as f64 } else { 0.0 };
-        assert!((count as f64 - want).abs() <= 2.0, "token {c}: drawn {count} times, {want:.1} expected");
-    }
-}
-
-/// A top-p sequence's tokens are drawn on the device — not one row of logits crosses to
-/// the host — and are the same whether it decodes alone or beside a sequence whose
-/// penalties need whole rows and a greedy one, with graphs or without: whether a token is
-/// drawn on the device depends on its request only, so a seed reproduces a generation.
-#[test]
-fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
-    let dir = tiny_bf16_model(1);
-    let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
-    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let nucleus = nucleus_sampling();
-    let run = |graphs: bool, companions: bool| {
-        let gpu = Arc::new(EmulatedGpu::new());
-        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
-        let mut e = Engine::new(Model::load(dir.path(), backend).unwrap(), &config).unwrap();
-        e.add(crate::SeqId(0), vec![1, 17, 300], nucleus.clone()).unwrap();
-        if companions {
-            let penalised = SamplingParams { repetition_penalty: 1.3, seed: Some(2), ..nucleus.clone() };
-            e.add(crate::SeqId(1), vec![5, 6], penalised).unwrap();
-            e.add(crate::SeqId(2), vec![9], SamplingParams { temperature: 0.0, ..nucleus.clone() }).unwrap();
-        }
-        let mut out = Vec::new();
-        while e.has_work() {
-            let events = e.step().unwrap();
-            out.extend(events.into_iter().filter(|ev| ev.seq == crate::SeqId(0)).map(|ev| ev.token));
-        }
-        (out, gpu.downloaded_bytes())
-    };
-    let (alone, bytes) = run(true, false);
-    eprintln!("drawn alone: {alone:?}, {bytes} bytes downloaded");
-    assert_eq!(alone.len(), 8);
-    assert!(bytes < (vocab * 4) as u64, "{bytes} bytes reached the host: a row of logits is {}", vocab * 4);
-    assert_eq!(run(false, false).0, alone, "eager steps");
-    assert_eq!(run(true, true).0, alone, "beside whole-row and greedy sequences, with graphs");
-    assert_eq!(run(false, true).0, alone, "beside whole-row and greedy sequences, eager");
-}
-
-/// A tensor-parallel rank replays its decode steps from graphs when its collectives are
-/// device work (NCCL on GPUs; here the emulator's stand-in, [`EmulatedDeviceComm`]), and
-/// draws top-p tokens from the vocabulary gathered on the device: two ranks, each its own
-/// emulated device, give exactly the tokens and logprobs of eager steps — greedy, seeded
-/// top-k with logprobs, and seeded top-p — and capture the same graphs. With a
-/// communicator of host memory nothing is captured (the collectives could not be), the
-/// top-p rows are gathered and drawn on the host, and the tokens are the same.
-#[test]
-fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
-    use crate::comm::Communicator;
-    let dir = tiny_bf16_model(2);
-    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let par = strata_common::Parallelism { tp: 2, pp: 1 };
-    let run = |graphs: bool, on_device: bool| {
-        let gpus: Vec<Arc<EmulatedGpu>> = (0..2).map(|_| Arc::new(EmulatedGpu::new())).collect();
-        let ranks = gpus.clone();
-        let backend = move |rank: usize| Ok(CudaBackend::with_graphs(ranks[rank].clone(), graphs));
-        let comm = move |mesh: crate::comm::tcp::TcpComm,
-                         _rank: usize|
-              -> strata_common::Result<Box<dyn Communicator>> {
-            Ok(if on_device { Box::new(EmulatedDeviceComm::new(Box::new(mesh))) } else { Box::new(mesh) })
-        };
-        let mut e = crate::replica::local_replica_on(dir.path(), par, &config, backend, comm).unwrap();
-        let greedy = |n| SamplingParams { max_new_tokens: n, ignore_eos: true, ..Default::default() };
-        let top_k =
-            SamplingParams { temperature: 0.8, top_k: 5, seed: Some(3), logprobs: Some(2), ..greedy(6) };
-        let top_p = SamplingParams { temperature: 0.9, top_p: 0.8, seed: Some(5), ..greedy(6) };
-        e.add(crate::SeqId(0), vec![1, 17, 300], greedy(9)).unwrap();
-        e.add(crate::SeqId(1), vec![5, 6, 7, 8], top_k).unwrap();
-        e.add(crate::SeqId(2), vec![400, 2], top_p).unwrap();
-        let out = events(&mut e);
-        drop(e); // stops the other rank before its device is read
-        let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
-        (out, counts, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
-    };
-    let (eager, none, eager_bytes) = run(false, true);
-    let (replayed, counts, bytes) = run(true, true);
-    let (host, host_counts, host_bytes) = run(true, false);
-    eprintln!("{} tokens; (captures, replays) per rank: {counts:?}", replayed.len());
-    eprintln!("bytes to each rank's host: {bytes:?} with graphs, {eager_bytes:?} eager, {host_bytes:?} through the host");
-    // Device collectives: the top-p rows are drawn from the vocabulary gathered on the
-    // device, so only picks and candidates reach the host, and only rank 0's (rank 1's
-    // part of a drawing step ends at the gather); a host communicator gathers every
-    // step's logit rows there and draws on the host (the same walk: same tokens).
-    for b in [&bytes, &eager_bytes] {
-        assert!(b[0] * 10 < host_bytes[0], "rows of logits reached the host: {b:?}");
-        assert!(b[1] * 10 < b[0], "rank 1 downloaded a drawing step's output: {b:?}");
-    }
-    assert_eq!(none, vec![(0, 0); 2], "--enforce-eager captures nothing");
-    assert_eq!(eager.len(), 9 + 6 + 6);
-    assert_eq!(replayed, eager, "tokens and logprobs with graphs");
-    // Through the host, the whole rows' log-softmax is the CPU's (`sampler::logprobs`),
-    // whose normaliser sums in the CPU kernels' lane order, not the device's: the same
-    // tokens, logprobs equal to f32 rounding.
-    assert_same_tokens(&host, &eager, 1e-5, "through a host communicator");
-    assert_eq!(host_counts, vec![(0, 0); 2], "host all-reduces are not captured");
-    assert_eq!(counts[0], counts[1], "every rank captures and replays the same steps");
-    // Greedy, top-k and whole rows are three graph keys of three rows, then one and two
-    // rows as sequences finish: at least one capture, and replays after it.
-    assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
-}
-
-/// `got` has `want`'s tokens exactly, and its logprobs (the chosen token's and the top
-/// alternatives', same tokens in the same order) within `tol` of `want`'s.
-fn assert_same_tokens(got: &[Event], want: &[Event], tol: f32, what: &str) {
-    let tokens = |v: &[Event]| v.iter().map(|e| (e.0, e.1)).collect::<Vec<_>>();
-    assert_eq!(tokens(got), tokens(want), "tokens {what}");
-    for ((_, _, g), (_, _, w)) in got.iter().zip(want) {
-        let close = match (g, w) {
-            (None, None) => true,
-            (Some(g), Some(w)) => {
-                (g.logprob - w.logprob).abs() <= tol
-                    && g.top.len() == w.top.len()
-                    && g.top.iter().zip(&w.top).all(|(a, b)| a.0 == b.0 && (a.1 - b.1).abs() <= tol)
-            }
-            _ => false,
-        };
-        assert!(close, "logprobs {what}: {g:?} against {w:?}");
-    }
-}
-
-/// A pipeline-parallel replica draws on its last stage's device — the picks travel to the
-/// leader with the step's logits, never a row of them — and, where its stages hand hidden
-/// states over on the device (NCCL; here the emulator's stand-in), every stage replays its
-/// decode steps from graphs that receive from the previous stage and send to the next.
-/// Two stages on two emulated devices give one rank's top-p tokens every way; so do two
-/// stages of two TP ranks each, with graphs and without.
-#[test]
-fn pipeline_stages_replay_graphs_and_draw_on_the_last_stages_device() {
-    use crate::comm::Communicator;
-    use strata_common::Parallelism;
-    let dir = tiny_bf16_model(2);
-    let vocab = RandomModelSpec::tiny(Architecture::Llama).vocab;
-    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let nucleus = nucleus_sampling();
-    let run = |par: Parallelism, on_device: bool, graphs: bool| {
-        let gpus: Vec<Arc<EmulatedGpu>> = (0..par.world()).map(|_| Arc::new(EmulatedGpu::new())).collect();
-        let ranks = gpus.clone();
-        let backend = move |rank: usize| Ok(CudaBackend::with_graphs(ranks[rank].clone(), graphs));
-        let comm =
-            move |mesh: crate::comm::tcp::TcpComm, _| -> strata_common::Result<Box<dyn Communicator>> {
-                Ok(if on_device { Box::new(EmulatedDeviceComm::new(Box::new(mesh))) } else { Box::new(mesh) })
-            };
-        let mut e = crate::replica::local_replica_on(dir.path(), par, &config, backend, comm).unwrap();
-        e.add(crate::SeqId(0), vec![1, 17, 300], nucleus.clone()).unwrap();
-        e.add(crate::SeqId(1), vec![5, 6], SamplingParams { seed: Some(4), ..nucleus.clone() }).unwrap();
-        let mut out = Vec::new();
-        while e.has_work() {
-            out.extend(e.step().unwrap().into_iter().map(|ev| (ev.seq, ev.token)));
-        }
-        drop(e); // stops the other ranks before their devices are read
-        let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
-        (out, counts, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
-    };
-    let two = Parallelism { tp: 1, pp: 2 };
-    let (one, ..) = run(Parallelism::NONE, false, true);
-    let (host, host_counts, host_bytes) = run(two, false, true);
-    let (device, counts, bytes) = run(two, true, true);
-    let (eager, ..) = run(two, true, false);
-    eprintln!(
-        "bytes to each stage's host: {host_bytes:?} handing over through the host, {bytes:?} on the device"
-    );
-    eprintln!("(captures, replays) per stage: {counts:?}");
-    assert_eq!(one.len(), 16);
-    assert_eq!(host, one, "two stages through the host draw the tokens one rank draws");
-    assert_eq!(device, one, "two stages handing over on the device, with graphs");
-    assert_eq!(eager, one, "two stages handing over on the device, without graphs");
-    assert!(host_bytes[1] < (vocab * 4) as u64, "{} bytes reached the last stage's host", host_bytes[1]);
-    assert_eq!(host_counts, vec![(0, 0); 2], "a hand-off through the host is not captured");
-    assert_eq!(counts[0], counts[1], "both stages capture and replay the same steps");
-    assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
-    assert!(bytes[0] * 4 < host_bytes[0], "the first stage's hidden states went through its host");
-    let grid = Parallelism { tp: 2, pp: 2 };
-    let (grid_graphs, grid_counts, _) = run(grid, true, true);
-    let (grid_eager, ..) = run(grid, true, false);
-    assert_eq!(grid_graphs, grid_eager, "2 × 2 ranks with graphs and without");
-    assert!(grid_counts.iter().all(|&c| c == grid_counts[0] && c.0 >= 1), "{grid_counts:?}");
 }

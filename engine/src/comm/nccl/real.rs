@@ -1,13 +1,15 @@
-//! The NCCL communicator (feature `cuda`): collectives on GPUs through `cudarc`.
+//! The NCCL communicator (feature `cuda`): the replica's [`DeviceCollectives`] on GPUs,
+//! through `cudarc`.
 //!
 //! NCCL allows one rank per GPU, so each rank drives one device. Set-up needs every
 //! group's NCCL unique id: the replica's leader (rank 0) creates them and hands them out
 //! over the bootstrap communicator (the same TCP mesh the replica already uses for step
 //! plans), then every member of a group joins that group's NCCL communicator. Collectives
-//! run on device buffers: the CUDA backend hands its tensors to [`NcclComm::all_reduce_device`]
-//! (ordered on its stream, no host copy); the host-slice interface copies in and out
-//! around them for everything else (the contract checks, gathers). Point-to-point
-//! messages (step plans, hidden states between stages) go over the bootstrap mesh.
+//! take the CUDA backend's tensors and run on NCCL's stream ordered after the work queued
+//! on the backend's stream and before what is queued there next (events, no host copy,
+//! no host synchronisation), so a graph capture of the backend's stream records them.
+//! Host messages (step plans, replies, merges of reduced rows) go over the bootstrap
+//! mesh, which is this communicator's [`DeviceCollectives::host`].
 //!
 //! `cudarc` loads CUDA and NCCL at run time and panics on its first call when a library is
 //! missing, so [`probe_libraries`] opens them first and turns absence into an error that
@@ -17,13 +19,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::safe::{Comm, Id, ReduceOp};
 use strata_common::{Error, Result};
 
-use super::{Collectives, CommStats, Communicator, StepChannel};
+use crate::backend::cuda::device::Gpu;
+use crate::backend::cuda::driver::{probe, CudaGpu, Library, DRIVER};
+use crate::backend::cuda::{CudaBackend, GpuTensor};
+use crate::comm::{CommStats, Communicator, DeviceCollectives, Exchange};
 
-use crate::backend::cuda::driver::{probe, Library, DRIVER};
+type Backend = CudaBackend<CudaGpu>;
+type Tensor = GpuTensor<CudaSlice<u8>>;
 
 /// NCCL's library, under the names it is found by.
 pub const NCCL: Library = ("NCCL", &["libnccl.so.2", "libnccl.so"]);
@@ -131,7 +137,7 @@ impl NcclComm {
     }
 
     /// Sends `data` (f32s on this rank's GPU) to rank `to`, through the communicator of
-    /// the pair (see [`pipeline_pairs`]), ordered on the compute stream `on` as
+    /// the pair (see [`super::pipeline_pairs`]), ordered on the compute stream `on` as
     /// [`NcclComm::all_reduce_device`] is.
     pub fn send_device(
         &mut self,
@@ -177,6 +183,11 @@ impl NcclComm {
         Ok(())
     }
 
+    /// This rank in the replica.
+    pub fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
     /// The communicator of this rank and `other`, and `other`'s rank in it.
     fn pair(&self, other: usize) -> Result<(&Comm, i32)> {
         let me = self.rank();
@@ -192,85 +203,104 @@ impl NcclComm {
     }
 }
 
-impl Collectives for NcclComm {
-    fn rank(&self) -> usize {
-        self.bootstrap.rank()
+/// The first `count` f32s of a device buffer, for NCCL.
+///
+/// SAFETY (of both): a tensor's buffer holds f32 activations (a GpuTensor's), at least
+/// `rows × cols` of them; `transmute` checks the length against the buffer.
+fn view(buf: &CudaSlice<u8>, count: usize) -> Result<cudarc::driver::CudaView<'_, f32>> {
+    unsafe { buf.transmute::<f32>(count.max(1)) }
+        .ok_or_else(|| Error::Internal(format!("{count} f32s from a smaller buffer")))
+}
+
+fn view_mut(buf: &mut CudaSlice<u8>, count: usize) -> Result<cudarc::driver::CudaViewMut<'_, f32>> {
+    unsafe { buf.transmute_mut::<f32>(count.max(1)) }
+        .ok_or_else(|| Error::Internal(format!("{count} f32s into a smaller buffer")))
+}
+
+impl DeviceCollectives<Backend> for NcclComm {
+    fn in_stream_order(&self) -> bool {
+        true
     }
-    fn world(&self) -> usize {
-        self.bootstrap.world()
-    }
-    fn all_reduce_sum(&mut self, group: &[usize], data: &mut [f32]) -> Result<()> {
+
+    fn all_reduce(&mut self, b: &Backend, x: &mut Tensor, group: &[usize]) -> Result<()> {
         if group.len() <= 1 {
             return Ok(());
         }
-        let started = Instant::now();
-        let comm = self.group(group)?;
-        let mut buf = self.stream.clone_htod(data).map_err(cuda_err("copy to device"))?;
-        comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).map_err(nccl_err("all-reduce"))?;
-        self.stream.memcpy_dtoh(&buf, data).map_err(cuda_err("copy to host"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
-        self.stats.bytes_sent += (data.len() * 4) as u64;
-        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
-        Ok(())
+        let n = x.rows * x.cols;
+        let mut data = view_mut(x.buf_mut(), n)?;
+        self.all_reduce_device(group, &mut data, b.gpu().stream())
     }
-    fn all_gather(&mut self, group: &[usize], local: &[f32]) -> Result<Vec<f32>> {
-        if group.len() <= 1 {
-            return Ok(local.to_vec());
+
+    fn all_gather(&mut self, b: &Backend, x: &Tensor, group: &[usize]) -> Result<Tensor> {
+        let n = x.rows * x.cols;
+        let mut out = b.output(x.rows * group.len(), x.cols)?;
+        if group.len() <= 1 || n == 0 {
+            b.gpu().copy(x.buf(), out.buf_mut(), n * 4)?;
+            return Ok(out);
         }
-        let started = Instant::now();
-        // NCCL gathers equal counts: agree on the largest, pad, then trim each part.
-        let mut sizes = vec![0f32; group.len()];
-        let me = group
-            .iter()
-            .position(|&r| r == self.rank())
-            .ok_or_else(|| Error::Internal("not in group".into()))?;
-        sizes[me] = local.len() as f32;
-        self.all_reduce_sum(group, &mut sizes)?;
-        let max = sizes.iter().fold(0f32, |a, &b| a.max(b)) as usize;
-        let mut padded = local.to_vec();
-        padded.resize(max, 0.0);
-        let comm = self.group(group)?;
-        let send = self.stream.clone_htod(&padded).map_err(cuda_err("copy to device"))?;
-        let mut recv = self.stream.alloc_zeros::<f32>(max * group.len()).map_err(cuda_err("alloc"))?;
-        comm.all_gather(&send, &mut recv).map_err(nccl_err("all-gather"))?;
-        let mut all = vec![0f32; max * group.len()];
-        self.stream.memcpy_dtoh(&recv, &mut all).map_err(cuda_err("copy to host"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
-        let out = sizes
-            .iter()
-            .enumerate()
-            .flat_map(|(i, &n)| all[i * max..i * max + n as usize].to_vec())
-            .collect();
-        self.stats.busy_ns += started.elapsed().as_nanos() as u64;
+        let send = view(x.buf(), n)?;
+        let mut recv = view_mut(out.buf_mut(), n * group.len())?;
+        self.all_gather_device(group, &send, &mut recv, b.gpu().stream())?;
+        drop((send, recv));
         Ok(out)
     }
-    fn barrier(&mut self, group: &[usize]) -> Result<()> {
-        self.bootstrap.barrier(group)
-    }
-    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
-        Some(self)
-    }
-    fn stats(&self) -> CommStats {
-        let b = self.bootstrap.stats();
-        CommStats {
-            bytes_sent: self.stats.bytes_sent + b.bytes_sent,
-            busy_ns: self.stats.busy_ns + b.busy_ns,
-        }
-    }
-}
 
-impl StepChannel for NcclComm {
-    fn broadcast(&mut self, group: &[usize], root: usize, data: &mut Vec<u8>) -> Result<()> {
-        self.bootstrap.broadcast(group, root, data)
+    fn all_to_all(&mut self, b: &Backend, x: &Tensor, rows: Exchange<'_>, group: &[usize]) -> Result<Tensor> {
+        rows.check(group.len(), x.rows)?;
+        let cols = x.cols;
+        let mut out = b.output(rows.recv.iter().sum(), cols)?;
+        if group.len() <= 1 {
+            b.gpu().copy(x.buf(), out.buf_mut(), x.rows * cols * 4)?;
+            return Ok(out);
+        }
+        let sent = x.rows * cols * 4;
+        let src = view(x.buf(), x.rows * cols)?;
+        let mut dst = view_mut(out.buf_mut(), rows.recv.iter().sum::<usize>() * cols)?;
+        self.in_stream_order(b.gpu().stream(), sent, |c| {
+            let comm = c.group(group)?;
+            // One NCCL group call: every send and receive of the exchange start together,
+            // so no pair waits on another.
+            cudarc::nccl::result::group_start().map_err(nccl_err("group start"))?;
+            let exchanged = (|| -> Result<()> {
+                let (mut from, mut to) = (0, 0);
+                for (peer, (&s, &r)) in rows.send.iter().zip(rows.recv).enumerate() {
+                    if s > 0 {
+                        let part = src.slice(from * cols..(from + s) * cols);
+                        comm.send(&part, peer as i32).map_err(nccl_err("send"))?;
+                    }
+                    if r > 0 {
+                        let mut part = dst.slice_mut(to * cols..(to + r) * cols);
+                        comm.recv(&mut part, peer as i32).map_err(nccl_err("receive"))?;
+                    }
+                    (from, to) = (from + s, to + r);
+                }
+                Ok(())
+            })();
+            let ended = cudarc::nccl::result::group_end().map(drop).map_err(nccl_err("group end"));
+            exchanged.and(ended)
+        })?;
+        drop((src, dst));
+        Ok(out)
     }
-    fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
-        self.bootstrap.send(to, data)
+
+    fn send(&mut self, b: &Backend, x: &Tensor, to: usize) -> Result<()> {
+        self.send_device(to, &view(x.buf(), x.rows * x.cols)?, b.gpu().stream())
     }
-    fn recv(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.bootstrap.recv(from)
+
+    fn recv(&mut self, b: &Backend, rows: usize, cols: usize, from: usize) -> Result<Tensor> {
+        let mut out = b.output(rows, cols)?;
+        let mut data = view_mut(out.buf_mut(), rows * cols)?;
+        self.recv_device(from, &mut data, b.gpu().stream())?;
+        drop(data);
+        Ok(out)
     }
-    fn recv_idle(&mut self, from: usize) -> Result<Vec<u8>> {
-        self.bootstrap.recv_idle(from)
+
+    fn host(&mut self) -> &mut dyn Communicator {
+        self.bootstrap.as_mut()
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.plus(self.bootstrap.stats())
     }
 }
 
@@ -337,21 +367,6 @@ impl NcclComm {
     }
 }
 
-/// The groups of a `tp × pp` replica's NCCL communicators: each stage's TP group, then
-/// each pair of ranks that hand hidden states from one stage to the next (stage `s`'s TP
-/// rank `t` to stage `s + 1`'s).
-pub fn replica_groups(tp: usize, pp: usize) -> Vec<Vec<usize>> {
-    let mut groups: Vec<Vec<usize>> =
-        (0..pp).filter(|_| tp > 1).map(|s| (s * tp..(s + 1) * tp).collect()).collect();
-    groups.extend(pipeline_pairs(tp, pp));
-    groups
-}
-
-/// Stage-to-stage pairs of a `tp × pp` replica, `[sender, receiver]`.
-pub fn pipeline_pairs(tp: usize, pp: usize) -> Vec<Vec<usize>> {
-    (0..pp.saturating_sub(1)).flat_map(|s| (0..tp).map(move |t| vec![s * tp + t, (s + 1) * tp + t])).collect()
-}
-
 /// Number of CUDA devices the driver sees.
 pub fn device_count() -> Result<usize> {
     probe_libraries()?;
@@ -362,7 +377,7 @@ pub fn device_count() -> Result<usize> {
 /// Starts `world` NCCL ranks inside this process (threads), rank r on GPU `first_device + r`,
 /// bootstrapped over a loopback TCP group, each holding communicators for `groups`.
 pub fn local_group(first_device: usize, world: usize, groups: &[Vec<usize>]) -> Result<Vec<NcclComm>> {
-    let tcp = super::tcp::local_group(world, std::time::Duration::from_secs(60))?;
+    let tcp = crate::comm::tcp::local_group(world, std::time::Duration::from_secs(60))?;
     std::thread::scope(|s| {
         let handles: Vec<_> = tcp
             .into_iter()
@@ -390,12 +405,5 @@ mod tests {
                 assert!(msg.contains("LD_LIBRARY_PATH") && msg.contains("libcuda"), "{msg}");
             }
         }
-    }
-
-    #[test]
-    fn replica_groups_name_each_stage_and_each_hand_off() {
-        assert_eq!(replica_groups(2, 2), vec![vec![0, 1], vec![2, 3], vec![0, 2], vec![1, 3]]);
-        assert_eq!(replica_groups(1, 3), vec![vec![0, 1], vec![1, 2]]);
-        assert_eq!(replica_groups(4, 1), vec![vec![0, 1, 2, 3]]);
     }
 }

@@ -1,0 +1,148 @@
+//! Loading one rank's slices of a checkpoint onto a backend, part by part.
+//!
+//! Tensor parallelism decides the slices: column-parallel projections (q, k, v, gate, up)
+//! take this rank's output rows, row-parallel ones (o, down) its input columns, the
+//! embedding and LM head its vocabulary rows. A quantized checkpoint's int8 matrices load
+//! with their per-row scales (`<name>_scale` beside them). Every byte loaded is counted.
+
+use std::ops::Range;
+
+use strata_common::{Error, ModelConfig, RankShard, Result};
+
+use super::parts::{Attention, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec, Norm};
+use super::weights::Checkpoint;
+use crate::backend::{AttentionShape, Backend};
+use crate::tensor::HostTensor;
+
+pub(super) struct ShardLoader<'a, B: Backend> {
+    pub backend: &'a B,
+    pub ckpt: &'a Checkpoint,
+    pub config: &'a ModelConfig,
+    pub shard: &'a RankShard,
+    pub bytes: usize,
+}
+
+impl<B: Backend> ShardLoader<'_, B> {
+    /// Loads `host`, rows `rows` of the `[out, _]` matrix `name`: as int8 with its scales'
+    /// same rows when the checkpoint is quantized.
+    fn weight(&mut self, name: &str, host: HostTensor, out: usize, rows: Range<usize>) -> Result<B::Weight> {
+        let scale = format!("{name}_scale");
+        let w = if self.ckpt.contains(&scale) {
+            self.backend.load_weight_int8(&host, &self.ckpt.get(&scale, &[out])?.rows(rows)?)?
+        } else {
+            self.backend.load_weight(&host)?
+        };
+        self.bytes += self.backend.weight_bytes(&w);
+        Ok(w)
+    }
+
+    /// A `[len]` vector (norm weights, biases).
+    pub fn vector(&self, name: &str, len: usize) -> Result<B::Tensor> {
+        self.backend.load_vector(&self.ckpt.get(name, &[len])?)
+    }
+
+    /// This rank's vocabulary rows of an embedding-shaped tensor.
+    pub fn vocab_rows(&mut self, name: &str) -> Result<B::Weight> {
+        let c = self.config;
+        let rows = self.shard.vocab.clone();
+        let host = self.ckpt.get(name, &[c.vocab_size, c.hidden_size])?.rows(rows.clone())?;
+        self.weight(name, host, c.vocab_size, rows)
+    }
+
+    /// Column-parallel: this rank's output rows (and bias elements).
+    fn column(&mut self, name: &str, out: usize, rows: Range<usize>, bias: bool) -> Result<Linear<B>> {
+        let h = self.config.hidden_size;
+        let weight = format!("{name}.weight");
+        let host = self.ckpt.get(&weight, &[out, h])?.rows(rows.clone())?;
+        let w = self.weight(&weight, host, out, rows.clone())?;
+        let bias = match bias {
+            true => {
+                Some(self.backend.load_vector(&self.ckpt.get(&format!("{name}.bias"), &[out])?.rows(rows)?)?)
+            }
+            false => None,
+        };
+        Ok(Linear { weight: w, bias })
+    }
+
+    /// Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
+    fn row(&mut self, name: &str, inp: usize, cols: Range<usize>, bias: bool) -> Result<Linear<B>> {
+        let h = self.config.hidden_size;
+        let weight = format!("{name}.weight");
+        let full = self.ckpt.get(&weight, &[h, inp])?;
+        let host = if cols.len() == inp { full } else { full.columns(cols)? };
+        // Per-output-row scales apply to every column slice as they are.
+        let w = self.weight(&weight, host, h, 0..h)?;
+        let bias = match bias && self.shard.tp_rank == 0 {
+            true => Some(self.vector(&format!("{name}.bias"), h)?),
+            false => None,
+        };
+        Ok(Linear { weight: w, bias })
+    }
+
+    fn norm(&self, name: &str, spec: &LayerSpec) -> Result<Norm<B>> {
+        Ok(Norm { weight: self.vector(name, self.config.hidden_size)?, kind: spec.norm })
+    }
+
+    /// This rank's heads of layer `p`'s attention.
+    fn attention(&mut self, p: &str, spec: AttentionSpec) -> Result<Attention<B>> {
+        let (c, s) = (self.config, self.shard);
+        let hd = c.head_dim;
+        let (q_dim, kv_dim) = (c.num_heads * hd, c.num_kv_heads * hd);
+        let q_rows = s.q_heads.start * hd..s.q_heads.end * hd;
+        let kv_rows = s.kv_heads.start * hd..s.kv_heads.end * hd;
+        let shape = AttentionShape {
+            num_heads: s.q_heads.len(),
+            num_kv_heads: s.kv_heads.len(),
+            head_dim: hd,
+            scale: 1.0 / (hd as f32).sqrt(),
+            sliding_window: spec.sliding_window,
+        };
+        Ok(Attention {
+            spec,
+            shape,
+            q: self.column(&format!("{p}.self_attn.q_proj"), q_dim, q_rows.clone(), spec.qkv_bias)?,
+            k: self.column(&format!("{p}.self_attn.k_proj"), kv_dim, kv_rows.clone(), spec.qkv_bias)?,
+            v: self.column(&format!("{p}.self_attn.v_proj"), kv_dim, kv_rows, spec.qkv_bias)?,
+            o: self.row(&format!("{p}.self_attn.o_proj"), q_dim, q_rows, spec.o_bias)?,
+        })
+    }
+
+    /// This rank's intermediate rows of layer `p`'s MLP.
+    fn mlp(&mut self, p: &str, spec: MlpSpec) -> Result<Mlp<B>> {
+        let (inter, rows) = (self.config.intermediate_size, self.shard.intermediate.clone());
+        match spec.kind {
+            MlpKind::Gated(act) => Ok(Mlp::Gated {
+                act,
+                gate: self.column(&format!("{p}.mlp.gate_proj"), inter, rows.clone(), spec.bias)?,
+                up: self.column(&format!("{p}.mlp.up_proj"), inter, rows.clone(), spec.bias)?,
+                down: self.row(&format!("{p}.mlp.down_proj"), inter, rows, spec.bias)?,
+            }),
+        }
+    }
+
+    /// Layer `i`, built from the parts `spec` names.
+    pub fn layer(&mut self, i: usize, spec: &LayerSpec) -> Result<Layer<B>> {
+        let p = format!("model.layers.{i}");
+        Ok(Layer {
+            input_norm: self.norm(&format!("{p}.input_layernorm.weight"), spec)?,
+            post_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"), spec)?,
+            attention: self.attention(&p, spec.attention)?,
+            mlp: self.mlp(&p, spec.mlp)?,
+        })
+    }
+
+    /// The LM head of the last stage: its own matrix, or None when it is tied to the
+    /// embedding; an error naming the tensor when the checkpoint lacks it.
+    pub fn lm_head(&mut self) -> Result<Option<B::Weight>> {
+        if self.config.tie_word_embeddings {
+            return Ok(None);
+        }
+        if !self.ckpt.contains("lm_head.weight") {
+            return Err(Error::model_file(
+                self.ckpt.dir(),
+                "tensor \"lm_head.weight\" is missing and tie_word_embeddings is false",
+            ));
+        }
+        self.vocab_rows("lm_head.weight").map(Some)
+    }
+}

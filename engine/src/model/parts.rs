@@ -1,0 +1,283 @@
+//! A decoder layer as parts: an attention kind, an MLP kind and the norms around them,
+//! chosen from config.json ([`LayerSpec::of`]) and written once against the backend.
+//!
+//! Llama, Mistral and Qwen2 are configurations of the same parts: grouped-query attention
+//! with or without biases and a sliding window, a gated SiLU MLP with or without biases,
+//! RMS norms. A new family adds a kind here — an attention kind (q/k norms, latent
+//! attention, sinks), an MLP kind (a mixture of experts), a norm kind — and the spec that
+//! chooses it; the step code in [`super`] does not change. Each layer has a spec of its
+//! own, so a model may mix kinds (local and global attention, dense layers before MoE
+//! ones), and each attention part names the rope table it rotates with.
+//!
+//! Tensor parallelism lives in the parts too: column-parallel projections produce this
+//! rank's heads or intermediate rows, and the row-parallel projection that ends each part
+//! hands its partial sum to the caller's all-reduce.
+
+use strata_common::{Error, ModelConfig, Result};
+
+use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
+
+/// How a layer's norms are computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum NormKind {
+    /// `x / rms(x) · w` (Llama, Mistral, Qwen2).
+    Rms { eps: f32 },
+}
+
+/// How a layer attends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Softmax attention over the paged KV cache, KV heads shared by groups of query heads
+    /// (MHA, GQA and MQA alike).
+    Grouped,
+}
+
+/// One layer's attention: its kind and what configures it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionSpec {
+    pub kind: AttentionKind,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// Positions a windowed layer sees back, its own included (None: all).
+    pub sliding_window: Option<usize>,
+    /// Which of the model's rope tables rotates its queries and keys.
+    pub rope: usize,
+}
+
+/// The activation between a gated MLP's gate and its product with up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+}
+
+/// How a layer's MLP is built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpKind {
+    /// `down(act(gate(x)) · up(x))`.
+    Gated(Activation),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlpSpec {
+    pub kind: MlpKind,
+    pub bias: bool,
+}
+
+/// Everything that decides one layer's computation.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerSpec {
+    pub norm: NormKind,
+    pub attention: AttentionSpec,
+    pub mlp: MlpSpec,
+}
+
+impl LayerSpec {
+    /// Every layer's parts, as config.json describes the model.
+    pub fn of(config: &ModelConfig) -> Result<Vec<LayerSpec>> {
+        if config.head_dim == 0 || !config.num_heads.is_multiple_of(config.num_kv_heads.max(1)) {
+            return Err(Error::invalid(
+                "config.json",
+                format!(
+                    "{} attention heads cannot share {} KV heads of dimension {}",
+                    config.num_heads, config.num_kv_heads, config.head_dim
+                ),
+            ));
+        }
+        let spec = LayerSpec {
+            norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
+            attention: AttentionSpec {
+                kind: AttentionKind::Grouped,
+                qkv_bias: config.qkv_bias,
+                o_bias: config.o_bias,
+                sliding_window: config.sliding_window,
+                rope: 0,
+            },
+            mlp: MlpSpec { kind: MlpKind::Gated(Activation::Silu), bias: config.mlp_bias },
+        };
+        Ok(vec![spec; config.num_layers])
+    }
+}
+
+/// A projection: a weight matrix and maybe a bias.
+pub(super) struct Linear<B: Backend> {
+    pub weight: B::Weight,
+    pub bias: Option<B::Tensor>,
+}
+
+impl<B: Backend> Linear<B> {
+    fn apply(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        let mut y = b.matmul(x, &self.weight)?;
+        if let Some(bias) = &self.bias {
+            b.add_bias(&mut y, bias)?;
+        }
+        Ok(y)
+    }
+
+    /// Several projections of the same input, side by side.
+    fn apply_many<const N: usize>(b: &B, x: &B::Tensor, ls: [&Self; N]) -> Result<[B::Tensor; N]> {
+        let ws: Vec<&B::Weight> = ls.iter().map(|l| &l.weight).collect();
+        let mut ys = b.matmul_many(x, &ws)?;
+        for (y, l) in ys.iter_mut().zip(ls) {
+            if let Some(bias) = &l.bias {
+                b.add_bias(y, bias)?;
+            }
+        }
+        ys.try_into().map_err(|_| Error::Internal("matmul_many returned the wrong number of outputs".into()))
+    }
+}
+
+/// A norm's weight and kind.
+pub(super) struct Norm<B: Backend> {
+    pub weight: B::Tensor,
+    pub kind: NormKind,
+}
+
+impl<B: Backend> Norm<B> {
+    pub fn apply(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        match self.kind {
+            NormKind::Rms { eps } => b.rms_norm(x, &self.weight, eps),
+        }
+    }
+
+    /// `x += delta`, then the norm of the sum (one pass where the backend fuses them).
+    pub fn add_apply(&self, b: &B, x: &mut B::Tensor, delta: &B::Tensor) -> Result<B::Tensor> {
+        match self.kind {
+            NormKind::Rms { eps } => b.add_rms_norm(x, delta, &self.weight, eps),
+        }
+    }
+}
+
+/// What a part needs of the step around it.
+pub(super) struct PartCx<'a, B: Backend> {
+    pub b: &'a B,
+    pub layout: &'a BatchLayout,
+    pub ropes: &'a [RopeTable],
+    /// Sums a row-parallel projection's partial output across the TP group.
+    pub reduce: &'a mut dyn FnMut(&mut B::Tensor) -> Result<()>,
+}
+
+/// A layer's attention, this rank's heads of it.
+pub(super) struct Attention<B: Backend> {
+    pub spec: AttentionSpec,
+    pub shape: AttentionShape,
+    pub q: Linear<B>,
+    pub k: Linear<B>,
+    pub v: Linear<B>,
+    pub o: Linear<B>,
+}
+
+impl<B: Backend> Attention<B> {
+    /// Attention of `normed` over the cache (this step's K and V written into it), summed
+    /// across the TP group.
+    pub fn forward(
+        &self,
+        cx: &mut PartCx<'_, B>,
+        normed: &B::Tensor,
+        cache: &mut B::KvLayer,
+    ) -> Result<B::Tensor> {
+        let b = cx.b;
+        match self.spec.kind {
+            AttentionKind::Grouped => {
+                let rope = cx.ropes.get(self.spec.rope).ok_or_else(|| {
+                    Error::Internal(format!("rope table {} of {}", self.spec.rope, cx.ropes.len()))
+                })?;
+                let [mut q, mut k, v] = Linear::apply_many(b, normed, [&self.q, &self.k, &self.v])?;
+                b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
+                let attn = b.attention(&q, cache, cx.layout, self.shape)?;
+                let mut o = self.o.apply(b, &attn)?;
+                (cx.reduce)(&mut o)?;
+                Ok(o)
+            }
+        }
+    }
+}
+
+/// A layer's MLP, this rank's intermediate rows of it.
+pub(super) enum Mlp<B: Backend> {
+    Gated { act: Activation, gate: Linear<B>, up: Linear<B>, down: Linear<B> },
+}
+
+impl<B: Backend> Mlp<B> {
+    /// The MLP of `x`, summed across the TP group.
+    pub fn forward(&self, cx: &mut PartCx<'_, B>, x: &B::Tensor) -> Result<B::Tensor> {
+        let b = cx.b;
+        match self {
+            Mlp::Gated { act: Activation::Silu, gate, up, down } => {
+                let [g, u] = Linear::apply_many(b, x, [gate, up])?;
+                let mut y = down.apply(b, &b.silu_mul(&g, &u)?)?;
+                (cx.reduce)(&mut y)?;
+                Ok(y)
+            }
+        }
+    }
+}
+
+/// One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual.
+pub(super) struct Layer<B: Backend> {
+    pub input_norm: Norm<B>,
+    pub attention: Attention<B>,
+    pub post_norm: Norm<B>,
+    pub mlp: Mlp<B>,
+}
+
+/// Runs `layers` over the residual stream `x`. Each residual add is fused with the norm
+/// that reads its result (a device backend does both in one pass); the last layer's sum
+/// goes on un-normed.
+pub(super) fn run<B: Backend>(
+    cx: &mut PartCx<'_, B>,
+    layers: &[Layer<B>],
+    kv: &mut [B::KvLayer],
+    mut x: B::Tensor,
+) -> Result<B::Tensor> {
+    let Some(first) = layers.first() else { return Ok(x) };
+    if kv.len() != layers.len() {
+        return Err(Error::Internal(format!("{} KV layers for {} layers", kv.len(), layers.len())));
+    }
+    let b = cx.b;
+    let mut normed = first.input_norm.apply(b, &x)?;
+    for (i, (layer, cache)) in layers.iter().zip(kv.iter_mut()).enumerate() {
+        let attn = layer.attention.forward(cx, &normed, cache)?;
+        let post = layer.post_norm.add_apply(b, &mut x, &attn)?;
+        let mlp = layer.mlp.forward(cx, &post)?;
+        match layers.get(i + 1) {
+            Some(next) => normed = next.input_norm.add_apply(b, &mut x, &mlp)?,
+            None => b.add_assign(&mut x, &mlp)?,
+        }
+    }
+    Ok(x)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_mistral_and_qwen2_are_configurations_of_one_decoder() {
+        use strata_common::Architecture;
+        for arch in [Architecture::Llama, Architecture::Mistral, Architecture::Qwen2] {
+            let dir = tempfile::tempdir().unwrap();
+            RandomModelSpec::tiny(arch).write(dir.path(), |_, _| {}).unwrap();
+            let config = ModelConfig::from_dir(dir.path()).unwrap();
+            let specs = LayerSpec::of(&config).unwrap();
+            assert_eq!(specs.len(), config.num_layers);
+            let s = specs[0];
+            assert_eq!(s.attention.kind, AttentionKind::Grouped);
+            assert_eq!(s.mlp.kind, MlpKind::Gated(Activation::Silu));
+            // What differs between the families is configuration, not code.
+            assert_eq!(s.attention.qkv_bias, arch == Architecture::Qwen2, "{arch:?}");
+            assert_eq!(s.attention.sliding_window, config.sliding_window, "{arch:?}");
+        }
+    }
+
+    #[test]
+    fn heads_that_cannot_share_kv_heads_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        RandomModelSpec::tiny(strata_common::Architecture::Llama).write(dir.path(), |_, _| {}).unwrap();
+        let mut config = ModelConfig::from_dir(dir.path()).unwrap();
+        config.num_kv_heads = config.num_heads + 1;
+        let e = LayerSpec::of(&config).unwrap_err().to_string();
+        assert!(e.contains("KV heads"), "{e}");
+    }
+
+    use crate::model::random::RandomModelSpec;
+}
