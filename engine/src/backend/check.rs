@@ -243,6 +243,13 @@ fn check_elementwise<B: Backend>(
     let want = run.cpu.to_host(&run.cpu.gather_rows(xc, &rows)?)?;
     run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
 
+    // Rank blocks of rows (an all-gather of vocabulary shards) side by side as whole rows.
+    let blocks = random(rng, 3 * n * 5, 1.0);
+    let (bd, bc) = run.pair(&blocks, 3 * n, 5)?;
+    let got = dev.to_host(&dev.interleave_blocks(&bd, 3)?)?;
+    let want = run.cpu.to_host(&run.cpu.interleave_blocks(&bc, 3)?)?;
+    run.record("interleave_blocks", format!("3 blocks of [{n}, 5]"), &got, &want, 0.0);
+
     // A host-side collective round trip (what the communicator does to device tensors).
     let (mut hd, _) = run.pair(x, n, h)?;
     dev.with_host_mut(&mut hd, &mut |data| {

@@ -137,7 +137,9 @@ pub trait DeviceCollectives<B: Tensors>: Send {
 }
 
 /// The communicator of a one-rank replica: every collective over its group of one is the
-/// identity, and there is no one to send to.
+/// identity, and there is no one to send to. The model calls no collective over a group
+/// of one, so a graph never captures one of these; the copies its gather and all-to-all
+/// return (through host memory) are for callers that do, such as the contract checks.
 #[derive(Debug, Default)]
 pub struct Solo;
 

@@ -241,3 +241,16 @@ fn matmul_f16_and_register_tiles_cover_odd_shapes() {
         assert_close(&y.data, &naive_matmul(&x, &w32, n, k, m), 1e-5);
     }
 }
+
+#[test]
+fn interleaved_blocks_put_each_ranks_columns_in_vocabulary_order() {
+    use crate::backend::prelude::*;
+    // Two ranks' [2, 3] shards gathered as rank blocks: rank r's row t holds 10r + 3t + c.
+    let b = CpuBackend::new();
+    let gathered: Vec<f32> = (0..2).flat_map(|r| (0..6).map(move |i| (10 * r + i) as f32)).collect();
+    let x = b.upload(gathered, 4, 3).unwrap();
+    let whole = b.interleave_blocks(&x, 2).unwrap();
+    assert_eq!(b.shape(&whole), (2, 6));
+    assert_eq!(b.to_host(&whole).unwrap(), [0., 1., 2., 10., 11., 12., 3., 4., 5., 13., 14., 15.]);
+    assert!(b.interleave_blocks(&x, 3).is_err(), "4 rows are not 3 blocks");
+}
