@@ -280,6 +280,7 @@ pub enum ArchArg {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -467,6 +468,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         ArchArg::Llama => Architecture::Llama,
         ArchArg::Mistral => Architecture::Mistral,
         ArchArg::Qwen2 => Architecture::Qwen2,
+        ArchArg::Qwen3 => Architecture::Qwen3,
     };
     let mut spec = match args.preset {
         PresetArg::Tiny => RandomModelSpec::tiny(arch),

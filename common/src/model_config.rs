@@ -1,8 +1,8 @@
 //! The model's shape, read from a HuggingFace `config.json` (and `generation_config.json`).
 //!
-//! One struct covers the Llama family (Llama, Mistral, Qwen2): they differ only in which
-//! projections carry a bias, whether embeddings are tied, the RoPE variant and the
-//! attention window. Both the `rope_scaling` key (transformers 4.x) and the
+//! One struct covers the Llama family (Llama, Mistral, Qwen2, Qwen3): they differ only in
+//! which projections carry a bias, whether embeddings are tied, the RoPE variant, the
+//! attention window and whether queries and keys are normed per head. Both the `rope_scaling` key (transformers 4.x) and the
 //! `rope_parameters` key (transformers 5.x) are understood. Anything this engine cannot
 //! run faithfully is rejected here, naming the key, before a single weight is read.
 
@@ -17,6 +17,7 @@ pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
+    Qwen3,
 }
 
 impl Architecture {
@@ -25,6 +26,7 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 
@@ -33,6 +35,7 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
     }
 
@@ -41,6 +44,7 @@ impl Architecture {
             "LlamaForCausalLM" | "llama" => Some(Architecture::Llama),
             "MistralForCausalLM" | "mistral" => Some(Architecture::Mistral),
             "Qwen2ForCausalLM" | "qwen2" => Some(Architecture::Qwen2),
+            "Qwen3ForCausalLM" | "qwen3" => Some(Architecture::Qwen3),
             _ => None,
         }
     }
@@ -86,6 +90,8 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Attention sees at most this many most recent positions (Mistral, Qwen2 opt-in).
     pub sliding_window: Option<usize>,
+    /// Queries and keys pass an RMSNorm of their own per head, before RoPE (Qwen3).
+    pub qk_norm: bool,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
     pub dtype: Option<String>,
     /// `quantization_config.quant_method`, if any ("strata-int8": written by
@@ -149,7 +155,8 @@ impl ModelConfig {
         };
         let rope_scaling = parse_rope(rope_obj)?;
 
-        let (qkv_bias, o_bias, mlp_bias, sliding_window) = family_options(architecture, obj)?;
+        let FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm } =
+            family_options(architecture, obj)?;
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -170,6 +177,7 @@ impl ModelConfig {
             o_bias,
             mlp_bias,
             sliding_window,
+            qk_norm,
             dtype: obj
                 .get("torch_dtype")
                 .or_else(|| obj.get("dtype"))
@@ -269,7 +277,7 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
     Architecture::from_hf(arch_name).ok_or_else(|| {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
-             Qwen2ForCausalLM"
+             Qwen2ForCausalLM, Qwen3ForCausalLM"
         ))
     })
 }
@@ -302,18 +310,22 @@ fn heads(obj: &Map<String, Value>, hidden_size: usize) -> Result<(usize, usize, 
     Ok((num_heads, num_kv_heads, head_dim))
 }
 
-/// Per-family options: `(qkv_bias, o_bias, mlp_bias, sliding_window)`.
-fn family_options(
-    architecture: Architecture,
-    obj: &Map<String, Value>,
-) -> Result<(bool, bool, bool, Option<usize>)> {
-    let qkv_bias = match architecture {
-        Architecture::Qwen2 => true,
-        _ => opt_bool(obj, "attention_bias")?.unwrap_or(false),
-    };
-    let o_bias = match architecture {
-        Architecture::Llama => opt_bool(obj, "attention_bias")?.unwrap_or(false),
-        _ => false,
+/// What tells the families of the Llama shape apart.
+struct FamilyOptions {
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool,
+    sliding_window: Option<usize>,
+    qk_norm: bool,
+}
+
+/// Each family's options, from the keys that family's config.json uses.
+fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Result<FamilyOptions> {
+    let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
+    let (qkv_bias, o_bias) = match architecture {
+        Architecture::Qwen2 => (true, false),
+        Architecture::Llama | Architecture::Qwen3 => (attention_bias, attention_bias),
+        Architecture::Mistral => (attention_bias, false),
     };
     let mlp_bias = match architecture {
         Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
@@ -321,17 +333,19 @@ fn family_options(
     };
     let sliding_window = match architecture {
         Architecture::Mistral => opt_usize(obj, "sliding_window")?,
-        Architecture::Qwen2 => {
+        Architecture::Qwen2 | Architecture::Qwen3 => {
             if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
-                return Err(Error::Unsupported(
-                    "Qwen2 use_sliding_window=true (per-layer windows are not implemented)".into(),
-                ));
+                return Err(Error::Unsupported(format!(
+                    "{} use_sliding_window=true (per-layer windows are not implemented)",
+                    architecture.hf_class()
+                )));
             }
             None
         }
         Architecture::Llama => None,
     };
-    Ok((qkv_bias, o_bias, mlp_bias, sliding_window))
+    let qk_norm = architecture == Architecture::Qwen3;
+    Ok(FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm })
 }
 
 fn req_usize(obj: &Map<String, Value>, key: &str) -> Result<usize> {
@@ -443,6 +457,22 @@ mod tests {
     fn qwen2_has_qkv_bias() {
         let c = ModelConfig::from_json_str(&BASE.replace("LlamaForCausalLM", "Qwen2ForCausalLM")).unwrap();
         assert!(c.qkv_bias && !c.o_bias);
+    }
+
+    #[test]
+    fn qwen3_norms_queries_and_keys_and_biases_follow_attention_bias() {
+        let qwen3 = BASE.replace("LlamaForCausalLM", "Qwen3ForCausalLM");
+        let c = ModelConfig::from_json_str(&qwen3).unwrap();
+        assert_eq!(c.architecture, Architecture::Qwen3);
+        assert!(c.qk_norm && !c.qkv_bias && !c.o_bias && !c.mlp_bias);
+        let biased = with(r#"{"attention_bias":true}"#).replace("LlamaForCausalLM", "Qwen3ForCausalLM");
+        let c = ModelConfig::from_json_str(&biased).unwrap();
+        assert!(c.qkv_bias && c.o_bias);
+        assert!(!ModelConfig::from_json_str(BASE).unwrap().qk_norm, "Llama does not norm q and k");
+        let windowed = with(r#"{"use_sliding_window":true,"sliding_window":16}"#)
+            .replace("LlamaForCausalLM", "Qwen3ForCausalLM");
+        let e = ModelConfig::from_json_str(&windowed).unwrap_err().to_string();
+        assert!(e.contains("use_sliding_window"), "{e}");
     }
 
     #[test]

@@ -121,6 +121,24 @@ fn a_whole_model_matches_the_cpu_backend() {
     assert_eq!(a, b, "greedy tokens");
 }
 
+/// Qwen3's per-head RMSNorm of queries and keys (one norm over `[tokens · heads, head_dim]`)
+/// on the device: HF's tiny bf16 Qwen3 fixture gives the CPU backend's logits and tokens.
+#[test]
+fn a_qwen3_model_with_per_head_norms_matches_the_cpu_backend() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/qwen3_bf16");
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let mut cpu = Engine::new(Model::load(&dir, CpuBackend::new()).unwrap(), &config).unwrap();
+    let mut gpu = Engine::new(Model::load(&dir, backend()).unwrap(), &config).unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 300, 42, 9, 211, 3];
+    let want = cpu.prompt_logits(&prompt).unwrap();
+    let got = gpu.prompt_logits(&prompt).unwrap();
+    let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    eprintln!("qwen3 prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
+    assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
+    assert_eq!(greedy(&mut cpu, &prompt, 6), greedy(&mut gpu, &prompt, 6), "greedy tokens");
+}
+
 /// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
 /// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
 /// does.

@@ -121,6 +121,9 @@ pub trait Tensors: Send + Sync + 'static {
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
     /// `(rows, cols)` of a tensor.
     fn shape(&self, x: &Self::Tensor) -> (usize, usize);
+    /// The same elements, in the same order, as `[rows, cols]` (no copy): per-head work
+    /// on `[tokens, heads · head_dim]` activations sees them as `[tokens · heads, head_dim]`.
+    fn reshape(&self, x: Self::Tensor, rows: usize, cols: usize) -> Result<Self::Tensor>;
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     /// A tensor from host data, row-major.

@@ -9,7 +9,9 @@ use std::ops::Range;
 
 use strata_common::{Error, ModelConfig, RankShard, Result};
 
-use super::parts::{Attention, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec, Norm};
+use super::parts::{
+    Attention, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec, Norm, NormKind,
+};
 use super::weights::Checkpoint;
 use crate::backend::{AttentionShape, Backend};
 use crate::tensor::HostTensor;
@@ -84,7 +86,7 @@ impl<B: Backend> ShardLoader<'_, B> {
     }
 
     /// This rank's heads of layer `p`'s attention.
-    fn attention(&mut self, p: &str, spec: AttentionSpec) -> Result<Attention<B>> {
+    fn attention(&mut self, p: &str, spec: AttentionSpec, norm: NormKind) -> Result<Attention<B>> {
         let (c, s) = (self.config, self.shard);
         let hd = c.head_dim;
         let (q_dim, kv_dim) = (c.num_heads * hd, c.num_kv_heads * hd);
@@ -97,9 +99,17 @@ impl<B: Backend> ShardLoader<'_, B> {
             scale: 1.0 / (hd as f32).sqrt(),
             sliding_window: spec.sliding_window,
         };
+        let qk_norm = match spec.qk_norm {
+            true => Some([
+                Norm { weight: self.vector(&format!("{p}.self_attn.q_norm.weight"), hd)?, kind: norm },
+                Norm { weight: self.vector(&format!("{p}.self_attn.k_norm.weight"), hd)?, kind: norm },
+            ]),
+            false => None,
+        };
         Ok(Attention {
             spec,
             shape,
+            qk_norm,
             q: self.column(&format!("{p}.self_attn.q_proj"), q_dim, q_rows.clone(), spec.qkv_bias)?,
             k: self.column(&format!("{p}.self_attn.k_proj"), kv_dim, kv_rows.clone(), spec.qkv_bias)?,
             v: self.column(&format!("{p}.self_attn.v_proj"), kv_dim, kv_rows, spec.qkv_bias)?,
@@ -126,7 +136,7 @@ impl<B: Backend> ShardLoader<'_, B> {
         Ok(Layer {
             input_norm: self.norm(&format!("{p}.input_layernorm.weight"), spec)?,
             post_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"), spec)?,
-            attention: self.attention(&p, spec.attention)?,
+            attention: self.attention(&p, spec.attention, spec.norm)?,
             mlp: self.mlp(&p, spec.mlp)?,
         })
     }

@@ -1,9 +1,9 @@
 //! A decoder layer as parts: an attention kind, an MLP kind and the norms around them,
 //! chosen from config.json ([`LayerSpec::of`]) and written once against the backend.
 //!
-//! Llama, Mistral and Qwen2 are configurations of the same parts: grouped-query attention
-//! with or without biases and a sliding window, a gated SiLU MLP with or without biases,
-//! RMS norms. A new family adds a kind here — an attention kind (q/k norms, latent
+//! Llama, Mistral, Qwen2 and Qwen3 are configurations of the same parts: grouped-query
+//! attention with or without biases, a sliding window and per-head norms of queries and
+//! keys, a gated SiLU MLP with or without biases, RMS norms. A new family adds a kind here — an attention kind (q/k norms, latent
 //! attention, sinks), an MLP kind (a mixture of experts), a norm kind — and the spec that
 //! chooses it; the step code in [`super`] does not change. Each layer has a spec of its
 //! own, so a model may mix kinds (local and global attention, dense layers before MoE
@@ -20,7 +20,7 @@ use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 /// How a layer's norms are computed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum NormKind {
-    /// `x / rms(x) · w` (Llama, Mistral, Qwen2).
+    /// `x / rms(x) · w` (Llama, Mistral, Qwen2, Qwen3).
     Rms { eps: f32 },
 }
 
@@ -40,6 +40,9 @@ pub struct AttentionSpec {
     pub o_bias: bool,
     /// Positions a windowed layer sees back, its own included (None: all).
     pub sliding_window: Option<usize>,
+    /// Each head's query and key pass a norm of their own before RoPE (Qwen3), its
+    /// weight one `head_dim` vector shared by the heads.
+    pub qk_norm: bool,
     /// Which of the model's rope tables rotates its queries and keys.
     pub rope: usize,
 }
@@ -90,6 +93,7 @@ impl LayerSpec {
                 qkv_bias: config.qkv_bias,
                 o_bias: config.o_bias,
                 sliding_window: config.sliding_window,
+                qk_norm: config.qk_norm,
                 rope: 0,
             },
             mlp: MlpSpec { kind: MlpKind::Gated(Activation::Silu), bias: config.mlp_bias },
@@ -139,6 +143,16 @@ impl<B: Backend> Norm<B> {
         }
     }
 
+    /// The norm of each `width`-wide group of `x`'s row (a head), its weight `width` long.
+    pub fn apply_per_head(&self, b: &B, x: B::Tensor, width: usize) -> Result<B::Tensor> {
+        let (rows, cols) = b.shape(&x);
+        if width == 0 || !cols.is_multiple_of(width) {
+            return Err(Error::Internal(format!("a per-head norm of {width} over rows of {cols}")));
+        }
+        let heads = b.reshape(x, rows * (cols / width), width)?;
+        b.reshape(self.apply(b, &heads)?, rows, cols)
+    }
+
     /// `x += delta`, then the norm of the sum (one pass where the backend fuses them).
     pub fn add_apply(&self, b: &B, x: &mut B::Tensor, delta: &B::Tensor) -> Result<B::Tensor> {
         match self.kind {
@@ -164,6 +178,8 @@ pub(super) struct Attention<B: Backend> {
     pub k: Linear<B>,
     pub v: Linear<B>,
     pub o: Linear<B>,
+    /// The per-head norms of queries and keys, where the spec asks for them.
+    pub qk_norm: Option<[Norm<B>; 2]>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -182,6 +198,10 @@ impl<B: Backend> Attention<B> {
                     Error::Internal(format!("rope table {} of {}", self.spec.rope, cx.ropes.len()))
                 })?;
                 let [mut q, mut k, v] = Linear::apply_many(b, normed, [&self.q, &self.k, &self.v])?;
+                if let Some([q_norm, k_norm]) = &self.qk_norm {
+                    q = q_norm.apply_per_head(b, q, self.shape.head_dim)?;
+                    k = k_norm.apply_per_head(b, k, self.shape.head_dim)?;
+                }
                 b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
                 let attn = b.attention(&q, cache, cx.layout, self.shape)?;
                 let mut o = self.o.apply(b, &attn)?;

@@ -51,7 +51,7 @@ impl RandomModelSpec {
             max_position_embeddings: 2048,
             rope_theta: 10000.0,
             llama3_rope: false,
-            tie_word_embeddings: matches!(arch, Architecture::Qwen2),
+            tie_word_embeddings: matches!(arch, Architecture::Qwen2 | Architecture::Qwen3),
             dtype: DType::F32,
             seed: 0,
         }
@@ -177,6 +177,10 @@ impl RandomModelSpec {
                 if bias {
                     t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
                 }
+            }
+            if self.arch == Architecture::Qwen3 {
+                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));

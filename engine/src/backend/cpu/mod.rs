@@ -209,6 +209,12 @@ impl Tensors for CpuBackend {
     fn shape(&self, x: &CpuTensor) -> (usize, usize) {
         (x.rows, x.cols)
     }
+    fn reshape(&self, x: CpuTensor, rows: usize, cols: usize) -> Result<CpuTensor> {
+        if rows * cols != x.rows * x.cols {
+            return Err(Error::Internal(format!("[{}, {}] reshaped as [{rows}, {cols}]", x.rows, x.cols)));
+        }
+        Ok(CpuTensor { rows, cols, ..x })
+    }
 }
 
 impl TensorOps for CpuBackend {

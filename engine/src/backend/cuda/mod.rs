@@ -394,6 +394,12 @@ impl<G: Gpu> Tensors for CudaBackend<G> {
     fn shape(&self, x: &Self::Tensor) -> (usize, usize) {
         (x.rows, x.cols)
     }
+    fn reshape(&self, x: Self::Tensor, rows: usize, cols: usize) -> Result<Self::Tensor> {
+        if rows * cols != x.rows * x.cols {
+            return Err(Error::Internal(format!("[{}, {}] reshaped as [{rows}, {cols}]", x.rows, x.cols)));
+        }
+        Ok(GpuTensor { rows, cols, ..x })
+    }
 }
 
 impl<G: Gpu> TensorOps for CudaBackend<G> {
@@ -512,6 +518,9 @@ impl<G: Gpu> TensorOps for CudaBackend<G> {
         }
         let (rows, w) = (x.rows / blocks, x.cols);
         let y = self.output(rows, w * blocks)?;
+        if rows == 0 {
+            return Ok(y); // no launch of an empty grid
+        }
         let args = [
             Arg::Buf(&x.buf),
             Arg::Buf(&y.buf),
