@@ -139,6 +139,36 @@ fn a_qwen3_model_with_per_head_norms_matches_the_cpu_backend() {
     assert_eq!(greedy(&mut cpu, &prompt, 6), greedy(&mut gpu, &prompt, 6), "greedy tokens");
 }
 
+/// Gemma 3 on the device: local layers with their own rope base and an 8-token window, a
+/// global layer with scaled rope, GELU (tanh), sandwich norms, embeddings scaled by
+/// √hidden and soft-capped logits — within bf16 of the CPU backend (bf16 weights on both
+/// sides), and decode steps replayed from graphs (which find both rope tables on the
+/// device) give the tokens of eager ones, past the window.
+#[test]
+fn gemma3_runs_on_the_device_and_its_graphs_replay_eager_steps() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/gemma3_window");
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let bf16 = CpuBackend::new().with_weight_dtype(Some(DType::BF16));
+    let mut cpu = Engine::new(Model::load(&dir, bf16).unwrap(), &config).unwrap();
+    let prompt: Vec<u32> = (0..14).map(|i| 3 + i * 23 % 380).collect();
+    let want = cpu.prompt_logits(&prompt).unwrap();
+    let run = |graphs: bool| {
+        let gpu = Arc::new(EmulatedGpu::new());
+        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
+        let mut e = Engine::new(Model::load(&dir, backend).unwrap(), &config).unwrap();
+        let logits = e.prompt_logits(&prompt).unwrap();
+        (logits, greedy(&mut e, &prompt, 10), gpu.captures(), gpu.replays())
+    };
+    let (got, eager, ..) = run(false);
+    let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    eprintln!("gemma3 prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
+    assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
+    let (_, replayed, captures, replays) = run(true);
+    assert_eq!(replayed, eager, "tokens with graphs");
+    assert!(captures >= 1 && replays > captures, "({captures} captures, {replays} replays)");
+}
+
 /// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
 /// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
 /// does.

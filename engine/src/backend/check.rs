@@ -15,7 +15,7 @@ use strata_common::Result;
 
 use super::cpu::CpuBackend;
 use super::prelude::*;
-use super::{AttentionShape, BatchLayout, RopeTable, SeqSlice};
+use super::{Activation, AttentionShape, BatchLayout, Pointwise, RopeTable, SeqSlice};
 use crate::logits::{Candidates, Draw, MAX_TOP};
 use crate::tensor::{DType, HostTensor};
 
@@ -234,9 +234,19 @@ fn check_elementwise<B: Backend>(
     w2.extend(want);
     run.record("add_rms_norm (sum, norm)", format!("[{n}, {h}]"), &g, &w2, F32_TOL);
 
-    let got = dev.to_host(&dev.silu_mul(xd, &yd)?)?;
-    let want = run.cpu.to_host(&run.cpu.silu_mul(xc, &yc)?)?;
-    run.record("silu_mul", format!("[{n}, {h}]"), &got, &want, F32_TOL);
+    for (act, name) in [(Activation::Silu, "silu_mul"), (Activation::GeluTanh, "gelu_tanh_mul")] {
+        let got = dev.to_host(&dev.gated(act, xd, &yd)?)?;
+        let want = run.cpu.to_host(&run.cpu.gated(act, xc, &yc)?)?;
+        run.record(name, format!("[{n}, {h}]"), &got, &want, F32_TOL);
+    }
+    // Elementwise maps: a scale, and soft-capping of values well past the cap.
+    for op in [Pointwise::Scale(33.94), Pointwise::SoftCap(30.0)] {
+        let big: Vec<f32> = x.iter().map(|v| v * 40.0).collect();
+        let (mut pd, _) = run.pair(&big, n, h)?;
+        dev.pointwise(&mut pd, op)?;
+        let want: Vec<f32> = big.iter().map(|&v| op.apply(v)).collect();
+        run.record(&format!("pointwise {op:?}"), format!("[{n}, {h}]"), &dev.to_host(&pd)?, &want, F32_TOL);
+    }
 
     let rows: Vec<usize> = (0..n).rev().step_by(2).collect();
     let got = dev.to_host(&dev.gather_rows(xd, &rows)?)?;

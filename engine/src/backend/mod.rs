@@ -33,7 +33,26 @@ use crate::step::Step;
 use crate::tensor::{DType, HostTensor};
 
 pub use crate::step::{BatchLayout, SeqSlice};
-pub use strata_common::Device;
+pub use strata_common::{Activation, Device};
+
+/// An elementwise map of a tensor (see [`TensorOps::pointwise`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Pointwise {
+    /// `x · s` (Gemma's embeddings, by √hidden).
+    Scale(f32),
+    /// `c · tanh(x / c)`: soft-capping at `c` (Gemma's final logits).
+    SoftCap(f32),
+}
+
+impl Pointwise {
+    /// The host's value of `x` (the CPU's kernel and the reference of the device's).
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Pointwise::Scale(s) => x * s,
+            Pointwise::SoftCap(c) => (x / c).tanh() * c,
+        }
+    }
+}
 
 /// How a rank's backend is built.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -162,8 +181,10 @@ pub trait TensorOps: Tensors {
         self.add_assign(x, delta)?;
         self.rms_norm(x, weight, eps)
     }
-    /// `silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `act(gate) · up`, elementwise (a gated MLP's product).
+    fn gated(&self, act: Activation, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
+    /// `op` applied to every element of `x`, in place.
+    fn pointwise(&self, x: &mut Self::Tensor, op: Pointwise) -> Result<()>;
     /// The given rows, in order.
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor>;
     /// `[blocks · n, w]` rank blocks of rows (an all-gather's output) side by side as

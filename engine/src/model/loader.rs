@@ -81,8 +81,24 @@ impl<B: Backend> ShardLoader<'_, B> {
         Ok(Linear { weight: w, bias })
     }
 
-    fn norm(&self, name: &str, spec: &LayerSpec) -> Result<Norm<B>> {
-        Ok(Norm { weight: self.vector(name, self.config.hidden_size)?, kind: spec.norm })
+    /// A norm over `len` values: its weight, plus the family's offset (Gemma scales by
+    /// `1 + w`, so its stored weights load as `1 + w`).
+    fn norm_of(&self, name: &str, len: usize, kind: NormKind) -> Result<Norm<B>> {
+        let host = self.ckpt.get(name, &[len])?;
+        let offset = self.config.norm_weight_offset;
+        let weight = match offset {
+            0.0 => self.backend.load_vector(&host)?,
+            _ => {
+                let shifted: Vec<f32> = host.to_f32_vec().iter().map(|w| w + offset).collect();
+                self.backend.load_vector(&HostTensor::from_f32(name, &[len], &shifted))?
+            }
+        };
+        Ok(Norm { weight, kind })
+    }
+
+    /// A norm over the hidden size.
+    pub fn norm(&self, name: &str, kind: NormKind) -> Result<Norm<B>> {
+        self.norm_of(name, self.config.hidden_size, kind)
     }
 
     /// This rank's heads of layer `p`'s attention.
@@ -96,13 +112,13 @@ impl<B: Backend> ShardLoader<'_, B> {
             num_heads: s.q_heads.len(),
             num_kv_heads: s.kv_heads.len(),
             head_dim: hd,
-            scale: 1.0 / (hd as f32).sqrt(),
+            scale: spec.scale,
             sliding_window: spec.sliding_window,
         };
         let qk_norm = match spec.qk_norm {
             true => Some([
-                Norm { weight: self.vector(&format!("{p}.self_attn.q_norm.weight"), hd)?, kind: norm },
-                Norm { weight: self.vector(&format!("{p}.self_attn.k_norm.weight"), hd)?, kind: norm },
+                self.norm_of(&format!("{p}.self_attn.q_norm.weight"), hd, norm)?,
+                self.norm_of(&format!("{p}.self_attn.k_norm.weight"), hd, norm)?,
             ]),
             false => None,
         };
@@ -130,12 +146,26 @@ impl<B: Backend> ShardLoader<'_, B> {
         }
     }
 
-    /// Layer `i`, built from the parts `spec` names.
+    /// Layer `i`, built from the parts `spec` names. In a sandwich (Gemma),
+    /// `post_attention_layernorm` norms the attention's output and
+    /// `pre_feedforward_layernorm` is the MLP's input norm; otherwise (Llama)
+    /// `post_attention_layernorm` is the MLP's input norm.
     pub fn layer(&mut self, i: usize, spec: &LayerSpec) -> Result<Layer<B>> {
         let p = format!("model.layers.{i}");
+        let norm = |name: &str| self.norm(&format!("{p}.{name}.weight"), spec.norm);
+        let (attention_out_norm, post_norm, mlp_out_norm) = match spec.sandwich_norms {
+            true => (
+                Some(norm("post_attention_layernorm")?),
+                norm("pre_feedforward_layernorm")?,
+                Some(norm("post_feedforward_layernorm")?),
+            ),
+            false => (None, norm("post_attention_layernorm")?, None),
+        };
         Ok(Layer {
-            input_norm: self.norm(&format!("{p}.input_layernorm.weight"), spec)?,
-            post_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"), spec)?,
+            input_norm: norm("input_layernorm")?,
+            attention_out_norm,
+            post_norm,
+            mlp_out_norm,
             attention: self.attention(&p, spec.attention, spec.norm)?,
             mlp: self.mlp(&p, spec.mlp)?,
         })

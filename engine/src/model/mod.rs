@@ -25,7 +25,7 @@ use std::time::Instant;
 use strata_common::{Error, ModelConfig, Parallelism, RankShard, Result, ShardPlan};
 use tracing::info;
 
-use crate::backend::{Backend, BatchLayout, GraphOutput, RopeTable};
+use crate::backend::{Backend, BatchLayout, GraphOutput, Pointwise, RopeTable};
 use crate::comm::DeviceCollectives;
 use crate::logits::{LogitsWanted, StepLogits, StepOutput};
 use crate::metrics::{RankMetrics, ReplicaLabels};
@@ -121,8 +121,7 @@ impl<B: Backend> Model<B> {
             layers.push(load.layer(i, &specs[i])?);
             tracing::debug!(layer = i, of = c.num_layers, "layer loaded");
         }
-        let norm =
-            Norm { weight: load.vector("model.norm.weight", c.hidden_size)?, kind: final_norm(&specs, c) };
+        let norm = load.norm("model.norm.weight", final_norm(&specs, c))?;
         let bytes = load.bytes;
         info!(
             backend = backend.name(),
@@ -134,7 +133,7 @@ impl<B: Backend> Model<B> {
         );
         let rank = s.rank;
         Ok(Model {
-            ropes: vec![rope::rope_table(c)],
+            ropes: rope::rope_tables(c),
             config,
             shard: ms,
             backend,
@@ -272,6 +271,9 @@ impl<B: Backend> Model<B> {
             .ok_or_else(|| Error::Internal("embeddings on a stage without the embedding".into()))?;
         let mut x = self.backend.embed(table, ids, s.vocab.start as u32)?;
         self.all_reduce(&mut x, ids.len(), comm)?;
+        if let Some(scale) = self.config.embed_scale {
+            self.backend.pointwise(&mut x, Pointwise::Scale(scale))?;
+        }
         Ok(x)
     }
 

@@ -10,7 +10,7 @@
 use strata_common::{Error, Result};
 
 use super::Model;
-use crate::backend::Backend;
+use crate::backend::{Backend, Pointwise};
 use crate::comm::DeviceCollectives;
 use crate::logits::top::{merge, top_from_f32s};
 use crate::logits::{picks_from_f32s, LogitsWanted, StepLogits, StepOutput};
@@ -155,6 +155,10 @@ impl<B: Backend> Model<B> {
             .as_ref()
             .or(self.embed.as_ref())
             .ok_or_else(|| Error::Internal("logits on a stage without the LM head".into()))?;
-        b.matmul(&normed, head)
+        let mut logits = b.matmul(&normed, head)?;
+        if let Some(cap) = self.config.final_logit_softcap {
+            b.pointwise(&mut logits, Pointwise::SoftCap(cap))?;
+        }
+        Ok(logits)
     }
 }

@@ -1,9 +1,11 @@
 //! A decoder layer as parts: an attention kind, an MLP kind and the norms around them,
 //! chosen from config.json ([`LayerSpec::of`]) and written once against the backend.
 //!
-//! Llama, Mistral, Qwen2 and Qwen3 are configurations of the same parts: grouped-query
-//! attention with or without biases, a sliding window and per-head norms of queries and
-//! keys, a gated SiLU MLP with or without biases, RMS norms. A new family adds a kind here — an attention kind (q/k norms, latent
+//! Llama, Mistral, Qwen2, Qwen3 and Gemma 3 are configurations of the same parts:
+//! grouped-query attention with or without biases, a sliding window (per layer), per-head
+//! norms of queries and keys, its own scale and rope table; a gated MLP (SiLU or GELU's
+//! tanh form) with or without biases; RMS norms before each part and, in Gemma's
+//! "sandwich", after it too. A new family adds a kind here — an attention kind (q/k norms, latent
 //! attention, sinks), an MLP kind (a mixture of experts), a norm kind — and the spec that
 //! chooses it; the step code in [`super`] does not change. Each layer has a spec of its
 //! own, so a model may mix kinds (local and global attention, dense layers before MoE
@@ -24,6 +26,8 @@ pub enum NormKind {
     Rms { eps: f32 },
 }
 
+pub use strata_common::Activation;
+
 /// How a layer attends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionKind {
@@ -33,7 +37,7 @@ pub enum AttentionKind {
 }
 
 /// One layer's attention: its kind and what configures it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionSpec {
     pub kind: AttentionKind,
     pub qkv_bias: bool,
@@ -45,12 +49,8 @@ pub struct AttentionSpec {
     pub qk_norm: bool,
     /// Which of the model's rope tables rotates its queries and keys.
     pub rope: usize,
-}
-
-/// The activation between a gated MLP's gate and its product with up.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
+    /// What the scores `q · k` are multiplied by (`head_dim^-½` unless the model says).
+    pub scale: f32,
 }
 
 /// How a layer's MLP is built.
@@ -72,6 +72,8 @@ pub struct LayerSpec {
     pub norm: NormKind,
     pub attention: AttentionSpec,
     pub mlp: MlpSpec,
+    /// The attention's and the MLP's outputs are normed before the residual add too.
+    pub sandwich_norms: bool,
 }
 
 impl LayerSpec {
@@ -86,19 +88,32 @@ impl LayerSpec {
                 ),
             ));
         }
-        let spec = LayerSpec {
+        if config.windowed_layers.len() != config.num_layers {
+            return Err(Error::invalid(
+                "config.json",
+                format!("{} layers' windows for {} layers", config.windowed_layers.len(), config.num_layers),
+            ));
+        }
+        let scale = match config.query_pre_attn_scalar {
+            Some(s) => (s as f32).powf(-0.5),
+            None => 1.0 / (config.head_dim as f32).sqrt(),
+        };
+        let layer = |windowed: bool| LayerSpec {
             norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
             attention: AttentionSpec {
                 kind: AttentionKind::Grouped,
                 qkv_bias: config.qkv_bias,
                 o_bias: config.o_bias,
-                sliding_window: config.sliding_window,
+                sliding_window: if windowed { config.sliding_window } else { None },
                 qk_norm: config.qk_norm,
-                rope: 0,
+                // The second table is the windowed layers' own base, where there is one.
+                rope: usize::from(windowed && config.local_rope_theta.is_some()),
+                scale,
             },
-            mlp: MlpSpec { kind: MlpKind::Gated(Activation::Silu), bias: config.mlp_bias },
+            mlp: MlpSpec { kind: MlpKind::Gated(config.activation), bias: config.mlp_bias },
+            sandwich_norms: config.sandwich_norms,
         };
-        Ok(vec![spec; config.num_layers])
+        Ok(config.windowed_layers.iter().map(|&w| layer(w)).collect())
     }
 }
 
@@ -222,9 +237,9 @@ impl<B: Backend> Mlp<B> {
     pub fn forward(&self, cx: &mut PartCx<'_, B>, x: &B::Tensor) -> Result<B::Tensor> {
         let b = cx.b;
         match self {
-            Mlp::Gated { act: Activation::Silu, gate, up, down } => {
+            Mlp::Gated { act, gate, up, down } => {
                 let [g, u] = Linear::apply_many(b, x, [gate, up])?;
-                let mut y = down.apply(b, &b.silu_mul(&g, &u)?)?;
+                let mut y = down.apply(b, &b.gated(*act, &g, &u)?)?;
                 (cx.reduce)(&mut y)?;
                 Ok(y)
             }
@@ -232,12 +247,23 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
-/// One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual.
+/// One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual —
+/// in a sandwich, each output normed again before the add.
 pub(super) struct Layer<B: Backend> {
     pub input_norm: Norm<B>,
     pub attention: Attention<B>,
+    pub attention_out_norm: Option<Norm<B>>,
     pub post_norm: Norm<B>,
     pub mlp: Mlp<B>,
+    pub mlp_out_norm: Option<Norm<B>>,
+}
+
+/// `y`, or its norm where the layer norms its parts' outputs.
+fn out_norm<B: Backend>(b: &B, norm: &Option<Norm<B>>, y: B::Tensor) -> Result<B::Tensor> {
+    match norm {
+        Some(n) => n.apply(b, &y),
+        None => Ok(y),
+    }
 }
 
 /// Runs `layers` over the residual stream `x`. Each residual add is fused with the norm
@@ -256,9 +282,9 @@ pub(super) fn run<B: Backend>(
     let b = cx.b;
     let mut normed = first.input_norm.apply(b, &x)?;
     for (i, (layer, cache)) in layers.iter().zip(kv.iter_mut()).enumerate() {
-        let attn = layer.attention.forward(cx, &normed, cache)?;
+        let attn = out_norm(b, &layer.attention_out_norm, layer.attention.forward(cx, &normed, cache)?)?;
         let post = layer.post_norm.add_apply(b, &mut x, &attn)?;
-        let mlp = layer.mlp.forward(cx, &post)?;
+        let mlp = out_norm(b, &layer.mlp_out_norm, layer.mlp.forward(cx, &post)?)?;
         match layers.get(i + 1) {
             Some(next) => normed = next.input_norm.add_apply(b, &mut x, &mlp)?,
             None => b.add_assign(&mut x, &mlp)?,

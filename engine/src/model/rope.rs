@@ -9,11 +9,20 @@ use strata_common::{ModelConfig, RopeScaling};
 
 use crate::backend::RopeTable;
 
-pub fn rope_table(config: &ModelConfig) -> RopeTable {
-    let dim = config.head_dim;
-    let base = config.rope_theta as f32;
+/// The model's rope tables: the global one (`rope_theta`, rescaled), then, where windowed
+/// layers rotate with a base of their own (Gemma 3), theirs, unscaled.
+pub fn rope_tables(config: &ModelConfig) -> Vec<RopeTable> {
+    let mut tables = vec![table(config.head_dim, config.rope_theta, &config.rope_scaling)];
+    if let Some(theta) = config.local_rope_theta {
+        tables.push(table(config.head_dim, theta, &RopeScaling::None));
+    }
+    tables
+}
+
+fn table(dim: usize, theta: f64, scaling: &RopeScaling) -> RopeTable {
+    let base = theta as f32;
     let mut inv_freq: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
-    match config.rope_scaling {
+    match *scaling {
         RopeScaling::None => {}
         RopeScaling::Linear { factor } => {
             for f in &mut inv_freq {

@@ -27,7 +27,8 @@ use rayon::prelude::*;
 use strata_common::{Error, Result};
 
 use super::{
-    AttentionOps, AttentionShape, BatchLayout, LogitsOps, RopeTable, StepGraphs, TensorOps, Tensors,
+    Activation, AttentionOps, AttentionShape, BatchLayout, LogitsOps, Pointwise, RopeTable, StepGraphs,
+    TensorOps, Tensors,
 };
 use crate::tensor::{DType, HostTensor};
 
@@ -268,17 +269,27 @@ impl TensorOps for CpuBackend {
         }
         Ok(out)
     }
-    fn silu_mul(&self, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+    fn gated(&self, act: Activation, gate: &CpuTensor, up: &CpuTensor) -> Result<CpuTensor> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(Error::Internal("a gated product of tensors of different shapes".into()));
+        }
         let mut out = CpuTensor::zeros(gate.rows, gate.cols);
+        let row = |((g, u), o): ((&[f32], &[f32]), &mut [f32])| match act {
+            Activation::Silu => vmath::silu_mul(g, u, o),
+            Activation::GeluTanh => vmath::gelu_tanh_mul(g, u, o),
+        };
         let cols = gate.cols.max(1);
-        let rows = gate.data.chunks(cols).zip(up.data.chunks(cols));
         if gate.rows >= PAR_ROWS {
             let rows = gate.data.par_chunks(cols).zip(up.data.par_chunks(cols));
-            rows.zip(out.data.par_chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+            rows.zip(out.data.par_chunks_mut(cols)).for_each(row);
         } else {
-            rows.zip(out.data.chunks_mut(cols)).for_each(|((g, u), o)| vmath::silu_mul(g, u, o));
+            gate.data.chunks(cols).zip(up.data.chunks(cols)).zip(out.data.chunks_mut(cols)).for_each(row);
         }
         Ok(out)
+    }
+    fn pointwise(&self, x: &mut CpuTensor, op: Pointwise) -> Result<()> {
+        x.data.iter_mut().for_each(|v| *v = op.apply(*v));
+        Ok(())
     }
     fn gather_rows(&self, x: &CpuTensor, rows: &[usize]) -> Result<CpuTensor> {
         let mut data = Vec::with_capacity(rows.len() * x.cols);

@@ -40,6 +40,17 @@ unsafe fn silu_mul_avx512(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `out[i] = gelu(gate[i]) · up[i]`, GELU in its tanh form (`gelu_pytorch_tanh`) in the
+/// order PyTorch computes it.
+pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(gate.len() == up.len() && up.len() == out.len(), "gelu_tanh_mul: lengths differ");
+    const BETA: f32 = 0.797_884_6; // √(2/π)
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let inner = BETA * (g + 0.044715 * (g * g * g));
+        *o = 0.5 * g * (1.0 + inner.tanh()) * u;
+    }
+}
+
 /// `Σ e^(x[i] - max)`, summed in f64 (a vocabulary-sized row loses nothing to the sum).
 pub fn sum_exp(x: &[f32], max: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]

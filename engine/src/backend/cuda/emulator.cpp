@@ -95,6 +95,8 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(add_bias)
     EMU_KERNEL(add)
     EMU_KERNEL(silu_mul)
+    EMU_KERNEL(gelu_tanh_mul)
+    EMU_KERNEL(pointwise)
     EMU_KERNEL(rms_norm)
     EMU_KERNEL(add_rms_norm)
     EMU_KERNEL(rope)

@@ -68,6 +68,27 @@ KERNEL void silu_mul(const float* g, const float* u, float* y, int n) {
     }
 }
 
+// gelu(g) · u, GELU in its tanh form (`gelu_pytorch_tanh`: Gemma's MLP), in the order
+// PyTorch computes it.
+KERNEL void gelu_tanh_mul(const float* g, const float* u, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = g[i];
+        float inner = 0.7978845608028654f * (v + 0.044715f * (v * v * v));
+        y[i] = 0.5f * v * (1.0f + tanhf(inner)) * u[i];
+    }
+}
+
+// In place, elementwise: `x · a` (mode 0: a scale, Gemma's embeddings) or
+// `a · tanh(x / a)` (mode 1: soft-capping at `a`, Gemma's final logits).
+KERNEL void pointwise(float* x, int n, int mode, float a) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float v = x[i];
+        x[i] = mode == 0 ? v * a : tanhf(v / a) * a;
+    }
+}
+
 // 1 / sqrt(mean + eps) of a row of `cols` whose squares the block's threads summed into
 // `sum` each; `partial` is blockDim.x floats of shared memory. Every thread gets it.
 DEVICE float block_inv_rms(float* partial, float sum, int cols, float eps) {

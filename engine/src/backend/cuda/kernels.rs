@@ -33,6 +33,8 @@ pub enum Kernel {
     AddBias,
     Add,
     SiluMul,
+    GeluTanhMul,
+    Pointwise,
     RmsNorm,
     AddRmsNorm,
     Rope,
@@ -49,11 +51,13 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 17] = [
+    pub const ALL: [Kernel; 19] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
         Kernel::SiluMul,
+        Kernel::GeluTanhMul,
+        Kernel::Pointwise,
         Kernel::RmsNorm,
         Kernel::AddRmsNorm,
         Kernel::Rope,
@@ -76,6 +80,8 @@ impl Kernel {
             Kernel::AddBias => "add_bias",
             Kernel::Add => "add",
             Kernel::SiluMul => "silu_mul",
+            Kernel::GeluTanhMul => "gelu_tanh_mul",
+            Kernel::Pointwise => "pointwise",
             Kernel::RmsNorm => "rms_norm",
             Kernel::AddRmsNorm => "add_rms_norm",
             Kernel::Rope => "rope",

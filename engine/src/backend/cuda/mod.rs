@@ -38,8 +38,8 @@ use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
 use super::{
-    AttentionOps, AttentionShape, BatchLayout, GraphOutput, LogitsOps, RopeTable, StepBody, StepGraphs,
-    TensorOps, Tensors,
+    Activation, AttentionOps, AttentionShape, BatchLayout, GraphOutput, LogitsOps, Pointwise, RopeTable,
+    StepBody, StepGraphs, TensorOps, Tensors,
 };
 use crate::backend::host_logits::{host_draws, host_top};
 use crate::logits::draw::draws_to_f32s;
@@ -47,6 +47,9 @@ use crate::logits::top::top_from_f32s;
 use crate::logits::{picks_from_f32s, Candidates, Draw, Pick, MAX_TOP};
 use crate::step::Step;
 use crate::tensor::{DType, HostTensor};
+
+/// Rope tables kept on the device at once (models use one or two).
+const MAX_ROPE_TABLES: usize = 4;
 
 /// Threads per block of the attention kernels (a power of two).
 const ATTN_THREADS: u32 = 128;
@@ -95,7 +98,9 @@ pub struct GpuKv<B> {
 }
 
 /// The rotary frequencies last uploaded, and their device copy.
-type RopeCache<B> = Mutex<Option<(Vec<f32>, Arc<B>)>>;
+/// The rope tables uploaded so far, by their frequencies (a model has one, or two: local
+/// and global layers). Uploaded once, so a captured step finds them on the device.
+type RopeCache<B> = Mutex<Vec<(Vec<f32>, Arc<B>)>>;
 
 pub struct CudaBackend<G: Gpu> {
     gpu: Arc<G>,
@@ -135,7 +140,7 @@ impl<G: Gpu> CudaBackend<G> {
         CudaBackend {
             gpu,
             layout: Mutex::new(None),
-            rope: Mutex::new(None),
+            rope: Mutex::new(Vec::new()),
             graphs: Mutex::new(graphs::Graphs::new(graphs)),
             pinned: Mutex::new(None),
             kv_blocks: AtomicUsize::new(usize::MAX),
@@ -222,13 +227,14 @@ impl<G: Gpu> CudaBackend<G> {
 
     fn rope_table(&self, rope: &RopeTable) -> Result<Arc<G::Buf>> {
         let mut cached = self.rope.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((freqs, buf)) = cached.as_ref() {
-            if *freqs == rope.inv_freq {
-                return Ok(buf.clone());
-            }
+        if let Some((_, buf)) = cached.iter().find(|(freqs, _)| *freqs == rope.inv_freq) {
+            return Ok(buf.clone());
         }
         let buf = Arc::new(self.gpu.upload(bytemuck::cast_slice(&rope.inv_freq))?);
-        *cached = Some((rope.inv_freq.clone(), buf.clone()));
+        if cached.len() == MAX_ROPE_TABLES {
+            cached.remove(0);
+        }
+        cached.push((rope.inv_freq.clone(), buf.clone()));
         Ok(buf)
     }
 }
@@ -488,15 +494,31 @@ impl<G: Gpu> TensorOps for CudaBackend<G> {
         )?;
         Ok(y)
     }
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+    fn gated(&self, act: Activation, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor> {
+        if (gate.rows, gate.cols) != (up.rows, up.cols) {
+            return Err(Error::Internal("a gated product of tensors of different shapes".into()));
+        }
         let y = self.output(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
+        let kernel = match act {
+            Activation::Silu => Kernel::SiluMul,
+            Activation::GeluTanh => Kernel::GeluTanhMul,
+        };
         self.launch(
-            Kernel::SiluMul,
+            kernel,
             Launch::elements(n, ELEMENTWISE_THREADS),
             &[Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
         )?;
         Ok(y)
+    }
+    fn pointwise(&self, x: &mut Self::Tensor, op: Pointwise) -> Result<()> {
+        let n = x.rows * x.cols;
+        let (mode, a) = match op {
+            Pointwise::Scale(s) => (0, s),
+            Pointwise::SoftCap(c) => (1, c),
+        };
+        let args = [Arg::Buf(&x.buf), Arg::I32(dim(n)?), Arg::I32(mode), Arg::F32(a)];
+        self.launch(Kernel::Pointwise, Launch::elements(n, ELEMENTWISE_THREADS), &args)
     }
     fn gather_rows(&self, x: &Self::Tensor, rows: &[usize]) -> Result<Self::Tensor> {
         if let Some(bad) = rows.iter().find(|&&r| r >= x.rows) {

@@ -81,13 +81,14 @@ impl EmulatedDeviceComm {
     }
 }
 
-/// The f32s of an emulated buffer, `count` of them from element `at`.
+/// The f32s of an emulated buffer, `count` of them from element `at`, for as long as the
+/// work that reads or writes them runs.
 ///
 /// SAFETY (of every use below): the emulated device runs one piece of work at a time in
-/// stream order, so nothing else touches the buffer meanwhile; the range was checked
-/// against the buffer's size when the work was queued.
-fn floats(buf: &EmuBuf, at: usize, count: usize) -> &mut [f32] {
-    debug_assert!((at + count) * 4 <= buf.len().max(4));
+/// stream order, so nothing else touches the buffer meanwhile; every range lies inside a
+/// tensor's `rows × cols` elements, which its buffer holds.
+fn floats<'a>(buf: &EmuBuf, at: usize, count: usize) -> &'a mut [f32] {
+    assert!((at + count) * 4 <= buf.len().max(4), "{count} f32s from {at} of a {}-byte buffer", buf.len());
     unsafe { std::slice::from_raw_parts_mut((buf.ptr() as *mut f32).add(at), count) }
 }
 

@@ -238,10 +238,11 @@ impl DeviceCollectives<Backend> for NcclComm {
             b.gpu().copy(x.buf(), out.buf_mut(), n * 4)?;
             return Ok(out);
         }
-        let send = view(x.buf(), n)?;
-        let mut recv = view_mut(out.buf_mut(), n * group.len())?;
-        self.all_gather_device(group, &send, &mut recv, b.gpu().stream())?;
-        drop((send, recv));
+        {
+            let send = view(x.buf(), n)?;
+            let mut recv = view_mut(out.buf_mut(), n * group.len())?;
+            self.all_gather_device(group, &send, &mut recv, b.gpu().stream())?;
+        }
         Ok(out)
     }
 
@@ -254,32 +255,33 @@ impl DeviceCollectives<Backend> for NcclComm {
             return Ok(out);
         }
         let sent = x.rows * cols * 4;
-        let src = view(x.buf(), x.rows * cols)?;
-        let mut dst = view_mut(out.buf_mut(), rows.recv.iter().sum::<usize>() * cols)?;
-        self.in_stream_order(b.gpu().stream(), sent, |c| {
-            let comm = c.group(group)?;
-            // One NCCL group call: every send and receive of the exchange start together,
-            // so no pair waits on another.
-            cudarc::nccl::result::group_start().map_err(nccl_err("group start"))?;
-            let exchanged = (|| -> Result<()> {
-                let (mut from, mut to) = (0, 0);
-                for (peer, (&s, &r)) in rows.send.iter().zip(rows.recv).enumerate() {
-                    if s > 0 {
-                        let part = src.slice(from * cols..(from + s) * cols);
-                        comm.send(&part, peer as i32).map_err(nccl_err("send"))?;
+        {
+            let src = view(x.buf(), x.rows * cols)?;
+            let mut dst = view_mut(out.buf_mut(), rows.recv.iter().sum::<usize>() * cols)?;
+            self.in_stream_order(b.gpu().stream(), sent, |c| {
+                let comm = c.group(group)?;
+                // One NCCL group call: every send and receive of the exchange start together,
+                // so no pair waits on another.
+                cudarc::nccl::result::group_start().map_err(nccl_err("group start"))?;
+                let exchanged = (|| -> Result<()> {
+                    let (mut from, mut to) = (0, 0);
+                    for (peer, (&s, &r)) in rows.send.iter().zip(rows.recv).enumerate() {
+                        if s > 0 {
+                            let part = src.slice(from * cols..(from + s) * cols);
+                            comm.send(&part, peer as i32).map_err(nccl_err("send"))?;
+                        }
+                        if r > 0 {
+                            let mut part = dst.slice_mut(to * cols..(to + r) * cols);
+                            comm.recv(&mut part, peer as i32).map_err(nccl_err("receive"))?;
+                        }
+                        (from, to) = (from + s, to + r);
                     }
-                    if r > 0 {
-                        let mut part = dst.slice_mut(to * cols..(to + r) * cols);
-                        comm.recv(&mut part, peer as i32).map_err(nccl_err("receive"))?;
-                    }
-                    (from, to) = (from + s, to + r);
-                }
-                Ok(())
-            })();
-            let ended = cudarc::nccl::result::group_end().map(drop).map_err(nccl_err("group end"));
-            exchanged.and(ended)
-        })?;
-        drop((src, dst));
+                    Ok(())
+                })();
+                let ended = cudarc::nccl::result::group_end().map(drop).map_err(nccl_err("group end"));
+                exchanged.and(ended)
+            })?;
+        }
         Ok(out)
     }
 
@@ -289,9 +291,7 @@ impl DeviceCollectives<Backend> for NcclComm {
 
     fn recv(&mut self, b: &Backend, rows: usize, cols: usize, from: usize) -> Result<Tensor> {
         let mut out = b.output(rows, cols)?;
-        let mut data = view_mut(out.buf_mut(), rows * cols)?;
-        self.recv_device(from, &mut data, b.gpu().stream())?;
-        drop(data);
+        self.recv_device(from, &mut view_mut(out.buf_mut(), rows * cols)?, b.gpu().stream())?;
         Ok(out)
     }
 

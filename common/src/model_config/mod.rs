@@ -12,12 +12,16 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod gemma;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
     Llama,
     Mistral,
     Qwen2,
     Qwen3,
+    /// Gemma 3's text model (`Gemma3ForCausalLM`, the 1B model's class).
+    Gemma3,
 }
 
 impl Architecture {
@@ -27,6 +31,7 @@ impl Architecture {
             Architecture::Mistral => "MistralForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -36,6 +41,7 @@ impl Architecture {
             Architecture::Mistral => "mistral",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Gemma3 => "gemma3_text",
         }
     }
 
@@ -45,6 +51,26 @@ impl Architecture {
             "MistralForCausalLM" | "mistral" => Some(Architecture::Mistral),
             "Qwen2ForCausalLM" | "qwen2" => Some(Architecture::Qwen2),
             "Qwen3ForCausalLM" | "qwen3" => Some(Architecture::Qwen3),
+            "Gemma3ForCausalLM" | "gemma3_text" => Some(Architecture::Gemma3),
+            _ => None,
+        }
+    }
+}
+
+/// The activation of a gated MLP (`hidden_act`, or Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x · sigmoid(x)` (`silu`, `swish`).
+    Silu,
+    /// GELU in its tanh form (`gelu_pytorch_tanh`, `gelu_new`).
+    GeluTanh,
+}
+
+impl Activation {
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "silu" | "swish" => Some(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Some(Activation::GeluTanh),
             _ => None,
         }
     }
@@ -90,8 +116,29 @@ pub struct ModelConfig {
     pub mlp_bias: bool,
     /// Attention sees at most this many most recent positions (Mistral, Qwen2 opt-in).
     pub sliding_window: Option<usize>,
-    /// Queries and keys pass an RMSNorm of their own per head, before RoPE (Qwen3).
+    /// Queries and keys pass an RMSNorm of their own per head, before RoPE (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Which layers attend within `sliding_window` (every layer's entry; all of them on
+    /// Mistral with a window, Gemma 3's `layer_types`).
+    pub windowed_layers: Vec<bool>,
+    /// The rope base of windowed layers, when it is not `rope_theta` (Gemma 3's local
+    /// layers; unscaled).
+    pub local_rope_theta: Option<f64>,
+    /// The gated MLP's activation.
+    pub activation: Activation,
+    /// The attention scale is `query_pre_attn_scalar^-½` rather than `head_dim^-½`
+    /// (Gemma).
+    pub query_pre_attn_scalar: Option<f64>,
+    /// Added to every RMSNorm weight: Gemma's norms scale by `1 + w`.
+    pub norm_weight_offset: f32,
+    /// Embeddings are multiplied by this (Gemma: √hidden_size).
+    pub embed_scale: Option<f32>,
+    /// Attention and MLP outputs pass a norm of their own before the residual add (Gemma's
+    /// `post_attention_layernorm` and `post_feedforward_layernorm`; its pre-MLP norm is
+    /// `pre_feedforward_layernorm`).
+    pub sandwich_norms: bool,
+    /// The final logits are soft-capped: `c · tanh(logits / c)`.
+    pub final_logit_softcap: Option<f32>,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
     pub dtype: Option<String>,
     /// `quantization_config.quant_method`, if any ("strata-int8": written by
@@ -136,15 +183,13 @@ impl ModelConfig {
 
     fn from_map(obj: &Map<String, Value>) -> Result<Self> {
         let architecture = architecture(obj)?;
-
-        if let Some(act) = obj.get("hidden_act").and_then(|v| v.as_str()) {
-            if act != "silu" {
-                return Err(Error::Unsupported(format!("hidden_act {act:?} (only \"silu\")")));
-            }
-        }
+        let gemma = architecture == Architecture::Gemma3;
+        let activation = activation(obj, gemma)?;
 
         let hidden_size = req_usize(obj, "hidden_size")?;
-        let (num_heads, num_kv_heads, head_dim) = heads(obj, hidden_size)?;
+        let num_layers = req_usize(obj, "num_hidden_layers")?;
+        let default_head_dim = gemma.then_some(gemma::HEAD_DIM);
+        let (num_heads, num_kv_heads, head_dim) = heads(obj, hidden_size, default_head_dim)?;
 
         // transformers 5 nests rope_theta inside rope_parameters.
         let rope_obj =
@@ -153,17 +198,31 @@ impl ModelConfig {
             Some(t) => t,
             None => rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(10000.0),
         };
-        let rope_scaling = parse_rope(rope_obj)?;
+        let mut rope_scaling = match gemma {
+            true => RopeScaling::None, // by layer type, below
+            false => parse_rope(rope_obj)?,
+        };
 
-        let FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm } =
+        let FamilyOptions { qkv_bias, o_bias, mlp_bias, mut sliding_window, qk_norm } =
             family_options(architecture, obj)?;
+        let mut windowed_layers = vec![sliding_window.is_some(); num_layers];
+        let (mut rope_theta, mut local_rope_theta, mut query_pre_attn_scalar, mut final_logit_softcap) =
+            (rope_theta, None, None, None);
+        if gemma {
+            let g = gemma::options(obj, num_layers)?;
+            (windowed_layers, sliding_window) = (g.windowed_layers, Some(g.sliding_window));
+            (rope_theta, rope_scaling, local_rope_theta) =
+                (g.rope_theta, g.rope_scaling, Some(g.local_rope_theta));
+            (query_pre_attn_scalar, final_logit_softcap) =
+                (Some(g.query_pre_attn_scalar), g.final_logit_softcap);
+        }
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
             architecture,
             hidden_size,
             intermediate_size: req_usize(obj, "intermediate_size")?,
-            num_layers: req_usize(obj, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -172,12 +231,21 @@ impl ModelConfig {
             rms_norm_eps: positive("rms_norm_eps", opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6))?,
             rope_theta: positive("rope_theta", rope_theta)?,
             rope_scaling,
-            tie_word_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(false),
+            // Gemma's LM head is its embedding unless the file says otherwise.
+            tie_word_embeddings: opt_bool(obj, "tie_word_embeddings")?.unwrap_or(gemma),
             qkv_bias,
             o_bias,
             mlp_bias,
             sliding_window,
             qk_norm,
+            windowed_layers,
+            local_rope_theta,
+            activation,
+            query_pre_attn_scalar,
+            norm_weight_offset: if gemma { 1.0 } else { 0.0 },
+            embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
+            sandwich_norms: gemma,
+            final_logit_softcap,
             dtype: obj
                 .get("torch_dtype")
                 .or_else(|| obj.get("dtype"))
@@ -277,13 +345,36 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
     Architecture::from_hf(arch_name).ok_or_else(|| {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
-             Qwen2ForCausalLM, Qwen3ForCausalLM"
+             Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"
         ))
     })
 }
 
-/// `(num_heads, num_kv_heads, head_dim)`, checked against each other and `hidden_size`.
-fn heads(obj: &Map<String, Value>, hidden_size: usize) -> Result<(usize, usize, usize)> {
+/// The MLP's activation: `hidden_activation` (Gemma's key) or `hidden_act`; absent, the
+/// family's default (Gemma: GELU's tanh form; the others: SiLU).
+fn activation(obj: &Map<String, Value>, gemma: bool) -> Result<Activation> {
+    let key = if gemma && obj.get("hidden_activation").is_some_and(|v| !v.is_null()) {
+        "hidden_activation"
+    } else {
+        "hidden_act"
+    };
+    match obj.get(key).filter(|v| !v.is_null()) {
+        None => Ok(if gemma { Activation::GeluTanh } else { Activation::Silu }),
+        Some(v) => v
+            .as_str()
+            .and_then(Activation::from_hf)
+            .ok_or_else(|| Error::Unsupported(format!("{key} {v} (supported: silu, gelu_pytorch_tanh)"))),
+    }
+}
+
+/// `(num_heads, num_kv_heads, head_dim)`, checked against each other and `hidden_size`;
+/// a missing `head_dim` is `default_head_dim` where the family has one, else
+/// `hidden_size / num_heads`.
+fn heads(
+    obj: &Map<String, Value>,
+    hidden_size: usize,
+    default_head_dim: Option<usize>,
+) -> Result<(usize, usize, usize)> {
     let num_heads = req_usize(obj, "num_attention_heads")?;
     let num_kv_heads = opt_usize(obj, "num_key_value_heads")?.unwrap_or(num_heads);
     if num_heads == 0 || num_kv_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
@@ -292,7 +383,7 @@ fn heads(obj: &Map<String, Value>, hidden_size: usize) -> Result<(usize, usize, 
             format!("{num_kv_heads} must be positive and divide num_attention_heads ({num_heads})"),
         ));
     }
-    let head_dim = match opt_usize(obj, "head_dim")? {
+    let head_dim = match opt_usize(obj, "head_dim")?.or(default_head_dim) {
         Some(d) => d,
         None => {
             if !hidden_size.is_multiple_of(num_heads) {
@@ -324,7 +415,7 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
     let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
     let (qkv_bias, o_bias) = match architecture {
         Architecture::Qwen2 => (true, false),
-        Architecture::Llama | Architecture::Qwen3 => (attention_bias, attention_bias),
+        Architecture::Llama | Architecture::Qwen3 | Architecture::Gemma3 => (attention_bias, attention_bias),
         Architecture::Mistral => (attention_bias, false),
     };
     let mlp_bias = match architecture {
@@ -342,9 +433,9 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
             }
             None
         }
-        Architecture::Llama => None,
+        Architecture::Llama | Architecture::Gemma3 => None, // Gemma's: gemma::options
     };
-    let qk_norm = architecture == Architecture::Qwen3;
+    let qk_norm = matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3);
     Ok(FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm })
 }
 
