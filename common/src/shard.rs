@@ -43,6 +43,9 @@ pub struct RankShard {
     pub kv_heads: Range<usize>,
     /// Intermediate (MLP) columns of this rank.
     pub intermediate: Range<usize>,
+    /// Intermediate columns of every expert this rank holds (MoE layers; empty for a
+    /// dense model): each expert's MLP is split across the TP group like a dense one.
+    pub expert_intermediate: Range<usize>,
     /// Vocabulary rows of the embedding and LM head this rank holds.
     pub vocab: Range<usize>,
 }
@@ -93,6 +96,14 @@ impl ShardPlan {
                 format!("{tp} does not divide intermediate_size ({})", config.intermediate_size),
             ));
         }
+        let expert_inter = config.moe.as_ref().map_or(0, |m| m.expert_intermediate);
+        if !expert_inter.is_multiple_of(tp) {
+            return Err(Error::invalid(
+                "tp",
+                format!("{tp} does not divide the experts' intermediate size ({expert_inter})"),
+            ));
+        }
+        let expert_per = expert_inter / tp;
         let q_per = config.num_heads / tp;
         let group = config.num_heads / kv;
         let inter_per = config.intermediate_size / tp;
@@ -112,6 +123,7 @@ impl ShardPlan {
                     q_heads,
                     kv_heads,
                     intermediate: tp_rank * inter_per..(tp_rank + 1) * inter_per,
+                    expert_intermediate: tp_rank * expert_per..(tp_rank + 1) * expert_per,
                     vocab: vocab_start..(vocab_start + vocab_per).min(config.vocab_size),
                 });
             }

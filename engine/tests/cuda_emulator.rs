@@ -169,6 +169,30 @@ fn gemma3_runs_on_the_device_and_its_graphs_replay_eager_steps() {
     assert!(captures >= 1 && replays > captures, "({captures} captures, {replays} replays)");
 }
 
+/// A mixture of experts on the device (Mixtral: 4 experts, 2 a token): within bf16 of the
+/// CPU backend, the same greedy tokens with graphs asked for and without — a step that
+/// routes on the host cannot be captured, so it runs op by op either way.
+#[test]
+fn mixtral_runs_on_the_device() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/mixtral_moe");
+    let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+    let bf16 = CpuBackend::new().with_weight_dtype(Some(DType::BF16));
+    let mut cpu = Engine::new(Model::load(&dir, bf16).unwrap(), &config).unwrap();
+    let prompt: Vec<u32> = vec![1, 17, 300, 42, 9, 211, 3, 77];
+    let want = cpu.prompt_logits(&prompt).unwrap();
+    let run = |graphs: bool| {
+        let backend = CudaBackend::with_graphs(Arc::new(EmulatedGpu::new()), graphs);
+        let mut e = Engine::new(Model::load(&dir, backend).unwrap(), &config).unwrap();
+        (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 6))
+    };
+    let (got, eager) = run(false);
+    let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+    let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    eprintln!("mixtral prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
+    assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
+    assert_eq!(run(true).1, eager, "tokens with graphs asked for");
+}
+
 /// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
 /// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
 /// does.

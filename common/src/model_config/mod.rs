@@ -13,6 +13,9 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 mod gemma;
+mod moe;
+
+pub use moe::{ExpertNames, Moe};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -22,6 +25,10 @@ pub enum Architecture {
     Qwen3,
     /// Gemma 3's text model (`Gemma3ForCausalLM`, the 1B model's class).
     Gemma3,
+    /// Mistral's attention with a mixture of experts in every layer.
+    Mixtral,
+    /// Qwen3's attention with a mixture of experts.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -32,6 +39,8 @@ impl Architecture {
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
             Architecture::Gemma3 => "Gemma3ForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
 
@@ -42,6 +51,8 @@ impl Architecture {
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
             Architecture::Gemma3 => "gemma3_text",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
     }
 
@@ -52,6 +63,8 @@ impl Architecture {
             "Qwen2ForCausalLM" | "qwen2" => Some(Architecture::Qwen2),
             "Qwen3ForCausalLM" | "qwen3" => Some(Architecture::Qwen3),
             "Gemma3ForCausalLM" | "gemma3_text" => Some(Architecture::Gemma3),
+            "MixtralForCausalLM" | "mixtral" => Some(Architecture::Mixtral),
+            "Qwen3MoeForCausalLM" | "qwen3_moe" => Some(Architecture::Qwen3Moe),
             _ => None,
         }
     }
@@ -139,6 +152,8 @@ pub struct ModelConfig {
     pub sandwich_norms: bool,
     /// The final logits are soft-capped: `c · tanh(logits / c)`.
     pub final_logit_softcap: Option<f32>,
+    /// The mixture of experts, for MoE families.
+    pub moe: Option<Moe>,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
     pub dtype: Option<String>,
     /// `quantization_config.quant_method`, if any ("strata-int8": written by
@@ -246,6 +261,7 @@ impl ModelConfig {
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,
             final_logit_softcap,
+            moe: moe::options(architecture, obj, num_layers)?,
             dtype: obj
                 .get("torch_dtype")
                 .or_else(|| obj.get("dtype"))
@@ -345,7 +361,8 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
     Architecture::from_hf(arch_name).ok_or_else(|| {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
-             Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM"
+             Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, \
+             Qwen3MoeForCausalLM"
         ))
     })
 }
@@ -415,16 +432,18 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
     let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
     let (qkv_bias, o_bias) = match architecture {
         Architecture::Qwen2 => (true, false),
-        Architecture::Llama | Architecture::Qwen3 | Architecture::Gemma3 => (attention_bias, attention_bias),
-        Architecture::Mistral => (attention_bias, false),
+        Architecture::Llama | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe => {
+            (attention_bias, attention_bias)
+        }
+        Architecture::Mistral | Architecture::Mixtral => (attention_bias, false),
     };
     let mlp_bias = match architecture {
         Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
         _ => false,
     };
     let sliding_window = match architecture {
-        Architecture::Mistral => opt_usize(obj, "sliding_window")?,
-        Architecture::Qwen2 | Architecture::Qwen3 => {
+        Architecture::Mistral | Architecture::Mixtral => opt_usize(obj, "sliding_window")?,
+        Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                 return Err(Error::Unsupported(format!(
                     "{} use_sliding_window=true (per-layer windows are not implemented)",
@@ -435,7 +454,7 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
         }
         Architecture::Llama | Architecture::Gemma3 => None, // Gemma's: gemma::options
     };
-    let qk_norm = matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3);
+    let qk_norm = matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe);
     Ok(FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm })
 }
 

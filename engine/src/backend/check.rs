@@ -253,6 +253,20 @@ fn check_elementwise<B: Backend>(
     let want = run.cpu.to_host(&run.cpu.gather_rows(xc, &rows)?)?;
     run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
 
+    // An expert's weighted outputs added back to the rows of the tokens that chose it.
+    let (y, picked) = (random(rng, 3 * h, 1.0), [n - 1, 0, n / 2]);
+    let (ydev, ycpu) = run.pair(&y, 3, h)?;
+    let (mut od, mut oc) = run.pair(x, n, h)?;
+    dev.scatter_add_rows(&mut od, &ydev, &picked, &[0.25, 0.5, 0.75])?;
+    run.cpu.scatter_add_rows(&mut oc, &ycpu, &picked, &[0.25, 0.5, 0.75])?;
+    run.record(
+        "scatter_add_rows",
+        format!("3 rows into [{n}, {h}]"),
+        &dev.to_host(&od)?,
+        &run.cpu.to_host(&oc)?,
+        F32_TOL,
+    );
+
     // Rank blocks of rows (an all-gather of vocabulary shards) side by side as whole rows.
     let blocks = random(rng, 3 * n * 5, 1.0);
     let (bd, bc) = run.pair(&blocks, 3 * n, 5)?;

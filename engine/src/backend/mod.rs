@@ -9,6 +9,7 @@
 //! | [`TensorOps`] | the math of a layer: matmuls, norms, activations, gathers |
 //! | [`AttentionOps`] | the paged KV cache and attention over it, rotary positions |
 //! | [`LogitsOps`] | a step's logits reduced where they are: greedy picks, top-k, draws |
+//! | [`ExpertOps`] | what a mixture of experts adds: each expert's rows combined back |
 //! | [`StepGraphs`] | decode steps captured once and replayed (CUDA graphs) |
 //!
 //! A backend implements what it supports and takes the defaults for the rest (the host's
@@ -280,6 +281,38 @@ pub trait LogitsOps: Tensors {
     }
 }
 
+/// What a mixture of experts needs besides the dense ops: an expert's outputs, weighted,
+/// added back to the rows of the tokens that chose it.
+pub trait ExpertOps: Tensors {
+    /// `out[rows[i]] += weights[i] · y[i]` for every row `i` of `y` (each row of `out` at
+    /// most once a call), in place.
+    fn scatter_add_rows(
+        &self,
+        out: &mut Self::Tensor,
+        y: &Self::Tensor,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()>;
+}
+
+/// The shapes and rows of a [`ExpertOps::scatter_add_rows`], checked before any backend
+/// touches memory: one row and weight per row of `y`, every row inside `out`, none twice.
+pub fn check_scatter(out: (usize, usize), y: (usize, usize), rows: &[usize], weights: &[f32]) -> Result<()> {
+    let fail = |why: String| Err(strata_common::Error::Internal(format!("scatter_add_rows: {why}")));
+    if out.1 != y.1 || rows.len() != y.0 || weights.len() != y.0 {
+        return fail(format!("{} rows, {} weights for {y:?} into {out:?}", rows.len(), weights.len()));
+    }
+    let mut seen = vec![false; out.0];
+    for &r in rows {
+        match seen.get_mut(r) {
+            None => return fail(format!("row {r} of {}", out.0)),
+            Some(true) => return fail(format!("row {r} twice")),
+            Some(s) => *s = true,
+        }
+    }
+    Ok(())
+}
+
 /// What a replayed step returns besides its own rows' inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GraphOutput {
@@ -317,10 +350,10 @@ pub trait StepGraphs: Tensors {
 
 /// The backend traits, for code that calls their methods on a concrete backend.
 pub mod prelude {
-    pub use super::{AttentionOps, Backend, LogitsOps, StepGraphs, TensorOps, Tensors};
+    pub use super::{AttentionOps, Backend, ExpertOps, LogitsOps, StepGraphs, TensorOps, Tensors};
 }
 
 /// Everything the model needs of a backend: the sum of its parts.
-pub trait Backend: TensorOps + AttentionOps + LogitsOps + StepGraphs {}
+pub trait Backend: TensorOps + AttentionOps + LogitsOps + ExpertOps + StepGraphs {}
 
-impl<B: TensorOps + AttentionOps + LogitsOps + StepGraphs> Backend for B {}
+impl<B: TensorOps + AttentionOps + LogitsOps + ExpertOps + StepGraphs> Backend for B {}

@@ -9,6 +9,7 @@ use std::ops::Range;
 
 use strata_common::{Error, ModelConfig, RankShard, Result};
 
+use super::experts::{Expert, Experts};
 use super::parts::{
     Attention, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec, Norm, NormKind,
 };
@@ -143,6 +144,34 @@ impl<B: Backend> ShardLoader<'_, B> {
                 up: self.column(&format!("{p}.mlp.up_proj"), inter, rows.clone(), spec.bias)?,
                 down: self.row(&format!("{p}.mlp.down_proj"), inter, rows, spec.bias)?,
             }),
+            MlpKind::Experts { act, experts, top_k, norm_topk_prob } => {
+                let moe = self
+                    .config
+                    .moe
+                    .as_ref()
+                    .ok_or_else(|| Error::Internal("experts without a MoE config".into()))?;
+                let (names, inter, rows) =
+                    (moe.names, moe.expert_intermediate, self.shard.expert_intermediate.clone());
+                let block = format!("{p}.{}", names.block);
+                let router =
+                    self.ckpt.get(&format!("{block}.gate.weight"), &[experts, self.config.hidden_size])?;
+                let mut loaded = Vec::with_capacity(experts);
+                for e in 0..experts {
+                    let x = format!("{block}.experts.{e}");
+                    loaded.push(Expert {
+                        gate: self.column(&format!("{x}.{}", names.gate), inter, rows.clone(), false)?,
+                        up: self.column(&format!("{x}.{}", names.up), inter, rows.clone(), false)?,
+                        down: self.row(&format!("{x}.{}", names.down), inter, rows.clone(), false)?,
+                    });
+                }
+                Ok(Mlp::Experts(Experts {
+                    act,
+                    router: router.to_f32_vec(),
+                    experts: loaded,
+                    top_k,
+                    norm_topk_prob,
+                }))
+            }
         }
     }
 

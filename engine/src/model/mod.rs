@@ -11,6 +11,7 @@
 //! The rank's collectives are whatever [`DeviceCollectives`] it was given — a one-rank
 //! replica's are [`crate::comm::Solo`]'s, and the code is the same.
 
+mod experts;
 pub mod loader;
 mod output;
 pub mod parts;

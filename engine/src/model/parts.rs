@@ -17,6 +17,7 @@
 
 use strata_common::{Error, ModelConfig, Result};
 
+use super::experts::Experts;
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 
 /// How a layer's norms are computed.
@@ -58,6 +59,9 @@ pub struct AttentionSpec {
 pub enum MlpKind {
     /// `down(act(gate(x)) · up(x))`.
     Gated(Activation),
+    /// A mixture of `experts` gated MLPs, each token routed to `top_k` of them
+    /// ([`super::experts`]).
+    Experts { act: Activation, experts: usize, top_k: usize, norm_topk_prob: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,7 +102,20 @@ impl LayerSpec {
             Some(s) => (s as f32).powf(-0.5),
             None => 1.0 / (config.head_dim as f32).sqrt(),
         };
-        let layer = |windowed: bool| LayerSpec {
+        let moe_layers = config.moe.as_ref().map(|m| m.layers.clone()).unwrap_or_default();
+        let mlp = |i: usize| match (&config.moe, moe_layers.get(i)) {
+            (Some(m), Some(true)) => MlpSpec {
+                kind: MlpKind::Experts {
+                    act: config.activation,
+                    experts: m.num_experts,
+                    top_k: m.top_k,
+                    norm_topk_prob: m.norm_topk_prob,
+                },
+                bias: false,
+            },
+            _ => MlpSpec { kind: MlpKind::Gated(config.activation), bias: config.mlp_bias },
+        };
+        let layer = |(i, windowed): (usize, bool)| LayerSpec {
             norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
             attention: AttentionSpec {
                 kind: AttentionKind::Grouped,
@@ -110,21 +127,21 @@ impl LayerSpec {
                 rope: usize::from(windowed && config.local_rope_theta.is_some()),
                 scale,
             },
-            mlp: MlpSpec { kind: MlpKind::Gated(config.activation), bias: config.mlp_bias },
+            mlp: mlp(i),
             sandwich_norms: config.sandwich_norms,
         };
-        Ok(config.windowed_layers.iter().map(|&w| layer(w)).collect())
+        Ok(config.windowed_layers.iter().copied().enumerate().map(layer).collect())
     }
 }
 
 /// A projection: a weight matrix and maybe a bias.
-pub(super) struct Linear<B: Backend> {
+pub(in crate::model) struct Linear<B: Backend> {
     pub weight: B::Weight,
     pub bias: Option<B::Tensor>,
 }
 
 impl<B: Backend> Linear<B> {
-    fn apply(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+    pub(in crate::model) fn apply(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let mut y = b.matmul(x, &self.weight)?;
         if let Some(bias) = &self.bias {
             b.add_bias(&mut y, bias)?;
@@ -133,7 +150,11 @@ impl<B: Backend> Linear<B> {
     }
 
     /// Several projections of the same input, side by side.
-    fn apply_many<const N: usize>(b: &B, x: &B::Tensor, ls: [&Self; N]) -> Result<[B::Tensor; N]> {
+    pub(in crate::model) fn apply_many<const N: usize>(
+        b: &B,
+        x: &B::Tensor,
+        ls: [&Self; N],
+    ) -> Result<[B::Tensor; N]> {
         let ws: Vec<&B::Weight> = ls.iter().map(|l| &l.weight).collect();
         let mut ys = b.matmul_many(x, &ws)?;
         for (y, l) in ys.iter_mut().zip(ls) {
@@ -230,6 +251,7 @@ impl<B: Backend> Attention<B> {
 /// A layer's MLP, this rank's intermediate rows of it.
 pub(super) enum Mlp<B: Backend> {
     Gated { act: Activation, gate: Linear<B>, up: Linear<B>, down: Linear<B> },
+    Experts(Experts<B>),
 }
 
 impl<B: Backend> Mlp<B> {
@@ -243,6 +265,7 @@ impl<B: Backend> Mlp<B> {
                 (cx.reduce)(&mut y)?;
                 Ok(y)
             }
+            Mlp::Experts(experts) => experts.forward(cx, x),
         }
     }
 }

@@ -27,8 +27,8 @@ use rayon::prelude::*;
 use strata_common::{Error, Result};
 
 use super::{
-    Activation, AttentionOps, AttentionShape, BatchLayout, LogitsOps, Pointwise, RopeTable, StepGraphs,
-    TensorOps, Tensors,
+    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertOps, LogitsOps, Pointwise,
+    RopeTable, StepGraphs, TensorOps, Tensors,
 };
 use crate::tensor::{DType, HostTensor};
 
@@ -379,6 +379,25 @@ impl AttentionOps for CpuBackend {
 impl LogitsOps for CpuBackend {
     fn greedy_picks(&self, logits: &CpuTensor, first_id: u32) -> Result<Vec<crate::logits::Pick>> {
         Ok(super::host_logits::host_picks(&logits.data, logits.rows, logits.cols, first_id))
+    }
+}
+
+impl ExpertOps for CpuBackend {
+    fn scatter_add_rows(
+        &self,
+        out: &mut CpuTensor,
+        y: &CpuTensor,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        check_scatter((out.rows, out.cols), (y.rows, y.cols), rows, weights)?;
+        for ((i, &r), &w) in rows.iter().enumerate().zip(weights) {
+            let src = &y.data[i * y.cols..(i + 1) * y.cols];
+            for (o, &v) in out.data[r * out.cols..(r + 1) * out.cols].iter_mut().zip(src) {
+                *o += v * w;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -256,3 +256,18 @@ fn interleaved_blocks_put_each_ranks_columns_in_vocabulary_order() {
     assert_eq!(b.to_host(&whole).unwrap(), [0., 1., 2., 10., 11., 12., 3., 4., 5., 13., 14., 15.]);
     assert!(b.interleave_blocks(&x, 3).is_err(), "4 rows are not 3 blocks");
 }
+
+#[test]
+fn scattered_rows_add_weighted_and_bad_rows_are_refused() {
+    use crate::backend::prelude::*;
+    let b = CpuBackend::new();
+    let mut out = b.upload(vec![1.0; 8], 4, 2).unwrap();
+    let y = b.upload(vec![1.0, 2.0, 3.0, 4.0], 2, 2).unwrap();
+    b.scatter_add_rows(&mut out, &y, &[3, 1], &[0.5, 2.0]).unwrap();
+    assert_eq!(b.to_host(&out).unwrap(), [1.0, 1.0, 7.0, 9.0, 1.0, 1.0, 1.5, 2.0]);
+    for (rows, weights) in
+        [(&[3, 3][..], &[1.0, 1.0][..]), (&[4, 0], &[1.0, 1.0]), (&[0], &[1.0]), (&[0, 1], &[1.0])]
+    {
+        assert!(b.scatter_add_rows(&mut out, &y, rows, weights).is_err(), "{rows:?} {weights:?}");
+    }
+}

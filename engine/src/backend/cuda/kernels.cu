@@ -79,6 +79,17 @@ KERNEL void gelu_tanh_mul(const float* g, const float* u, float* y, int n) {
     }
 }
 
+// out[rows[b]] += weights[b] · y[b], one block a row of `y` (each row of `out` at most once
+// a launch): an expert's outputs added back to the tokens that chose it.
+KERNEL void scatter_add_rows(float* out, const float* y, const int* rows, const float* weights, int cols) {
+    float* o = out + (long)rows[blockIdx.x] * cols;
+    const float* src = y + (long)blockIdx.x * cols;
+    float w = weights[blockIdx.x];
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        o[c] += src[c] * w;
+    }
+}
+
 // In place, elementwise: `x · a` (mode 0: a scale, Gemma's embeddings) or
 // `a · tanh(x / a)` (mode 1: soft-capping at `a`, Gemma's final logits).
 KERNEL void pointwise(float* x, int n, int mode, float a) {

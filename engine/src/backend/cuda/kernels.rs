@@ -35,6 +35,7 @@ pub enum Kernel {
     SiluMul,
     GeluTanhMul,
     Pointwise,
+    ScatterAddRows,
     RmsNorm,
     AddRmsNorm,
     Rope,
@@ -51,13 +52,14 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 19] = [
+    pub const ALL: [Kernel; 20] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
         Kernel::SiluMul,
         Kernel::GeluTanhMul,
         Kernel::Pointwise,
+        Kernel::ScatterAddRows,
         Kernel::RmsNorm,
         Kernel::AddRmsNorm,
         Kernel::Rope,
@@ -82,6 +84,7 @@ impl Kernel {
             Kernel::SiluMul => "silu_mul",
             Kernel::GeluTanhMul => "gelu_tanh_mul",
             Kernel::Pointwise => "pointwise",
+            Kernel::ScatterAddRows => "scatter_add_rows",
             Kernel::RmsNorm => "rms_norm",
             Kernel::AddRmsNorm => "add_rms_norm",
             Kernel::Rope => "rope",

@@ -38,8 +38,8 @@ use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
 use super::{
-    Activation, AttentionOps, AttentionShape, BatchLayout, GraphOutput, LogitsOps, Pointwise, RopeTable,
-    StepBody, StepGraphs, TensorOps, Tensors,
+    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertOps, GraphOutput, LogitsOps,
+    Pointwise, RopeTable, StepBody, StepGraphs, TensorOps, Tensors,
 };
 use crate::backend::host_logits::{host_draws, host_top};
 use crate::logits::draw::draws_to_f32s;
@@ -766,6 +766,26 @@ impl<G: Gpu> LogitsOps for CudaBackend<G> {
         }
         let params = self.gpu.upload(bytemuck::cast_slice(&draws_to_f32s(draws)))?;
         picks_from_f32s(&self.to_host(&self.draw_tensor(logits, &params, first_id)?)?)
+    }
+}
+
+impl<G: Gpu> ExpertOps for CudaBackend<G> {
+    fn scatter_add_rows(
+        &self,
+        out: &mut Self::Tensor,
+        y: &Self::Tensor,
+        rows: &[usize],
+        weights: &[f32],
+    ) -> Result<()> {
+        check_scatter((out.rows, out.cols), (y.rows, y.cols), rows, weights)?;
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let idx = self.indices(rows.iter().copied(), |p| &p.rows)?;
+        let w = self.upload(weights.to_vec(), 1, weights.len())?;
+        let args =
+            [Arg::Buf(&out.buf), Arg::Buf(&y.buf), Arg::Buf(&idx), Arg::Buf(&w.buf), Arg::I32(dim(y.cols)?)];
+        self.launch(Kernel::ScatterAddRows, Launch::rows(rows.len(), ROW_THREADS), &args)
     }
 }
 
