@@ -178,19 +178,30 @@ impl RankShard {
         let (q, kv, inter) = (len(&self.q_heads) * d, len(&self.kv_heads) * d, len(&self.intermediate));
         // rows × columns of a matrix, with int8's f32 scale per row.
         let matrix = |rows: u64, cols: u64| rows * cols * b.matrix + if b.matrix == 1 { rows * 4 } else { 0 };
-        let mut layer = matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q);
-        layer += 2 * matrix(inter, h) + matrix(h, inter) + 2 * h * b.vector;
+        let mut attention = matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q);
+        // Norms: before attention and MLP, after both in a sandwich; q and k per head.
+        let norms = if c.sandwich_norms { 4 } else { 2 } * h + if c.qk_norm { 2 * d } else { 0 };
+        attention += norms * b.vector;
         if c.qkv_bias {
-            layer += (q + 2 * kv) * b.vector;
+            attention += (q + 2 * kv) * b.vector;
         }
         if c.o_bias {
-            layer += h * b.vector;
+            attention += h * b.vector;
         }
+        let mut dense = 2 * matrix(inter, h) + matrix(h, inter);
         if c.mlp_bias {
-            layer += (2 * inter + h) * b.vector;
+            dense += (2 * inter + h) * b.vector;
         }
+        // Experts: each one's share of columns, and the router (as the checkpoint has it).
+        let experts = c.moe.as_ref().map_or(0, |m| {
+            let ei = len(&self.expert_intermediate);
+            m.num_experts as u64 * (2 * matrix(ei, h) + matrix(h, ei)) + m.num_experts as u64 * h * b.vector
+        });
+        let moe_layer = |i: usize| c.moe.as_ref().is_some_and(|m| m.layers.get(i) == Some(&true));
+        let layers: u64 =
+            self.layers.clone().map(|i| attention + if moe_layer(i) { experts } else { dense }).sum();
         let vocab = matrix(len(&self.vocab), h);
-        let mut total = len(&self.layers) * layer;
+        let mut total = layers;
         if self.is_first_stage() {
             total += vocab;
         }
