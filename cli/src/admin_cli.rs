@@ -86,6 +86,10 @@ pub struct DeployArgs {
     pub tp: u32,
     #[arg(long, default_value_t = 1)]
     pub pp: u32,
+    /// Expert parallelism for a mixture of experts: each MoE layer's experts split across
+    /// this many ranks of a stage (with --tp left out, it sets --tp).
+    #[arg(long, default_value_t = 1)]
+    pub ep: u32,
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
     /// bf16, f16 or f32 (default: the checkpoint's).
@@ -129,6 +133,7 @@ impl DeployArgs {
             device: self.device.unwrap_or_default(),
             tp: self.tp,
             pp: self.pp,
+            ep: self.ep,
             replicas: self.replicas,
             scheduler: Some(scheduler),
         })
@@ -164,7 +169,7 @@ fn state_name(v: i32) -> &'static str {
 fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
     let s = m.scheduler.unwrap_or_default();
     json!({
-        "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp,
+        "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp, "ep": m.ep,
         "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
         "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
         "kv_cache_bytes": s.kv_cache_bytes, "max_waiting": s.max_waiting,

@@ -141,6 +141,10 @@ pub struct BenchArgs {
     /// Pipeline stages (threads of this process).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Expert parallelism: each MoE layer's experts split across this many ranks (the TP
+    /// ranks of each stage; with --tp left out, --ep N means N ranks).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// The model's dtype: auto (the checkpoint's; bf16 computes in bf16), bf16, f16, or
     /// f32 (exact f32 compute).
     #[arg(long, default_value = "auto")]
@@ -244,6 +248,9 @@ pub struct GenerateArgs {
     /// In-process: pipeline stages (threads).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// In-process: expert parallelism (see `model bench --ep`).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
 }
 
 impl GenerateArgs {
@@ -382,7 +389,7 @@ fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         },
         ..Default::default()
     };
-    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
     let mut model = LocalModel::load_parallel(&dir, par, &config)?;
     let params = args.sampling();
     let json = args.json;
@@ -450,7 +457,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
         },
         ..Default::default()
     };
-    let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+    let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
     let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
     let cfg = crate::engine_bench::EngineBenchConfig {
         batch_sizes: args.batch_sizes.clone(),

@@ -194,6 +194,9 @@ pub struct WorkerArgs {
     pub tp: usize,
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Static mode: expert parallelism (as `strata serve --ep`).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Static mode: this process's rank (1 ..= tp·pp − 1; rank 0 is `strata serve`).
     #[arg(long, conflicts_with = "etcd")]
     pub rank: Option<usize>,
@@ -242,7 +245,7 @@ pub fn worker(
                 "give --etcd URL (cluster mode), or --model DIR --rank R --rendezvous ADDR (a rank of `strata serve --worker-rendezvous`)"
             );
         };
-        let par = strata_common::Parallelism { tp: args.tp, pp: args.pp };
+        let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
         let secret = crate::rendezvous::secret(args.rendezvous_secret.as_deref(), rendezvous)?;
         let join = strata_engine::replica::RankJoin {
             par,

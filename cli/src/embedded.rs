@@ -113,6 +113,7 @@ async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Key
             weight_bytes_per_rank: 0,
             tp: m.par.tp as u32,
             pp: m.par.pp as u32,
+            ep: m.par.ep as u32,
             replicas: m.replicas as u32,
             limits: opts.limits.clone(),
             generation: 1,

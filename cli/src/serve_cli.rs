@@ -42,6 +42,10 @@ pub struct ServeArgs {
     /// Pipeline stages per replica [default: 1].
     #[arg(long, env = "STRATA_PP")]
     pub pp: Option<usize>,
+    /// Expert parallelism: each MoE layer's experts split across this many ranks (a stage's
+    /// TP ranks; alone, it sets --tp) [default: 1].
+    #[arg(long, env = "STRATA_EP")]
+    pub ep: Option<usize>,
     /// Replicas of each model [default: 1].
     #[arg(long, env = "STRATA_REPLICAS")]
     pub replicas: Option<usize>,
@@ -107,6 +111,7 @@ impl ServeArgs {
         set(&mut s.listen, &self.listen);
         set(&mut s.tp, &self.tp);
         set(&mut s.pp, &self.pp);
+        set(&mut s.ep, &self.ep);
         set(&mut s.replicas, &self.replicas);
         set(&mut s.drain_timeout_s, &self.drain_timeout);
         set(&mut cfg.coordinator.route_wait_s, &self.route_wait);
@@ -155,7 +160,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     if s.models.is_empty() {
         bail!("give at least one --model DIR (or serve.models in --config)");
     }
-    let par = Parallelism { tp: s.tp, pp: s.pp };
+    let par = Parallelism::with_ep(s.tp, s.pp, s.ep).context("serve.ep")?;
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
     crate::security_args::response_cache(&cfg.coordinator)?;

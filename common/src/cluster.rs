@@ -92,6 +92,11 @@ pub struct EngineLimits {
     pub max_waiting: u32,
 }
 
+/// What `ep` means where a record written before expert parallelism has none.
+pub(crate) fn one() -> u32 {
+    1
+}
+
 /// `<prefix>/models/<name>`: what an operator asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
@@ -111,6 +116,9 @@ pub struct ModelSpec {
     pub weight_bytes_per_rank: u64,
     pub tp: u32,
     pub pp: u32,
+    /// Expert parallelism: 1, or `tp` (each rank of a stage holds whole experts).
+    #[serde(default = "one")]
+    pub ep: u32,
     pub replicas: u32,
     #[serde(default)]
     pub limits: EngineLimits,
@@ -128,7 +136,7 @@ pub struct ModelSpec {
 
 impl ModelSpec {
     pub fn parallelism(&self) -> Parallelism {
-        Parallelism { tp: self.tp as usize, pp: self.pp as usize }
+        Parallelism { tp: self.tp as usize, pp: self.pp as usize, ep: self.ep.max(1) as usize }
     }
 
     pub fn world(&self) -> usize {
@@ -166,6 +174,9 @@ impl ModelSpec {
         }
         if self.tp == 0 || self.pp == 0 {
             return Err(Error::invalid(if self.tp == 0 { "tp" } else { "pp" }, "must be at least 1"));
+        }
+        if self.ep > 1 && self.ep != self.tp {
+            return Err(Error::invalid("ep", format!("{} with tp {}: ep is 1 or tp", self.ep, self.tp)));
         }
         if self.world() > 1024 {
             return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
@@ -340,6 +351,7 @@ mod tests {
             weight_bytes_per_rank: 0,
             tp: 1,
             pp: 1,
+            ep: 1,
             replicas: 1,
             limits: EngineLimits::default(),
             generation: 1,
@@ -358,6 +370,13 @@ mod tests {
             assert!(e.contains(field), "{e}");
         };
         bad(|s| s.name = "a/b".into(), "name");
+        bad(
+            |s| {
+                s.tp = 2;
+                s.ep = 4
+            },
+            "ep",
+        );
         bad(|s| s.model_dir.clear(), "model_dir");
         bad(|s| s.dtype = "int4".into(), "dtype");
         bad(|s| s.device = "tpu".into(), "device");

@@ -213,6 +213,9 @@ pub struct ServeSettings {
     pub tp: usize,
     /// Pipeline stages per replica.
     pub pp: usize,
+    /// Expert parallelism: 1 (every TP rank holds a slice of every expert), or `tp` (each
+    /// holds whole experts); `ep` alone sets `tp` to it.
+    pub ep: usize,
     /// Replicas of each model.
     pub replicas: usize,
     /// In-process workers beyond what the models need (for deployments at run time).
@@ -228,6 +231,7 @@ impl Default for ServeSettings {
             models: Vec::new(),
             tp: 1,
             pp: 1,
+            ep: 1,
             replicas: 1,
             spare_workers: 0,
             drain_timeout_s: 30.0,
@@ -389,6 +393,7 @@ impl Config {
             ("engine.max_waiting", e.max_waiting),
             ("serve.tp", self.serve.tp),
             ("serve.pp", self.serve.pp),
+            ("serve.ep", self.serve.ep),
             ("serve.replicas", self.serve.replicas),
         ] {
             if v == 0 {

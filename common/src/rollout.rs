@@ -37,6 +37,8 @@ pub struct Revision {
     pub weight_bytes_per_rank: u64,
     pub tp: u32,
     pub pp: u32,
+    #[serde(default = "crate::cluster::one")]
+    pub ep: u32,
     #[serde(default)]
     pub limits: EngineLimits,
     /// Unix milliseconds when it was created (0: before revisions were recorded).
@@ -47,8 +49,8 @@ pub struct Revision {
 impl Revision {
     /// The fields that make replicas differ: two revisions equal here serve the same model.
     pub fn same_build(&self, other: &Revision) -> bool {
-        (&self.model_dir, &self.dtype, &self.device, self.tp, self.pp, &self.limits)
-            == (&other.model_dir, &other.dtype, &other.device, other.tp, other.pp, &other.limits)
+        (&self.model_dir, &self.dtype, &self.device, self.tp, self.pp, self.ep, &self.limits)
+            == (&other.model_dir, &other.dtype, &other.device, other.tp, other.pp, other.ep, &other.limits)
     }
 }
 
@@ -125,6 +127,7 @@ impl ModelSpec {
             weight_bytes_per_rank: self.weight_bytes_per_rank,
             tp: self.tp,
             pp: self.pp,
+            ep: self.ep,
             limits: self.limits.clone(),
             created_ms: self.created_ms,
         }
@@ -139,6 +142,7 @@ impl ModelSpec {
         self.weight_bytes_per_rank = r.weight_bytes_per_rank;
         self.tp = r.tp;
         self.pp = r.pp;
+        self.ep = r.ep;
         self.limits = r.limits;
         self.created_ms = r.created_ms;
     }

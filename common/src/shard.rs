@@ -8,6 +8,10 @@
 //! group, or replicated when there are fewer KV heads than TP ranks. Shapes that cannot be
 //! split evenly are rejected with the field that prevents it.
 //!
+//! Expert parallelism (`ep`, equal to `tp` when more than 1) splits each MoE layer's experts
+//! across a stage's TP ranks instead of each expert's columns: rank `tp_rank` holds experts
+//! `tp_rank · E/ep ..`, whole, while attention stays tensor-parallel across the same ranks.
+//!
 //! Rank numbering: `rank = stage * tp + tp_rank`; rank 0 is the replica's leader.
 
 use std::ops::Range;
@@ -19,10 +23,33 @@ use crate::model_config::ModelConfig;
 pub struct Parallelism {
     pub tp: usize,
     pub pp: usize,
+    /// Ranks each MoE layer's experts are split across: 1 (every rank holds a slice of
+    /// every expert) or `tp` (each rank holds whole experts).
+    pub ep: usize,
 }
 
 impl Parallelism {
-    pub const NONE: Parallelism = Parallelism { tp: 1, pp: 1 };
+    pub const NONE: Parallelism = Parallelism { tp: 1, pp: 1, ep: 1 };
+
+    /// `tp × pp` ranks, experts split by columns.
+    pub const fn new(tp: usize, pp: usize) -> Self {
+        Parallelism { tp, pp, ep: 1 }
+    }
+
+    /// `--tp`, `--pp` and `--ep` as a user gives them: `--ep N` alone means N ranks per
+    /// stage (attention tensor-parallel across them); with `--tp`, the two must agree.
+    pub fn with_ep(tp: usize, pp: usize, ep: usize) -> Result<Self> {
+        match (tp, ep) {
+            (_, 0) => Err(Error::invalid("ep", "must be at least 1")),
+            (_, 1) => Ok(Parallelism::new(tp, pp)),
+            (1, n) => Ok(Parallelism { tp: n, pp, ep: n }),
+            (t, n) if t == n => Ok(Parallelism { tp: t, pp, ep: n }),
+            (t, n) => Err(Error::invalid(
+                "ep",
+                format!("{n} with tp {t}: experts split across a stage's ranks, so ep equals tp (or tp is left out)"),
+            )),
+        }
+    }
 
     pub fn world(&self) -> usize {
         self.tp * self.pp
@@ -44,8 +71,11 @@ pub struct RankShard {
     /// Intermediate (MLP) columns of this rank.
     pub intermediate: Range<usize>,
     /// Intermediate columns of every expert this rank holds (MoE layers; empty for a
-    /// dense model): each expert's MLP is split across the TP group like a dense one.
+    /// dense model): each expert's MLP is split across the TP group like a dense one, or
+    /// whole under expert parallelism.
     pub expert_intermediate: Range<usize>,
+    /// The experts this rank holds: all of them, or its share under expert parallelism.
+    pub experts: Range<usize>,
     /// Vocabulary rows of the embedding and LM head this rank holds.
     pub vocab: Range<usize>,
 }
@@ -64,7 +94,20 @@ pub struct ShardPlan {
 
 impl ShardPlan {
     pub fn new(config: &ModelConfig, par: Parallelism) -> Result<Self> {
-        let Parallelism { tp, pp } = par;
+        let Parallelism { tp, pp, ep } = par;
+        if ep != 1 && ep != tp {
+            return Err(Error::invalid("ep", format!("{ep} with tp {tp}: ep is 1 or tp")));
+        }
+        let num_experts = config.moe.as_ref().map_or(0, |m| m.num_experts);
+        if ep > 1 && (config.moe.is_none() || !num_experts.is_multiple_of(ep)) {
+            return Err(Error::invalid(
+                "ep",
+                match config.moe {
+                    None => "expert parallelism needs a mixture-of-experts model".to_string(),
+                    Some(_) => format!("{ep} does not divide the {num_experts} experts"),
+                },
+            ));
+        }
         if tp == 0 || pp == 0 {
             return Err(Error::invalid("tp", "tp and pp must be at least 1"));
         }
@@ -97,13 +140,16 @@ impl ShardPlan {
             ));
         }
         let expert_inter = config.moe.as_ref().map_or(0, |m| m.expert_intermediate);
-        if !expert_inter.is_multiple_of(tp) {
+        // Expert parallelism keeps every expert whole: its columns are split over no one.
+        let column_ranks = if ep > 1 { 1 } else { tp };
+        if !expert_inter.is_multiple_of(column_ranks) {
             return Err(Error::invalid(
                 "tp",
                 format!("{tp} does not divide the experts' intermediate size ({expert_inter})"),
             ));
         }
-        let expert_per = expert_inter / tp;
+        let expert_per = expert_inter / column_ranks;
+        let experts_per = num_experts / ep;
         let q_per = config.num_heads / tp;
         let group = config.num_heads / kv;
         let inter_per = config.intermediate_size / tp;
@@ -123,7 +169,14 @@ impl ShardPlan {
                     q_heads,
                     kv_heads,
                     intermediate: tp_rank * inter_per..(tp_rank + 1) * inter_per,
-                    expert_intermediate: tp_rank * expert_per..(tp_rank + 1) * expert_per,
+                    expert_intermediate: match ep {
+                        1 => tp_rank * expert_per..(tp_rank + 1) * expert_per,
+                        _ => 0..expert_inter,
+                    },
+                    experts: match ep {
+                        1 => 0..num_experts,
+                        _ => tp_rank * experts_per..(tp_rank + 1) * experts_per,
+                    },
                     vocab: vocab_start..(vocab_start + vocab_per).min(config.vocab_size),
                 });
             }
@@ -195,7 +248,7 @@ impl RankShard {
         // Experts: each one's share of columns, and the router (as the checkpoint has it).
         let experts = c.moe.as_ref().map_or(0, |m| {
             let ei = len(&self.expert_intermediate);
-            m.num_experts as u64 * (2 * matrix(ei, h) + matrix(h, ei)) + m.num_experts as u64 * h * b.vector
+            len(&self.experts) * (2 * matrix(ei, h) + matrix(h, ei)) + m.num_experts as u64 * h * b.vector
         });
         let moe_layer = |i: usize| c.moe.as_ref().is_some_and(|m| m.layers.get(i) == Some(&true));
         let layers: u64 =
@@ -246,7 +299,7 @@ mod tests {
 
     #[test]
     fn splits_heads_columns_layers_and_vocab() {
-        let plan = ShardPlan::new(&config(8, 4, 5), Parallelism { tp: 2, pp: 2 }).unwrap();
+        let plan = ShardPlan::new(&config(8, 4, 5), Parallelism::new(2, 2)).unwrap();
         assert_eq!(plan.ranks.len(), 4);
         let r = plan.rank(3);
         assert_eq!((r.stage, r.tp_rank), (1, 1));
@@ -262,20 +315,20 @@ mod tests {
 
     #[test]
     fn replicates_kv_heads_when_fewer_than_ranks() {
-        let plan = ShardPlan::new(&config(8, 2, 2), Parallelism { tp: 4, pp: 1 }).unwrap();
+        let plan = ShardPlan::new(&config(8, 2, 2), Parallelism::new(4, 1)).unwrap();
         let kv: Vec<_> = plan.ranks.iter().map(|r| r.kv_heads.clone()).collect();
         assert_eq!(kv, vec![0..1, 0..1, 1..2, 1..2]);
-        let mqa = ShardPlan::new(&config(4, 1, 2), Parallelism { tp: 4, pp: 1 }).unwrap();
+        let mqa = ShardPlan::new(&config(4, 1, 2), Parallelism::new(4, 1)).unwrap();
         assert!(mqa.ranks.iter().all(|r| r.kv_heads == (0..1)));
     }
 
     #[test]
     fn rejects_uneven_splits_naming_the_field() {
-        let e = ShardPlan::new(&config(6, 6, 2), Parallelism { tp: 4, pp: 1 }).unwrap_err();
+        let e = ShardPlan::new(&config(6, 6, 2), Parallelism::new(4, 1)).unwrap_err();
         assert!(e.to_string().contains("num_attention_heads"), "{e}");
-        let e = ShardPlan::new(&config(8, 8, 2), Parallelism { tp: 1, pp: 3 }).unwrap_err();
+        let e = ShardPlan::new(&config(8, 8, 2), Parallelism::new(1, 3)).unwrap_err();
         assert!(e.to_string().contains("layers"), "{e}");
-        let e = ShardPlan::new(&config(12, 6, 2), Parallelism { tp: 4, pp: 1 }).unwrap_err();
+        let e = ShardPlan::new(&config(12, 6, 2), Parallelism::new(4, 1)).unwrap_err();
         assert!(e.to_string().contains("num_key_value_heads"), "{e}");
     }
 
@@ -297,13 +350,13 @@ mod tests {
         // f32 on a bf16 checkpoint is widened in the matmuls, not stored.
         assert_eq!(WeightBytes::of(&c, "f32"), WeightBytes { matrix: 2, vector: 2 });
         // Two stages: each holds half the layers; the last also the (tied) LM head.
-        let pp = ShardPlan::new(&c, Parallelism { tp: 1, pp: 2 }).unwrap();
+        let pp = ShardPlan::new(&c, Parallelism::new(1, 2)).unwrap();
         let b = WeightBytes::of(&c, "");
         let per: Vec<u64> = pp.ranks.iter().map(|r| r.weight_bytes(&c, b, r.stage == 1)).collect();
         let (layer, vocab) = (60_821_504 * 2, 128_256 * 2048 * 2);
         assert_eq!(per, vec![8 * layer + vocab, 8 * layer + vocab + 2048 * 2]);
         // Tensor parallel: roughly a quarter each (norms are replicated).
-        let tp = ShardPlan::new(&c, Parallelism { tp: 4, pp: 1 }).unwrap();
+        let tp = ShardPlan::new(&c, Parallelism::new(4, 1)).unwrap();
         let most = tp.max_weight_bytes(&c, b);
         assert!(most > 1_235_814_400 / 2 && most < 1_235_814_400 / 2 + (1 << 20), "{most}");
     }

@@ -175,6 +175,7 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
         dtype: l.dtype.map(|d| d.name().to_ascii_lowercase()).unwrap_or_default(),
         tp: l.par.tp as u32,
         pp: l.par.pp as u32,
+        ep: l.par.ep as u32,
         rank: l.rank as u32,
         rendezvous: l.rendezvous.clone().unwrap_or_default(),
         max_num_seqs: l.limits.max_num_seqs,
@@ -195,7 +196,7 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
         model: r.model.into(),
         model_dir: r.model_dir,
         dtype,
-        par: Parallelism { tp: r.tp as usize, pp: r.pp as usize },
+        par: Parallelism::with_ep(r.tp as usize, r.pp as usize, r.ep.max(1) as usize)?,
         rank: r.rank as usize,
         rendezvous: (!r.rendezvous.is_empty()).then_some(r.rendezvous),
         limits: EngineLimits {
@@ -329,6 +330,25 @@ mod tests {
         let evs = events_from_pb(m).unwrap();
         assert!(matches!(evs[0], SeqEvent::Token { token: 5, finish: None, .. }));
         assert!(matches!(evs[1], SeqEvent::Token { token: 6, finish: Some(FinishReason::Length), .. }));
+    }
+
+    #[test]
+    fn expert_parallelism_crosses_worker_v1_and_bad_splits_are_named() {
+        let load = |tp: u32, ep: u32| wpb::LoadShardRequest {
+            replica_id: "r".into(),
+            model: "m".into(),
+            model_dir: "/m".into(),
+            tp,
+            pp: 2,
+            ep,
+            ..Default::default()
+        };
+        let l = load_from_pb(load(2, 2)).unwrap();
+        assert_eq!(l.par, Parallelism { tp: 2, pp: 2, ep: 2 });
+        assert_eq!(load_to_pb(&l).ep, 2);
+        // A leader of a version before `ep` sends 0: no expert parallelism.
+        assert_eq!(load_from_pb(load(2, 0)).unwrap().par.ep, 1);
+        assert!(load_from_pb(load(4, 2)).unwrap_err().to_string().contains("ep"));
     }
 
     #[test]

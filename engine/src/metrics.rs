@@ -30,6 +30,21 @@ struct RankLabels {
     rank: usize,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ExpertLabels {
+    model: String,
+    replica: String,
+    layer: usize,
+    expert: usize,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct LayerLabels {
+    model: String,
+    replica: String,
+    layer: usize,
+}
+
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Step and collective time: 50 µs to 20 s.
@@ -75,6 +90,11 @@ struct Families {
     all_reduce: Histograms<RankLabels>,
     all_reduce_bytes: Family<RankLabels, Counter>,
     graph_steps: Family<RankLabels, Counter>,
+    all_to_all: Histograms<RankLabels>,
+    all_to_all_bytes: Family<RankLabels, Counter>,
+    rank_expert_tokens: Family<RankLabels, Counter>,
+    expert_tokens: Family<ExpertLabels, Counter>,
+    expert_imbalance: Family<LayerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
 }
 
 fn families() -> &'static Families {
@@ -97,6 +117,11 @@ fn families() -> &'static Families {
             all_reduce: Family::new_with_constructor(step),
             all_reduce_bytes: Family::default(),
             graph_steps: Family::default(),
+            all_to_all: Family::new_with_constructor(step),
+            all_to_all_bytes: Family::default(),
+            rank_expert_tokens: Family::default(),
+            expert_tokens: Family::default(),
+            expert_imbalance: Family::default(),
         };
         register("num_requests_running", "Sequences the scheduler is running", f.running.clone());
         register("num_requests_waiting", "Sequences queued for the scheduler", f.waiting.clone());
@@ -130,6 +155,23 @@ fn families() -> &'static Families {
         register("all_reduce_seconds", "Tensor-parallel all-reduce time on one rank", f.all_reduce.clone());
         register("all_reduce_bytes", "Bytes all-reduced by one rank", f.all_reduce_bytes.clone());
         register("graph_steps", "Engine steps replayed from a captured CUDA graph", f.graph_steps.clone());
+        register("all_to_all_seconds", "Expert-parallel all-to-all time on one rank", f.all_to_all.clone());
+        register(
+            "all_to_all_bytes",
+            "Bytes one rank sent in expert-parallel all-to-alls",
+            f.all_to_all_bytes.clone(),
+        );
+        register(
+            "rank_expert_tokens",
+            "Token-expert pairs one rank's experts computed (expert parallelism's load per rank)",
+            f.rank_expert_tokens.clone(),
+        );
+        register("expert_tokens", "Tokens routed to each expert of each MoE layer", f.expert_tokens.clone());
+        register(
+            "expert_imbalance",
+            "The last step's most loaded expert of a layer over the mean (1: even)",
+            f.expert_imbalance.clone(),
+        );
         f
     })
 }
@@ -185,10 +227,36 @@ impl Drop for RunnerMetrics {
 /// One rank's step and all-reduce metrics.
 #[derive(Clone)]
 pub struct RankMetrics {
+    labels: ReplicaLabels,
+    rank: usize,
     step: Histogram,
     all_reduce: Histogram,
     all_reduce_bytes: Counter,
     graph_steps: Counter,
+    all_to_all: Histogram,
+    all_to_all_bytes: Counter,
+    expert_tokens: Counter,
+}
+
+/// What one MoE layer's routing is counted under: tokens per expert, and how uneven the
+/// last step was.
+pub struct ExpertMetrics {
+    tokens: Vec<Counter>,
+    imbalance: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+impl ExpertMetrics {
+    /// A step's routing: `counts[e]` tokens went to expert `e`.
+    pub fn routed(&self, counts: &[usize]) {
+        for (c, &n) in self.tokens.iter().zip(counts) {
+            c.inc_by(n as u64);
+        }
+        let total: usize = counts.iter().sum();
+        if total > 0 {
+            let mean = total as f64 / counts.len().max(1) as f64;
+            self.imbalance.set(*counts.iter().max().unwrap_or(&0) as f64 / mean);
+        }
+    }
 }
 
 impl RankMetrics {
@@ -196,10 +264,15 @@ impl RankMetrics {
         let f = families();
         let l = RankLabels { model: labels.model.clone(), replica: labels.replica.clone(), rank };
         RankMetrics {
+            labels: labels.clone(),
+            rank,
             step: f.rank_step.get_or_create_owned(&l),
             all_reduce: f.all_reduce.get_or_create_owned(&l),
             all_reduce_bytes: f.all_reduce_bytes.get_or_create_owned(&l),
             graph_steps: f.graph_steps.get_or_create_owned(&l),
+            all_to_all: f.all_to_all.get_or_create_owned(&l),
+            all_to_all_bytes: f.all_to_all_bytes.get_or_create_owned(&l),
+            expert_tokens: f.rank_expert_tokens.get_or_create_owned(&l),
         }
     }
 
@@ -215,5 +288,43 @@ impl RankMetrics {
     pub fn all_reduce(&self, took: Duration, bytes: usize) {
         self.all_reduce.observe(took.as_secs_f64());
         self.all_reduce_bytes.inc_by(bytes as u64);
+    }
+
+    /// An expert-parallel exchange of `bytes` and the token-expert pairs this rank's
+    /// experts computed in the step it served.
+    pub fn all_to_all(&self, took: Duration, bytes: usize) {
+        self.all_to_all.observe(took.as_secs_f64());
+        self.all_to_all_bytes.inc_by(bytes as u64);
+    }
+
+    /// Token-expert pairs this rank's experts computed.
+    pub fn expert_pairs(&self, pairs: usize) {
+        self.expert_tokens.inc_by(pairs as u64);
+    }
+
+    /// The routing counters of MoE layer `layer` with `experts` experts (this rank's
+    /// model and replica).
+    pub fn experts(&self, layer: usize, experts: usize) -> ExpertMetrics {
+        let f = families();
+        let (model, replica) = (self.labels.model.clone(), self.labels.replica.clone());
+        let tokens = (0..experts)
+            .map(|expert| {
+                f.expert_tokens.get_or_create_owned(&ExpertLabels {
+                    model: model.clone(),
+                    replica: replica.clone(),
+                    layer,
+                    expert,
+                })
+            })
+            .collect();
+        ExpertMetrics {
+            tokens,
+            imbalance: f.expert_imbalance.get_or_create_owned(&LayerLabels { model, replica, layer }),
+        }
+    }
+
+    /// The rank these metrics are filed under.
+    pub fn rank(&self) -> usize {
+        self.rank
     }
 }

@@ -191,6 +191,14 @@ fn mixtral_runs_on_the_device() {
     eprintln!("mixtral prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
     assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
     assert_eq!(run(true).1, eager, "tokens with graphs asked for");
+    // Expert parallelism on two emulated devices: the all-to-alls and the gather are the
+    // emulated NCCL's device work; one device's tokens.
+    let par = strata_common::Parallelism { tp: 2, pp: 1, ep: 2 };
+    let gpus: Vec<Arc<EmulatedGpu>> = (0..2).map(|_| Arc::new(EmulatedGpu::new())).collect();
+    let backend = move |rank: usize| Ok(CudaBackend::with_graphs(gpus[rank].clone(), false));
+    let comm = move |mesh: strata_engine::comm::tcp::TcpComm, _| Ok(collectives(mesh, true));
+    let mut ep = strata_engine::replica::local_replica_on(&dir, par, &config, backend, comm).unwrap();
+    assert_eq!(greedy(&mut ep, &prompt, 6), eager, "tokens with experts on two devices");
 }
 
 /// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
@@ -370,7 +378,7 @@ fn drawn_tokens_do_not_depend_on_what_shares_the_batch() {
 fn tensor_parallel_decode_graphs_replay_what_eager_steps_compute() {
     let dir = tiny_bf16_model(2);
     let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
-    let par = strata_common::Parallelism { tp: 2, pp: 1 };
+    let par = strata_common::Parallelism::new(2, 1);
     let run = |graphs: bool, on_device: bool| {
         let gpus: Vec<Arc<EmulatedGpu>> = (0..2).map(|_| Arc::new(EmulatedGpu::new())).collect();
         let ranks = gpus.clone();
@@ -482,7 +490,7 @@ fn pipeline_stages_replay_graphs_and_draw_on_the_last_stages_device() {
         let counts: Vec<(u64, u64)> = gpus.iter().map(|g| (g.captures(), g.replays())).collect();
         (out, counts, gpus.iter().map(|g| g.downloaded_bytes()).collect::<Vec<_>>())
     };
-    let two = Parallelism { tp: 1, pp: 2 };
+    let two = Parallelism::new(1, 2);
     let (one, ..) = run(Parallelism::NONE, false, true);
     let (host, host_counts, host_bytes) = run(two, false, true);
     let (device, counts, bytes) = run(two, true, true);
@@ -500,7 +508,7 @@ fn pipeline_stages_replay_graphs_and_draw_on_the_last_stages_device() {
     assert_eq!(counts[0], counts[1], "both stages capture and replay the same steps");
     assert!(counts[0].0 >= 1 && counts[0].1 > counts[0].0, "(captures, replays) {:?}", counts[0]);
     assert!(bytes[0] * 4 < host_bytes[0], "the first stage's hidden states went through its host");
-    let grid = Parallelism { tp: 2, pp: 2 };
+    let grid = Parallelism::new(2, 2);
     let (grid_graphs, grid_counts, _) = run(grid, true, true);
     let (grid_eager, ..) = run(grid, true, false);
     assert_eq!(grid_graphs, grid_eager, "2 × 2 ranks with graphs and without");

@@ -121,11 +121,11 @@ fn an_int8_checkpoint_splits_across_ranks() {
         let mut one = engine(&out, None, Parallelism::NONE);
         let want = one.prompt_logits(&prompt).unwrap();
         let want_tokens = greedy(&mut one, &prompt, 12);
-        let mut pp = engine(&out, None, Parallelism { tp: 1, pp: 2 });
+        let mut pp = engine(&out, None, Parallelism::new(1, 2));
         assert_eq!(pp.prompt_logits(&prompt).unwrap(), want, "{name} pp=2");
         assert_eq!(greedy(&mut pp, &prompt, 12), want_tokens, "{name} pp=2");
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for par in [Parallelism { tp: 2, pp: 1 }, Parallelism { tp: 2, pp: 2 }] {
+        for par in [Parallelism::new(2, 1), Parallelism::new(2, 2)] {
             let got = engine(&out, None, par).prompt_logits(&prompt).unwrap();
             let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(diff <= 0.05 * scale, "{name} {par:?}: logits differ by {diff} (scale {scale})");

@@ -50,7 +50,7 @@ fn every_split_matches_one_rank() {
         let want = greedy_run(&mut single, &prompt, 24);
         let model_config = strata_common::ModelConfig::from_dir(&dir).unwrap();
         for (tp, pp) in splits {
-            let par = Parallelism { tp, pp };
+            let par = Parallelism::new(tp, pp);
             if ShardPlan::new(&model_config, par).is_err() {
                 continue; // e.g. TP=4 with 2 KV heads and 6 heads
             }
@@ -78,7 +78,7 @@ fn bf16_splits_match_one_rank() {
         let want_logits = single.prompt_logits(&prompt).unwrap();
         let want = greedy_run(&mut single, &prompt, 24);
         for (tp, pp) in [(2, 1), (1, 2)] {
-            let mut e = local_replica(&dir, Parallelism { tp, pp }, &bf16).unwrap();
+            let mut e = local_replica(&dir, Parallelism::new(tp, pp), &bf16).unwrap();
             let logits = e.prompt_logits(&prompt).unwrap();
             let diff = logits.iter().zip(&want_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(diff <= 1e-3, "{name} bf16 tp={tp} pp={pp}: logits differ by {diff}");
@@ -89,6 +89,64 @@ fn bf16_splits_match_one_rank() {
             );
         }
     }
+}
+
+/// Expert parallelism: each MoE fixture with its experts split whole across 2 (and 4,
+/// where the heads allow) ranks of a stage, alone and with 2 pipeline stages — tokens go
+/// to their experts' ranks and back over the all-to-all — gives one rank's logits within
+/// 1e-4 and its greedy tokens, HF's too; every rank computed a share of the token-expert
+/// pairs, and each MoE layer's routing was counted.
+#[test]
+fn expert_parallel_splits_match_one_rank() {
+    let mut ran = 0;
+    for dir in fixture_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let model_config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+        if model_config.moe.is_none() {
+            continue;
+        }
+        let r = reference(&dir);
+        let prompt = ids(&r["prompt_ids"]);
+        let hf = ids(&r["greedy_ids"]);
+        let mut single = local_replica(&dir, Parallelism::NONE, &config()).unwrap();
+        let want_logits = single.prompt_logits(&prompt).unwrap();
+        let want = greedy_run(&mut single, &prompt, 24);
+        assert_eq!(want, hf[..24], "{name}: one rank against HF");
+        for (ep, pp) in [(2, 1), (2, 2), (4, 1)] {
+            let Ok(par) = Parallelism::with_ep(1, pp, ep) else { continue };
+            if ShardPlan::new(&model_config, par).is_err() {
+                continue; // e.g. 6 experts over 4 ranks
+            }
+            let labels = strata_engine::metrics::ReplicaLabels {
+                model: format!("{name}-ep{ep}-pp{pp}"),
+                replica: "r".into(),
+            };
+            let config = EngineConfig { labels: labels.clone(), ..config() };
+            let mut e = local_replica(&dir, par, &config)
+                .unwrap_or_else(|err| panic!("{name} ep={ep} pp={pp}: {err}"));
+            let logits = e.prompt_logits(&prompt).unwrap();
+            let diff = logits.iter().zip(&want_logits).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "{name} ep={ep} pp={pp}: logits differ by {diff}");
+            assert_eq!(greedy_run(&mut e, &prompt, 24), want, "{name} ep={ep} pp={pp}: greedy tokens differ");
+            let text = strata_common::metrics::encode();
+            let sample = |metric: &str, rank: usize| {
+                let key = format!("{metric}{{model=\"{}\",replica=\"r\",rank=\"{rank}\"}}", labels.model);
+                text.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.trim().parse::<f64>().ok())
+            };
+            for rank in 0..par.world() {
+                let pairs = sample("strata_rank_expert_tokens_total", rank).unwrap_or(0.0);
+                assert!(pairs > 0.0, "{name} ep={ep} pp={pp}: rank {rank} computed no token-expert pair");
+                assert!(
+                    sample("strata_all_to_all_seconds_count", rank).unwrap_or(0.0) > 0.0,
+                    "{name}: rank {rank}"
+                );
+            }
+            let routed = format!("strata_expert_tokens_total{{model=\"{}\"", labels.model);
+            assert!(text.lines().any(|l| l.starts_with(&routed)), "{name}: no routing counted");
+            ran += 1;
+        }
+    }
+    assert!(ran >= 4, "only {ran} MoE model × EP split combinations ran");
 }
 
 mod processes {
@@ -112,9 +170,10 @@ mod processes {
         }
     }
 
-    /// `strata serve` as rank 0 plus `tp·pp − 1` worker processes.
-    fn replica(model: &str, tp: usize, pp: usize) -> (Server, Workers) {
-        let (tp_s, pp_s) = (tp.to_string(), pp.to_string());
+    /// `strata serve` as rank 0 plus `tp·pp − 1` worker processes, experts split across
+    /// `ep` ranks of each stage.
+    fn replica(model: &str, tp: usize, pp: usize, ep: usize) -> (Server, Workers) {
+        let (tp_s, pp_s, ep_s) = (tp.to_string(), pp.to_string(), ep.to_string());
         let mut server = Server::spawn(&[
             "--model",
             model,
@@ -124,6 +183,8 @@ mod processes {
             &tp_s,
             "--pp",
             &pp_s,
+            "--ep",
+            &ep_s,
             "--worker-rendezvous",
             "127.0.0.1:0",
             "--dtype",
@@ -143,6 +204,8 @@ mod processes {
                         &tp_s,
                         "--pp",
                         &pp_s,
+                        "--ep",
+                        &ep_s,
                         "--rank",
                         &rank.to_string(),
                         "--dtype",
@@ -202,16 +265,18 @@ mod processes {
             let (want, want_top) = single_rank(&dir, &prompt, 16);
             assert_eq!(want, ids(&r["greedy_ids"])[..16].to_vec(), "{name}: single rank vs HF");
             let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
-            for (tp, pp) in [(2, 1), (4, 1), (1, 2), (2, 2)] {
-                if strata_common::ShardPlan::new(&config, strata_common::Parallelism { tp, pp }).is_err() {
+            // Expert parallelism (ep 2) only where the model has experts.
+            for (tp, pp, ep) in [(2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)] {
+                let par = strata_common::Parallelism { tp, pp, ep };
+                if strata_common::ShardPlan::new(&config, par).is_err() {
                     continue;
                 }
-                let (server, _workers) = replica(&dir.to_string_lossy(), tp, pp);
+                let (server, _workers) = replica(&dir.to_string_lossy(), tp, pp, ep);
                 let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
                 let mut req = request(prompt.clone(), 16);
                 req.logprobs = Some(5);
                 let got = c.generate(req).await.unwrap().into_inner();
-                assert_eq!(got.token_ids, want, "{name} tp={tp} pp={pp} across processes");
+                assert_eq!(got.token_ids, want, "{name} tp={tp} pp={pp} ep={ep} across processes");
                 for (lp, top) in got.logprobs.iter().zip(&want_top) {
                     for (a, b) in lp.top.iter().zip(top) {
                         assert_eq!(a.token_id, b.0, "{name} tp={tp} pp={pp}: top-5 order");
@@ -233,7 +298,7 @@ mod processes {
     async fn killing_a_rank_fails_the_stream_promptly() {
         let tmp = tempfile::tempdir().unwrap();
         write_slow_model(tmp.path());
-        let (server, mut workers) = replica(&tmp.path().to_string_lossy(), 2, 2);
+        let (server, mut workers) = replica(&tmp.path().to_string_lossy(), 2, 2, 1);
         let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
         let mut stream = c.generate_stream(request(vec![1, 2, 3], 1500)).await.unwrap().into_inner();
         for _ in 0..3 {
@@ -265,7 +330,7 @@ fn each_rank_holds_its_share_of_the_weights() {
     // the embedding (first stage) or half the LM head (last stage): a quarter of the model.
     let dir = strata_tests::fixtures_dir().join("llama_sharded");
     let whole = Model::load(&dir, CpuBackend::new()).unwrap().weight_bytes();
-    let par = Parallelism { tp: 2, pp: 2 };
+    let par = Parallelism::new(2, 2);
     let mut total = 0;
     for rank in 0..4 {
         let bytes = Model::load_shard(&dir, CpuBackend::new(), par, rank).unwrap().weight_bytes();

@@ -10,6 +10,7 @@ fn spec() -> ModelSpec {
         weight_bytes_per_rank: 0,
         tp: 1,
         pp: 1,
+        ep: 1,
         replicas: 2,
         limits: EngineLimits::default(),
         generation: 1,

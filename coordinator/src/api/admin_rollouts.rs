@@ -51,6 +51,8 @@ fn requested(serving: &Revision, r: &pb::StartRolloutRequest) -> Revision {
         weight_bytes_per_rank: 0,
         tp: nonzero(r.tp, serving.tp),
         pp: nonzero(r.pp, serving.pp),
+        // A rollout keeps the serving revision's expert parallelism.
+        ep: serving.ep,
         limits: EngineLimits {
             max_num_seqs: nonzero(s.max_num_seqs, l.max_num_seqs),
             max_batched_tokens: nonzero(s.max_batched_tokens, l.max_batched_tokens),
@@ -237,6 +239,7 @@ impl ClusterAdmin {
                 device: r.device.clone(),
                 tp: r.tp,
                 pp: r.pp,
+                ep: r.ep,
                 scheduler: Some(limits_to_pb(&r.limits)),
                 traffic_percent: percent,
                 desired_replicas: desired,

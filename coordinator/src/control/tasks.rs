@@ -15,7 +15,7 @@ use strata_common::cluster::{encode, now_ms, ReplicaRecord, ReplicaState, ShardS
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
-use strata_common::{DType, Error, ModelName, Parallelism, ReplicaId, Result, WorkerId};
+use strata_common::{DType, Error, ModelName, ReplicaId, Result, WorkerId};
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
@@ -310,7 +310,7 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
         model: rec.model.clone(),
         model_dir: spec.model_dir.clone(),
         dtype,
-        par: Parallelism { tp: spec.tp as usize, pp: spec.pp as usize },
+        par: spec.parallelism(),
         rank,
         rendezvous,
         limits: spec.limits.clone(),

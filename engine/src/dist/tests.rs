@@ -74,7 +74,7 @@ fn a_one_rank_step_is_the_many_rank_step_with_solo_collectives() {
     let step = prefill(&[1, 7, 300, 42, 5]);
     let want = solo.execute(&step).unwrap().logits.into_full().unwrap();
     assert_eq!(solo.comm_stats().map(|c| c.bytes_sent), None, "one rank: nothing to count");
-    for par in [Parallelism { tp: 2, pp: 1 }, Parallelism { tp: 1, pp: 2 }, Parallelism { tp: 2, pp: 2 }] {
+    for par in [Parallelism::new(2, 1), Parallelism::new(1, 2), Parallelism::new(2, 2)] {
         let (mut leader, followers) = replica(dir.path(), par);
         leader.alloc_kv(16, 4).unwrap();
         let got = leader.execute(&step).unwrap().logits.into_full().unwrap();
@@ -112,7 +112,7 @@ fn steps_out_of_their_own_rows_or_asking_to_draw_are_refused() {
 #[test]
 fn a_follower_refuses_malformed_messages_and_a_leader_sees_a_lost_follower() {
     let dir = tiny();
-    let par = Parallelism { tp: 2, pp: 1 };
+    let par = Parallelism::new(2, 1);
     let mut meshes = local_group(2, Duration::from_secs(20)).unwrap().into_iter();
     let (mut leader, mesh) = (meshes.next().unwrap(), meshes.next().unwrap());
     let path = dir.path().to_owned();

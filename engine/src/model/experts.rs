@@ -8,14 +8,28 @@
 //! the whole router, so every rank routes every token identically). The router's weights
 //! stay in f32 whatever the backend does to the others (`--quantize int8` never moves a
 //! routing decision). Experts are visited in id order and each adds `weight · output` to
-//! its tokens' rows, the order in which HF transformers combines them. Under tensor
-//! parallelism each rank holds every expert's slice of intermediate columns and the
-//! combined partial sums are all-reduced, as for a dense MLP.
+//! its tokens' rows, the order in which HF transformers combines them.
+//!
+//! Two ways to split experts across a stage's TP ranks:
+//! - by columns (`ep` 1): each rank holds every expert's share of intermediate columns;
+//!   the partial sums are all-reduced, as for a dense MLP;
+//! - by experts (expert parallelism): each rank holds whole experts. Each rank owns a
+//!   contiguous chunk of the step's tokens, sends each of its token-expert pairs' hidden
+//!   states to the rank holding that expert (an all-to-all with uneven counts, which every
+//!   rank knows because every rank routed every token), the experts run over what they
+//!   received, their outputs go back the same way, each rank combines its own tokens (in
+//!   expert order, weighted: exactly what one rank computes) and an all-gather gives every
+//!   rank every token's output again for the attention that follows.
 
 use strata_common::{Error, Result};
 
+use std::sync::OnceLock;
+use std::time::Instant;
+
 use super::parts::{Activation, Linear, PartCx};
 use crate::backend::Backend;
+use crate::comm::Exchange;
+use crate::metrics::ExpertMetrics;
 
 /// One expert's gated MLP (this rank's intermediate columns of it).
 pub(super) struct Expert<B: Backend> {
@@ -26,12 +40,23 @@ pub(super) struct Expert<B: Backend> {
 
 /// A layer's experts and their router.
 pub(super) struct Experts<B: Backend> {
+    pub layer: usize,
     pub act: Activation,
-    /// `[experts, hidden]`, row-major, f32.
+    /// `[experts, hidden]` for all the layer's experts, row-major, f32.
     pub router: Vec<f32>,
+    /// This rank's experts: all of them, or under expert parallelism ids `first..`.
     pub experts: Vec<Expert<B>>,
+    pub first: usize,
     pub top_k: usize,
     pub norm_topk_prob: bool,
+    /// Experts are split by experts (each rank holds whole ones), not by columns.
+    pub parallel: bool,
+    /// This rank's place in its TP group.
+    pub group_rank: usize,
+    /// Routing counters, resolved on the first step (after the model is labelled); only
+    /// the ranks that count (TP rank 0, or each rank for its own experts) have them.
+    pub counts_routes: bool,
+    pub metrics: OnceLock<ExpertMetrics>,
 }
 
 /// Which tokens each expert serves, and with what weight.
@@ -65,34 +90,147 @@ pub(super) fn route(logits: &[f32], experts: usize, k: usize, norm: bool) -> Rou
 }
 
 impl<B: Backend> Experts<B> {
-    /// The experts' combined output for `x` (`[tokens, hidden]`), summed across the TP
-    /// group.
+    /// The experts' combined output for `x` (`[tokens, hidden]`), the same on every rank
+    /// of the TP group.
     pub fn forward(&self, cx: &mut PartCx<'_, B>, x: &B::Tensor) -> Result<B::Tensor> {
+        let routes = self.route(cx.b, x)?;
+        if self.counts_routes {
+            let counts: Vec<usize> = routes.rows.iter().map(Vec::len).collect();
+            let local = &counts[self.first..self.first + self.experts.len()];
+            cx.metrics.expert_pairs(local.iter().sum());
+            self.metrics.get_or_init(|| cx.metrics.experts(self.layer, counts.len())).routed(&counts);
+        }
+        if self.parallel && cx.group.len() > 1 {
+            return self.exchange(cx, x, &routes);
+        }
         let b = cx.b;
         let (tokens, hidden) = b.shape(x);
-        let n = self.experts.len();
-        if self.router.len() != n * hidden {
-            return Err(Error::Internal(format!("a router of {} values for {n} experts", self.router.len())));
+        let mut out = b.upload(vec![0.0; tokens * hidden], tokens, hidden)?;
+        for (i, expert) in self.experts.iter().enumerate() {
+            let e = self.first + i;
+            if routes.rows[e].is_empty() {
+                continue; // no token of this step chose it: its weights are not read
+            }
+            let y = self.run(b, expert, &b.gather_rows(x, &routes.rows[e])?)?;
+            b.scatter_add_rows(&mut out, &y, &routes.rows[e], &routes.weights[e])?;
+        }
+        cx.reduce(&mut out)?;
+        Ok(out)
+    }
+
+    /// Every token's route, from the router's logits computed on the host.
+    fn route(&self, b: &B, x: &B::Tensor) -> Result<Routes> {
+        let (_, hidden) = b.shape(x);
+        let total = self.router.len() / hidden.max(1);
+        if total * hidden != self.router.len() || total < self.first + self.experts.len() {
+            return Err(Error::Internal(format!(
+                "a router of {} values for hidden size {hidden}",
+                self.router.len()
+            )));
         }
         let host = b.to_host(x)?;
         let logits: Vec<f32> = host
             .chunks_exact(hidden)
             .flat_map(|t| self.router.chunks_exact(hidden).map(move |r| dot(t, r)))
             .collect();
-        let routes = route(&logits, n, self.top_k, self.norm_topk_prob);
-        let mut out = b.upload(vec![0.0; tokens * hidden], tokens, hidden)?;
-        for (e, expert) in self.experts.iter().enumerate() {
-            let rows = &routes.rows[e];
-            if rows.is_empty() {
-                continue; // no token of this step chose it: its weights are not read
+        Ok(route(&logits, total, self.top_k, self.norm_topk_prob))
+    }
+
+    /// One expert's gated MLP over its tokens' rows.
+    fn run(&self, b: &B, expert: &Expert<B>, x: &B::Tensor) -> Result<B::Tensor> {
+        let [g, u] = Linear::apply_many(b, x, [&expert.gate, &expert.up])?;
+        expert.down.apply(b, &b.gated(self.act, &g, &u)?)
+    }
+
+    /// Expert parallelism (see the module): dispatch, compute, return, combine, gather.
+    fn exchange(&self, cx: &mut PartCx<'_, B>, x: &B::Tensor, routes: &Routes) -> Result<B::Tensor> {
+        let b = cx.b;
+        let (n, hidden) = b.shape(x);
+        let plan = ExchangePlan::new(routes, n, cx.group.len(), self.group_rank, self.experts.len());
+        let started = Instant::now();
+        let sent = b.gather_rows(x, &plan.send_rows)?;
+        let got = cx.comm.all_to_all(b, &sent, Exchange { send: &plan.send, recv: &plan.recv }, cx.group)?;
+        let received: usize = plan.recv.iter().sum();
+        let mut outs = b.upload(vec![0.0; received * hidden], received, hidden)?;
+        for (i, expert) in self.experts.iter().enumerate() {
+            let at = &plan.mine[i];
+            if !at.is_empty() {
+                let y = self.run(b, expert, &b.gather_rows(&got, at)?)?;
+                b.scatter_add_rows(&mut outs, &y, at, &vec![1.0; at.len()])?;
             }
-            let xe = b.gather_rows(x, rows)?;
-            let [g, u] = Linear::apply_many(b, &xe, [&expert.gate, &expert.up])?;
-            let y = expert.down.apply(b, &b.gated(self.act, &g, &u)?)?;
-            b.scatter_add_rows(&mut out, &y, rows, &routes.weights[e])?;
         }
-        (cx.reduce)(&mut out)?;
-        Ok(out)
+        let back = cx.comm.all_to_all(b, &outs, Exchange { send: &plan.recv, recv: &plan.send }, cx.group)?;
+        let mut own = b.upload(vec![0.0; plan.chunk * hidden], plan.chunk, hidden)?;
+        for (e, (at, tokens)) in plan.returned.iter().enumerate() {
+            if !at.is_empty() {
+                let weights: Vec<f32> = tokens.iter().map(|&t| weight(routes, e, t)).collect();
+                let rows: Vec<usize> = tokens.iter().map(|&t| t - plan.first_token).collect();
+                b.scatter_add_rows(&mut own, &b.gather_rows(&back, at)?, &rows, &weights)?;
+            }
+        }
+        let all = cx.comm.all_gather(b, &own, cx.group)?;
+        let bytes = (plan.send_rows.len() + received + plan.chunk * cx.group.len()) * hidden * 4;
+        cx.metrics.all_to_all(started.elapsed(), bytes);
+        b.gather_rows(&all, &(0..n).collect::<Vec<_>>())
+    }
+}
+
+/// The weight of token `t`'s route to expert `e`.
+fn weight(routes: &Routes, e: usize, t: usize) -> f32 {
+    routes.rows[e].binary_search(&t).map_or(0.0, |k| routes.weights[e][k])
+}
+
+/// Who sends what to whom in an expert-parallel step, computed alike on every rank.
+#[derive(Debug, PartialEq)]
+struct ExchangePlan {
+    /// Tokens each rank owns (the last rank's share may be short) and this rank's first.
+    chunk: usize,
+    first_token: usize,
+    /// This rank's token-expert pairs' token rows, sent to the experts' ranks in rank
+    /// order, each rank's in expert order, each expert's in token order; the counts.
+    send_rows: Vec<usize>,
+    send: Vec<usize>,
+    /// Rows received from each rank; per local expert, where its pairs lie among them.
+    recv: Vec<usize>,
+    mine: Vec<Vec<usize>>,
+    /// Per expert (every expert of the layer), where its results for this rank's tokens
+    /// lie in what comes back, and those tokens.
+    returned: Vec<(Vec<usize>, Vec<usize>)>,
+}
+
+impl ExchangePlan {
+    fn new(routes: &Routes, tokens: usize, ranks: usize, me: usize, per: usize) -> Self {
+        let chunk = tokens.div_ceil(ranks).max(1);
+        let owner = |t: usize| t / chunk;
+        let total = routes.rows.len();
+        let mut plan = ExchangePlan {
+            chunk,
+            first_token: me * chunk,
+            send_rows: Vec::new(),
+            send: vec![0; ranks],
+            recv: vec![0; ranks],
+            mine: vec![Vec::new(); per],
+            returned: vec![(Vec::new(), Vec::new()); total],
+        };
+        for (e, rows) in routes.rows.iter().enumerate() {
+            for &t in rows.iter().filter(|&&t| owner(t) == me) {
+                plan.returned[e].0.push(plan.send_rows.len());
+                plan.returned[e].1.push(t);
+                plan.send_rows.push(t);
+                plan.send[e / per] += 1;
+            }
+        }
+        let mut at = 0;
+        for (src, recv) in plan.recv.iter_mut().enumerate() {
+            for (i, e) in (me * per..(me + 1) * per).enumerate() {
+                for _ in routes.rows[e].iter().filter(|&&t| owner(t) == src) {
+                    plan.mine[i].push(at);
+                    at += 1;
+                    *recv += 1;
+                }
+            }
+        }
+        plan
     }
 }
 
@@ -128,6 +266,48 @@ mod tests {
         let z: f32 = [1.0f32, 3.0, 2.0, 0.0].iter().map(|l| l.exp()).sum();
         assert!((raw.weights[1][0] - e1 / z).abs() < 1e-6);
         assert!(raw.weights[1][0] + raw.weights[2][0] < 1.0);
+    }
+
+    #[test]
+    fn an_exchange_plan_sends_each_pair_to_its_experts_rank_and_back() {
+        // Five tokens, four experts of two ranks (two each), top 2.
+        let rows = vec![vec![0, 3], vec![1, 2, 4], vec![0, 1, 3], vec![2, 4]];
+        let routes = Routes { weights: rows.iter().map(|r| vec![0.5; r.len()]).collect(), rows };
+        let (a, b) = (ExchangePlan::new(&routes, 5, 2, 0, 2), ExchangePlan::new(&routes, 5, 2, 1, 2));
+        // Rank 0 owns tokens 0..3, rank 1 tokens 3..5.
+        assert_eq!((a.chunk, a.first_token, b.first_token), (3, 0, 3));
+        // Rank 0's pairs by expert: e0 {0}, e1 {1, 2}, e2 {0, 1}, e3 {2}.
+        assert_eq!(a.send_rows, [0, 1, 2, 0, 1, 2]);
+        assert_eq!(a.send, [3, 3]);
+        // What one rank sends the other, the other expects: send counts meet receive counts.
+        assert_eq!((a.send[1], b.recv[0]), (3, 3));
+        assert_eq!((b.send[0], a.recv[1]), (2, 2));
+        // Rank 1 receives rank 0's three pairs for experts 2 and 3 first, then its own.
+        assert_eq!(b.mine, [vec![0, 1, 3], vec![2, 4]]);
+        assert_eq!(a.returned[1], (vec![1, 2], vec![1, 2]));
+        // Every pair goes somewhere exactly once.
+        let pairs: usize = routes.rows.iter().map(Vec::len).sum();
+        assert_eq!(a.send.iter().sum::<usize>() + b.send.iter().sum::<usize>(), pairs);
+        assert_eq!(a.recv.iter().sum::<usize>() + b.recv.iter().sum::<usize>(), pairs);
+        // Fewer tokens than ranks: the last rank owns none and sends nothing.
+        let one = Routes { rows: vec![vec![0], vec![0]], weights: vec![vec![0.5], vec![0.5]] };
+        assert_eq!(ExchangePlan::new(&one, 1, 2, 1, 1).send, [0, 0]);
+    }
+
+    #[test]
+    fn skewed_routes_send_everything_to_one_rank_and_nothing_to_another() {
+        // Four tokens all routed to experts 2 and 3, both on rank 1 of 2.
+        let rows = vec![vec![], vec![], vec![0, 1, 2, 3], vec![0, 1, 2, 3]];
+        let routes = Routes { weights: rows.iter().map(|r| vec![0.5; r.len()]).collect(), rows };
+        let (a, b) = (ExchangePlan::new(&routes, 4, 2, 0, 2), ExchangePlan::new(&routes, 4, 2, 1, 2));
+        assert_eq!(
+            (a.send.clone(), a.recv.clone()),
+            (vec![0, 4], vec![0, 0]),
+            "rank 0's experts get nothing"
+        );
+        assert_eq!((b.send.clone(), b.recv.clone()), (vec![0, 4], vec![4, 4]), "rank 1's get every pair");
+        assert_eq!(b.mine, [vec![0, 1, 4, 5], vec![2, 3, 6, 7]]);
+        assert!(a.mine.iter().all(Vec::is_empty));
     }
 
     #[test]

@@ -135,7 +135,7 @@ impl<B: Backend> ShardLoader<'_, B> {
     }
 
     /// This rank's intermediate rows of layer `p`'s MLP.
-    fn mlp(&mut self, p: &str, spec: MlpSpec) -> Result<Mlp<B>> {
+    fn mlp(&mut self, p: &str, layer: usize, spec: MlpSpec) -> Result<Mlp<B>> {
         let (inter, rows) = (self.config.intermediate_size, self.shard.intermediate.clone());
         match spec.kind {
             MlpKind::Gated(act) => Ok(Mlp::Gated {
@@ -155,8 +155,9 @@ impl<B: Backend> ShardLoader<'_, B> {
                 let block = format!("{p}.{}", names.block);
                 let router =
                     self.ckpt.get(&format!("{block}.gate.weight"), &[experts, self.config.hidden_size])?;
-                let mut loaded = Vec::with_capacity(experts);
-                for e in 0..experts {
+                let local = self.shard.experts.clone();
+                let mut loaded = Vec::with_capacity(local.len());
+                for e in local.clone() {
                     let x = format!("{block}.experts.{e}");
                     loaded.push(Expert {
                         gate: self.column(&format!("{x}.{}", names.gate), inter, rows.clone(), false)?,
@@ -164,12 +165,20 @@ impl<B: Backend> ShardLoader<'_, B> {
                         down: self.row(&format!("{x}.{}", names.down), inter, rows.clone(), false)?,
                     });
                 }
+                // Split by experts when this rank holds only some of them.
+                let parallel = local.len() < experts;
                 Ok(Mlp::Experts(Experts {
+                    layer,
                     act,
                     router: router.to_f32_vec(),
                     experts: loaded,
+                    first: local.start,
                     top_k,
                     norm_topk_prob,
+                    parallel,
+                    group_rank: self.shard.tp_rank,
+                    counts_routes: parallel || self.shard.tp_rank == 0,
+                    metrics: Default::default(),
                 }))
             }
         }
@@ -196,7 +205,7 @@ impl<B: Backend> ShardLoader<'_, B> {
             post_norm,
             mlp_out_norm,
             attention: self.attention(&p, spec.attention, spec.norm)?,
-            mlp: self.mlp(&p, spec.mlp)?,
+            mlp: self.mlp(&p, i, spec.mlp)?,
         })
     }
 

@@ -291,9 +291,9 @@ impl<B: Backend> Model<B> {
         kv: &mut [B::KvLayer],
         comm: &mut dyn DeviceCollectives<B>,
     ) -> Result<B::Tensor> {
-        let rows = layout.num_tokens();
-        let mut reduce = |t: &mut B::Tensor| self.all_reduce(t, rows, &mut *comm);
-        let mut cx = PartCx { b: &self.backend, layout, ropes: &self.ropes, reduce: &mut reduce };
+        let group = &self.shard.tp_group[..];
+        let mut cx =
+            PartCx { b: &self.backend, layout, ropes: &self.ropes, comm, group, metrics: &self.metrics };
         parts::run(&mut cx, &self.layers, kv, x)
     }
 

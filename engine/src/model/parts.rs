@@ -19,6 +19,8 @@ use strata_common::{Error, ModelConfig, Result};
 
 use super::experts::Experts;
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
+use crate::comm::DeviceCollectives;
+use crate::metrics::RankMetrics;
 
 /// How a layer's norms are computed.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -202,8 +204,28 @@ pub(super) struct PartCx<'a, B: Backend> {
     pub b: &'a B,
     pub layout: &'a BatchLayout,
     pub ropes: &'a [RopeTable],
-    /// Sums a row-parallel projection's partial output across the TP group.
-    pub reduce: &'a mut dyn FnMut(&mut B::Tensor) -> Result<()>,
+    /// This rank's collectives, and its stage's TP group (which is also the group its
+    /// experts are split across under expert parallelism), ascending.
+    pub comm: &'a mut dyn DeviceCollectives<B>,
+    pub group: &'a [usize],
+    pub metrics: &'a RankMetrics,
+}
+
+impl<B: Backend> PartCx<'_, B> {
+    /// Sums a row-parallel projection's partial output `x` across the TP group, timed on
+    /// this rank (on a device, until the collective is queued on the stream).
+    pub fn reduce(&mut self, x: &mut B::Tensor) -> Result<()> {
+        if self.group.len() <= 1 {
+            return Ok(());
+        }
+        let (rows, cols) = self.b.shape(x);
+        let bytes = rows * cols * std::mem::size_of::<f32>();
+        let _span = tracing::trace_span!("all_reduce", bytes = bytes as i64).entered();
+        let started = std::time::Instant::now();
+        self.comm.all_reduce(self.b, x, self.group)?;
+        self.metrics.all_reduce(started.elapsed(), bytes);
+        Ok(())
+    }
 }
 
 /// A layer's attention, this rank's heads of it.
@@ -241,7 +263,7 @@ impl<B: Backend> Attention<B> {
                 b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
                 let attn = b.attention(&q, cache, cx.layout, self.shape)?;
                 let mut o = self.o.apply(b, &attn)?;
-                (cx.reduce)(&mut o)?;
+                cx.reduce(&mut o)?;
                 Ok(o)
             }
         }
@@ -262,7 +284,7 @@ impl<B: Backend> Mlp<B> {
             Mlp::Gated { act, gate, up, down } => {
                 let [g, u] = Linear::apply_many(b, x, [gate, up])?;
                 let mut y = down.apply(b, &b.gated(*act, &g, &u)?)?;
-                (cx.reduce)(&mut y)?;
+                cx.reduce(&mut y)?;
                 Ok(y)
             }
             Mlp::Experts(experts) => experts.forward(cx, x),

@@ -33,6 +33,7 @@ fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
         weight_bytes_per_rank: weight_gib * GIB,
         tp,
         pp,
+        ep: 1,
         replicas: 1,
         limits: EngineLimits::default(),
         generation: 1,

@@ -28,6 +28,7 @@ pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
         weight_bytes_per_rank: 0,
         tp,
         pp: 1,
+        ep: 1,
         replicas,
         limits: EngineLimits::default(),
         generation: 1,

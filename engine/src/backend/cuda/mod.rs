@@ -28,6 +28,7 @@ pub mod emulator;
 mod graphs;
 pub mod kernels;
 mod layout;
+mod logits;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,13 +39,9 @@ use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
 use super::{
-    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertOps, GraphOutput, LogitsOps,
-    Pointwise, RopeTable, StepBody, StepGraphs, TensorOps, Tensors,
+    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertOps, GraphOutput, Pointwise,
+    RopeTable, StepBody, StepGraphs, TensorOps, Tensors,
 };
-use crate::backend::host_logits::{host_draws, host_top};
-use crate::logits::draw::draws_to_f32s;
-use crate::logits::top::top_from_f32s;
-use crate::logits::{picks_from_f32s, Candidates, Draw, Pick, MAX_TOP};
 use crate::step::Step;
 use crate::tensor::{DType, HostTensor};
 
@@ -240,66 +237,6 @@ impl<G: Gpu> CudaBackend<G> {
 }
 
 impl<G: Gpu> CudaBackend<G> {
-    /// Each row's greedy pick on the device: `[rows, 3]` (token, logit, log-sum-exp).
-    fn greedy_tensor(&self, logits: &GpuTensor<G::Buf>, first_id: u32) -> Result<GpuTensor<G::Buf>> {
-        let out = self.output(logits.rows, 3)?;
-        self.launch(
-            Kernel::GreedyPick,
-            Launch::rows(logits.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&logits.buf),
-                Arg::Buf(&out.buf),
-                Arg::I32(dim(logits.cols)?),
-                Arg::I32(dim(first_id as usize)?),
-            ],
-        )?;
-        Ok(out)
-    }
-
-    /// Each row's `k` most likely tokens on the device: `[rows, 2k + 1]` (see
-    /// [`crate::logits::top::top_to_f32s`]).
-    fn top_tensor(&self, logits: &GpuTensor<G::Buf>, k: usize, first_id: u32) -> Result<GpuTensor<G::Buf>> {
-        if k == 0 || k > MAX_TOP {
-            return Err(Error::Internal(format!("{k} candidates asked; 1..={MAX_TOP} are returned")));
-        }
-        let out = self.output(logits.rows, 2 * k + 1)?;
-        self.launch(
-            Kernel::TopLogits,
-            Launch::rows(logits.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&logits.buf),
-                Arg::Buf(&out.buf),
-                Arg::I32(dim(logits.cols)?),
-                Arg::I32(dim(k)?),
-                Arg::I32(dim(first_id as usize)?),
-            ],
-        )?;
-        Ok(out)
-    }
-
-    /// Each row's token drawn on the device as its parameters in `params` say
-    /// ([`crate::logits::DRAW_PARAMS`] floats per row, see [`crate::logits::draw`]): `[rows, 3]` picks.
-    fn draw_tensor(
-        &self,
-        logits: &GpuTensor<G::Buf>,
-        params: &G::Buf,
-        first_id: u32,
-    ) -> Result<GpuTensor<G::Buf>> {
-        let out = self.output(logits.rows, 3)?;
-        self.launch(
-            Kernel::DrawTokens,
-            Launch::rows(logits.rows, ROW_THREADS),
-            &[
-                Arg::Buf(&logits.buf),
-                Arg::Buf(params),
-                Arg::Buf(&out.buf),
-                Arg::I32(dim(logits.cols)?),
-                Arg::I32(dim(first_id as usize)?),
-            ],
-        )?;
-        Ok(out)
-    }
-
     /// tiled_attention over the step's prefill tiles, into `out`.
     fn launch_tiled(
         &self,
@@ -726,46 +663,6 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
             ],
         )?;
         Ok(out)
-    }
-}
-
-impl<G: Gpu> LogitsOps for CudaBackend<G> {
-    fn greedy_picks(&self, logits: &Self::Tensor, first_id: u32) -> Result<Vec<Pick>> {
-        picks_from_f32s(&self.to_host(&self.greedy_tensor(logits, first_id)?)?)
-    }
-    fn top_logits(
-        &self,
-        logits: &Self::Tensor,
-        rows: usize,
-        k: usize,
-        first_id: u32,
-    ) -> Result<Vec<Candidates>> {
-        if rows != logits.rows {
-            return Err(Error::Internal(format!(
-                "{rows} rows asked of [{}, {}] logits",
-                logits.rows, logits.cols
-            )));
-        }
-        if k == 0 || k > MAX_TOP {
-            return Err(Error::Internal(format!("{k} candidates asked; 1..={MAX_TOP} are returned")));
-        }
-        if logits.rows == 0 || logits.cols == 0 {
-            return Ok(host_top(&[], logits.rows, 0, k, first_id));
-        }
-        top_from_f32s(&self.to_host(&self.top_tensor(logits, k, first_id)?)?, k)
-    }
-    fn draws_on_device(&self) -> bool {
-        true
-    }
-    fn draw_tokens(&self, logits: &Self::Tensor, draws: &[Draw], first_id: u32) -> Result<Vec<Pick>> {
-        if draws.len() != logits.rows {
-            return Err(Error::Internal(format!("{} draws for {} rows of logits", draws.len(), logits.rows)));
-        }
-        if logits.rows == 0 || logits.cols == 0 {
-            return Ok(host_draws(&[], logits.cols, draws, first_id));
-        }
-        let params = self.gpu.upload(bytemuck::cast_slice(&draws_to_f32s(draws)))?;
-        picks_from_f32s(&self.to_host(&self.draw_tensor(logits, &params, first_id)?)?)
     }
 }
 
