@@ -288,6 +288,9 @@ pub enum ArchArg {
     Mistral,
     Qwen2,
     Qwen3,
+    Mixtral,
+    #[value(name = "qwen3-moe")]
+    Qwen3Moe,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -297,6 +300,9 @@ pub enum PresetArg {
     Llama1b,
     #[value(name = "llama-8b")]
     Llama8b,
+    /// Qwen3-MoE's shape at about 0.9B parameters, 0.15B active (32 experts, 4 a token).
+    #[value(name = "qwen3-moe-1b")]
+    Qwen3Moe1b,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -308,8 +314,9 @@ pub enum DTypeArg {
 
 #[derive(Args, Debug)]
 pub struct RandomArgs {
-    #[arg(long, value_enum, default_value = "llama")]
-    pub arch: ArchArg,
+    /// The architecture [default: the preset's; llama for tiny].
+    #[arg(long, value_enum)]
+    pub arch: Option<ArchArg>,
     /// A named shape; individual flags override it.
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: PresetArg,
@@ -325,6 +332,13 @@ pub struct RandomArgs {
     pub intermediate: Option<usize>,
     #[arg(long)]
     pub vocab: Option<usize>,
+    /// MoE architectures: experts a layer, experts a token, columns an expert.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    #[arg(long)]
+    pub expert_intermediate: Option<usize>,
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: DTypeArg,
     #[arg(long, default_value_t = 0)]
@@ -471,16 +485,24 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 fn random_model(args: RandomArgs) -> anyhow::Result<()> {
-    let arch = match args.arch {
+    let arch = args.arch.map(|a| match a {
         ArchArg::Llama => Architecture::Llama,
         ArchArg::Mistral => Architecture::Mistral,
         ArchArg::Qwen2 => Architecture::Qwen2,
         ArchArg::Qwen3 => Architecture::Qwen3,
+        ArchArg::Mixtral => Architecture::Mixtral,
+        ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
+    });
+    // Each preset names its architecture; --arch replaces it.
+    let spec = match args.preset {
+        PresetArg::Tiny => RandomModelSpec::tiny(arch.unwrap_or(Architecture::Llama)),
+        PresetArg::Llama1b => RandomModelSpec::llama_1b(),
+        PresetArg::Llama8b => RandomModelSpec::llama_8b(),
+        PresetArg::Qwen3Moe1b => RandomModelSpec::qwen3_moe_1b(),
     };
-    let mut spec = match args.preset {
-        PresetArg::Tiny => RandomModelSpec::tiny(arch),
-        PresetArg::Llama1b => RandomModelSpec { arch, ..RandomModelSpec::llama_1b() },
-        PresetArg::Llama8b => RandomModelSpec { arch, ..RandomModelSpec::llama_8b() },
+    let mut spec = match arch {
+        Some(arch) => RandomModelSpec { arch, ..spec },
+        None => spec,
     };
     spec.hidden = args.hidden.unwrap_or(spec.hidden);
     spec.layers = args.layers.unwrap_or(spec.layers);
@@ -488,6 +510,9 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
     spec.kv_heads = args.kv_heads.unwrap_or(spec.kv_heads);
     spec.intermediate = args.intermediate.unwrap_or(spec.intermediate);
     spec.vocab = args.vocab.unwrap_or(spec.vocab);
+    spec.experts = args.experts.unwrap_or(spec.experts);
+    spec.top_k = args.top_k.unwrap_or(spec.top_k);
+    spec.expert_intermediate = args.expert_intermediate.unwrap_or(spec.expert_intermediate);
     spec.seed = args.seed;
     spec.dtype = match args.dtype {
         DTypeArg::F32 => DType::F32,
@@ -506,14 +531,20 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         }
     })
     .with_context(|| format!("writing a random model to {}", args.out.display()))?;
-    eprintln!("wrote {} ({:?}, {} parameters)", args.out.display(), arch, spec_params(&spec));
+    eprintln!("wrote {} ({:?}, {} parameters)", args.out.display(), spec.arch, spec_params(&spec));
     Ok(())
 }
 
 fn spec_params(spec: &RandomModelSpec) -> String {
     let h = spec.hidden;
     let kv = spec.kv_heads * (h / spec.heads);
-    let per_layer = 2 * h * h + 2 * h * kv + 3 * h * spec.intermediate;
+    let mlp = match spec.arch {
+        Architecture::Mixtral | Architecture::Qwen3Moe => {
+            spec.experts * (3 * h * spec.expert_intermediate + h)
+        }
+        _ => 3 * h * spec.intermediate,
+    };
+    let per_layer = 2 * h * h + 2 * h * kv + mlp;
     let embed = spec.vocab * h * if spec.tie_word_embeddings { 1 } else { 2 };
     let n = spec.layers * per_layer + embed;
     if n >= 1_000_000_000 {

@@ -87,8 +87,8 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
             next += 1;
         }
     }
-    // Llama and Mistral prepend BOS; Qwen2 and Qwen3 do not.
-    if !matches!(arch, Architecture::Qwen2 | Architecture::Qwen3) {
+    // Llama, Mistral and Mixtral prepend BOS; the Qwen families do not.
+    if !matches!(arch, Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe) {
         value["post_processor"] = json!({
             "type": "TemplateProcessing",
             "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
@@ -104,7 +104,7 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
     let cfg = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": !matches!(arch, Architecture::Qwen2 | Architecture::Qwen3),
+        "add_bos_token": !matches!(arch, Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe),
         "model_max_length": 1_000_000
     });
     std::fs::write(&cfg_path, cfg.to_string())

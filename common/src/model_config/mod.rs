@@ -29,6 +29,8 @@ pub enum Architecture {
     Mixtral,
     /// Qwen3's attention with a mixture of experts.
     Qwen3Moe,
+    /// Phi-3 and Phi-4-mini: the Llama shape with fused `qkv_proj` and `gate_up_proj`.
+    Phi3,
 }
 
 impl Architecture {
@@ -41,6 +43,7 @@ impl Architecture {
             Architecture::Gemma3 => "Gemma3ForCausalLM",
             Architecture::Mixtral => "MixtralForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::Phi3 => "Phi3ForCausalLM",
         }
     }
 
@@ -53,6 +56,7 @@ impl Architecture {
             Architecture::Gemma3 => "gemma3_text",
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Phi3 => "phi3",
         }
     }
 
@@ -65,6 +69,7 @@ impl Architecture {
             "Gemma3ForCausalLM" | "gemma3_text" => Some(Architecture::Gemma3),
             "MixtralForCausalLM" | "mixtral" => Some(Architecture::Mixtral),
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Some(Architecture::Qwen3Moe),
+            "Phi3ForCausalLM" | "phi3" => Some(Architecture::Phi3),
             _ => None,
         }
     }
@@ -154,6 +159,8 @@ pub struct ModelConfig {
     pub final_logit_softcap: Option<f32>,
     /// The mixture of experts, for MoE families.
     pub moe: Option<Moe>,
+    /// q, k and v are one `qkv_proj` matrix, gate and up one `gate_up_proj` (Phi-3).
+    pub fused_projections: bool,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
     pub dtype: Option<String>,
     /// `quantization_config.quant_method`, if any ("strata-int8": written by
@@ -213,6 +220,21 @@ impl ModelConfig {
             Some(t) => t,
             None => rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(10000.0),
         };
+        // RoPE over part of each head (Phi-4-mini, partial_rotary_factor < 1) is not
+        // implemented: refused, never computed as if it were whole.
+        for factor in [
+            opt_f64(obj, "partial_rotary_factor")?,
+            rope_obj.and_then(|r| r.get("partial_rotary_factor")).and_then(|v| v.as_f64()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if factor != 1.0 {
+                return Err(Error::Unsupported(format!(
+                    "partial_rotary_factor {factor} (rope over whole heads only)"
+                )));
+            }
+        }
         let mut rope_scaling = match gemma {
             true => RopeScaling::None, // by layer type, below
             false => parse_rope(rope_obj)?,
@@ -262,6 +284,7 @@ impl ModelConfig {
             sandwich_norms: gemma,
             final_logit_softcap,
             moe: moe::options(architecture, obj, num_layers)?,
+            fused_projections: architecture == Architecture::Phi3,
             dtype: obj
                 .get("torch_dtype")
                 .or_else(|| obj.get("dtype"))
@@ -362,7 +385,7 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
              Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, \
-             Qwen3MoeForCausalLM"
+             Qwen3MoeForCausalLM, Phi3ForCausalLM"
         ))
     })
 }
@@ -436,13 +459,16 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
             (attention_bias, attention_bias)
         }
         Architecture::Mistral | Architecture::Mixtral => (attention_bias, false),
+        Architecture::Phi3 => (false, false),
     };
     let mlp_bias = match architecture {
         Architecture::Llama => opt_bool(obj, "mlp_bias")?.unwrap_or(false),
         _ => false,
     };
     let sliding_window = match architecture {
-        Architecture::Mistral | Architecture::Mixtral => opt_usize(obj, "sliding_window")?,
+        Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
+            opt_usize(obj, "sliding_window")?
+        }
         Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
                 return Err(Error::Unsupported(format!(
@@ -583,6 +609,26 @@ mod tests {
             .replace("LlamaForCausalLM", "Qwen3ForCausalLM");
         let e = ModelConfig::from_json_str(&windowed).unwrap_err().to_string();
         assert!(e.contains("use_sliding_window"), "{e}");
+    }
+
+    #[test]
+    fn phi3_fuses_its_projections_and_partial_rotary_is_refused() {
+        let phi3 = with(r#"{"sliding_window":2047}"#).replace("LlamaForCausalLM", "Phi3ForCausalLM");
+        let c = ModelConfig::from_json_str(&phi3).unwrap();
+        assert_eq!(c.architecture, Architecture::Phi3);
+        assert!(c.fused_projections && !c.qkv_bias && !c.qk_norm);
+        assert_eq!(c.sliding_window, Some(2047));
+        assert!(!ModelConfig::from_json_str(BASE).unwrap().fused_projections);
+        for extra in [
+            r#"{"partial_rotary_factor":0.75}"#,
+            r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":0.5}}"#,
+        ] {
+            let e = ModelConfig::from_json_str(&with(extra)).unwrap_err().to_string();
+            assert!(e.contains("partial_rotary_factor"), "{extra}: {e}");
+        }
+        let whole =
+            r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":1.0}}"#;
+        assert!(ModelConfig::from_json_str(&with(whole)).is_ok());
     }
 
     #[test]

@@ -310,6 +310,29 @@ mod tests {
         assert!(a.mine.iter().all(Vec::is_empty));
     }
 
+    /// `strata model random --arch qwen3-moe` writes a model this engine loads, and a decode
+    /// step of one token counts only the experts it reads: here 2 of 4.
+    #[test]
+    fn a_random_moe_model_loads_and_decode_reads_its_active_experts() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::model::random::RandomModelSpec;
+        use crate::model::Model;
+        for arch in [strata_common::Architecture::Qwen3Moe, strata_common::Architecture::Mixtral] {
+            let dir = tempfile::tempdir().unwrap();
+            let spec = RandomModelSpec::tiny(arch);
+            spec.write(dir.path(), |_, _| {}).unwrap();
+            let model = Model::load(dir.path(), CpuBackend::new()).unwrap();
+            let moe = model.config.moe.clone().unwrap();
+            assert_eq!((moe.num_experts, moe.top_k), (spec.experts, spec.top_k), "{arch:?}");
+            // f32 experts: gate, up and down of expert_intermediate × hidden each.
+            let per_expert = 3 * spec.expert_intermediate * spec.hidden * 4;
+            let idle = spec.layers * (spec.experts - spec.top_k) * per_expert;
+            let embed = spec.vocab * spec.hidden * 4;
+            let read = model.weight_bytes() - if spec.tie_word_embeddings { 0 } else { embed };
+            assert_eq!(model.decode_bytes_per_token(), read - idle, "{arch:?}");
+        }
+    }
+
     #[test]
     fn dot_products_add_in_lanes() {
         let a: Vec<f32> = (0..11).map(|i| i as f32 * 0.5).collect();

@@ -23,6 +23,9 @@ pub(super) struct ShardLoader<'a, B: Backend> {
     pub config: &'a ModelConfig,
     pub shard: &'a RankShard,
     pub bytes: usize,
+    /// Of `bytes`, what experts a step does not read hold: every MoE layer's experts but
+    /// the `top_k` a token takes, in proportion (what batch-1 decode leaves unread).
+    pub idle_expert_bytes: usize,
 }
 
 impl<B: Backend> ShardLoader<'_, B> {
@@ -65,6 +68,15 @@ impl<B: Backend> ShardLoader<'_, B> {
             false => None,
         };
         Ok(Linear { weight: w, bias })
+    }
+
+    /// Column-parallel out of a fused matrix (`{name}.weight`, `[total, hidden]`, the parts
+    /// stacked by rows): this rank's rows of the part starting at row `offset`.
+    fn fused(&mut self, name: &str, total: usize, offset: usize, rows: Range<usize>) -> Result<Linear<B>> {
+        let weight = format!("{name}.weight");
+        let rows = offset + rows.start..offset + rows.end;
+        let host = self.ckpt.get(&weight, &[total, self.config.hidden_size])?.rows(rows.clone())?;
+        Ok(Linear { weight: self.weight(&weight, host, total, rows)?, bias: None })
     }
 
     /// Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
@@ -123,21 +135,40 @@ impl<B: Backend> ShardLoader<'_, B> {
             ]),
             false => None,
         };
-        Ok(Attention {
-            spec,
-            shape,
-            qk_norm,
-            q: self.column(&format!("{p}.self_attn.q_proj"), q_dim, q_rows.clone(), spec.qkv_bias)?,
-            k: self.column(&format!("{p}.self_attn.k_proj"), kv_dim, kv_rows.clone(), spec.qkv_bias)?,
-            v: self.column(&format!("{p}.self_attn.v_proj"), kv_dim, kv_rows, spec.qkv_bias)?,
-            o: self.row(&format!("{p}.self_attn.o_proj"), q_dim, q_rows, spec.o_bias)?,
-        })
+        let [q, k, v] = match c.fused_projections {
+            // One qkv_proj: q's rows, then k's, then v's.
+            true => {
+                let (qkv, total) = (format!("{p}.self_attn.qkv_proj"), q_dim + 2 * kv_dim);
+                [
+                    self.fused(&qkv, total, 0, q_rows.clone())?,
+                    self.fused(&qkv, total, q_dim, kv_rows.clone())?,
+                    self.fused(&qkv, total, q_dim + kv_dim, kv_rows)?,
+                ]
+            }
+            false => [
+                self.column(&format!("{p}.self_attn.q_proj"), q_dim, q_rows.clone(), spec.qkv_bias)?,
+                self.column(&format!("{p}.self_attn.k_proj"), kv_dim, kv_rows.clone(), spec.qkv_bias)?,
+                self.column(&format!("{p}.self_attn.v_proj"), kv_dim, kv_rows, spec.qkv_bias)?,
+            ],
+        };
+        let o = self.row(&format!("{p}.self_attn.o_proj"), q_dim, q_rows, spec.o_bias)?;
+        Ok(Attention { spec, shape, qk_norm, q, k, v, o })
     }
 
     /// This rank's intermediate rows of layer `p`'s MLP.
     fn mlp(&mut self, p: &str, layer: usize, spec: MlpSpec) -> Result<Mlp<B>> {
         let (inter, rows) = (self.config.intermediate_size, self.shard.intermediate.clone());
         match spec.kind {
+            MlpKind::Gated(act) if self.config.fused_projections => {
+                // One gate_up_proj: gate's rows, then up's.
+                let gate_up = format!("{p}.mlp.gate_up_proj");
+                Ok(Mlp::Gated {
+                    act,
+                    gate: self.fused(&gate_up, 2 * inter, 0, rows.clone())?,
+                    up: self.fused(&gate_up, 2 * inter, inter, rows.clone())?,
+                    down: self.row(&format!("{p}.mlp.down_proj"), inter, rows, spec.bias)?,
+                })
+            }
             MlpKind::Gated(act) => Ok(Mlp::Gated {
                 act,
                 gate: self.column(&format!("{p}.mlp.gate_proj"), inter, rows.clone(), spec.bias)?,
@@ -156,6 +187,7 @@ impl<B: Backend> ShardLoader<'_, B> {
                 let router =
                     self.ckpt.get(&format!("{block}.gate.weight"), &[experts, self.config.hidden_size])?;
                 let local = self.shard.experts.clone();
+                let before = self.bytes;
                 let mut loaded = Vec::with_capacity(local.len());
                 for e in local.clone() {
                     let x = format!("{block}.experts.{e}");
@@ -165,6 +197,10 @@ impl<B: Backend> ShardLoader<'_, B> {
                         down: self.row(&format!("{x}.{}", names.down), inter, rows.clone(), false)?,
                     });
                 }
+                // A token reads top_k of the layer's experts; the rest of what this rank holds
+                // stays unread at batch 1 (under expert parallelism, in proportion).
+                let held = self.bytes - before;
+                self.idle_expert_bytes += held - held * top_k.min(local.len()) / local.len().max(1);
                 // Split by experts when this rank holds only some of them.
                 let parallel = local.len() < experts;
                 Ok(Mlp::Experts(Experts {

@@ -77,6 +77,8 @@ pub struct Model<B: Backend> {
     /// The rope tables the layers' attention parts name.
     ropes: Vec<RopeTable>,
     weight_bytes: usize,
+    /// Expert weights a batch-1 decode step leaves unread (see [`loader::ShardLoader`]).
+    idle_expert_bytes: usize,
     /// This rank's step and all-reduce metrics.
     pub metrics: RankMetrics,
 }
@@ -111,7 +113,8 @@ impl<B: Backend> Model<B> {
         let c = &config;
         let s = &ms.shard;
         let (first, last) = (s.is_first_stage(), ms.is_last_stage());
-        let mut load = ShardLoader { backend: &backend, ckpt, config: c, shard: s, bytes: 0 };
+        let mut load =
+            ShardLoader { backend: &backend, ckpt, config: c, shard: s, bytes: 0, idle_expert_bytes: 0 };
         let embed = match first || (last && c.tie_word_embeddings) {
             true => Some(load.vocab_rows("model.embed_tokens.weight")?),
             false => None,
@@ -123,7 +126,7 @@ impl<B: Backend> Model<B> {
             tracing::debug!(layer = i, of = c.num_layers, "layer loaded");
         }
         let norm = load.norm("model.norm.weight", final_norm(&specs, c))?;
-        let bytes = load.bytes;
+        let (bytes, idle_expert_bytes) = (load.bytes, load.idle_expert_bytes);
         info!(
             backend = backend.name(),
             rank = s.rank,
@@ -143,6 +146,7 @@ impl<B: Backend> Model<B> {
             norm,
             lm_head,
             weight_bytes: bytes,
+            idle_expert_bytes,
             metrics: RankMetrics::new(&ReplicaLabels::default(), rank),
         })
     }
@@ -161,16 +165,18 @@ impl<B: Backend> Model<B> {
         self.weight_bytes
     }
 
-    /// Bytes of weights one decode step reads: everything but the embedding table, of
-    /// which it reads one row per token (unless the LM head is tied to it).
+    /// Bytes of weights one decode step of one token reads: everything but the embedding
+    /// table, of which it reads one row (unless the LM head is tied to it), and but the
+    /// experts the token was not routed to (the active weights of a mixture of experts).
     pub fn decode_bytes_per_token(&self) -> usize {
-        match (&self.embed, &self.lm_head) {
+        let read = match (&self.embed, &self.lm_head) {
             (Some(e), Some(_)) => self.weight_bytes - self.backend.weight_bytes(e),
             (Some(e), None) if !self.shard.is_last_stage() => {
                 self.weight_bytes - self.backend.weight_bytes(e)
             }
             _ => self.weight_bytes,
-        }
+        };
+        read - self.idle_expert_bytes
     }
 
     /// Allocates this shard's paged KV cache: one storage per local layer.

@@ -35,6 +35,12 @@ pub struct RandomModelSpec {
     pub tie_word_embeddings: bool,
     pub dtype: DType,
     pub seed: u64,
+    /// Experts of every layer (0: a dense model; Mixtral and Qwen3-MoE have them).
+    pub experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Intermediate size of one expert.
+    pub expert_intermediate: usize,
 }
 
 impl RandomModelSpec {
@@ -54,6 +60,32 @@ impl RandomModelSpec {
             tie_word_embeddings: matches!(arch, Architecture::Qwen2 | Architecture::Qwen3),
             dtype: DType::F32,
             seed: 0,
+            experts: if matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe) { 4 } else { 0 },
+            top_k: 2,
+            expert_intermediate: 64,
+        }
+    }
+
+    /// A Qwen3-MoE-shaped model of about 0.9B parameters, 0.15B of them active a token: 16
+    /// layers of 32 experts of 512 columns, 4 a token (the benchmark shape of MoE decode).
+    pub fn qwen3_moe_1b() -> Self {
+        RandomModelSpec {
+            arch: Architecture::Qwen3Moe,
+            hidden: 1024,
+            layers: 16,
+            heads: 16,
+            kv_heads: 4,
+            intermediate: 3072,
+            vocab: 32768,
+            max_position_embeddings: 32768,
+            rope_theta: 1_000_000.0,
+            llama3_rope: false,
+            tie_word_embeddings: true,
+            dtype: DType::BF16,
+            seed: 0,
+            experts: 32,
+            top_k: 4,
+            expert_intermediate: 512,
         }
     }
 
@@ -73,6 +105,9 @@ impl RandomModelSpec {
             tie_word_embeddings: true,
             dtype: DType::BF16,
             seed: 0,
+            experts: 0,
+            top_k: 2,
+            expert_intermediate: 0,
         }
     }
 
@@ -110,6 +145,17 @@ impl RandomModelSpec {
             return Err(Error::invalid(
                 "heads",
                 format!("hidden ({}) / heads ({}) must be an even integer", self.hidden, self.heads),
+            ));
+        }
+        if matches!(self.arch, Architecture::Mixtral | Architecture::Qwen3Moe)
+            && (self.top_k == 0 || self.top_k > self.experts || self.expert_intermediate == 0)
+        {
+            return Err(Error::invalid(
+                "experts",
+                format!(
+                    "{} experts of {} columns, {} a token: at least one expert, column and choice",
+                    self.experts, self.expert_intermediate, self.top_k
+                ),
             ));
         }
         if !self.heads.is_multiple_of(self.kv_heads) {
@@ -155,8 +201,24 @@ impl RandomModelSpec {
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192
             });
         }
-        if matches!(self.arch, Architecture::Mistral) {
+        if matches!(self.arch, Architecture::Mistral | Architecture::Mixtral) {
             c["sliding_window"] = serde_json::Value::Null;
+        }
+        match self.arch {
+            Architecture::Mixtral => {
+                c["num_local_experts"] = json!(self.experts);
+                c["num_experts_per_tok"] = json!(self.top_k);
+                c["intermediate_size"] = json!(self.expert_intermediate);
+            }
+            Architecture::Qwen3Moe => {
+                c["num_experts"] = json!(self.experts);
+                c["num_experts_per_tok"] = json!(self.top_k);
+                c["moe_intermediate_size"] = json!(self.expert_intermediate);
+                c["decoder_sparse_step"] = json!(1);
+                c["mlp_only_layers"] = json!([]);
+                c["norm_topk_prob"] = json!(true);
+            }
+            _ => {}
         }
         c
     }
@@ -178,15 +240,30 @@ impl RandomModelSpec {
                     t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
                 }
             }
-            if self.arch == Architecture::Qwen3 {
+            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe) {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
-            t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
-            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
+            let (block, [gate, up, down]) = match self.arch {
+                Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                _ => {
+                    t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
+                    t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
+                    t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
+                    continue;
+                }
+            };
+            let ei = self.expert_intermediate;
+            t.push((format!("{p}.{block}.gate.weight"), vec![self.experts, h]));
+            for e in 0..self.experts {
+                let x = format!("{p}.{block}.experts.{e}");
+                t.push((format!("{x}.{gate}.weight"), vec![ei, h]));
+                t.push((format!("{x}.{up}.weight"), vec![ei, h]));
+                t.push((format!("{x}.{down}.weight"), vec![h, ei]));
+            }
         }
         t.push(("model.norm.weight".to_string(), vec![h]));
         if !self.tie_word_embeddings {
