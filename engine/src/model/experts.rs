@@ -26,6 +26,8 @@ use strata_common::{Error, Result};
 use std::sync::OnceLock;
 use std::time::Instant;
 
+use rayon::prelude::*;
+
 use super::parts::{Activation, Linear, PartCx};
 use crate::backend::Backend;
 use crate::comm::Exchange;
@@ -106,16 +108,31 @@ impl<B: Backend> Experts<B> {
         let b = cx.b;
         let (tokens, hidden) = b.shape(x);
         let mut out = b.upload(vec![0.0; tokens * hidden], tokens, hidden)?;
-        for (i, expert) in self.experts.iter().enumerate() {
+        // Experts no token of this step chose are skipped: their weights are not read.
+        let chosen: Vec<(usize, &[usize])> = (0..self.experts.len())
+            .map(|i| (i, &routes.rows[self.first + i][..]))
+            .filter(|(_, rows)| !rows.is_empty())
+            .collect();
+        for (i, y) in self.run_all(b, &chosen, x)? {
             let e = self.first + i;
-            if routes.rows[e].is_empty() {
-                continue; // no token of this step chose it: its weights are not read
-            }
-            let y = self.run(b, expert, &b.gather_rows(x, &routes.rows[e])?)?;
             b.scatter_add_rows(&mut out, &y, &routes.rows[e], &routes.weights[e])?;
         }
         cx.reduce(&mut out)?;
         Ok(out)
+    }
+
+    /// Each `(expert, rows)`'s MLP over `x`'s `rows`, in the order given. A backend whose
+    /// ops fan out over rayon's pool runs the experts side by side (a decode step's few
+    /// small matmuls share one parallel region instead of a fork-join each); outputs are
+    /// combined afterwards in expert order, so the numbers do not depend on it.
+    fn run_all(&self, b: &B, chosen: &[(usize, &[usize])], x: &B::Tensor) -> Result<Vec<(usize, B::Tensor)>> {
+        let one = |&(i, rows): &(usize, &[usize])| -> Result<(usize, B::Tensor)> {
+            Ok((i, self.run(b, &self.experts[i], &b.gather_rows(x, rows)?)?))
+        };
+        match b.uses_thread_pool() {
+            true => chosen.par_iter().map(one).collect(),
+            false => chosen.iter().map(one).collect(),
+        }
     }
 
     /// Every token's route, from the router's logits computed on the host.
@@ -152,12 +169,16 @@ impl<B: Backend> Experts<B> {
         let got = cx.comm.all_to_all(b, &sent, Exchange { send: &plan.send, recv: &plan.recv }, cx.group)?;
         let received: usize = plan.recv.iter().sum();
         let mut outs = b.upload(vec![0.0; received * hidden], received, hidden)?;
-        for (i, expert) in self.experts.iter().enumerate() {
+        let chosen: Vec<(usize, &[usize])> = plan
+            .mine
+            .iter()
+            .enumerate()
+            .map(|(i, at)| (i, &at[..]))
+            .filter(|(_, at)| !at.is_empty())
+            .collect();
+        for (i, y) in self.run_all(b, &chosen, &got)? {
             let at = &plan.mine[i];
-            if !at.is_empty() {
-                let y = self.run(b, expert, &b.gather_rows(&got, at)?)?;
-                b.scatter_add_rows(&mut outs, &y, at, &vec![1.0; at.len()])?;
-            }
+            b.scatter_add_rows(&mut outs, &y, at, &vec![1.0; at.len()])?;
         }
         let back = cx.comm.all_to_all(b, &outs, Exchange { send: &plan.recv, recv: &plan.send }, cx.group)?;
         let mut own = b.upload(vec![0.0; plan.chunk * hidden], plan.chunk, hidden)?;
