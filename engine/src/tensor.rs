@@ -114,6 +114,56 @@ impl HostTensor {
         })
     }
 
+    /// Entry `i` of the first dimension of a tensor of 2 or more dimensions (one expert of
+    /// a stacked `[experts, ...]` tensor), still a view into the mapping.
+    pub fn index(&self, i: usize) -> Result<HostTensor> {
+        let (&n, rest) = self.shape.split_first().filter(|(_, rest)| !rest.is_empty()).ok_or_else(|| {
+            Error::Internal(format!("{}: index() of a {}-D tensor", self.name, self.shape.len()))
+        })?;
+        if i >= n {
+            return Err(Error::Internal(format!("{}: entry {i} of {n}", self.name)));
+        }
+        let bytes = rest.iter().product::<usize>() * self.dtype.size();
+        let start = self.range.start + i * bytes;
+        Ok(HostTensor {
+            name: format!("{}[{i}]", self.name),
+            dtype: self.dtype,
+            shape: rest.to_vec(),
+            file: self.file.clone(),
+            source: self.source.clone(),
+            range: start..start + bytes,
+        })
+    }
+
+    /// Columns `cols` (in that order) of a 2-D `[n, width]` tensor as the rows of a
+    /// `[cols.len(), n]` one: a checkpoint stored inputs-first read as `[out, in]`. A copy
+    /// in the same dtype.
+    pub fn transposed_columns(&self, cols: &[usize]) -> Result<HostTensor> {
+        let [n, width] = self.shape[..] else {
+            return Err(Error::Internal(format!("{}: transposed_columns() of a non-matrix", self.name)));
+        };
+        if let Some(&c) = cols.iter().find(|&&c| c >= width) {
+            return Err(Error::Internal(format!("{}: column {c} of {width}", self.name)));
+        }
+        let e = self.dtype.size();
+        let src = self.bytes();
+        let mut out = Vec::with_capacity(n * cols.len() * e);
+        for &c in cols {
+            for r in 0..n {
+                out.extend_from_slice(&src[(r * width + c) * e..(r * width + c + 1) * e]);
+            }
+        }
+        let len = out.len();
+        Ok(HostTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: vec![cols.len(), n],
+            file: self.file.clone(),
+            source: Source::Owned(Arc::new(out)),
+            range: 0..len,
+        })
+    }
+
     /// Columns `cols` of a 2-D tensor. Columns are not contiguous, so this copies them
     /// (the copy is the rank's share, `1/tp` of the tensor).
     pub fn columns(&self, cols: Range<usize>) -> Result<HostTensor> {
@@ -184,5 +234,27 @@ impl HostTensor {
             // The stored integers, without their scales.
             DType::I8 => b.iter().map(|&v| v as i8 as f32).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stacked_entries_and_transposed_columns() {
+        // [2, 2, 3]: entry e, row r, column c holds 100e + 10r + c.
+        let data: Vec<f32> = (0..2)
+            .flat_map(|e| (0..2).flat_map(move |r| (0..3).map(move |c| (100 * e + 10 * r + c) as f32)))
+            .collect();
+        let t = HostTensor::from_f32("w", &[2, 2, 3], &data).cast(DType::BF16);
+        let one = t.index(1).unwrap();
+        assert_eq!(one.shape, [2, 3]);
+        assert_eq!(one.to_f32_vec(), [100.0, 101.0, 102.0, 110.0, 111.0, 112.0]);
+        let cols = one.transposed_columns(&[2, 0]).unwrap();
+        assert_eq!((cols.shape.clone(), cols.dtype), (vec![2, 2], DType::BF16));
+        assert_eq!(cols.to_f32_vec(), [102.0, 112.0, 100.0, 110.0]);
+        assert!(t.index(2).is_err() && one.transposed_columns(&[3]).is_err());
+        assert!(HostTensor::from_f32("v", &[3], &[1.0, 2.0, 3.0]).index(0).is_err());
     }
 }

@@ -201,6 +201,34 @@ fn mixtral_runs_on_the_device() {
     assert_eq!(greedy(&mut ep, &prompt, 6), eager, "tokens with experts on two devices");
 }
 
+/// Gemma 2 (soft-capped attention scores, the windows of alternate layers) and gpt-oss
+/// (per-head sinks, biased attention, YaRN, a window, biased experts with the clamped
+/// SwiGLU) on the device: within bf16 of the CPU backend, and graphs asked for give the
+/// tokens of eager steps.
+#[test]
+fn gemma2_and_gpt_oss_run_on_the_device() {
+    for case in ["gemma2_softcap", "gpt_oss_moe"] {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models").join(case);
+        let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };
+        let bf16 = CpuBackend::new().with_weight_dtype(Some(DType::BF16));
+        let mut cpu = Engine::new(Model::load(&dir, bf16).unwrap(), &config).unwrap();
+        let prompt: Vec<u32> = (0..14).map(|i| 3 + i * 29 % 380).collect();
+        let want = cpu.prompt_logits(&prompt).unwrap();
+        let run = |graphs: bool| {
+            let backend = CudaBackend::with_graphs(Arc::new(EmulatedGpu::new()), graphs);
+            let mut e = Engine::new(Model::load(&dir, backend).unwrap(), &config).unwrap();
+            (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 8))
+        };
+        let (got, eager) = run(false);
+        let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
+        let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        eprintln!("{case} prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
+        assert!(diff <= 0.03 * scale, "{case}: logits differ by {diff} (scale {scale})");
+        assert_eq!(run(true).1, eager, "{case}: tokens with graphs asked for");
+    }
+}
+
 /// Seeded top-k sampling from the device's candidates (2k + 1 floats per row cross to the
 /// host) draws the tokens, and reports the logprobs, that sampling the same rows whole
 /// does.

@@ -1,53 +1,75 @@
-//! What Gemma 3's config.json says beyond the Llama shape, read as transformers reads it
-//! (`Gemma3TextConfig`), defaults included: a key the file leaves out takes the value
-//! transformers gives it, so a checkpoint means the same model here as there.
+//! What Gemma 2's and Gemma 3's config.json say beyond the Llama shape, read as
+//! transformers reads them (`Gemma2Config`, `Gemma3TextConfig`), defaults included: a key
+//! the file leaves out takes the value transformers gives it, so a checkpoint means the
+//! same model here as there.
 //!
-//! - `layer_types` (`sliding_attention` / `full_attention` per layer; absent: every
-//!   `sliding_window_pattern`-th layer, 6 by default, is global) and `sliding_window`;
-//! - two rope bases: `full_attention` layers rotate with `rope_theta` and the rope scaling,
-//!   `sliding_attention` layers with their own base (`rope_local_base_freq`) unscaled —
-//!   transformers 5 writes both under `rope_parameters`, one object per layer type;
-//! - `query_pre_attn_scalar` (the attention scale is its inverse square root), the final
-//!   logits' soft-capping. Attention soft-capping (Gemma 2) and bidirectional attention
-//!   are refused by name.
+//! - `layer_types` (`sliding_attention` / `full_attention` per layer; absent: Gemma 2
+//!   alternates, starting local; Gemma 3 makes every `sliding_window_pattern`-th layer, 6
+//!   by default, global) and `sliding_window`;
+//! - Gemma 3's two rope bases: `full_attention` layers rotate with `rope_theta` and the
+//!   rope scaling, `sliding_attention` layers with their own base (`rope_local_base_freq`)
+//!   unscaled — transformers 5 writes both under `rope_parameters`, one object per layer
+//!   type; Gemma 2 has one base for both;
+//! - `query_pre_attn_scalar` (the attention scale is its inverse square root), the soft
+//!   caps of attention scores and final logits (Gemma 2 caps both by default, at 50 and
+//!   30; a `null` turns one off). Bidirectional attention is refused by name.
 
 use serde_json::{Map, Value};
 
-use super::{opt_bool, opt_f64, opt_usize, parse_rope, positive, RopeScaling};
+use super::{layer_types, opt_bool, opt_f64, opt_usize, parse_rope, positive, Architecture, RopeScaling};
 use crate::error::{Error, Result};
 
-/// Gemma 3's defaults (transformers' `Gemma3TextConfig`).
+/// Gemma's defaults (transformers' `Gemma2Config`, `Gemma3TextConfig`).
 pub(super) const HEAD_DIM: usize = 256;
 const SLIDING_WINDOW: usize = 4096;
 const PATTERN: usize = 6;
 const QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
 const GLOBAL_THETA: f64 = 1_000_000.0;
 const LOCAL_THETA: f64 = 10_000.0;
+const GEMMA2_THETA: f64 = 10_000.0;
+const GEMMA2_ATTN_SOFTCAP: f64 = 50.0;
+const GEMMA2_FINAL_SOFTCAP: f64 = 30.0;
 
-/// Gemma 3's attention layout and ropes.
+/// Gemma's attention layout, ropes and soft caps.
 pub(super) struct Gemma {
     pub windowed_layers: Vec<bool>,
     pub sliding_window: usize,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
-    pub local_rope_theta: f64,
+    pub local_rope_theta: Option<f64>,
     pub query_pre_attn_scalar: f64,
     pub final_logit_softcap: Option<f32>,
+    pub attn_logit_softcap: Option<f32>,
 }
 
-pub(super) fn options(obj: &Map<String, Value>, num_layers: usize) -> Result<Gemma> {
-    if opt_f64(obj, "attn_logit_softcapping")?.is_some() {
-        return Err(Error::Unsupported(
-            "attn_logit_softcapping (attention soft-capping is not implemented)".into(),
-        ));
-    }
+pub(super) fn options(obj: &Map<String, Value>, num_layers: usize, arch: Architecture) -> Result<Gemma> {
     if opt_bool(obj, "use_bidirectional_attention")?.unwrap_or(false) {
         return Err(Error::Unsupported("use_bidirectional_attention=true".into()));
     }
-    let (rope_theta, rope_scaling, local_rope_theta) = ropes(obj)?;
-    let softcap = opt_f64(obj, "final_logit_softcapping")?;
+    let gemma2 = arch == Architecture::Gemma2;
+    let (rope_theta, rope_scaling, local_rope_theta) = match gemma2 {
+        true => {
+            let rope =
+                obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
+            let theta = match opt_f64(obj, "rope_theta")? {
+                Some(t) => t,
+                None => {
+                    rope.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(GEMMA2_THETA)
+                }
+            };
+            (positive("rope_theta", theta)?, parse_rope(rope)?, None)
+        }
+        false => {
+            let (theta, scaling, local) = ropes(obj)?;
+            (theta, scaling, Some(local))
+        }
+    };
+    let windowed_layers = match gemma2 {
+        true => layer_types(obj, num_layers, &|i| (i + 1) % 2 != 0)?,
+        false => gemma3_layer_types(obj, num_layers)?,
+    };
     Ok(Gemma {
-        windowed_layers: layer_types(obj, num_layers)?,
+        windowed_layers,
         sliding_window: match opt_usize(obj, "sliding_window")? {
             Some(0) => return Err(Error::invalid("sliding_window", "must be positive")),
             Some(w) => w,
@@ -60,38 +82,29 @@ pub(super) fn options(obj: &Map<String, Value>, num_layers: usize) -> Result<Gem
             "query_pre_attn_scalar",
             opt_f64(obj, "query_pre_attn_scalar")?.unwrap_or(QUERY_PRE_ATTN_SCALAR),
         )?,
-        final_logit_softcap: softcap
-            .map(|c| positive("final_logit_softcapping", c))
-            .transpose()?
-            .map(|c| c as f32),
+        final_logit_softcap: softcap(obj, "final_logit_softcapping", gemma2.then_some(GEMMA2_FINAL_SOFTCAP))?,
+        attn_logit_softcap: softcap(obj, "attn_logit_softcapping", gemma2.then_some(GEMMA2_ATTN_SOFTCAP))?,
     })
 }
 
-/// Whether each layer attends within the window: `layer_types`, or the pattern.
-fn layer_types(obj: &Map<String, Value>, num_layers: usize) -> Result<Vec<bool>> {
-    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
-        let pattern = match opt_usize(obj, "sliding_window_pattern")? {
-            Some(0) => return Err(Error::invalid("sliding_window_pattern", "must be positive")),
-            Some(p) => p,
-            None => PATTERN,
-        };
-        return Ok((0..num_layers).map(|i| (i + 1) % pattern != 0).collect());
+/// A soft cap: the file's value, `None` where it writes `null`, `default` where it is
+/// silent.
+fn softcap(obj: &Map<String, Value>, key: &str, default: Option<f64>) -> Result<Option<f32>> {
+    let cap = match obj.get(key) {
+        None => default,
+        Some(_) => opt_f64(obj, key)?,
     };
-    let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "expected a list"))?;
-    if types.len() != num_layers {
-        return Err(Error::invalid(
-            "layer_types",
-            format!("{} entries for {num_layers} layers (num_hidden_layers)", types.len()),
-        ));
-    }
-    types
-        .iter()
-        .map(|t| match t.as_str() {
-            Some("sliding_attention") => Ok(true),
-            Some("full_attention") => Ok(false),
-            _ => Err(Error::invalid("layer_types", format!("{t} (sliding_attention or full_attention)"))),
-        })
-        .collect()
+    Ok(cap.map(|c| positive(key, c)).transpose()?.map(|c| c as f32))
+}
+
+/// Gemma 3's local layers: `layer_types`, or the pattern.
+fn gemma3_layer_types(obj: &Map<String, Value>, num_layers: usize) -> Result<Vec<bool>> {
+    let pattern = match opt_usize(obj, "sliding_window_pattern")? {
+        Some(0) => return Err(Error::invalid("sliding_window_pattern", "must be positive")),
+        Some(p) => p,
+        None => PATTERN,
+    };
+    layer_types(obj, num_layers, &|i| (i + 1) % pattern != 0)
 }
 
 /// `(global theta, global scaling, local theta)`: from `rope_parameters` by layer type
@@ -157,6 +170,31 @@ mod tests {
         assert_eq!(c.sliding_window, Some(4096));
         assert_eq!((c.rope_theta, c.local_rope_theta), (1_000_000.0, Some(10_000.0)));
         assert_eq!((c.query_pre_attn_scalar, c.final_logit_softcap), (Some(256.0), None));
+        assert_eq!(c.attn_logit_softcap, None);
+    }
+
+    #[test]
+    fn gemma2_alternates_its_layers_and_caps_by_default() {
+        let text = |extra: &str| {
+            format!(
+                r#"{{"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+                    "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,
+                    "vocab_size":300{extra}}}"#
+            )
+        };
+        let c = ModelConfig::from_json_str(&text("")).unwrap();
+        assert_eq!(c.architecture, Architecture::Gemma2);
+        assert_eq!(c.windowed_layers, [true, false, true, false]);
+        assert!(!c.qk_norm && c.sandwich_norms && c.tie_word_embeddings);
+        assert_eq!((c.attn_logit_softcap, c.final_logit_softcap), (Some(50.0), Some(30.0)));
+        assert_eq!((c.rope_theta, c.local_rope_theta, c.head_dim), (10_000.0, None, 256));
+        let c = ModelConfig::from_json_str(&text(
+            r#","attn_logit_softcapping":null,"final_logit_softcapping":null,"rope_theta":20000.0"#,
+        ))
+        .unwrap();
+        assert_eq!((c.attn_logit_softcap, c.final_logit_softcap, c.rope_theta), (None, None, 20_000.0));
+        let e = ModelConfig::from_json_str(&text(r#","attn_logit_softcapping":0"#)).unwrap_err();
+        assert!(e.to_string().contains("attn_logit_softcapping"), "{e}");
     }
 
     #[test]
@@ -200,7 +238,6 @@ mod tests {
     #[test]
     fn what_is_not_implemented_is_refused_by_name() {
         for (extra, key) in [
-            (r#","attn_logit_softcapping":50.0"#, "attn_logit_softcapping"),
             (r#","use_bidirectional_attention":true"#, "use_bidirectional_attention"),
             (
                 r#","rope_parameters":{"sliding_attention":{"rope_type":"linear","factor":2.0}}"#,
@@ -211,7 +248,7 @@ mod tests {
             assert!(e.to_string().contains(key), "{extra}: {e}");
             assert!(matches!(e, crate::Error::Unsupported(_)), "{extra}: {e:?}");
         }
-        let capped = gemma(r#","final_logit_softcapping":30.0"#).unwrap();
-        assert_eq!(capped.final_logit_softcap, Some(30.0));
+        let capped = gemma(r#","final_logit_softcapping":30.0,"attn_logit_softcapping":50.0"#).unwrap();
+        assert_eq!((capped.final_logit_softcap, capped.attn_logit_softcap), (Some(30.0), Some(50.0)));
     }
 }

@@ -1,10 +1,12 @@
 //! The model's shape, read from a HuggingFace `config.json` (and `generation_config.json`).
 //!
-//! One struct covers the Llama family (Llama, Mistral, Qwen2, Qwen3): they differ only in
-//! which projections carry a bias, whether embeddings are tied, the RoPE variant, the
-//! attention window and whether queries and keys are normed per head. Both the `rope_scaling` key (transformers 4.x) and the
-//! `rope_parameters` key (transformers 5.x) are understood. Anything this engine cannot
-//! run faithfully is rejected here, naming the key, before a single weight is read.
+//! One struct covers every family: the Llama shape (Llama, Mistral, Qwen2, Qwen3, Phi-3)
+//! and what sets the others apart — Gemma's norms, windows, ropes and soft caps
+//! ([`gemma`]), gpt-oss's ([`gpt_oss`]), mixtures of experts ([`moe`]), rope scalings
+//! ([`rope`]). Both the `rope_scaling` key (transformers 4.x) and the `rope_parameters`
+//! key (transformers 5.x) are understood. Anything this engine cannot run faithfully (a
+//! rope type, a quantization format, an attention variant) is rejected here, naming the
+//! key, before a single weight is read.
 
 use std::path::Path;
 
@@ -13,9 +15,13 @@ use serde_json::{Map, Value};
 use crate::error::{Error, Result};
 
 mod gemma;
+mod gpt_oss;
 mod moe;
+mod rope;
 
 pub use moe::{ExpertNames, Moe};
+pub use rope::RopeScaling;
+use rope::{parse_rope, yarn_mscale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -31,6 +37,11 @@ pub enum Architecture {
     Qwen3Moe,
     /// Phi-3 and Phi-4-mini: the Llama shape with fused `qkv_proj` and `gate_up_proj`.
     Phi3,
+    /// Gemma 2: Gemma 3's parts without q/k norms, one rope base, attention soft-capping.
+    Gemma2,
+    /// gpt-oss: biased attention with sinks, local and global layers, YaRN rope, and a
+    /// mixture of biased experts with a clamped SwiGLU.
+    GptOss,
 }
 
 impl Architecture {
@@ -44,6 +55,8 @@ impl Architecture {
             Architecture::Mixtral => "MixtralForCausalLM",
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
             Architecture::Phi3 => "Phi3ForCausalLM",
+            Architecture::Gemma2 => "Gemma2ForCausalLM",
+            Architecture::GptOss => "GptOssForCausalLM",
         }
     }
 
@@ -57,6 +70,8 @@ impl Architecture {
             Architecture::Mixtral => "mixtral",
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Phi3 => "phi3",
+            Architecture::Gemma2 => "gemma2",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -70,18 +85,23 @@ impl Architecture {
             "MixtralForCausalLM" | "mixtral" => Some(Architecture::Mixtral),
             "Qwen3MoeForCausalLM" | "qwen3_moe" => Some(Architecture::Qwen3Moe),
             "Phi3ForCausalLM" | "phi3" => Some(Architecture::Phi3),
+            "Gemma2ForCausalLM" | "gemma2" => Some(Architecture::Gemma2),
+            "GptOssForCausalLM" | "gpt_oss" => Some(Architecture::GptOss),
             _ => None,
         }
     }
 }
 
 /// The activation of a gated MLP (`hidden_act`, or Gemma's `hidden_activation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Activation {
     /// `x · sigmoid(x)` (`silu`, `swish`).
     Silu,
     /// GELU in its tanh form (`gelu_pytorch_tanh`, `gelu_new`).
     GeluTanh,
+    /// gpt-oss's experts: with `g = min(gate, limit)` and `u = clamp(up, -limit, limit)`,
+    /// `(u + 1) · g · sigmoid(alpha · g)` (`swiglu_alpha`, `swiglu_limit`).
+    ClampedSwiglu { alpha: f32, limit: f32 },
 }
 
 impl Activation {
@@ -92,23 +112,6 @@ impl Activation {
             _ => None,
         }
     }
-}
-
-/// How rotary position frequencies are rescaled for long contexts.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Position interpolation: every inverse frequency divided by `factor`.
-    Linear {
-        factor: f64,
-    },
-    /// Llama 3.1's frequency-dependent scaling.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
 }
 
 #[derive(Debug, Clone)]
@@ -157,6 +160,11 @@ pub struct ModelConfig {
     pub sandwich_norms: bool,
     /// The final logits are soft-capped: `c · tanh(logits / c)`.
     pub final_logit_softcap: Option<f32>,
+    /// Attention scores are soft-capped the same way, after scaling (Gemma 2).
+    pub attn_logit_softcap: Option<f32>,
+    /// Each attention head has a learned sink: a logit in the softmax's denominator that
+    /// takes no value (gpt-oss's `self_attn.sinks`).
+    pub attention_sinks: bool,
     /// The mixture of experts, for MoE families.
     pub moe: Option<Moe>,
     /// q, k and v are one `qkv_proj` matrix, gate and up one `gate_up_proj` (Phi-3).
@@ -205,20 +213,28 @@ impl ModelConfig {
 
     fn from_map(obj: &Map<String, Value>) -> Result<Self> {
         let architecture = architecture(obj)?;
-        let gemma = architecture == Architecture::Gemma3;
-        let activation = activation(obj, gemma)?;
+        let gemma = matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3);
+        let gpt_oss = architecture == Architecture::GptOss;
+        let activation = activation(obj, architecture)?;
 
         let hidden_size = req_usize(obj, "hidden_size")?;
         let num_layers = req_usize(obj, "num_hidden_layers")?;
-        let default_head_dim = gemma.then_some(gemma::HEAD_DIM);
+        let default_head_dim = match architecture {
+            Architecture::Gemma2 | Architecture::Gemma3 => Some(gemma::HEAD_DIM),
+            Architecture::GptOss => Some(gpt_oss::HEAD_DIM),
+            _ => None,
+        };
         let (num_heads, num_kv_heads, head_dim) = heads(obj, hidden_size, default_head_dim)?;
 
         // transformers 5 nests rope_theta inside rope_parameters.
         let rope_obj =
             obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
+        let default_theta = if gpt_oss { gpt_oss::ROPE_THETA } else { 10000.0 };
         let rope_theta = match opt_f64(obj, "rope_theta")? {
             Some(t) => t,
-            None => rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(10000.0),
+            None => {
+                rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(default_theta)
+            }
         };
         // RoPE over part of each head (Phi-4-mini, partial_rotary_factor < 1) is not
         // implemented: refused, never computed as if it were whole.
@@ -235,24 +251,34 @@ impl ModelConfig {
                 )));
             }
         }
-        let mut rope_scaling = match gemma {
-            true => RopeScaling::None, // by layer type, below
-            false => parse_rope(rope_obj)?,
+        let mut rope_scaling = match (gemma, gpt_oss, rope_obj) {
+            (true, _, _) => RopeScaling::None, // by layer type, below
+            (_, true, None) => gpt_oss::default_rope(),
+            _ => parse_rope(rope_obj)?,
         };
 
         let FamilyOptions { qkv_bias, o_bias, mlp_bias, mut sliding_window, qk_norm } =
             family_options(architecture, obj)?;
         let mut windowed_layers = vec![sliding_window.is_some(); num_layers];
-        let (mut rope_theta, mut local_rope_theta, mut query_pre_attn_scalar, mut final_logit_softcap) =
-            (rope_theta, None, None, None);
+        let (mut rope_theta, mut local_rope_theta, mut query_pre_attn_scalar) = (rope_theta, None, None);
+        let (mut final_logit_softcap, mut attn_logit_softcap) = (None, None);
         if gemma {
-            let g = gemma::options(obj, num_layers)?;
+            let g = gemma::options(obj, num_layers, architecture)?;
             (windowed_layers, sliding_window) = (g.windowed_layers, Some(g.sliding_window));
-            (rope_theta, rope_scaling, local_rope_theta) =
-                (g.rope_theta, g.rope_scaling, Some(g.local_rope_theta));
-            (query_pre_attn_scalar, final_logit_softcap) =
-                (Some(g.query_pre_attn_scalar), g.final_logit_softcap);
+            (rope_theta, rope_scaling, local_rope_theta) = (g.rope_theta, g.rope_scaling, g.local_rope_theta);
+            (query_pre_attn_scalar, final_logit_softcap, attn_logit_softcap) =
+                (Some(g.query_pre_attn_scalar), g.final_logit_softcap, g.attn_logit_softcap);
         }
+        if gpt_oss {
+            let window = match opt_usize(obj, "sliding_window")? {
+                Some(0) => return Err(Error::invalid("sliding_window", "must be positive")),
+                Some(w) => w,
+                None => gpt_oss::SLIDING_WINDOW,
+            };
+            windowed_layers = layer_types(obj, num_layers, &|i| (i + 1) % 2 != 0)?;
+            sliding_window = Some(window);
+        }
+        check_quantization(obj)?;
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -283,6 +309,8 @@ impl ModelConfig {
             embed_scale: gemma.then(|| (hidden_size as f32).sqrt()),
             sandwich_norms: gemma,
             final_logit_softcap,
+            attn_logit_softcap,
+            attention_sinks: gpt_oss,
             moe: moe::options(architecture, obj, num_layers)?,
             fused_projections: architecture == Architecture::Phi3,
             dtype: obj
@@ -327,39 +355,47 @@ fn relabel(e: Error, path: &Path) -> Error {
     }
 }
 
-fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
-    let Some(rope) = rope else {
-        return Ok(RopeScaling::None);
+/// Which layers attend within the window, from `layer_types` (`sliding_attention` /
+/// `full_attention` per layer); absent, `default(i)` says for layer `i`.
+pub(crate) fn layer_types(
+    obj: &Map<String, Value>,
+    num_layers: usize,
+    default: &dyn Fn(usize) -> bool,
+) -> Result<Vec<bool>> {
+    let Some(types) = obj.get("layer_types").filter(|v| !v.is_null()) else {
+        return Ok((0..num_layers).map(default).collect());
     };
-    let kind =
-        rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
-    let num = |key: &str| -> Result<f64> {
-        let v = rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
-            Error::invalid(format!("rope_scaling.{key}"), format!("required for rope_type {kind:?}"))
-        })?;
-        positive(&format!("rope_scaling.{key}"), v)
-    };
-    match kind {
-        "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
-        "llama3" => {
-            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
-            if high <= low {
-                return Err(Error::invalid(
-                    "rope_scaling.high_freq_factor",
-                    format!("{high} must exceed low_freq_factor ({low})"),
-                ));
-            }
-            Ok(RopeScaling::Llama3 {
-                factor: num("factor")?,
-                low_freq_factor: low,
-                high_freq_factor: high,
-                original_max_position_embeddings: num("original_max_position_embeddings")?,
-            })
-        }
-        other => Err(Error::Unsupported(format!(
-            "rope_scaling type {other:?} (supported: default, linear, llama3)"
+    let types = types.as_array().ok_or_else(|| Error::invalid("layer_types", "expected a list"))?;
+    if types.len() != num_layers {
+        return Err(Error::invalid(
+            "layer_types",
+            format!("{} entries for {num_layers} layers (num_hidden_layers)", types.len()),
+        ));
+    }
+    types
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("sliding_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(Error::invalid("layer_types", format!("{t} (sliding_attention or full_attention)"))),
+        })
+        .collect()
+}
+
+/// A `quantization_config` is refused unless it is Strata's own int8 (`strata model
+/// quantize`): weights in another format (MXFP4, FP8, GPTQ, AWQ, ...) would otherwise be
+/// read as if they were plain.
+fn check_quantization(obj: &Map<String, Value>) -> Result<()> {
+    let Some(q) = obj.get("quantization_config").filter(|v| !v.is_null()) else { return Ok(()) };
+    match q.get("quant_method").and_then(|m| m.as_str()) {
+        Some("strata-int8") => Ok(()),
+        Some(method) => Err(Error::Unsupported(format!(
+            "quantization_config.quant_method {method:?} (supported: strata-int8; a checkpoint \
+             dequantized to bf16 — transformers' save_pretrained after loading with \
+             dequantization — loads, and `--quantize int8` or `strata model quantize` \
+             shrinks it)"
         ))),
+        None => Err(Error::invalid("quantization_config.quant_method", "missing")),
     }
 }
 
@@ -384,15 +420,20 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
     Architecture::from_hf(arch_name).ok_or_else(|| {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
-             Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM, \
-             Qwen3MoeForCausalLM, Phi3ForCausalLM"
+             Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, \
+             Phi3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM"
         ))
     })
 }
 
 /// The MLP's activation: `hidden_activation` (Gemma's key) or `hidden_act`; absent, the
-/// family's default (Gemma: GELU's tanh form; the others: SiLU).
-fn activation(obj: &Map<String, Value>, gemma: bool) -> Result<Activation> {
+/// family's default (Gemma: GELU's tanh form; the others: SiLU). gpt-oss's experts always
+/// apply their clamped SwiGLU (transformers ignores its `hidden_act`).
+fn activation(obj: &Map<String, Value>, architecture: Architecture) -> Result<Activation> {
+    if architecture == Architecture::GptOss {
+        return gpt_oss::activation(obj);
+    }
+    let gemma = matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3);
     let key = if gemma && obj.get("hidden_activation").is_some_and(|v| !v.is_null()) {
         "hidden_activation"
     } else {
@@ -455,8 +496,15 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
     let attention_bias = opt_bool(obj, "attention_bias")?.unwrap_or(false);
     let (qkv_bias, o_bias) = match architecture {
         Architecture::Qwen2 => (true, false),
-        Architecture::Llama | Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe => {
-            (attention_bias, attention_bias)
+        Architecture::Llama
+        | Architecture::Qwen3
+        | Architecture::Gemma2
+        | Architecture::Gemma3
+        | Architecture::Qwen3Moe => (attention_bias, attention_bias),
+        // gpt-oss's projections are biased unless the file says otherwise.
+        Architecture::GptOss => {
+            let b = opt_bool(obj, "attention_bias")?.unwrap_or(true);
+            (b, b)
         }
         Architecture::Mistral | Architecture::Mixtral => (attention_bias, false),
         Architecture::Phi3 => (false, false),
@@ -478,7 +526,8 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
             }
             None
         }
-        Architecture::Llama | Architecture::Gemma3 => None, // Gemma's: gemma::options
+        // Gemma's: gemma::options; gpt-oss's: by layer type, in from_map.
+        Architecture::Llama | Architecture::Gemma2 | Architecture::Gemma3 | Architecture::GptOss => None,
     };
     let qk_norm = matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe);
     Ok(FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm })

@@ -1,6 +1,6 @@
 //! A mixture of experts in config.json: how many experts, how many each token takes, how
-//! their weights are named, and which layers have them (Mixtral: every layer; Qwen3-MoE:
-//! every `decoder_sparse_step`-th layer not in `mlp_only_layers`).
+//! their weights are named, and which layers have them (Mixtral, gpt-oss: every layer;
+//! Qwen3-MoE: every `decoder_sparse_step`-th layer not in `mlp_only_layers`).
 
 use serde_json::{Map, Value};
 
@@ -10,12 +10,21 @@ use crate::error::{Error, Result};
 /// How a family names an MoE layer's tensors under `model.layers.{i}.`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ExpertNames {
-    /// The block: `{block}.gate.weight` is the router, `{block}.experts.{e}.` the experts.
+    /// The block: `{block}.{router}.weight` is the router, `{block}.experts.{e}.` the
+    /// experts (or, stacked, `{block}.experts.{gate_up,down}_proj`).
     pub block: &'static str,
+    pub router: &'static str,
     /// Each expert's gate, up and down projections.
     pub gate: &'static str,
     pub up: &'static str,
     pub down: &'static str,
+    /// The experts are stacked in two 3-D tensors (gpt-oss): `experts.gate_up_proj`
+    /// `[experts, hidden, 2 · inter]` with gate and up columns interleaved, and
+    /// `experts.down_proj` `[experts, inter, hidden]` — inputs before outputs.
+    pub stacked: bool,
+    /// The router and the experts' projections carry biases (`*.bias`, stacked
+    /// `experts.{gate_up,down}_proj_bias`).
+    pub biased: bool,
 }
 
 /// The mixture of experts of a model's MoE layers.
@@ -34,8 +43,33 @@ pub struct Moe {
     pub names: ExpertNames,
 }
 
-const MIXTRAL: ExpertNames = ExpertNames { block: "block_sparse_moe", gate: "w1", up: "w3", down: "w2" };
-const QWEN: ExpertNames = ExpertNames { block: "mlp", gate: "gate_proj", up: "up_proj", down: "down_proj" };
+const MIXTRAL: ExpertNames = ExpertNames {
+    block: "block_sparse_moe",
+    router: "gate",
+    gate: "w1",
+    up: "w3",
+    down: "w2",
+    stacked: false,
+    biased: false,
+};
+const QWEN: ExpertNames = ExpertNames {
+    block: "mlp",
+    router: "gate",
+    gate: "gate_proj",
+    up: "up_proj",
+    down: "down_proj",
+    stacked: false,
+    biased: false,
+};
+const GPT_OSS: ExpertNames = ExpertNames {
+    block: "mlp",
+    router: "router",
+    gate: "gate_up_proj",
+    up: "gate_up_proj",
+    down: "down_proj",
+    stacked: true,
+    biased: true,
+};
 
 /// The MoE of `architecture`'s config, None for a dense family.
 pub(super) fn options(
@@ -45,6 +79,8 @@ pub(super) fn options(
 ) -> Result<Option<Moe>> {
     let (names, norm_topk_prob, expert_intermediate) = match architecture {
         Architecture::Mixtral => (MIXTRAL, true, req_usize(obj, "intermediate_size")?),
+        // A softmax over the chosen experts' logits: the renormalised top-k of the softmax.
+        Architecture::GptOss => (GPT_OSS, true, req_usize(obj, "intermediate_size")?),
         Architecture::Qwen3Moe => (
             QWEN,
             opt_bool(obj, "norm_topk_prob")?.unwrap_or(false),

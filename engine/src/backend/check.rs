@@ -234,7 +234,12 @@ fn check_elementwise<B: Backend>(
     w2.extend(want);
     run.record("add_rms_norm (sum, norm)", format!("[{n}, {h}]"), &g, &w2, F32_TOL);
 
-    for (act, name) in [(Activation::Silu, "silu_mul"), (Activation::GeluTanh, "gelu_tanh_mul")] {
+    let clamped = Activation::ClampedSwiglu { alpha: 1.702, limit: 0.5 };
+    for (act, name) in [
+        (Activation::Silu, "silu_mul"),
+        (Activation::GeluTanh, "gelu_tanh_mul"),
+        (clamped, "clamped_swiglu_mul"),
+    ] {
         let got = dev.to_host(&dev.gated(act, xd, &yd)?)?;
         let want = run.cpu.to_host(&run.cpu.gated(act, xc, &yc)?)?;
         run.record(name, format!("[{n}, {h}]"), &got, &want, F32_TOL);
@@ -364,6 +369,7 @@ fn attention_shape(s: &CheckSizes, sliding_window: Option<usize>) -> AttentionSh
         head_dim: s.head_dim,
         scale: 1.0 / (s.head_dim as f32).sqrt(),
         sliding_window,
+        softcap: None,
     }
 }
 
@@ -421,11 +427,19 @@ fn check_attention<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &C
         }
         let q = random(rng, t * s.heads * d, 1.0);
         let (qd, qc) = run.pair(&q, t, s.heads * d)?;
-        for window in [None, Some(bs + 1)] {
-            let shape = attention_shape(s, window);
-            let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape)?)?;
-            let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape)?)?;
-            let what = if window.is_some() { "paged attention (sliding window)" } else { "paged attention" };
+        let sinks = random(rng, s.heads, 2.0);
+        let (sd, sc) = run.pair(&sinks, 1, s.heads)?;
+        let variants = [
+            (None, None, false, "paged attention"),
+            (Some(bs + 1), None, false, "paged attention (sliding window)"),
+            (None, Some(0.5), false, "paged attention (soft-capped)"),
+            (Some(bs + 1), None, true, "paged attention (sliding window, sinks)"),
+        ];
+        for (window, softcap, with_sinks, what) in variants {
+            let shape = AttentionShape { softcap, ..attention_shape(s, window) };
+            let (sinks_d, sinks_c) = if with_sinks { (Some(&sd), Some(&sc)) } else { (None, None) };
+            let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape, sinks_d)?)?;
+            let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape, sinks_c)?)?;
             run.record(
                 what,
                 format!("prefill {n} + decode 1 at {}, {}/{} heads × {d}", s.context, s.heads, s.kv_heads),
@@ -475,8 +489,8 @@ fn check_rope_write_kv<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s
     let what = format!("{n} tokens, {}/{} heads × {d}", s.heads, s.kv_heads);
     run.record("rope_write_kv (q, k)", what.clone(), &got, &want, F32_TOL);
     let shape = attention_shape(s, None);
-    let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape)?)?;
-    let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape)?)?;
+    let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape, None)?)?;
+    let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape, None)?)?;
     run.record("attention after rope_write_kv", what, &got, &want, BF16_TOL);
     Ok(())
 }

@@ -107,6 +107,8 @@ pub struct AttentionShape {
     pub scale: f32,
     /// A windowed layer attends to this many positions back, its own included.
     pub sliding_window: Option<usize>,
+    /// Scaled scores are soft-capped, `c · tanh(s / c)`, before the softmax (Gemma 2).
+    pub softcap: Option<f32>,
 }
 
 /// Where a backend's tensors live. Every op can fail (a device error, an allocation the
@@ -233,13 +235,16 @@ pub trait AttentionOps: Tensors {
         self.rope(k, head_dim, &layout.positions, rope)?;
         self.write_kv(cache, k, v, layout)
     }
-    /// Causal attention of each new token over its sequence's cached positions.
+    /// Causal attention of each new token over its sequence's cached positions. `sinks`
+    /// (`[1, num_heads]`, gpt-oss) adds one logit per head to each softmax's denominator,
+    /// a position that carries no value.
     fn attention(
         &self,
         q: &Self::Tensor,
         cache: &Self::KvLayer,
         layout: &BatchLayout,
         shape: AttentionShape,
+        sinks: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor>;
 }
 

@@ -46,6 +46,8 @@ pub(super) struct Experts<B: Backend> {
     pub act: Activation,
     /// `[experts, hidden]` for all the layer's experts, row-major, f32.
     pub router: Vec<f32>,
+    /// Added to the router's logits (gpt-oss).
+    pub router_bias: Option<Vec<f32>>,
     /// This rank's experts: all of them, or under expert parallelism ids `first..`.
     pub experts: Vec<Expert<B>>,
     pub first: usize,
@@ -146,9 +148,10 @@ impl<B: Backend> Experts<B> {
             )));
         }
         let host = b.to_host(x)?;
+        let bias = |e: usize| self.router_bias.as_ref().map_or(0.0, |b| b[e]);
         let logits: Vec<f32> = host
             .chunks_exact(hidden)
-            .flat_map(|t| self.router.chunks_exact(hidden).map(move |r| dot(t, r)))
+            .flat_map(|t| self.router.chunks_exact(hidden).enumerate().map(move |(e, r)| dot(t, r) + bias(e)))
             .collect();
         Ok(route(&logits, total, self.top_k, self.norm_topk_prob))
     }

@@ -127,6 +127,14 @@ impl<B: Backend> ShardLoader<'_, B> {
             head_dim: hd,
             scale: spec.scale,
             sliding_window: spec.sliding_window,
+            softcap: spec.softcap,
+        };
+        let sinks = match spec.sinks {
+            true => {
+                let all = self.ckpt.get(&format!("{p}.self_attn.sinks"), &[c.num_heads])?;
+                Some(self.backend.load_vector(&all.rows(s.q_heads.clone())?)?)
+            }
+            false => None,
         };
         let qk_norm = match spec.qk_norm {
             true => Some([
@@ -152,7 +160,7 @@ impl<B: Backend> ShardLoader<'_, B> {
             ],
         };
         let o = self.row(&format!("{p}.self_attn.o_proj"), q_dim, q_rows, spec.o_bias)?;
-        Ok(Attention { spec, shape, qk_norm, q, k, v, o })
+        Ok(Attention { spec, shape, qk_norm, sinks, q, k, v, o })
     }
 
     /// This rank's intermediate rows of layer `p`'s MLP.
@@ -184,17 +192,30 @@ impl<B: Backend> ShardLoader<'_, B> {
                 let (names, inter, rows) =
                     (moe.names, moe.expert_intermediate, self.shard.expert_intermediate.clone());
                 let block = format!("{p}.{}", names.block);
+                let hidden = self.config.hidden_size;
                 let router =
-                    self.ckpt.get(&format!("{block}.gate.weight"), &[experts, self.config.hidden_size])?;
+                    self.ckpt.get(&format!("{block}.{}.weight", names.router), &[experts, hidden])?;
+                let router_bias = match names.biased {
+                    true => Some(
+                        self.ckpt.get(&format!("{block}.{}.bias", names.router), &[experts])?.to_f32_vec(),
+                    ),
+                    false => None,
+                };
                 let local = self.shard.experts.clone();
                 let before = self.bytes;
                 let mut loaded = Vec::with_capacity(local.len());
                 for e in local.clone() {
-                    let x = format!("{block}.experts.{e}");
-                    loaded.push(Expert {
-                        gate: self.column(&format!("{x}.{}", names.gate), inter, rows.clone(), false)?,
-                        up: self.column(&format!("{x}.{}", names.up), inter, rows.clone(), false)?,
-                        down: self.row(&format!("{x}.{}", names.down), inter, rows.clone(), false)?,
+                    loaded.push(match names.stacked {
+                        true => self.stacked_expert(&block, e, experts, inter, rows.clone())?,
+                        false => {
+                            let x = format!("{block}.experts.{e}");
+                            let b = names.biased;
+                            Expert {
+                                gate: self.column(&format!("{x}.{}", names.gate), inter, rows.clone(), b)?,
+                                up: self.column(&format!("{x}.{}", names.up), inter, rows.clone(), b)?,
+                                down: self.row(&format!("{x}.{}", names.down), inter, rows.clone(), b)?,
+                            }
+                        }
                     });
                 }
                 // A token reads top_k of the layer's experts; the rest of what this rank holds
@@ -207,6 +228,7 @@ impl<B: Backend> ShardLoader<'_, B> {
                     layer,
                     act,
                     router: router.to_f32_vec(),
+                    router_bias,
                     experts: loaded,
                     first: local.start,
                     top_k,
@@ -218,6 +240,48 @@ impl<B: Backend> ShardLoader<'_, B> {
                 }))
             }
         }
+    }
+
+    /// Expert `e` of a stacked layout (gpt-oss: `experts.gate_up_proj` `[experts, hidden,
+    /// 2 · inter]`, gate and up columns interleaved; `experts.down_proj` `[experts, inter,
+    /// hidden]`; a bias beside each): this rank's intermediate `rows` of it, read as `[out,
+    /// in]` matrices. The down bias is added by the rank holding the first columns (the
+    /// whole expert under expert parallelism).
+    fn stacked_expert(
+        &mut self,
+        block: &str,
+        e: usize,
+        experts: usize,
+        inter: usize,
+        rows: Range<usize>,
+    ) -> Result<Expert<B>> {
+        let h = self.config.hidden_size;
+        let x = format!("{block}.experts");
+        let gate_up = self.ckpt.get(&format!("{x}.gate_up_proj"), &[experts, h, 2 * inter])?.index(e)?;
+        let down = self.ckpt.get(&format!("{x}.down_proj"), &[experts, inter, h])?.index(e)?;
+        let gate_up_bias =
+            self.ckpt.get(&format!("{x}.gate_up_proj_bias"), &[experts, 2 * inter])?.index(e)?.to_f32_vec();
+        let (gate_cols, up_cols): (Vec<usize>, Vec<usize>) = rows.clone().map(|r| (2 * r, 2 * r + 1)).unzip();
+        let mut part = |what: &str, cols: &[usize]| -> Result<Linear<B>> {
+            let name = format!("{x}.{e}.{what}");
+            let host = gate_up.transposed_columns(cols)?;
+            let bias: Vec<f32> = cols.iter().map(|&c| gate_up_bias[c]).collect();
+            Ok(Linear {
+                weight: self.weight(&name, host, 2 * inter, 0..cols.len())?,
+                bias: Some(self.backend.load_vector(&HostTensor::from_f32(&name, &[cols.len()], &bias))?),
+            })
+        };
+        let (gate, up) = (part("gate", &gate_cols)?, part("up", &up_cols)?);
+        let down_host = down.rows(rows.clone())?.transposed_columns(&(0..h).collect::<Vec<_>>())?;
+        let down_bias = match rows.start == 0 {
+            true => {
+                let all = self.ckpt.get(&format!("{x}.down_proj_bias"), &[experts, h])?;
+                Some(self.backend.load_vector(&all.index(e)?.rows(0..h)?)?)
+            }
+            false => None,
+        };
+        let weight = self.weight(&format!("{x}.{e}.down"), down_host, h, 0..h)?;
+        Ok(Expert { gate, up, down: Linear { weight, bias: down_bias } })
     }
 
     /// Layer `i`, built from the parts `spec` names. In a sandwich (Gemma),

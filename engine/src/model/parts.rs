@@ -4,7 +4,8 @@
 //! Llama, Mistral, Qwen2, Qwen3 and Gemma 3 are configurations of the same parts:
 //! grouped-query attention with or without biases, a sliding window (per layer), per-head
 //! norms of queries and keys, its own scale and rope table; a gated MLP (SiLU or GELU's
-//! tanh form) with or without biases; RMS norms before each part and, in Gemma's
+//! tanh form, or gpt-oss's clamped SwiGLU) with or without biases; soft-capped scores
+//! (Gemma 2) and per-head sinks (gpt-oss); RMS norms before each part and, in Gemma's
 //! "sandwich", after it too. A new family adds a kind here — an attention kind (q/k norms, latent
 //! attention, sinks), an MLP kind (a mixture of experts), a norm kind — and the spec that
 //! chooses it; the step code in [`super`] does not change. Each layer has a spec of its
@@ -52,12 +53,18 @@ pub struct AttentionSpec {
     pub qk_norm: bool,
     /// Which of the model's rope tables rotates its queries and keys.
     pub rope: usize,
-    /// What the scores `q · k` are multiplied by (`head_dim^-½` unless the model says).
+    /// What the scores `q · k` are multiplied by (`head_dim^-½` unless the model says;
+    /// times the square of YaRN's attention factor, which transformers applies to q and
+    /// k alike).
     pub scale: f32,
+    /// Scaled scores are soft-capped at this (Gemma 2).
+    pub softcap: Option<f32>,
+    /// Each head has a learned sink (`self_attn.sinks`, gpt-oss).
+    pub sinks: bool,
 }
 
 /// How a layer's MLP is built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum MlpKind {
     /// `down(act(gate(x)) · up(x))`.
     Gated(Activation),
@@ -66,7 +73,7 @@ pub enum MlpKind {
     Experts { act: Activation, experts: usize, top_k: usize, norm_topk_prob: bool },
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MlpSpec {
     pub kind: MlpKind,
     pub bias: bool,
@@ -104,6 +111,9 @@ impl LayerSpec {
             Some(s) => (s as f32).powf(-0.5),
             None => 1.0 / (config.head_dim as f32).sqrt(),
         };
+        // YaRN scales rotated queries and keys alike: their product by its square. Layers
+        // rotating with their own unscaled base (Gemma 3's local ones) are not scaled.
+        let factor = config.rope_scaling.attention_factor() as f32;
         let moe_layers = config.moe.as_ref().map(|m| m.layers.clone()).unwrap_or_default();
         let mlp = |i: usize| match (&config.moe, moe_layers.get(i)) {
             (Some(m), Some(true)) => MlpSpec {
@@ -113,24 +123,29 @@ impl LayerSpec {
                     top_k: m.top_k,
                     norm_topk_prob: m.norm_topk_prob,
                 },
-                bias: false,
+                bias: m.names.biased,
             },
             _ => MlpSpec { kind: MlpKind::Gated(config.activation), bias: config.mlp_bias },
         };
-        let layer = |(i, windowed): (usize, bool)| LayerSpec {
-            norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
-            attention: AttentionSpec {
-                kind: AttentionKind::Grouped,
-                qkv_bias: config.qkv_bias,
-                o_bias: config.o_bias,
-                sliding_window: if windowed { config.sliding_window } else { None },
-                qk_norm: config.qk_norm,
-                // The second table is the windowed layers' own base, where there is one.
-                rope: usize::from(windowed && config.local_rope_theta.is_some()),
-                scale,
-            },
-            mlp: mlp(i),
-            sandwich_norms: config.sandwich_norms,
+        let layer = |(i, windowed): (usize, bool)| {
+            // The second table is the windowed layers' own base, where there is one.
+            let rope = usize::from(windowed && config.local_rope_theta.is_some());
+            LayerSpec {
+                norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
+                attention: AttentionSpec {
+                    kind: AttentionKind::Grouped,
+                    qkv_bias: config.qkv_bias,
+                    o_bias: config.o_bias,
+                    sliding_window: if windowed { config.sliding_window } else { None },
+                    qk_norm: config.qk_norm,
+                    rope,
+                    scale: if rope == 0 { scale * factor * factor } else { scale },
+                    softcap: config.attn_logit_softcap,
+                    sinks: config.attention_sinks,
+                },
+                mlp: mlp(i),
+                sandwich_norms: config.sandwich_norms,
+            }
         };
         Ok(config.windowed_layers.iter().copied().enumerate().map(layer).collect())
     }
@@ -238,6 +253,8 @@ pub(super) struct Attention<B: Backend> {
     pub o: Linear<B>,
     /// The per-head norms of queries and keys, where the spec asks for them.
     pub qk_norm: Option<[Norm<B>; 2]>,
+    /// This rank's heads' sinks (`[1, heads]`), where the spec asks for them.
+    pub sinks: Option<B::Tensor>,
 }
 
 impl<B: Backend> Attention<B> {
@@ -261,7 +278,7 @@ impl<B: Backend> Attention<B> {
                     k = k_norm.apply_per_head(b, k, self.shape.head_dim)?;
                 }
                 b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
-                let attn = b.attention(&q, cache, cx.layout, self.shape)?;
+                let attn = b.attention(&q, cache, cx.layout, self.shape, self.sinks.as_ref())?;
                 let mut o = self.o.apply(b, &attn)?;
                 cx.reduce(&mut o)?;
                 Ok(o)

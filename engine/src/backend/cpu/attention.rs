@@ -10,6 +10,9 @@
 //! compiled a second time for AVX-512 and picked at run time. A sequence with several new
 //! tokens (prefill, a prompt chunk) runs in tiles of 16 tokens instead where the CPU has
 //! AVX-512 ([`super::attention_tiles`]): the tokens become the vector lanes.
+//!
+//! Scores may be soft-capped (`c · tanh(s / c)`, Gemma 2) and a head may have a sink
+//! (gpt-oss): a logit that joins the softmax's max and denominator and takes no value.
 
 use rayon::prelude::*;
 
@@ -24,9 +27,12 @@ pub fn paged_attention(
     cache: &CpuKvLayer,
     layout: &BatchLayout,
     shape: AttentionShape,
+    sinks: Option<&[f32]>,
 ) -> CpuTensor {
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
-    let width = num_heads / num_kv_heads * head_dim;
+    let group = num_heads / num_kv_heads;
+    let width = group * head_dim;
+    let group_sinks = |kv_head: usize| sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]);
     let mut out = CpuTensor::zeros(q.rows, num_heads * head_dim);
     let out_ptr = SendPtr(out.data.as_mut_ptr());
     plan(layout, shape).par_iter().for_each_init(Scratch::default, |scratch, work| match work {
@@ -39,6 +45,7 @@ pub fn paged_attention(
                 kv_off: kv_head * head_dim,
                 block_size: layout.block_size,
                 shape,
+                sinks: group_sinks(*kv_head),
             };
             // SAFETY: this task alone writes these columns of this row (one task per
             // (row, KV head)); they lie inside `out`.
@@ -60,7 +67,17 @@ pub fn paged_attention(
             // SAFETY: tiles are planned only where AVX-512 is available; each writes its
             // own rows' columns of its KV head.
             unsafe {
-                super::attention_tiles::attend(q, cache, layout.block_size, shape, tile, scratch, &out_ptr)
+                let sinks = group_sinks(tile.kv_head);
+                super::attention_tiles::attend(
+                    q,
+                    cache,
+                    layout.block_size,
+                    shape,
+                    sinks,
+                    tile,
+                    scratch,
+                    &out_ptr,
+                )
             }
         }
     });
@@ -133,6 +150,8 @@ struct Job<'a> {
     kv_off: usize,
     block_size: usize,
     shape: AttentionShape,
+    /// The group's heads' sinks, where the layer has them.
+    sinks: Option<&'a [f32]>,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -151,7 +170,7 @@ unsafe fn attend_avx2(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
 /// slow library call).
 #[inline(always)]
 fn attend<const FMA: bool>(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
-    let AttentionShape { head_dim, scale, sliding_window, .. } = job.shape;
+    let AttentionShape { head_dim, scale, sliding_window, softcap, .. } = job.shape;
     let seq = job.seq;
     let pos = seq.context_before + (job.row - seq.token_start);
     let lo = match sliding_window {
@@ -168,12 +187,17 @@ fn attend<const FMA: bool>(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
         let at = slot(p);
         let k = &job.cache.k[at..at + head_dim];
         for (h, q_h) in job.q.chunks_exact(head_dim).enumerate() {
-            scores[h * span + i] = dot::<FMA>(q_h, k) * scale;
+            let s = dot::<FMA>(q_h, k) * scale;
+            scores[h * span + i] = match softcap {
+                Some(c) => c * (s / c).tanh(),
+                None => s,
+            };
         }
     }
-    for s in scores.chunks_exact_mut(span) {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut total = 0f32;
+    for (h, s) in scores.chunks_exact_mut(span).enumerate() {
+        let sink = job.sinks.map(|sinks| sinks[h]);
+        let max = s.iter().fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &v| m.max(v));
+        let mut total = sink.map_or(0.0, |x| (x - max).exp());
         for v in s.iter_mut() {
             *v = (*v - max).exp();
             total += *v;
@@ -241,6 +265,7 @@ mod tests {
             head_dim,
             scale: 1.0,
             sliding_window: None,
+            softcap: None,
         };
         let tiles = |work: &[Work]| work.iter().filter(|w| !matches!(w, Work::Token { .. })).count();
         #[cfg(target_arch = "x86_64")]

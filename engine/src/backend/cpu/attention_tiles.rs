@@ -45,17 +45,19 @@ pub fn fits(shape: &AttentionShape, keys: usize) -> bool {
 /// # Safety
 /// AVX-512F/BW and FMA must be available ([`fits`]); no other task writes that part of
 /// `out`.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 pub unsafe fn attend(
     q: &CpuTensor,
     cache: &CpuKvLayer,
     block_size: usize,
     shape: AttentionShape,
+    sinks: Option<&[f32]>,
     tile: &Tile,
     scratch: &mut Scratch,
     out: &SendPtr,
 ) {
-    let AttentionShape { num_heads, num_kv_heads, head_dim: hd, scale, sliding_window } = shape;
+    let AttentionShape { num_heads, num_kv_heads, head_dim: hd, scale, sliding_window, softcap } = shape;
     let group = num_heads / num_kv_heads;
     let seq = tile.seq;
     let pos0 = seq.context_before + tile.first;
@@ -89,9 +91,12 @@ pub unsafe fn attend(
     scratch.scores.clear();
     scratch.scores.resize(group * span * TILE, 0.0);
     scores(&scratch.qt, &cache.k, &scratch.keys, group, hd, &mut scratch.scores);
+    if let Some(c) = softcap {
+        scratch.scores.iter_mut().for_each(|s| *s = c * (*s / c).tanh());
+    }
     scratch.inv.clear();
     scratch.inv.resize(group * TILE, 0.0);
-    softmax(&mut scratch.scores, &mut scratch.inv, span, first_key, &pos, &lo);
+    softmax(&mut scratch.scores, &mut scratch.inv, span, first_key, &pos, &lo, sinks);
 
     let at = Out { ptr: out, ld: q.cols, row0: seq.token_start + tile.first, col0 };
     for dc in (0..hd).step_by(64) {
@@ -132,7 +137,8 @@ unsafe fn scores(qt: &[f32], k: &[f32], keys: &[usize], group: usize, hd: usize,
 }
 
 /// Masks each lane's keys outside `lo[t]..=pos[t]` and turns scores into `exp(s - max)`;
-/// writes each (head, token)'s `1 / Σ exp` to `inv[h · TILE + t]` (one head per `TILE`).
+/// writes each (head, token)'s `1 / Σ exp` to `inv[h · TILE + t]` (one head per `TILE`),
+/// the head's sink counted in the max and the sum where there is one.
 #[target_feature(enable = "avx512f,avx512bw,fma")]
 unsafe fn softmax(
     s: &mut [f32],
@@ -141,6 +147,7 @@ unsafe fn softmax(
     first_key: usize,
     pos: &[i32; TILE],
     lo: &[i32; TILE],
+    sinks: Option<&[f32]>,
 ) {
     let group = inv.len() / TILE;
     let posv = _mm512_loadu_si512(pos.as_ptr() as *const _);
@@ -156,7 +163,14 @@ unsafe fn softmax(
             _mm512_storeu_ps(row.add(i * TILE), v);
             max = _mm512_max_ps(max, v);
         }
-        let mut sum = _mm512_setzero_ps();
+        // A sink joins the max and the denominator (it takes no value).
+        if let Some(sinks) = sinks {
+            max = _mm512_max_ps(max, _mm512_set1_ps(sinks[h]));
+        }
+        let mut sum = match sinks {
+            Some(sinks) => exp(_mm512_sub_ps(_mm512_set1_ps(sinks[h]), max)),
+            None => _mm512_setzero_ps(),
+        };
         for i in 0..span {
             let e = exp(_mm512_sub_ps(_mm512_loadu_ps(row.add(i * TILE)), max));
             _mm512_storeu_ps(row.add(i * TILE), e);

@@ -277,6 +277,7 @@ impl TensorOps for CpuBackend {
         let row = |((g, u), o): ((&[f32], &[f32]), &mut [f32])| match act {
             Activation::Silu => vmath::silu_mul(g, u, o),
             Activation::GeluTanh => vmath::gelu_tanh_mul(g, u, o),
+            Activation::ClampedSwiglu { alpha, limit } => vmath::clamped_swiglu_mul(g, u, o, alpha, limit),
         };
         let cols = gate.cols.max(1);
         if gate.rows >= PAR_ROWS {
@@ -371,8 +372,13 @@ impl AttentionOps for CpuBackend {
         cache: &CpuKvLayer,
         layout: &BatchLayout,
         shape: AttentionShape,
+        sinks: Option<&CpuTensor>,
     ) -> Result<CpuTensor> {
-        Ok(attention::paged_attention(q, cache, layout, shape))
+        let sinks = sinks.map(|s| &s.data[..]);
+        if sinks.is_some_and(|s| s.len() != shape.num_heads) {
+            return Err(Error::Internal(format!("attention sinks for {} heads", shape.num_heads)));
+        }
+        Ok(attention::paged_attention(q, cache, layout, shape, sinks))
     }
 }
 

@@ -120,14 +120,15 @@ fn silu_mul_matches_reference() {
     assert_close(&y.data, &want, 1e-6);
 }
 
-/// Dense causal attention over contiguous K and V, the textbook way.
+/// Dense causal attention over contiguous K and V, the textbook way (scores soft-capped
+/// and sinks in the softmax where `shape` and `sinks` say).
 fn naive_attention(
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    len: usize,
-    start: usize,
+    (len, start): (usize, usize),
     shape: AttentionShape,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     let (heads, kv_heads, d, window) =
         (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.sliding_window);
@@ -139,12 +140,16 @@ fn naive_attention(
             let qv = &q[(t - start) * heads * d + h * d..][..d];
             let scores: Vec<f64> = (lo..=t)
                 .map(|p| {
-                    (0..d).map(|i| qv[i] as f64 * k[p * kv_heads * d + kvh * d + i] as f64).sum::<f64>()
-                        / (d as f64).sqrt()
+                    let s =
+                        (0..d).map(|i| qv[i] as f64 * k[p * kv_heads * d + kvh * d + i] as f64).sum::<f64>()
+                            / (d as f64).sqrt();
+                    shape.softcap.map_or(s, |c| c as f64 * (s / c as f64).tanh())
                 })
                 .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            let sink = sinks.map(|s| s[h] as f64);
+            let max = scores.iter().cloned().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
+            let z: f64 =
+                scores.iter().map(|s| (s - max).exp()).sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
             for i in 0..d {
                 let val: f64 = (lo..=t)
                     .zip(&scores)
@@ -180,22 +185,28 @@ fn fill_cache(
 /// prompts from scratch and continuing a cached prefix beside decoding sequences, with and
 /// without sliding windows (narrower than a tile, too). Head dims of 64 and 80 (a short
 /// last column chunk) run prompts in tiles where the CPU has AVX-512, with GQA groups of
-/// 4 and 1; a head dim of 8 runs every token alone.
+/// 4 and 1; a head dim of 8 runs every token alone. Soft-capped scores (Gemma 2) and
+/// per-head sinks (gpt-oss) in both paths too.
 #[test]
 fn paged_attention_matches_dense_attention() {
     let b = CpuBackend::new();
     let bs = 16;
     // (new tokens, cached before) per sequence.
     let seqs = [(37usize, 0usize), (1, 29), (16, 50), (5, 3)];
+    let variants = [(None, None), (Some(0.4f32), None), (None, Some(7u64)), (Some(0.6), Some(8))];
     for (heads, kv_heads, d) in [(8, 2, 64), (2, 2, 80), (4, 2, 8)] {
-        for window in [None, Some(3), Some(7), Some(40)] {
+        for (window, (softcap, sink_seed)) in
+            [None, Some(3), Some(7), Some(40)].into_iter().flat_map(|w| variants.map(|v| (w, v)))
+        {
             let shape = AttentionShape {
                 num_heads: heads,
                 num_kv_heads: kv_heads,
                 head_dim: d,
                 scale: 1.0 / (d as f32).sqrt(),
                 sliding_window: window,
+                softcap,
             };
+            let sinks = sink_seed.map(|seed| CpuTensor::new(random(heads, seed), 1, heads));
             let mut cache = b.alloc_kv(32, bs, kv_heads * d).unwrap();
             let mut layout = BatchLayout { block_size: bs, ..Default::default() };
             let (mut q_all, mut want) = (Vec::new(), Vec::new());
@@ -211,7 +222,14 @@ fn paged_attention_matches_dense_attention() {
                     .collect();
                 let (k, v) = fill_cache(&mut cache, &table, bs, len, 100 + 10 * s as u64);
                 let q = random(new * heads * d, 200 + s as u64);
-                want.extend(naive_attention(&q, &k, &v, len, before, shape));
+                want.extend(naive_attention(
+                    &q,
+                    &k,
+                    &v,
+                    (len, before),
+                    shape,
+                    sinks.as_ref().map(|s| &s.data[..]),
+                ));
                 layout.seqs.push(SeqSlice {
                     token_start: q_all.len() / (heads * d),
                     num_tokens: new,
@@ -221,7 +239,8 @@ fn paged_attention_matches_dense_attention() {
                 q_all.extend(q);
             }
             let rows = q_all.len() / (heads * d);
-            let out = b.attention(&CpuTensor::new(q_all, rows, heads * d), &cache, &layout, shape).unwrap();
+            let q = CpuTensor::new(q_all, rows, heads * d);
+            let out = b.attention(&q, &cache, &layout, shape, sinks.as_ref()).unwrap();
             assert_close(&out.data, &want, 1e-5);
         }
     }

@@ -51,6 +51,18 @@ pub fn gelu_tanh_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// gpt-oss's clamped SwiGLU: with `g = min(gate, limit)` and `u = clamp(up, ±limit)`,
+/// `out = (u + 1) · g · sigmoid(alpha · g)`, in the order transformers computes it.
+pub fn clamped_swiglu_mul(gate: &[f32], up: &[f32], out: &mut [f32], alpha: f32, limit: f32) {
+    assert!(gate.len() == up.len() && up.len() == out.len(), "clamped_swiglu_mul: lengths differ");
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        let g = g.min(limit);
+        let u = u.clamp(-limit, limit);
+        let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+        *o = (u + 1.0) * glu;
+    }
+}
+
 /// `Σ e^(x[i] - max)`, summed in f64 (a vocabulary-sized row loses nothing to the sum).
 pub fn sum_exp(x: &[f32], max: f32) -> f64 {
     #[cfg(target_arch = "x86_64")]

@@ -96,6 +96,7 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(add)
     EMU_KERNEL(silu_mul)
     EMU_KERNEL(gelu_tanh_mul)
+    EMU_KERNEL(clamped_swiglu_mul)
     EMU_KERNEL(pointwise)
     EMU_KERNEL(scatter_add_rows)
     EMU_KERNEL(rms_norm)

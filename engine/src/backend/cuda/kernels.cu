@@ -79,6 +79,18 @@ KERNEL void gelu_tanh_mul(const float* g, const float* u, float* y, int n) {
     }
 }
 
+// gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit),
+// y = (u + 1) · g · sigmoid(alpha · g), in the order transformers computes it.
+KERNEL void clamped_swiglu_mul(const float* g, const float* u, float* y, int n, float alpha, float limit) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        float gv = fminf(g[i], limit);
+        float uv = fminf(fmaxf(u[i], -limit), limit);
+        float glu = gv * (1.0f / (1.0f + expf(-(gv * alpha))));
+        y[i] = (uv + 1.0f) * glu;
+    }
+}
+
 // out[rows[b]] += weights[b] · y[b], one block a row of `y` (each row of `out` at most once
 // a launch): an expert's outputs added back to the tokens that chose it.
 KERNEL void scatter_add_rows(float* out, const float* y, const int* rows, const float* weights, int cols) {
@@ -597,12 +609,15 @@ KERNEL void draw_tokens(const float* x, const float* params, float* out, int col
 // Dynamic shared memory: (head_dim + 3 × blockDim.x) floats. blockDim.x is a power of two.
 //
 // With use_rows, block x serves token rows[x] (the decoding tokens of a step whose prefill
-// chunks go to tiled_attention); else token x.
+// chunks go to tiled_attention); else token x. softcap > 0 caps each scaled score at
+// softcap · tanh(s / softcap) (Gemma 2); with use_sinks, sinks[h] joins the softmax's
+// denominator as a logit that takes no value (gpt-oss).
 KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                             const int* tok_seq, const int* seq_start, const int* seq_ctx,
                             const int* bt_offset, const int* block_tables, int num_heads, int num_kv_heads,
                             int head_dim, int kv_dim, int block_size, float scale, int window,
-                            const int* rows, int use_rows) {
+                            const int* rows, int use_rows, float softcap, const float* sinks,
+                            int use_sinks) {
     DYN_SHARED(float, smem);
     int nt = blockDim.x;
     int tid = threadIdx.x;
@@ -642,7 +657,7 @@ KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t*
             for (int d = 0; d < head_dim; d++) {
                 dot += qs[d] * bf16_to_f32(k[d]);
             }
-            score = dot;
+            score = softcap > 0.0f ? softcap * tanhf(dot / softcap) : dot;
         }
         red[tid] = score;
         SYNC();
@@ -680,11 +695,13 @@ KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t*
         m = m_new;
         SYNC();
     }
+    // m is finite: the token's own position is always seen.
+    float denom = use_sinks ? l + expf(sinks[h] - m) : l;
     float* o = out + ((long long)t * num_heads + h) * head_dim;
     for (int i = 0; i < ATTN_MAX_DIMS; i++) {
         int d = tid + i * nt;
         if (d < head_dim) {
-            o[d] = acc[i] / l;
+            o[d] = acc[i] / denom;
         }
     }
 }
@@ -703,13 +720,13 @@ KERNEL void paged_attention(const float* q, const bf16_t* k_cache, const bf16_t*
 // accumulators, which each thread keeps in registers for its (query, dimension) pairs.
 //
 // Tile x starts at token row tiles[x] and holds tile_len[x] rows; the sequence layout is
-// paged_attention's. Dynamic shared memory: (TILE_Q × head_dim + 2 × tile_k × head_dim +
-// TILE_Q × tile_k + 3 × TILE_Q) floats.
+// paged_attention's, and so are softcap and the sinks. Dynamic shared memory: (TILE_Q ×
+// head_dim + 2 × tile_k × head_dim + TILE_Q × tile_k + 3 × TILE_Q) floats.
 KERNEL void tiled_attention(const float* q, const bf16_t* k_cache, const bf16_t* v_cache, float* out,
                             const int* tiles, const int* tile_len, const int* tok_seq, const int* seq_start,
                             const int* seq_ctx, const int* bt_offset, const int* block_tables, int num_heads,
                             int num_kv_heads, int head_dim, int kv_dim, int block_size, float scale,
-                            int window, int tile_k) {
+                            int window, int tile_k, float softcap, const float* sinks, int use_sinks) {
     DYN_SHARED(float, smem);
     int nt = blockDim.x;
     int tid = threadIdx.x;
@@ -771,6 +788,9 @@ KERNEL void tiled_attention(const float* q, const bf16_t* k_cache, const bf16_t*
                 for (int d = 0; d < head_dim; d++) {
                     dot += qs[i * head_dim + d] * ks[j * head_dim + d];
                 }
+                if (softcap > 0.0f) {
+                    dot = softcap * tanhf(dot / softcap);
+                }
             }
             sc[p] = dot;
         }
@@ -815,7 +835,8 @@ KERNEL void tiled_attention(const float* q, const bf16_t* k_cache, const bf16_t*
         int p = tid + a * nt;
         int i = p / head_dim;
         if (p < pairs && i < nq) {
-            out[((long long)(t0 + i) * num_heads + h) * head_dim + p % head_dim] = acc[a] / l_run[i];
+            float denom = use_sinks ? l_run[i] + expf(sinks[h] - m_run[i]) : l_run[i];
+            out[((long long)(t0 + i) * num_heads + h) * head_dim + p % head_dim] = acc[a] / denom;
         }
     }
 }

@@ -34,6 +34,7 @@ pub enum Kernel {
     Add,
     SiluMul,
     GeluTanhMul,
+    ClampedSwigluMul,
     Pointwise,
     ScatterAddRows,
     RmsNorm,
@@ -52,12 +53,13 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 20] = [
+    pub const ALL: [Kernel; 21] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
         Kernel::SiluMul,
         Kernel::GeluTanhMul,
+        Kernel::ClampedSwigluMul,
         Kernel::Pointwise,
         Kernel::ScatterAddRows,
         Kernel::RmsNorm,
@@ -83,6 +85,7 @@ impl Kernel {
             Kernel::Add => "add",
             Kernel::SiluMul => "silu_mul",
             Kernel::GeluTanhMul => "gelu_tanh_mul",
+            Kernel::ClampedSwigluMul => "clamped_swiglu_mul",
             Kernel::Pointwise => "pointwise",
             Kernel::ScatterAddRows => "scatter_add_rows",
             Kernel::RmsNorm => "rms_norm",

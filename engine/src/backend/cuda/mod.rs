@@ -238,6 +238,7 @@ impl<G: Gpu> CudaBackend<G> {
 
 impl<G: Gpu> CudaBackend<G> {
     /// tiled_attention over the step's prefill tiles, into `out`.
+    #[allow(clippy::too_many_arguments)]
     fn launch_tiled(
         &self,
         q: &GpuTensor<G::Buf>,
@@ -246,8 +247,9 @@ impl<G: Gpu> CudaBackend<G> {
         l: &DeviceLayout<G::Buf>,
         block_size: usize,
         shape: AttentionShape,
+        sinks: Option<&GpuTensor<G::Buf>>,
     ) -> Result<()> {
-        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window } = shape;
+        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap } = shape;
         // Key chunk: 16 positions, fewer for wide heads (dynamic shared memory ≤ 48 KiB).
         let tile_k = if head_dim <= 128 { 16 } else { 8 };
         let floats = TILE_Q * head_dim + 2 * tile_k * head_dim + TILE_Q * tile_k + 3 * TILE_Q;
@@ -279,6 +281,10 @@ impl<G: Gpu> CudaBackend<G> {
                 Arg::F32(scale),
                 Arg::I32(dim(sliding_window.unwrap_or(0))?),
                 Arg::I32(dim(tile_k)?),
+                Arg::F32(softcap.unwrap_or(0.0)),
+                // Without sinks the pointer is never read.
+                Arg::Buf(&sinks.unwrap_or(q).buf),
+                Arg::I32(i32::from(sinks.is_some())),
             ],
         )
     }
@@ -437,15 +443,16 @@ impl<G: Gpu> TensorOps for CudaBackend<G> {
         }
         let y = self.output(gate.rows, gate.cols)?;
         let n = gate.rows * gate.cols;
+        let mut args = vec![Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)];
         let kernel = match act {
             Activation::Silu => Kernel::SiluMul,
             Activation::GeluTanh => Kernel::GeluTanhMul,
+            Activation::ClampedSwiglu { alpha, limit } => {
+                args.extend([Arg::F32(alpha), Arg::F32(limit)]);
+                Kernel::ClampedSwigluMul
+            }
         };
-        self.launch(
-            kernel,
-            Launch::elements(n, ELEMENTWISE_THREADS),
-            &[Arg::Buf(&gate.buf), Arg::Buf(&up.buf), Arg::Buf(&y.buf), Arg::I32(dim(n)?)],
-        )?;
+        self.launch(kernel, Launch::elements(n, ELEMENTWISE_THREADS), &args)?;
         Ok(y)
     }
     fn pointwise(&self, x: &mut Self::Tensor, op: Pointwise) -> Result<()> {
@@ -619,8 +626,12 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
         cache: &Self::KvLayer,
         layout: &BatchLayout,
         shape: AttentionShape,
+        sinks: Option<&Self::Tensor>,
     ) -> Result<Self::Tensor> {
-        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window } = shape;
+        let AttentionShape { num_heads, num_kv_heads, head_dim, scale, sliding_window, softcap } = shape;
+        if sinks.is_some_and(|s| s.rows * s.cols != num_heads) {
+            return Err(Error::Internal(format!("attention sinks for {num_heads} heads")));
+        }
         if head_dim > MAX_HEAD_DIM || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
             return Err(Error::Unsupported(format!(
                 "CUDA attention needs head_dim ≤ {MAX_HEAD_DIM} and heads divisible by KV heads (head_dim {head_dim}, {num_heads} heads, {num_kv_heads} KV heads)"
@@ -632,7 +643,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
         // one block each (their positions spread over the block's threads).
         let tiled = l.num_tiles > 0 && head_dim <= TILED_MAX_HEAD_DIM;
         if tiled {
-            self.launch_tiled(q, cache, &out, &l, layout.block_size, shape)?;
+            self.launch_tiled(q, cache, &out, &l, layout.block_size, shape, sinks)?;
         }
         let (rows, use_rows) = if tiled { (l.num_decode_rows, 1) } else { (q.rows, 0) };
         let shared = ((head_dim + 3 * ATTN_THREADS as usize) * 4) as u32;
@@ -660,6 +671,9 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
                 Arg::I32(dim(sliding_window.unwrap_or(0))?),
                 Arg::Buf(&l.decode_rows),
                 Arg::I32(use_rows),
+                Arg::F32(softcap.unwrap_or(0.0)),
+                Arg::Buf(&sinks.unwrap_or(q).buf),
+                Arg::I32(i32::from(sinks.is_some())),
             ],
         )?;
         Ok(out)

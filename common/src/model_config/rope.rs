@@ -1,0 +1,139 @@
+//! How rotary position frequencies are rescaled, as config.json's `rope_scaling` (or
+//! transformers 5's `rope_parameters`) says: linear, Llama 3.1's, YaRN. Any other type is
+//! refused by name.
+
+use serde_json::Value;
+
+use super::positive;
+use crate::error::{Error, Result};
+
+/// How rotary position frequencies are rescaled for long contexts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Position interpolation: every inverse frequency divided by `factor`.
+    Linear {
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
+    /// YaRN: frequencies past the `beta_fast`..`beta_slow` rotation range interpolated by
+    /// `factor`, those inside it kept, a linear ramp between; queries and keys scaled by
+    /// `attention_factor` (here folded into the attention scale, squared).
+    Yarn {
+        factor: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        original_max_position_embeddings: f64,
+        truncate: bool,
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// What rotated queries and keys are each multiplied by (YaRN's `attention_factor`;
+    /// 1 for the others).
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            _ => 1.0,
+        }
+    }
+}
+
+pub(super) fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
+    let Some(rope) = rope else {
+        return Ok(RopeScaling::None);
+    };
+    let kind =
+        rope.get("rope_type").or_else(|| rope.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+    let num = |key: &str| -> Result<f64> {
+        let v = rope.get(key).and_then(|v| v.as_f64()).ok_or_else(|| {
+            Error::invalid(format!("rope_scaling.{key}"), format!("required for rope_type {kind:?}"))
+        })?;
+        positive(&format!("rope_scaling.{key}"), v)
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear { factor: num("factor")? }),
+        "llama3" => {
+            let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+            if high <= low {
+                return Err(Error::invalid(
+                    "rope_scaling.high_freq_factor",
+                    format!("{high} must exceed low_freq_factor ({low})"),
+                ));
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: num("factor")?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            })
+        }
+        "yarn" => yarn(rope, num("factor")?),
+        other => Err(Error::Unsupported(format!(
+            "rope_scaling type {other:?} (supported: default, linear, llama3, yarn)"
+        ))),
+    }
+}
+
+/// YaRN's parameters, transformers' defaults for those left out (`beta_fast` 32,
+/// `beta_slow` 1, `truncate` true); `attention_factor` given, or from `mscale` and
+/// `mscale_all_dim` when both are, or from the factor alone.
+fn yarn(rope: &Value, factor: f64) -> Result<RopeScaling> {
+    let opt = |key: &str| -> Result<Option<f64>> {
+        match rope.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() => Ok(Some(x)),
+                _ => Err(Error::invalid(format!("rope_scaling.{key}"), format!("{v} is not a number"))),
+            },
+        }
+    };
+    let original = opt("original_max_position_embeddings")?.ok_or_else(|| {
+        Error::invalid("rope_scaling.original_max_position_embeddings", "required for rope_type \"yarn\"")
+    })?;
+    let attention_factor = match (opt("attention_factor")?, opt("mscale")?, opt("mscale_all_dim")?) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+            yarn_mscale(factor, m) / yarn_mscale(factor, all)
+        }
+        _ => yarn_mscale(factor, 1.0),
+    };
+    let truncate = match rope.get("truncate").filter(|v| !v.is_null()) {
+        None => true,
+        Some(v) => v.as_bool().ok_or_else(|| Error::invalid("rope_scaling.truncate", format!("{v}")))?,
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        beta_fast: positive(
+            "rope_scaling.beta_fast",
+            opt("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+        )?,
+        beta_slow: positive(
+            "rope_scaling.beta_slow",
+            opt("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+        )?,
+        original_max_position_embeddings: positive(
+            "rope_scaling.original_max_position_embeddings",
+            original,
+        )?,
+        truncate,
+        attention_factor: positive("rope_scaling.attention_factor", attention_factor)?,
+    })
+}
+
+/// YaRN's `0.1 · mscale · ln(scale) + 1` (1 where the context is not stretched).
+pub(super) fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
