@@ -43,6 +43,8 @@ pub use device::{DType, Device};
 pub use error::{Error, ErrorClass, Result};
 pub use events::{EngineStats, SeqEvent, TokenLogprobs};
 pub use ids::{ModelName, ReplicaId, WorkerId};
-pub use model_config::{Activation, Architecture, ExpertNames, ModelConfig, Moe, RopeScaling};
+pub use model_config::{
+    Activation, Architecture, ExpertNames, GroupedRouting, Latent, ModelConfig, Moe, RopeScaling,
+};
 pub use sampling::{FinishReason, SamplingParams};
 pub use shard::{Parallelism, RankShard, ShardPlan, WeightBytes};

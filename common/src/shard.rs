@@ -231,15 +231,28 @@ impl RankShard {
         let (q, kv, inter) = (len(&self.q_heads) * d, len(&self.kv_heads) * d, len(&self.intermediate));
         // rows × columns of a matrix, with int8's f32 scale per row.
         let matrix = |rows: u64, cols: u64| rows * cols * b.matrix + if b.matrix == 1 { rows * 4 } else { 0 };
-        let mut attention = matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q);
+        let mut attention = match &c.latent {
+            Some(l) => {
+                let norms = l.kv_lora_rank + l.q_lora_rank.unwrap_or(0);
+                latent_bytes(l, len(&self.q_heads), h, matrix) + norms as u64 * b.vector
+            }
+            None => matrix(q, h) + 2 * matrix(kv, h) + matrix(h, q),
+        };
         // Norms: before attention and MLP, after both in a sandwich; q and k per head.
         let norms = if c.sandwich_norms { 4 } else { 2 } * h + if c.qk_norm { 2 * d } else { 0 };
         attention += norms * b.vector;
         if c.qkv_bias {
-            attention += (q + 2 * kv) * b.vector;
+            attention += match &c.latent {
+                // Latent attention's biased projections: q_a_proj and kv_a_proj_with_mqa.
+                Some(l) => (l.q_lora_rank.unwrap_or(0) + l.cached_width()) as u64,
+                None => q + 2 * kv,
+            } * b.vector;
         }
         if c.o_bias {
             attention += h * b.vector;
+        }
+        if c.attention_sinks {
+            attention += len(&self.q_heads) * b.vector;
         }
         let mut dense = 2 * matrix(inter, h) + matrix(h, inter);
         if c.mlp_bias {
@@ -248,7 +261,17 @@ impl RankShard {
         // Experts: each one's share of columns, and the router (as the checkpoint has it).
         let experts = c.moe.as_ref().map_or(0, |m| {
             let ei = len(&self.expert_intermediate);
-            len(&self.experts) * (2 * matrix(ei, h) + matrix(h, ei)) + m.num_experts as u64 * h * b.vector
+            // The shared experts: the same share of their columns.
+            let si = (m.shared_intermediate * self.expert_intermediate.len())
+                .checked_div(m.expert_intermediate)
+                .unwrap_or(0) as u64;
+            // Per expert, biased ones' biases (gate, up, down); per layer, the router's bias
+            // or the correction bias.
+            let biases = if m.names.biased { 2 * ei + h } else { 0 };
+            let router_vectors = u64::from(m.names.biased) + u64::from(m.grouped.is_some());
+            len(&self.experts) * (2 * matrix(ei, h) + matrix(h, ei) + biases * b.vector)
+                + (2 * matrix(si, h) + matrix(h, si))
+                + m.num_experts as u64 * (h + router_vectors) * b.vector
         });
         let moe_layer = |i: usize| c.moe.as_ref().is_some_and(|m| m.layers.get(i) == Some(&true));
         let layers: u64 =
@@ -265,6 +288,18 @@ impl RankShard {
         }
         total
     }
+}
+
+/// One layer's latent attention weights on a rank holding `heads` heads (the query and
+/// latent projections whole, the per-head ones its heads').
+fn latent_bytes(l: &crate::Latent, heads: u64, h: u64, matrix: impl Fn(u64, u64) -> u64) -> u64 {
+    let (lora, r, nope, v) =
+        (l.kv_lora_rank as u64, l.qk_rope_head_dim as u64, l.qk_nope_head_dim as u64, l.v_head_dim as u64);
+    let q = match l.q_lora_rank {
+        Some(rank) => matrix(rank as u64, h) + matrix(heads * (nope + r), rank as u64),
+        None => matrix(heads * (nope + r), h),
+    };
+    q + matrix(lora + r, h) + matrix(heads * (nope + v), lora) + matrix(h, heads * v)
 }
 
 impl ShardPlan {

@@ -164,6 +164,29 @@ impl HostTensor {
         })
     }
 
+    /// Rows `rows` (in that order, a row may repeat) of a 2-D tensor: a copy.
+    pub fn select_rows(&self, rows: &[usize]) -> Result<HostTensor> {
+        let [n, width] = self.shape[..] else {
+            return Err(Error::Internal(format!("{}: select_rows() of a non-matrix", self.name)));
+        };
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(Error::Internal(format!("{}: row {r} of {n}", self.name)));
+        }
+        let row_bytes = width * self.dtype.size();
+        let src = self.bytes();
+        let out: Vec<u8> =
+            rows.iter().flat_map(|&r| src[r * row_bytes..(r + 1) * row_bytes].iter().copied()).collect();
+        let len = out.len();
+        Ok(HostTensor {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: vec![rows.len(), width],
+            file: self.file.clone(),
+            source: Source::Owned(Arc::new(out)),
+            range: 0..len,
+        })
+    }
+
     /// Columns `cols` of a 2-D tensor. Columns are not contiguous, so this copies them
     /// (the copy is the rank's share, `1/tp` of the tensor).
     pub fn columns(&self, cols: Range<usize>) -> Result<HostTensor> {
@@ -255,6 +278,10 @@ mod tests {
         assert_eq!((cols.shape.clone(), cols.dtype), (vec![2, 2], DType::BF16));
         assert_eq!(cols.to_f32_vec(), [102.0, 112.0, 100.0, 110.0]);
         assert!(t.index(2).is_err() && one.transposed_columns(&[3]).is_err());
+        let picked = one.select_rows(&[1, 0, 1]).unwrap();
+        assert_eq!(picked.shape, [3, 3]);
+        assert_eq!(picked.to_f32_vec()[..4], [110.0, 111.0, 112.0, 100.0]);
+        assert!(one.select_rows(&[2]).is_err());
         assert!(HostTensor::from_f32("v", &[3], &[1.0, 2.0, 3.0]).index(0).is_err());
     }
 }

@@ -201,13 +201,14 @@ fn mixtral_runs_on_the_device() {
     assert_eq!(greedy(&mut ep, &prompt, 6), eager, "tokens with experts on two devices");
 }
 
-/// Gemma 2 (soft-capped attention scores, the windows of alternate layers) and gpt-oss
+/// Gemma 2 (soft-capped attention scores, the windows of alternate layers), gpt-oss
 /// (per-head sinks, biased attention, YaRN, a window, biased experts with the clamped
-/// SwiGLU) on the device: within bf16 of the CPU backend, and graphs asked for give the
-/// tokens of eager steps.
+/// SwiGLU) and DeepSeek-V3 (latent attention over a cache of latents, grouped routing,
+/// a shared expert) on the device: within bf16 of the CPU backend, and graphs asked for
+/// give the tokens of eager steps.
 #[test]
-fn gemma2_and_gpt_oss_run_on_the_device() {
-    for case in ["gemma2_softcap", "gpt_oss_moe"] {
+fn gemma2_gpt_oss_and_deepseek_run_on_the_device() {
+    for case in ["gemma2_softcap", "gpt_oss_moe", "deepseek_v3_mla"] {
         let dir =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models").join(case);
         let config = EngineConfig { kv_cache_bytes: 1 << 20, block_size: 4, ..Default::default() };

@@ -14,11 +14,13 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+mod deepseek;
 mod gemma;
 mod gpt_oss;
 mod moe;
 mod rope;
 
+pub use deepseek::{GroupedRouting, Latent};
 pub use moe::{ExpertNames, Moe};
 pub use rope::RopeScaling;
 use rope::{parse_rope, yarn_mscale};
@@ -42,6 +44,8 @@ pub enum Architecture {
     /// gpt-oss: biased attention with sinks, local and global layers, YaRN rope, and a
     /// mixture of biased experts with a clamped SwiGLU.
     GptOss,
+    /// DeepSeek-V3 (and R1): latent attention, grouped sigmoid routing, shared experts.
+    DeepseekV3,
 }
 
 impl Architecture {
@@ -57,6 +61,7 @@ impl Architecture {
             Architecture::Phi3 => "Phi3ForCausalLM",
             Architecture::Gemma2 => "Gemma2ForCausalLM",
             Architecture::GptOss => "GptOssForCausalLM",
+            Architecture::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -72,6 +77,7 @@ impl Architecture {
             Architecture::Phi3 => "phi3",
             Architecture::Gemma2 => "gemma2",
             Architecture::GptOss => "gpt_oss",
+            Architecture::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -87,6 +93,7 @@ impl Architecture {
             "Phi3ForCausalLM" | "phi3" => Some(Architecture::Phi3),
             "Gemma2ForCausalLM" | "gemma2" => Some(Architecture::Gemma2),
             "GptOssForCausalLM" | "gpt_oss" => Some(Architecture::GptOss),
+            "DeepseekV3ForCausalLM" | "deepseek_v3" => Some(Architecture::DeepseekV3),
             _ => None,
         }
     }
@@ -167,6 +174,9 @@ pub struct ModelConfig {
     pub attention_sinks: bool,
     /// The mixture of experts, for MoE families.
     pub moe: Option<Moe>,
+    /// Multi-head latent attention (DeepSeek-V3): every layer's attention is latent;
+    /// `head_dim` is then the rotated part's width (`qk_rope_head_dim`).
+    pub latent: Option<Latent>,
     /// q, k and v are one `qkv_proj` matrix, gate and up one `gate_up_proj` (Phi-3).
     pub fused_projections: bool,
     /// The dtype the checkpoint declares (`torch_dtype` / `dtype`), if any.
@@ -224,7 +234,15 @@ impl ModelConfig {
             Architecture::GptOss => Some(gpt_oss::HEAD_DIM),
             _ => None,
         };
-        let (num_heads, num_kv_heads, head_dim) = heads(obj, hidden_size, default_head_dim)?;
+        let (num_heads, num_kv_heads, mut head_dim) = match architecture {
+            // Latent attention: the heads' dims are the latent's (below); rope turns
+            // qk_rope_head_dim of them (transformers' head_dim).
+            Architecture::DeepseekV3 => {
+                let heads = req_usize(obj, "num_attention_heads")?;
+                (heads, heads, 2)
+            }
+            _ => heads(obj, hidden_size, default_head_dim)?,
+        };
 
         // transformers 5 nests rope_theta inside rope_parameters.
         let rope_obj =
@@ -279,6 +297,13 @@ impl ModelConfig {
             sliding_window = Some(window);
         }
         check_quantization(obj)?;
+        let latent = match architecture {
+            Architecture::DeepseekV3 => Some(deepseek::latent(obj, &rope_scaling)?),
+            _ => None,
+        };
+        if let Some(l) = &latent {
+            head_dim = l.qk_rope_head_dim;
+        }
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -312,6 +337,7 @@ impl ModelConfig {
             attn_logit_softcap,
             attention_sinks: gpt_oss,
             moe: moe::options(architecture, obj, num_layers)?,
+            latent,
             fused_projections: architecture == Architecture::Phi3,
             dtype: obj
                 .get("torch_dtype")
@@ -421,7 +447,8 @@ fn architecture(obj: &Map<String, Value>) -> Result<Architecture> {
         Error::Unsupported(format!(
             "architecture {arch_name:?}; supported: LlamaForCausalLM, MistralForCausalLM, \
              Qwen2ForCausalLM, Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, \
-             Phi3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM"
+             Phi3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM, \
+             DeepseekV3ForCausalLM"
         ))
     })
 }
@@ -500,7 +527,8 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
         | Architecture::Qwen3
         | Architecture::Gemma2
         | Architecture::Gemma3
-        | Architecture::Qwen3Moe => (attention_bias, attention_bias),
+        | Architecture::Qwen3Moe
+        | Architecture::DeepseekV3 => (attention_bias, attention_bias),
         // gpt-oss's projections are biased unless the file says otherwise.
         Architecture::GptOss => {
             let b = opt_bool(obj, "attention_bias")?.unwrap_or(true);
@@ -527,7 +555,11 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
             None
         }
         // Gemma's: gemma::options; gpt-oss's: by layer type, in from_map.
-        Architecture::Llama | Architecture::Gemma2 | Architecture::Gemma3 | Architecture::GptOss => None,
+        Architecture::Llama
+        | Architecture::Gemma2
+        | Architecture::Gemma3
+        | Architecture::GptOss
+        | Architecture::DeepseekV3 => None,
     };
     let qk_norm = matches!(architecture, Architecture::Qwen3 | Architecture::Gemma3 | Architecture::Qwen3Moe);
     Ok(FamilyOptions { qkv_bias, o_bias, mlp_bias, sliding_window, qk_norm })

@@ -4,6 +4,7 @@
 
 use serde_json::{Map, Value};
 
+use super::deepseek::{self, GroupedRouting};
 use super::{opt_bool, opt_usize, req_usize, Architecture};
 use crate::error::{Error, Result};
 
@@ -28,7 +29,7 @@ pub struct ExpertNames {
 }
 
 /// The mixture of experts of a model's MoE layers.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Moe {
     pub num_experts: usize,
     /// Experts each token is routed to (`num_experts_per_tok`).
@@ -41,6 +42,12 @@ pub struct Moe {
     /// Which layers are MoE layers (the others have a dense MLP of `intermediate_size`).
     pub layers: Vec<bool>,
     pub names: ExpertNames,
+    /// DeepSeek-V3's routing: sigmoid scores, a correction bias (`{router}.e_score_correction_bias`),
+    /// groups, a scale. None: a softmax over the router's logits.
+    pub grouped: Option<GroupedRouting>,
+    /// Intermediate size of the shared experts every token also runs
+    /// (`{block}.shared_experts.*`), 0 where there are none.
+    pub shared_intermediate: usize,
 }
 
 const MIXTRAL: ExpertNames = ExpertNames {
@@ -81,6 +88,9 @@ pub(super) fn options(
         Architecture::Mixtral => (MIXTRAL, true, req_usize(obj, "intermediate_size")?),
         // A softmax over the chosen experts' logits: the renormalised top-k of the softmax.
         Architecture::GptOss => (GPT_OSS, true, req_usize(obj, "intermediate_size")?),
+        Architecture::DeepseekV3 => {
+            (QWEN, opt_bool(obj, "norm_topk_prob")?.unwrap_or(true), req_usize(obj, "moe_intermediate_size")?)
+        }
         Architecture::Qwen3Moe => (
             QWEN,
             opt_bool(obj, "norm_topk_prob")?.unwrap_or(false),
@@ -90,9 +100,10 @@ pub(super) fn options(
     };
     // transformers 5 writes `num_local_experts` for both; the Hub's Qwen3-MoE files say
     // `num_experts`.
-    let num_experts = match opt_usize(obj, "num_local_experts")? {
-        Some(n) => n,
-        None => req_usize(obj, "num_experts")?,
+    let num_experts = match (opt_usize(obj, "num_local_experts")?, architecture) {
+        (Some(n), _) => n,
+        (None, Architecture::DeepseekV3) => req_usize(obj, "n_routed_experts")?,
+        (None, _) => req_usize(obj, "num_experts")?,
     };
     let top_k = req_usize(obj, "num_experts_per_tok")?;
     if num_experts == 0 || top_k == 0 || top_k > num_experts {
@@ -104,7 +115,13 @@ pub(super) fn options(
     if expert_intermediate == 0 {
         return Err(Error::invalid("moe_intermediate_size", "must be positive"));
     }
+    let (mut grouped, mut shared_intermediate) = (None, 0);
     let layers = match architecture {
+        Architecture::DeepseekV3 => {
+            let (routing, shared, dense) = deepseek::routing(obj, num_experts, top_k)?;
+            (grouped, shared_intermediate) = (Some(routing), shared);
+            (0..num_layers).map(|i| i >= dense).collect()
+        }
         Architecture::Qwen3Moe => {
             let step = opt_usize(obj, "decoder_sparse_step")?.unwrap_or(1);
             if step == 0 {
@@ -115,7 +132,16 @@ pub(super) fn options(
         }
         _ => vec![true; num_layers],
     };
-    Ok(Some(Moe { num_experts, top_k, expert_intermediate, norm_topk_prob, layers, names }))
+    Ok(Some(Moe {
+        num_experts,
+        top_k,
+        expert_intermediate,
+        norm_topk_prob,
+        layers,
+        names,
+        grouped,
+        shared_intermediate,
+    }))
 }
 
 fn mlp_only_layers(obj: &Map<String, Value>, num_layers: usize) -> Result<Vec<usize>> {

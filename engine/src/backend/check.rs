@@ -257,6 +257,9 @@ fn check_elementwise<B: Backend>(
     let got = dev.to_host(&dev.gather_rows(xd, &rows)?)?;
     let want = run.cpu.to_host(&run.cpu.gather_rows(xc, &rows)?)?;
     run.record("gather_rows", format!("{} of {n} rows", rows.len()), &got, &want, 0.0);
+    let got = dev.to_host(&dev.concat_columns(&[&dev.columns(xd, 1..h / 2)?, xd])?)?;
+    let want = run.cpu.to_host(&run.cpu.concat_columns(&[&run.cpu.columns(xc, 1..h / 2)?, xc])?)?;
+    run.record("columns + concat_columns", format!("[{n}, {h}]"), &got, &want, 0.0);
 
     // An expert's weighted outputs added back to the rows of the tokens that chose it.
     let (y, picked) = (random(rng, 3 * h, 1.0), [n - 1, 0, n / 2]);

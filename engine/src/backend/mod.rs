@@ -27,7 +27,9 @@ pub mod cpu;
 pub mod cuda;
 pub mod host_logits;
 
-use strata_common::Result;
+use std::ops::Range;
+
+use strata_common::{Error, Result};
 
 use crate::logits::{Candidates, Draw, LogitsWanted, Pick};
 use crate::step::Step;
@@ -194,6 +196,36 @@ pub trait TensorOps: Tensors {
     /// `[n, blocks · w]`: block `b`'s row `r` becomes columns `b·w..(b+1)·w` of row `r`
     /// (vocabulary shards into whole rows of logits).
     fn interleave_blocks(&self, x: &Self::Tensor, blocks: usize) -> Result<Self::Tensor>;
+    /// Columns `cols` of every row (one head's slice of per-head activations). The
+    /// default copies through the host.
+    fn columns(&self, x: &Self::Tensor, cols: Range<usize>) -> Result<Self::Tensor> {
+        let (rows, width) = self.shape(x);
+        if cols.end > width || cols.start > cols.end {
+            return Err(Error::Internal(format!("columns {cols:?} of {width}")));
+        }
+        let host = self.to_host(x)?;
+        let out: Vec<f32> =
+            host.chunks_exact(width.max(1)).flat_map(|r| r[cols.clone()].iter().copied()).collect();
+        self.upload(out, rows, cols.len())
+    }
+    /// The parts' rows side by side: `[n, a] ‖ [n, b] ‖ … → [n, a + b + …]`. The default
+    /// copies through the host.
+    fn concat_columns(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor> {
+        let rows = parts.first().map_or(0, |p| self.shape(p).0);
+        if parts.iter().any(|p| self.shape(p).0 != rows) {
+            return Err(Error::Internal("concatenating tensors of different row counts".into()));
+        }
+        let hosts: Vec<(Vec<f32>, usize)> =
+            parts.iter().map(|p| Ok((self.to_host(p)?, self.shape(p).1))).collect::<Result<_>>()?;
+        let width: usize = hosts.iter().map(|(_, w)| w).sum();
+        let mut out = Vec::with_capacity(rows * width);
+        for r in 0..rows {
+            for (data, w) in &hosts {
+                out.extend_from_slice(&data[r * w..(r + 1) * w]);
+            }
+        }
+        self.upload(out, rows, width)
+    }
 }
 
 /// The paged KV cache and the attention that reads it.
@@ -204,6 +236,10 @@ pub trait AttentionOps: Tensors {
     /// Allocates `num_blocks` blocks of `block_size` positions for `kv_dim` values (K and
     /// V each) a position.
     fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
+    /// As [`alloc_kv`](Self::alloc_kv), but the values are the keys: `kv_dim` values a
+    /// position, stored once (latent attention caches one latent vector a position and
+    /// attends with it as key and value). `write_kv`'s V rows must then be its K rows.
+    fn alloc_kv_shared(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer>;
     /// Bytes one K or V element takes in the cache (the KV budget buys blocks at this size).
     fn kv_element_bytes(&self) -> usize {
         4

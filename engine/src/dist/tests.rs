@@ -139,3 +139,28 @@ fn a_follower_refuses_malformed_messages_and_a_leader_sees_a_lost_follower() {
     let e = exec.execute(&prefill(&[1, 2])).unwrap_err();
     assert_eq!(e.class(), ErrorClass::Unavailable, "{e}");
 }
+
+/// Latent attention's cache holds the latent and the rotated key once a position: the
+/// KV budget buys blocks at `layers · (kv_lora_rank + qk_rope_head_dim)` values a
+/// position, not the `2 · layers · heads · head_dim` of grouped attention.
+#[test]
+fn latent_attention_budgets_the_latent_per_position() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/deepseek_v3_mla");
+    let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+    let latent = config.latent.unwrap();
+    let (bytes, block) = (1 << 20, 16);
+    let per_position = config.num_layers * latent.cached_width() * 2;
+    assert_eq!(
+        kv_blocks(&config, Parallelism::NONE, bytes, block, 2).unwrap(),
+        bytes / (per_position * block)
+    );
+    // Under TP every rank caches the whole latent (it is shared by the heads).
+    let tp2 = Parallelism::new(2, 1);
+    assert_eq!(kv_blocks(&config, tp2, bytes, block, 2).unwrap(), bytes / (per_position * block));
+    let expanded = config.num_layers
+        * config.num_heads
+        * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim)
+        * 2;
+    assert!(expanded > 4 * per_position, "{expanded} vs {per_position}");
+}

@@ -21,7 +21,7 @@
 //!   expert order, weighted: exactly what one rank computes) and an all-gather gives every
 //!   rank every token's output again for the attention that follows.
 
-use strata_common::{Error, Result};
+use strata_common::{Error, GroupedRouting, Result};
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -48,6 +48,13 @@ pub(super) struct Experts<B: Backend> {
     pub router: Vec<f32>,
     /// Added to the router's logits (gpt-oss).
     pub router_bias: Option<Vec<f32>>,
+    /// DeepSeek-V3's grouped sigmoid routing and its correction bias (one per expert).
+    pub grouped: Option<(GroupedRouting, Vec<f32>)>,
+    /// The shared experts every token runs (DeepSeek-V3), as one gated MLP: split by
+    /// columns across the TP group like a dense MLP (its partial sums ride the routed
+    /// experts' all-reduce), or whole on every rank under expert parallelism (added after
+    /// the exchange).
+    pub shared: Option<Expert<B>>,
     /// This rank's experts: all of them, or under expert parallelism ids `first..`.
     pub experts: Vec<Expert<B>>,
     pub first: usize,
@@ -93,6 +100,53 @@ pub(super) fn route(logits: &[f32], experts: usize, k: usize, norm: bool) -> Rou
     routes
 }
 
+/// DeepSeek-V3's choice: sigmoid scores, plus the correction bias, rank the experts; the
+/// `topk_group` groups whose two best biased scores sum highest are kept and the `k` best
+/// experts among them chosen; their unbiased scores are the weights, renormalised when
+/// `norm` says, times the routed scaling factor. Ties go to the lower id.
+pub(super) fn route_grouped(
+    logits: &[f32],
+    experts: usize,
+    k: usize,
+    norm: bool,
+    g: GroupedRouting,
+    bias: &[f32],
+) -> Routes {
+    let mut routes = Routes { rows: vec![Vec::new(); experts], weights: vec![Vec::new(); experts] };
+    let per = experts / g.n_group.max(1);
+    let best = |v: &[f32], idx: &mut Vec<usize>, n: usize| {
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+        idx.truncate(n);
+    };
+    for (t, row) in logits.chunks_exact(experts).enumerate() {
+        let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+        let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+        let group_scores: Vec<f32> = choice
+            .chunks_exact(per)
+            .map(|grp| {
+                let mut idx: Vec<usize> = (0..per).collect();
+                best(grp, &mut idx, 2);
+                idx.iter().map(|&i| grp[i]).sum()
+            })
+            .collect();
+        let mut groups: Vec<usize> = (0..g.n_group).collect();
+        best(&group_scores, &mut groups, g.topk_group);
+        let mut masked = vec![f32::NEG_INFINITY; experts];
+        for grp in groups {
+            masked[grp * per..(grp + 1) * per].copy_from_slice(&choice[grp * per..(grp + 1) * per]);
+        }
+        let mut chosen: Vec<usize> = (0..experts).collect();
+        best(&masked, &mut chosen, k);
+        let total: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+        for &e in &chosen {
+            let w = if norm { scores[e] / total } else { scores[e] };
+            routes.rows[e].push(t);
+            routes.weights[e].push(w * g.routed_scaling_factor);
+        }
+    }
+    routes
+}
+
 impl<B: Backend> Experts<B> {
     /// The experts' combined output for `x` (`[tokens, hidden]`), the same on every rank
     /// of the TP group.
@@ -105,7 +159,11 @@ impl<B: Backend> Experts<B> {
             self.metrics.get_or_init(|| cx.metrics.experts(self.layer, counts.len())).routed(&counts);
         }
         if self.parallel && cx.group.len() > 1 {
-            return self.exchange(cx, x, &routes);
+            let mut out = self.exchange(cx, x, &routes)?;
+            if let Some(shared) = &self.shared {
+                cx.b.add_assign(&mut out, &self.run(cx.b, shared, x)?)?;
+            }
+            return Ok(out);
         }
         let b = cx.b;
         let (tokens, hidden) = b.shape(x);
@@ -118,6 +176,9 @@ impl<B: Backend> Experts<B> {
         for (i, y) in self.run_all(b, &chosen, x)? {
             let e = self.first + i;
             b.scatter_add_rows(&mut out, &y, &routes.rows[e], &routes.weights[e])?;
+        }
+        if let Some(shared) = &self.shared {
+            b.add_assign(&mut out, &self.run(b, shared, x)?)?;
         }
         cx.reduce(&mut out)?;
         Ok(out)
@@ -153,7 +214,10 @@ impl<B: Backend> Experts<B> {
             .chunks_exact(hidden)
             .flat_map(|t| self.router.chunks_exact(hidden).enumerate().map(move |(e, r)| dot(t, r) + bias(e)))
             .collect();
-        Ok(route(&logits, total, self.top_k, self.norm_topk_prob))
+        Ok(match &self.grouped {
+            Some((g, bias)) => route_grouped(&logits, total, self.top_k, self.norm_topk_prob, *g, bias),
+            None => route(&logits, total, self.top_k, self.norm_topk_prob),
+        })
     }
 
     /// One expert's gated MLP over its tokens' rows.
@@ -275,6 +339,28 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Groups are ranked by their two best biased scores and only the best groups'
+    /// experts compete: expert 0 scores above expert 7 but its group is dropped. Weights
+    /// are the unbiased sigmoid scores, renormalised and scaled.
+    #[test]
+    fn grouped_routing_keeps_the_best_groups_and_weighs_by_unbiased_scores() {
+        let logits = [6.0, -3.0, 0.0, 0.1, 2.5, 2.4, -1.0, 5.0];
+        let mut bias = [0.0; 8];
+        bias[6] = 2.0;
+        let g = GroupedRouting { n_group: 4, topk_group: 2, routed_scaling_factor: 2.5 };
+        let routes = route_grouped(&logits, 8, 2, true, g, &bias);
+        let chosen: Vec<usize> = (0..8).filter(|&e| !routes.rows[e].is_empty()).collect();
+        assert_eq!(chosen, [6, 7]);
+        let s = |l: f32| 1.0 / (1.0 + (-l).exp());
+        let total = s(-1.0) + s(5.0);
+        assert!((routes.weights[6][0] - 2.5 * s(-1.0) / total).abs() < 1e-6);
+        assert!((routes.weights[7][0] - 2.5 * s(5.0) / total).abs() < 1e-6);
+        let plain = route_grouped(&logits, 8, 2, false, GroupedRouting { topk_group: 4, ..g }, &bias);
+        let chosen: Vec<usize> = (0..8).filter(|&e| !plain.rows[e].is_empty()).collect();
+        assert_eq!(chosen, [0, 6], "every group kept: expert 0 wins");
+        assert!((plain.weights[0][0] - 2.5 * s(6.0)).abs() < 1e-6, "not renormalised");
+    }
 
     #[test]
     fn each_token_goes_to_its_top_experts_with_softmax_weights() {

@@ -11,7 +11,8 @@ use strata_common::{Error, ModelConfig, RankShard, Result};
 
 use super::experts::{Expert, Experts};
 use super::parts::{
-    Attention, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec, Norm, NormKind,
+    Attention, AttentionKind, AttentionPart, AttentionSpec, Layer, LayerSpec, Linear, Mlp, MlpKind, MlpSpec,
+    Norm, NormKind,
 };
 use super::weights::Checkpoint;
 use crate::backend::{AttentionShape, Backend};
@@ -31,7 +32,13 @@ pub(super) struct ShardLoader<'a, B: Backend> {
 impl<B: Backend> ShardLoader<'_, B> {
     /// Loads `host`, rows `rows` of the `[out, _]` matrix `name`: as int8 with its scales'
     /// same rows when the checkpoint is quantized.
-    fn weight(&mut self, name: &str, host: HostTensor, out: usize, rows: Range<usize>) -> Result<B::Weight> {
+    pub(super) fn weight(
+        &mut self,
+        name: &str,
+        host: HostTensor,
+        out: usize,
+        rows: Range<usize>,
+    ) -> Result<B::Weight> {
         let scale = format!("{name}_scale");
         let w = if self.ckpt.contains(&scale) {
             self.backend.load_weight_int8(&host, &self.ckpt.get(&scale, &[out])?.rows(rows)?)?
@@ -80,7 +87,13 @@ impl<B: Backend> ShardLoader<'_, B> {
     }
 
     /// Row-parallel: this rank's input columns; the bias is added once, by TP rank 0.
-    fn row(&mut self, name: &str, inp: usize, cols: Range<usize>, bias: bool) -> Result<Linear<B>> {
+    pub(super) fn row(
+        &mut self,
+        name: &str,
+        inp: usize,
+        cols: Range<usize>,
+        bias: bool,
+    ) -> Result<Linear<B>> {
         let h = self.config.hidden_size;
         let weight = format!("{name}.weight");
         let full = self.ckpt.get(&weight, &[h, inp])?;
@@ -96,7 +109,7 @@ impl<B: Backend> ShardLoader<'_, B> {
 
     /// A norm over `len` values: its weight, plus the family's offset (Gemma scales by
     /// `1 + w`, so its stored weights load as `1 + w`).
-    fn norm_of(&self, name: &str, len: usize, kind: NormKind) -> Result<Norm<B>> {
+    pub(super) fn norm_of(&self, name: &str, len: usize, kind: NormKind) -> Result<Norm<B>> {
         let host = self.ckpt.get(name, &[len])?;
         let offset = self.config.norm_weight_offset;
         let weight = match offset {
@@ -224,11 +237,34 @@ impl<B: Backend> ShardLoader<'_, B> {
                 self.idle_expert_bytes += held - held * top_k.min(local.len()) / local.len().max(1);
                 // Split by experts when this rank holds only some of them.
                 let parallel = local.len() < experts;
+                let grouped = match moe.grouped {
+                    Some(g) => {
+                        let bias = format!("{block}.{}.e_score_correction_bias", names.router);
+                        Some((g, self.ckpt.get(&bias, &[experts])?.to_f32_vec()))
+                    }
+                    None => None,
+                };
+                // The shared experts: the same share of their columns as of each routed
+                // expert's (all of them under expert parallelism).
+                let shared = match moe.shared_intermediate {
+                    0 => None,
+                    s => {
+                        let x = format!("{block}.shared_experts");
+                        let r = rows.start * s / inter..rows.end * s / inter;
+                        Some(Expert {
+                            gate: self.column(&format!("{x}.gate_proj"), s, r.clone(), false)?,
+                            up: self.column(&format!("{x}.up_proj"), s, r.clone(), false)?,
+                            down: self.row(&format!("{x}.down_proj"), s, r, false)?,
+                        })
+                    }
+                };
                 Ok(Mlp::Experts(Experts {
                     layer,
                     act,
                     router: router.to_f32_vec(),
                     router_bias,
+                    grouped,
+                    shared,
                     experts: loaded,
                     first: local.start,
                     top_k,
@@ -304,7 +340,14 @@ impl<B: Backend> ShardLoader<'_, B> {
             attention_out_norm,
             post_norm,
             mlp_out_norm,
-            attention: self.attention(&p, spec.attention, spec.norm)?,
+            attention: match spec.attention.kind {
+                AttentionKind::Grouped => {
+                    AttentionPart::Grouped(self.attention(&p, spec.attention, spec.norm)?)
+                }
+                AttentionKind::Latent(dims) => {
+                    AttentionPart::Latent(self.latent_attention(&p, dims, spec.norm)?)
+                }
+            },
             mlp: self.mlp(&p, i, spec.mlp)?,
         })
     }

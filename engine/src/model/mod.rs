@@ -12,6 +12,7 @@
 //! replica's are [`crate::comm::Solo`]'s, and the code is the same.
 
 mod experts;
+mod latent;
 pub mod loader;
 mod output;
 pub mod parts;
@@ -181,6 +182,12 @@ impl<B: Backend> Model<B> {
 
     /// Allocates this shard's paged KV cache: one storage per local layer.
     pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> Result<Vec<B::KvLayer>> {
+        if let Some(latent) = &self.config.latent {
+            let width = latent.cached_width();
+            return (0..self.layers.len())
+                .map(|_| self.backend.alloc_kv_shared(num_blocks, block_size, width))
+                .collect();
+        }
         let kv_dim = self.shard.shard.kv_heads.len() * self.config.head_dim;
         (0..self.layers.len()).map(|_| self.backend.alloc_kv(num_blocks, block_size, kv_dim)).collect()
     }

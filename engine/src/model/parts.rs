@@ -19,6 +19,7 @@
 use strata_common::{Error, ModelConfig, Result};
 
 use super::experts::Experts;
+use super::latent::LatentAttention;
 use crate::backend::{AttentionShape, Backend, BatchLayout, RopeTable};
 use crate::comm::DeviceCollectives;
 use crate::metrics::RankMetrics;
@@ -33,11 +34,13 @@ pub enum NormKind {
 pub use strata_common::Activation;
 
 /// How a layer attends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum AttentionKind {
     /// Softmax attention over the paged KV cache, KV heads shared by groups of query heads
     /// (MHA, GQA and MQA alike).
     Grouped,
+    /// Multi-head latent attention, the cache holding the latent ([`super::latent`]).
+    Latent(strata_common::Latent),
 }
 
 /// One layer's attention: its kind and what configures it.
@@ -133,7 +136,10 @@ impl LayerSpec {
             LayerSpec {
                 norm: NormKind::Rms { eps: config.rms_norm_eps as f32 },
                 attention: AttentionSpec {
-                    kind: AttentionKind::Grouped,
+                    kind: match config.latent {
+                        Some(dims) => AttentionKind::Latent(dims),
+                        None => AttentionKind::Grouped,
+                    },
                     qkv_bias: config.qkv_bias,
                     o_bias: config.o_bias,
                     sliding_window: if windowed { config.sliding_window } else { None },
@@ -268,6 +274,7 @@ impl<B: Backend> Attention<B> {
     ) -> Result<B::Tensor> {
         let b = cx.b;
         match self.spec.kind {
+            AttentionKind::Latent(_) => Err(Error::Internal("latent attention loaded as grouped".into())),
             AttentionKind::Grouped => {
                 let rope = cx.ropes.get(self.spec.rope).ok_or_else(|| {
                     Error::Internal(format!("rope table {} of {}", self.spec.rope, cx.ropes.len()))
@@ -283,6 +290,26 @@ impl<B: Backend> Attention<B> {
                 cx.reduce(&mut o)?;
                 Ok(o)
             }
+        }
+    }
+}
+
+/// A layer's attention part, of its kind.
+pub(super) enum AttentionPart<B: Backend> {
+    Grouped(Attention<B>),
+    Latent(LatentAttention<B>),
+}
+
+impl<B: Backend> AttentionPart<B> {
+    fn forward(
+        &self,
+        cx: &mut PartCx<'_, B>,
+        normed: &B::Tensor,
+        cache: &mut B::KvLayer,
+    ) -> Result<B::Tensor> {
+        match self {
+            AttentionPart::Grouped(a) => a.forward(cx, normed, cache),
+            AttentionPart::Latent(a) => a.forward(cx, normed, cache),
         }
     }
 }
@@ -313,7 +340,7 @@ impl<B: Backend> Mlp<B> {
 /// in a sandwich, each output normed again before the add.
 pub(super) struct Layer<B: Backend> {
     pub input_norm: Norm<B>,
-    pub attention: Attention<B>,
+    pub attention: AttentionPart<B>,
     pub attention_out_norm: Option<Norm<B>>,
     pub post_norm: Norm<B>,
     pub mlp: Mlp<B>,

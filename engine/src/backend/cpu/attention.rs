@@ -208,7 +208,7 @@ fn attend<const FMA: bool>(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
     out.fill(0.0);
     for (i, p) in (lo..=pos).enumerate() {
         let at = slot(p);
-        let v = &job.cache.v[at..at + head_dim];
+        let v = &job.cache.values()[at..at + head_dim];
         for (h, o) in out.chunks_exact_mut(head_dim).enumerate() {
             let w = scores[h * span + i];
             for (acc, x) in o.iter_mut().zip(v) {

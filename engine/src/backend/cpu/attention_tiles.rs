@@ -75,7 +75,10 @@ pub unsafe fn attend(
     for p in first_key..first_key + span {
         let at =
             (seq.block_table[p / block_size] as usize * block_size + p % block_size) * cache.kv_dim + kv_off;
-        assert!(at + hd <= cache.k.len() && at + hd <= cache.v.len(), "KV slot {at} outside the cache");
+        assert!(
+            at + hd <= cache.k.len() && at + hd <= cache.values().len(),
+            "KV slot {at} outside the cache"
+        );
         scratch.keys.push(at);
     }
     // Queries transposed, `qt[(h · hd + d) · TILE + t]`, scaled once.
@@ -106,7 +109,7 @@ pub unsafe fn attend(
             2 => values::<2>,
             _ => values::<1>,
         };
-        values(&scratch.scores, &cache.v, &scratch.keys, &scratch.inv, group, hd, dc, tile.rows, &at);
+        values(&scratch.scores, cache.values(), &scratch.keys, &scratch.inv, group, hd, dc, tile.rows, &at);
     }
 }
 

@@ -68,8 +68,20 @@ unsafe impl Send for SendPtr {}
 /// One layer's paged K and V: `[num_blocks * block_size, kv_dim]` each.
 pub struct CpuKvLayer {
     pub k: Vec<f32>,
+    /// Empty where the values are the keys ([`AttentionOps::alloc_kv_shared`]).
     pub v: Vec<f32>,
     pub kv_dim: usize,
+}
+
+impl CpuKvLayer {
+    /// What attention weighs: the values, or the keys where they are one.
+    pub fn values(&self) -> &[f32] {
+        if self.v.is_empty() {
+            &self.k
+        } else {
+            &self.v
+        }
+    }
 }
 
 /// Below this many rows, elementwise ops run on the calling thread.
@@ -313,6 +325,27 @@ impl TensorOps for CpuBackend {
         }
         Ok(out)
     }
+    fn columns(&self, x: &CpuTensor, cols: std::ops::Range<usize>) -> Result<CpuTensor> {
+        if cols.end > x.cols || cols.start > cols.end {
+            return Err(Error::Internal(format!("columns {cols:?} of {}", x.cols)));
+        }
+        let data = (0..x.rows).flat_map(|r| x.row(r)[cols.clone()].iter().copied()).collect();
+        Ok(CpuTensor::new(data, x.rows, cols.len()))
+    }
+    fn concat_columns(&self, parts: &[&CpuTensor]) -> Result<CpuTensor> {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        if parts.iter().any(|p| p.rows != rows) {
+            return Err(Error::Internal("concatenating tensors of different row counts".into()));
+        }
+        let width = parts.iter().map(|p| p.cols).sum();
+        let mut data = Vec::with_capacity(rows * width);
+        for r in 0..rows {
+            for p in parts {
+                data.extend_from_slice(p.row(r));
+            }
+        }
+        Ok(CpuTensor::new(data, rows, width))
+    }
 }
 
 impl AttentionOps for CpuBackend {
@@ -323,6 +356,11 @@ impl AttentionOps for CpuBackend {
             .and_then(|n| n.checked_mul(kv_dim))
             .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
         Ok(CpuKvLayer { k: vec![0.0; n], v: vec![0.0; n], kv_dim })
+    }
+    fn alloc_kv_shared(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<CpuKvLayer> {
+        let mut layer = self.alloc_kv(num_blocks, block_size, kv_dim)?;
+        layer.v = Vec::new();
+        Ok(layer)
     }
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
         let half = head_dim / 2;
@@ -362,7 +400,9 @@ impl AttentionOps for CpuBackend {
         for (t, &slot) in layout.slots.iter().enumerate() {
             let at = slot as usize * d;
             cache.k[at..at + d].copy_from_slice(k.row(t));
-            cache.v[at..at + d].copy_from_slice(v.row(t));
+            if !cache.v.is_empty() {
+                cache.v[at..at + d].copy_from_slice(v.row(t));
+            }
         }
         Ok(())
     }

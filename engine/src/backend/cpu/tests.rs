@@ -290,3 +290,16 @@ fn scattered_rows_add_weighted_and_bad_rows_are_refused() {
         assert!(b.scatter_add_rows(&mut out, &y, rows, weights).is_err(), "{rows:?} {weights:?}");
     }
 }
+
+/// A head's columns out of per-head activations, and parts side by side again.
+#[test]
+fn columns_and_concat_columns_round_trip() {
+    let b = CpuBackend::new();
+    let x = CpuTensor::new((0..12).map(|v| v as f32).collect(), 3, 4);
+    let (left, right) = (b.columns(&x, 0..1).unwrap(), b.columns(&x, 1..4).unwrap());
+    assert_eq!(left.data, [0.0, 4.0, 8.0]);
+    assert_eq!((right.rows, right.cols), (3, 3));
+    assert_eq!(b.concat_columns(&[&left, &right]).unwrap().data, x.data);
+    assert!(b.columns(&x, 2..5).is_err());
+    assert!(b.concat_columns(&[&x, &CpuTensor::new(vec![0.0; 4], 2, 2)]).is_err());
+}

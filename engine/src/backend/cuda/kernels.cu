@@ -593,7 +593,7 @@ KERNEL void draw_tokens(const float* x, const float* params, float* out, int col
 
 // Largest number of output dimensions one attention thread accumulates:
 // head_dim ≤ ATTN_MAX_DIMS × blockDim.x.
-#define ATTN_MAX_DIMS 4
+#define ATTN_MAX_DIMS 5
 
 // Paged causal attention, one block per (new token, query head), for prefill chunks and
 // decode alike: the token attends to its own sequence's positions lo..=pos, read through

@@ -55,7 +55,7 @@ const TILE_Q: usize = 16;
 /// Largest head the tiled kernel takes: TILE_Q × head_dim ≤ TILE_MAX_ACC (32) × ATTN_THREADS.
 const TILED_MAX_HEAD_DIM: usize = 32 * ATTN_THREADS as usize / TILE_Q;
 /// Most head dimensions the attention kernel handles (ATTN_MAX_DIMS × ATTN_THREADS).
-const MAX_HEAD_DIM: usize = 4 * ATTN_THREADS as usize;
+const MAX_HEAD_DIM: usize = 5 * ATTN_THREADS as usize;
 const ELEMENTWISE_THREADS: u32 = 256;
 /// The KV cache holds bf16.
 const KV_ELEMENT_BYTES: usize = 2;
@@ -90,8 +90,17 @@ pub struct GpuWeight<B> {
 /// One layer's paged K and V, bf16, `[slots, kv_dim]` each.
 pub struct GpuKv<B> {
     k: B,
-    v: B,
+    /// None where the values are the keys ([`AttentionOps::alloc_kv_shared`]).
+    v: Option<B>,
     kv_dim: usize,
+}
+
+impl<B> GpuKv<B> {
+    /// What attention weighs: the values, or the keys where they are one. A shared
+    /// layer's writes of V rows (its K rows) land on the keys again, unchanged.
+    fn values(&self) -> &B {
+        self.v.as_ref().unwrap_or(&self.k)
+    }
 }
 
 /// The rotary frequencies last uploaded, and their device copy.
@@ -237,6 +246,17 @@ impl<G: Gpu> CudaBackend<G> {
 }
 
 impl<G: Gpu> CudaBackend<G> {
+    /// Bytes of one layer's K (or V) storage: one block more than asked, the scratch
+    /// block of graphs' padding rows.
+    fn kv_bytes(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<usize> {
+        let bytes = (num_blocks + 1)
+            .checked_mul(block_size)
+            .and_then(|n| n.checked_mul(kv_dim))
+            .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
+            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
+        Ok(bytes.max(4))
+    }
+
     /// tiled_attention over the step's prefill tiles, into `out`.
     #[allow(clippy::too_many_arguments)]
     fn launch_tiled(
@@ -264,7 +284,7 @@ impl<G: Gpu> CudaBackend<G> {
             &[
                 Arg::Buf(&q.buf),
                 Arg::Buf(&cache.k),
-                Arg::Buf(&cache.v),
+                Arg::Buf(cache.values()),
                 Arg::Buf(&out.buf),
                 Arg::Buf(&l.tiles),
                 Arg::Buf(&l.tile_len),
@@ -502,14 +522,13 @@ impl<G: Gpu> TensorOps for CudaBackend<G> {
 impl<G: Gpu> AttentionOps for CudaBackend<G> {
     type KvLayer = GpuKv<G::Buf>;
     fn alloc_kv(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
-        // One block more than asked: the scratch block of graphs' padding rows.
+        let mut layer = self.alloc_kv_shared(num_blocks, block_size, kv_dim)?;
+        layer.v = Some(self.gpu.alloc(self.kv_bytes(num_blocks, block_size, kv_dim)?)?);
+        Ok(layer)
+    }
+    fn alloc_kv_shared(&self, num_blocks: usize, block_size: usize, kv_dim: usize) -> Result<Self::KvLayer> {
         self.kv_blocks.store(num_blocks, Ordering::Relaxed);
-        let bytes = (num_blocks + 1)
-            .checked_mul(block_size)
-            .and_then(|n| n.checked_mul(kv_dim))
-            .and_then(|n| n.checked_mul(KV_ELEMENT_BYTES))
-            .ok_or_else(|| Error::invalid("kv_cache", "size overflows"))?;
-        Ok(GpuKv { k: self.gpu.alloc(bytes.max(4))?, v: self.gpu.alloc(bytes.max(4))?, kv_dim })
+        Ok(GpuKv { k: self.gpu.alloc(self.kv_bytes(num_blocks, block_size, kv_dim)?)?, v: None, kv_dim })
     }
     fn kv_element_bytes(&self) -> usize {
         KV_ELEMENT_BYTES
@@ -586,7 +605,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
                 Arg::Buf(&k.buf),
                 Arg::Buf(&v.buf),
                 Arg::Buf(&cache.k),
-                Arg::Buf(&cache.v),
+                Arg::Buf(cache.values()),
                 Arg::Buf(&l.positions),
                 Arg::Buf(&l.slots),
                 Arg::Buf(&freqs),
@@ -612,7 +631,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
             Launch::rows(k.rows, ROW_THREADS),
             &[
                 Arg::Buf(&cache.k),
-                Arg::Buf(&cache.v),
+                Arg::Buf(cache.values()),
                 Arg::Buf(&k.buf),
                 Arg::Buf(&v.buf),
                 Arg::Buf(&l.slots),
@@ -655,7 +674,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
             &[
                 Arg::Buf(&q.buf),
                 Arg::Buf(&cache.k),
-                Arg::Buf(&cache.v),
+                Arg::Buf(cache.values()),
                 Arg::Buf(&out.buf),
                 Arg::Buf(&l.tok_seq),
                 Arg::Buf(&l.seq_start),
