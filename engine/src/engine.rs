@@ -139,9 +139,13 @@ impl Engine {
         debug!(num_blocks, block_size = config.block_size, "KV cache allocated");
         let pool = BlockPool::with_prefix_caching(num_blocks, config.block_size, config.prefix_caching);
         let eos = exec.config().eos_token_ids.iter().copied().collect();
+        // Blocks behind the window go back only where every layer is windowed (a global
+        // layer reads the whole sequence).
+        let c = exec.config();
+        let window = c.sliding_window.filter(|_| c.windowed_layers.iter().all(|&w| w) && c.latent.is_none());
         Ok(Engine {
             exec,
-            scheduler: Scheduler::new(config.scheduler.clone(), pool),
+            scheduler: Scheduler::new(config.scheduler.clone(), pool).with_window(window),
             meta: HashMap::new(),
             eos,
             aborted: Vec::new(),

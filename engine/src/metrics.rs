@@ -81,6 +81,7 @@ struct Families {
     preemptions: Family<ReplicaLabels, Counter>,
     prefix_queries: Family<ReplicaLabels, Counter>,
     prefix_hits: Family<ReplicaLabels, Counter>,
+    window_released: Family<ReplicaLabels, Counter>,
     queue_time: Histograms<ReplicaLabels>,
     prefill_time: Histograms<ReplicaLabels>,
     decode_time: Histograms<ReplicaLabels>,
@@ -108,6 +109,7 @@ fn families() -> &'static Families {
             preemptions: Family::default(),
             prefix_queries: Family::default(),
             prefix_hits: Family::default(),
+            window_released: Family::default(),
             queue_time: Family::new_with_constructor(queue),
             prefill_time: Family::new_with_constructor(latency),
             decode_time: Family::new_with_constructor(latency),
@@ -134,6 +136,11 @@ fn families() -> &'static Families {
             f.prefix_queries.clone(),
         );
         register("prefix_cache_hits", "Prompt tokens whose KV the prefix cache held", f.prefix_hits.clone());
+        register(
+            "kv_blocks_released_by_window",
+            "KV blocks given back while their sequences ran, behind every layer's sliding window",
+            f.window_released.clone(),
+        );
         register(
             "request_queue_time_seconds",
             "Time from submission to first scheduled",
@@ -187,6 +194,7 @@ pub struct RunnerMetrics {
     pub preemptions: Counter,
     pub prefix_queries: Counter,
     pub prefix_hits: Counter,
+    pub window_released: Counter,
     pub queue_time: Histogram,
     pub prefill_time: Histogram,
     pub decode_time: Histogram,
@@ -205,6 +213,7 @@ impl RunnerMetrics {
             preemptions: f.preemptions.get_or_create_owned(labels),
             prefix_queries: f.prefix_queries.get_or_create_owned(labels),
             prefix_hits: f.prefix_hits.get_or_create_owned(labels),
+            window_released: f.window_released.get_or_create_owned(labels),
             queue_time: f.queue_time.get_or_create_owned(labels),
             prefill_time: f.prefill_time.get_or_create_owned(labels),
             decode_time: f.decode_time.get_or_create_owned(labels),

@@ -516,6 +516,7 @@ impl Runner {
         m.preemptions.inc_by(stats.preemptions - self.last_stats.preemptions);
         m.prefix_queries.inc_by(stats.prefix_query_tokens - self.last_stats.prefix_query_tokens);
         m.prefix_hits.inc_by(stats.prefix_hit_tokens - self.last_stats.prefix_hit_tokens);
+        m.window_released.inc_by(stats.window_released_blocks - self.last_stats.window_released_blocks);
         self.last_stats = stats;
     }
 

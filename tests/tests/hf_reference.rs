@@ -284,3 +284,57 @@ fn int8_weights_stay_close_to_exact() {
     }
     eprintln!("int8: greedy tokens equal to HF's before the first divergence: {agree}/{total}");
 }
+
+/// A model whose every layer attends within a sliding window (Mistral's and Phi-3's
+/// fixtures) runs a sequence longer than its whole KV cache: blocks that fall behind the
+/// window go back to the pool as it runs (and are counted), the tokens are still HF's,
+/// and nothing leaks. Gemma's and gpt-oss's global layers read every position: they keep
+/// theirs.
+#[test]
+fn windowed_models_release_blocks_behind_the_window() {
+    let mut ran = 0;
+    for dir in fixture_models() {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+        let Some(window) = config.sliding_window else { continue };
+        let all_windowed = config.windowed_layers.iter().all(|&w| w);
+        let r = reference(&dir);
+        let (prompt, want) = (ids(&r["prompt_ids"]), ids(&r["greedy_ids"]));
+        let block = 4;
+        let positions = prompt.len() + want.len();
+        // Windowed: room for the window, a prefill chunk and a block of slack — under the
+        // sequence. Global layers need the whole sequence.
+        let blocks = match all_windowed {
+            true => (window + 8).div_ceil(block) + 2,
+            false => positions.div_ceil(block) + 2,
+        };
+        let per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * block;
+        let engine_config = EngineConfig {
+            kv_cache_bytes: blocks * per_block,
+            block_size: block,
+            scheduler: strata_engine::scheduler::SchedulerConfig { max_num_seqs: 4, max_batched_tokens: 8 },
+            ..Default::default()
+        };
+        let model = Model::load(&dir, CpuBackend::new()).unwrap();
+        let mut e = Engine::new(model, &engine_config).unwrap();
+        assert_eq!(e.total_blocks(), blocks, "{name}");
+        e.add(strata_engine::SeqId(0), prompt.clone(), greedy(want.len() as u32)).unwrap();
+        assert_eq!(run(&mut e, 1).remove(0), want, "{name}: greedy tokens differ from transformers");
+        let released = e.scheduler_stats().window_released_blocks as usize;
+        // Again, the prompt's blocks partly released, partly still cached by prefix.
+        e.add(strata_engine::SeqId(0), prompt, greedy(want.len() as u32)).unwrap();
+        assert_eq!(run(&mut e, 1).remove(0), want, "{name}: again, after blocks were released");
+        // The fixtures whose sequences run past their window (the others' windows are
+        // transformers' defaults, thousands of positions).
+        let exceeded = positions > blocks * block;
+        if all_windowed && exceeded {
+            // Every block but those the last window and chunk still held went back early.
+            assert!(released >= positions.div_ceil(block) - blocks, "{name}: {released} released");
+        } else if !all_windowed {
+            assert_eq!(released, 0, "{name}: a global layer reads every position");
+        }
+        assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
+        ran += usize::from(all_windowed && exceeded);
+    }
+    assert!(ran >= 2, "Mistral's and Phi-3's windowed fixtures ran");
+}

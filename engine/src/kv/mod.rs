@@ -57,16 +57,42 @@ pub struct BlockTable {
     blocks: Vec<u32>,
     /// The pool the blocks came from (None while empty and never grown).
     pool: Option<Shared>,
+    /// Entries `..released` went back early ([`release_front`](Self::release_front)):
+    /// they keep their places (block 0 stands in) and are never read or written again.
+    released: usize,
 }
 
 impl BlockTable {
     /// Lets go of every block now.
     pub fn clear(&mut self) {
         if let Some(pool) = &self.pool {
-            if !self.blocks.is_empty() {
-                lock(pool).release(&mut self.blocks);
+            let mut held = self.blocks.split_off(self.released.min(self.blocks.len()));
+            if !held.is_empty() {
+                lock(pool).release(&mut held);
             }
         }
+        self.blocks.clear();
+        self.released = 0;
+    }
+
+    /// Gives back the blocks before entry `upto` — positions that fell out of every
+    /// layer's attention window and will never be read again — keeping the later ones at
+    /// their places. Returns how many went back (hashed ones stay findable by prefix).
+    pub fn release_front(&mut self, upto: usize) -> usize {
+        let upto = upto.min(self.blocks.len());
+        let Some(pool) = self.pool.as_ref().filter(|_| upto > self.released) else { return 0 };
+        let mut gone = self.blocks[self.released..upto].to_vec();
+        let n = gone.len();
+        lock(pool).release(&mut gone);
+        // A stand-in inside the cache: tables stay valid wherever they are checked.
+        self.blocks[self.released..upto].fill(0);
+        self.released = upto;
+        n
+    }
+
+    /// Entries given back early.
+    pub fn released(&self) -> usize {
+        self.released
     }
 }
 
@@ -198,7 +224,7 @@ impl BlockPool {
     /// A table referencing the cached blocks that hold the longest cached prefix of
     /// `hashes`, in order (empty when prefix caching is off).
     pub fn acquire_prefix(&self, hashes: &[BlockHash]) -> BlockTable {
-        let mut table = BlockTable { blocks: Vec::new(), pool: Some(self.state.clone()) };
+        let mut table = BlockTable { blocks: Vec::new(), pool: Some(self.state.clone()), released: 0 };
         if !self.prefix_caching {
             return table;
         }
@@ -255,6 +281,30 @@ mod tests {
         assert!(a.is_empty());
         drop(b); // dropping a table gives its blocks back
         assert_eq!(pool.num_free(), 4);
+    }
+
+    /// Blocks behind a sliding window go back early, the table keeping its length; the
+    /// rest go back when it is dropped, none twice; a cleared table starts again.
+    #[test]
+    fn blocks_released_early_go_back_once() {
+        let pool = BlockPool::new(6, 4);
+        let mut a = BlockTable::default();
+        pool.grow(&mut a, 20).unwrap();
+        assert_eq!((a.len(), pool.num_free()), (5, 1));
+        assert_eq!(a.release_front(3), 3);
+        assert_eq!((a.len(), a.released(), pool.num_free()), (5, 3, 4));
+        assert_eq!(a.release_front(2), 0, "already released");
+        pool.grow(&mut a, 24).unwrap();
+        assert_eq!(a.release_front(9), 3, "up to the table's end");
+        drop(a);
+        assert_eq!(pool.num_free(), 6);
+        let mut b = BlockTable::default();
+        pool.grow(&mut b, 8).unwrap();
+        b.release_front(1);
+        b.clear();
+        assert_eq!((b.released(), pool.num_free()), (0, 6));
+        pool.grow(&mut b, 4).unwrap();
+        assert_eq!(b.len(), 1);
     }
 
     #[test]

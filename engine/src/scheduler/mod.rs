@@ -110,11 +110,16 @@ pub struct SchedulerStats {
     pub prefix_query_tokens: u64,
     /// Prompt tokens whose KV came from the prefix cache instead of being computed.
     pub prefix_hit_tokens: u64,
+    /// KV blocks given back while their sequences ran, their positions behind every
+    /// layer's attention window.
+    pub window_released_blocks: u64,
 }
 
 pub struct Scheduler {
     pub stats: SchedulerStats,
     config: SchedulerConfig,
+    /// Every layer attends within this many positions: blocks behind it are released.
+    window: Option<usize>,
     pool: BlockPool,
     waiting: VecDeque<SeqData>,
     /// Oldest first.
@@ -130,10 +135,19 @@ impl Scheduler {
         Scheduler {
             stats: SchedulerStats::default(),
             config,
+            window: None,
             pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
         }
+    }
+
+    /// Releases a running sequence's blocks once they fall behind `window` positions (a
+    /// model whose every layer attends within that window): its KV memory is then what
+    /// the window needs, not its length.
+    pub fn with_window(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -302,6 +316,12 @@ impl Scheduler {
                 let h = chain_hash(parent, &seq.tokens[b * bs..(b + 1) * bs]);
                 seq.hashes.push(h);
                 self.pool.register(seq.blocks[b], h);
+            }
+            // The next position attends back to `computed + 1 - window`: whole blocks
+            // before that are never read again.
+            if let Some(w) = self.window {
+                let keep_from = (seq.computed + 1).saturating_sub(w) / bs;
+                self.stats.window_released_blocks += seq.blocks.release_front(keep_from) as u64;
             }
         }
         for &(id, token) in sampled {
