@@ -94,6 +94,13 @@ fn batched_sequences_match_their_solo_runs() {
         assert_eq!(out[0], want, "{name}: batched greedy tokens differ");
         assert_eq!((out[1].len(), out[2].len()), (40, 7), "{name}");
         assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
+        // The others, too, are what they are alone (LongRoPE's short and long sequences
+        // share steps here: each rotates with its own factors).
+        for (id, p, n) in [(1, prompt[..3].to_vec(), 40), (2, prompt.iter().rev().copied().collect(), 7)] {
+            let mut solo = engine(&dir);
+            solo.add(strata_engine::SeqId(0), p, greedy(n)).unwrap();
+            assert_eq!(run(&mut solo, 1).remove(0), out[id], "{name}: sequence {id} batched vs alone");
+        }
     }
 }
 

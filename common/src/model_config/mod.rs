@@ -23,7 +23,7 @@ mod rope;
 pub use deepseek::{GroupedRouting, Latent};
 pub use moe::{ExpertNames, Moe};
 pub use rope::RopeScaling;
-use rope::{parse_rope, yarn_mscale};
+use rope::{long_rope, parse_rope, yarn_mscale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -135,6 +135,9 @@ pub struct ModelConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
+    /// Dims of each head that rope rotates, from the first (`partial_rotary_factor` ×
+    /// `head_dim`; all of them unless the file says).
+    pub rotary_dim: usize,
     pub tie_word_embeddings: bool,
     /// q, k and v projections carry a bias (Qwen2, or Llama with `attention_bias`).
     pub qkv_bias: bool,
@@ -254,24 +257,21 @@ impl ModelConfig {
                 rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(default_theta)
             }
         };
-        // RoPE over part of each head (Phi-4-mini, partial_rotary_factor < 1) is not
-        // implemented: refused, never computed as if it were whole.
-        for factor in [
-            opt_f64(obj, "partial_rotary_factor")?,
-            rope_obj.and_then(|r| r.get("partial_rotary_factor")).and_then(|v| v.as_f64()),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            if factor != 1.0 {
-                return Err(Error::Unsupported(format!(
-                    "partial_rotary_factor {factor} (rope over whole heads only)"
-                )));
-            }
-        }
+        // RoPE over the first part of each head (Phi-4-mini: partial_rotary_factor 0.75).
+        let partial = match opt_f64(obj, "partial_rotary_factor")? {
+            Some(f) => Some(f),
+            None => rope_obj.and_then(|r| r.get("partial_rotary_factor")).and_then(|v| v.as_f64()),
+        };
+        let rope_kind =
+            rope_obj.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
+        let max_positions = opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048);
         let mut rope_scaling = match (gemma, gpt_oss, rope_obj) {
             (true, _, _) => RopeScaling::None, // by layer type, below
             (_, true, None) => gpt_oss::default_rope(),
+            (_, _, Some(r)) if matches!(rope_kind, Some("longrope" | "su")) => {
+                let rot = rotary_dim(partial, head_dim)?;
+                long_rope(r, opt_usize(obj, "original_max_position_embeddings")?, max_positions, rot / 2)?
+            }
             _ => parse_rope(rope_obj)?,
         };
 
@@ -304,6 +304,17 @@ impl ModelConfig {
         if let Some(l) = &latent {
             head_dim = l.qk_rope_head_dim;
         }
+        let rotary_dim = match (&latent, gemma) {
+            (None, false) => rotary_dim(partial, head_dim)?,
+            _ if partial.is_some_and(|f| f != 1.0) => {
+                return Err(Error::Unsupported(format!(
+                    "partial_rotary_factor {} for {}",
+                    partial.unwrap_or(1.0),
+                    architecture.hf_class()
+                )))
+            }
+            _ => head_dim,
+        };
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -315,7 +326,8 @@ impl ModelConfig {
             num_kv_heads,
             head_dim,
             vocab_size,
-            max_position_embeddings: opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings: max_positions,
+            rotary_dim,
             rms_norm_eps: positive("rms_norm_eps", opt_f64(obj, "rms_norm_eps")?.unwrap_or(1e-6))?,
             rope_theta: positive("rope_theta", rope_theta)?,
             rope_scaling,
@@ -423,6 +435,20 @@ fn check_quantization(obj: &Map<String, Value>) -> Result<()> {
         ))),
         None => Err(Error::invalid("quantization_config.quant_method", "missing")),
     }
+}
+
+/// The rotated dims of a head: `factor × head_dim` (transformers truncates), even and
+/// positive.
+fn rotary_dim(factor: Option<f64>, head_dim: usize) -> Result<usize> {
+    let Some(f) = factor else { return Ok(head_dim) };
+    let dim = (head_dim as f64 * f) as usize;
+    if !(f > 0.0 && f <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
+        return Err(Error::invalid(
+            "partial_rotary_factor",
+            format!("{f} of a {head_dim}-dim head must leave an even number of rotated dims"),
+        ));
+    }
+    Ok(dim)
 }
 
 /// `v` when it is a positive, finite number; otherwise an error naming `key`.
@@ -693,23 +719,46 @@ mod tests {
     }
 
     #[test]
-    fn phi3_fuses_its_projections_and_partial_rotary_is_refused() {
+    fn phi3_fuses_its_projections_and_rotates_part_of_each_head() {
         let phi3 = with(r#"{"sliding_window":2047}"#).replace("LlamaForCausalLM", "Phi3ForCausalLM");
         let c = ModelConfig::from_json_str(&phi3).unwrap();
         assert_eq!(c.architecture, Architecture::Phi3);
         assert!(c.fused_projections && !c.qkv_bias && !c.qk_norm);
         assert_eq!(c.sliding_window, Some(2047));
         assert!(!ModelConfig::from_json_str(BASE).unwrap().fused_projections);
-        for extra in [
-            r#"{"partial_rotary_factor":0.75}"#,
-            r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":0.5}}"#,
+        for (extra, dims) in [
+            (r#"{"partial_rotary_factor":0.75}"#, 12),
+            (
+                r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":0.5}}"#,
+                8,
+            ),
+            (
+                r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":1.0}}"#,
+                16,
+            ),
         ] {
+            assert_eq!(ModelConfig::from_json_str(&with(extra)).unwrap().rotary_dim, dims, "{extra}");
+        }
+        for extra in [r#"{"partial_rotary_factor":0.1}"#, r#"{"partial_rotary_factor":1.5}"#] {
             let e = ModelConfig::from_json_str(&with(extra)).unwrap_err().to_string();
             assert!(e.contains("partial_rotary_factor"), "{extra}: {e}");
         }
-        let whole =
-            r#"{"rope_parameters":{"rope_type":"default","rope_theta":10000.0,"partial_rotary_factor":1.0}}"#;
-        assert!(ModelConfig::from_json_str(&with(whole)).is_ok());
+        // LongRoPE: a factor per rotated pair, the original context beside rope_scaling.
+        let long = |short: &str| {
+            with(&format!(
+                r#"{{"partial_rotary_factor":0.75,"original_max_position_embeddings":64,"max_position_embeddings":512,
+                    "rope_scaling":{{"type":"su","short_factor":{short},"long_factor":[1,2,3,4,5,6]}}}}"#
+            ))
+        };
+        let c = ModelConfig::from_json_str(&long("[1,1,1,1,1,1]")).unwrap();
+        let RopeScaling::LongRope { original_max_position_embeddings, attention_factor, .. } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(original_max_position_embeddings, 64);
+        assert!((attention_factor - (1.0 + 8f64.ln() / 64f64.ln()).sqrt()).abs() < 1e-12);
+        let e = ModelConfig::from_json_str(&long("[1,1]")).unwrap_err().to_string();
+        assert!(e.contains("short_factor"), "{e}");
     }
 
     #[test]

@@ -33,14 +33,26 @@ pub enum RopeScaling {
         truncate: bool,
         attention_factor: f64,
     },
+    /// LongRoPE (Phi-3 "su", Phi-4-mini): each frequency divided by its own factor,
+    /// `short_factor` while a step's positions lie inside the original context, and
+    /// `long_factor` once one lies beyond it (transformers switches the same way);
+    /// rotated dims scaled by `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 impl RopeScaling {
-    /// What rotated queries and keys are each multiplied by (YaRN's `attention_factor`;
-    /// 1 for the others).
+    /// What rotated queries and keys are each multiplied by (YaRN's and LongRoPE's
+    /// `attention_factor`; 1 for the others).
     pub fn attention_factor(&self) -> f64 {
         match self {
-            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            RopeScaling::Yarn { attention_factor, .. } | RopeScaling::LongRope { attention_factor, .. } => {
+                *attention_factor
+            }
             _ => 1.0,
         }
     }
@@ -77,6 +89,10 @@ pub(super) fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
             })
         }
         "yarn" => yarn(rope, num("factor")?),
+        "longrope" | "su" => Err(Error::invalid(
+            "rope_scaling",
+            "longrope needs the model's context lengths (read by long_rope)",
+        )),
         other => Err(Error::Unsupported(format!(
             "rope_scaling type {other:?} (supported: default, linear, llama3, yarn)"
         ))),
@@ -136,4 +152,62 @@ pub(super) fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     } else {
         0.1 * mscale * scale.ln() + 1.0
     }
+}
+
+/// LongRoPE's parameters: per-frequency `short_factor` and `long_factor` (as many as the
+/// rotated pairs), `original_max_position_embeddings` (inside `rope_scaling` or beside it,
+/// transformers 4.x), `attention_factor` given or `√(1 + ln s / ln original)` with `s =
+/// factor` or `max_position_embeddings / original` (1 where `s ≤ 1`).
+pub(super) fn long_rope(
+    rope: &Value,
+    top_original: Option<usize>,
+    max_positions: usize,
+    pairs: usize,
+) -> Result<RopeScaling> {
+    let list = |key: &str| -> Result<Vec<f64>> {
+        let v = rope.get(key).and_then(|v| v.as_array()).ok_or_else(|| {
+            Error::invalid(format!("rope_scaling.{key}"), "a list of factors is required for longrope")
+        })?;
+        let factors: Vec<f64> =
+            v.iter().filter_map(|x| x.as_f64()).filter(|x| x.is_finite() && *x > 0.0).collect();
+        if factors.len() != v.len() || factors.len() != pairs {
+            return Err(Error::invalid(
+                format!("rope_scaling.{key}"),
+                format!("{} entries; the rotated dims need {pairs} positive numbers", v.len()),
+            ));
+        }
+        Ok(factors)
+    };
+    let original = rope
+        .get("original_max_position_embeddings")
+        .and_then(|v| v.as_u64())
+        .map(|v| v as usize)
+        .or(top_original)
+        .filter(|&n| n > 1)
+        .ok_or_else(|| {
+            Error::invalid(
+                "original_max_position_embeddings",
+                "required (above 1) for rope_type \"longrope\"",
+            )
+        })?;
+    let attention_factor = match rope.get("attention_factor").and_then(|v| v.as_f64()) {
+        Some(a) => positive("rope_scaling.attention_factor", a)?,
+        None => {
+            let scale = match rope.get("factor").and_then(|v| v.as_f64()) {
+                Some(f) => positive("rope_scaling.factor", f)?,
+                None => max_positions as f64 / original as f64,
+            };
+            if scale <= 1.0 {
+                1.0
+            } else {
+                (1.0 + scale.ln() / (original as f64).ln()).sqrt()
+            }
+        }
+    };
+    Ok(RopeScaling::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        attention_factor,
+    })
 }

@@ -348,7 +348,7 @@ fn check_rope_and_picks<B: Backend>(
     let d = s.head_dim;
     let inv_freq: Vec<f32> =
         (0..d / 2).map(|i| 1.0 / 500000f32.powf((2 * i) as f32 / d as f32) / 1.7).collect();
-    let table = RopeTable { inv_freq };
+    let table = RopeTable { inv_freq, scale: 1.0 };
     let positions: Vec<u32> = (0..n as u32).map(|i| i * 977 % (s.context as u32 + 64)).collect();
     let q = random(rng, n * s.heads * d, 1.0);
     let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
@@ -361,6 +361,14 @@ fn check_rope_and_picks<B: Backend>(
         &run.cpu.to_host(&qc)?,
         F32_TOL,
     );
+    // Partial rotary (the first half of each head) with an attention factor (YaRN,
+    // LongRoPE): the other dims pass unchanged.
+    let partial = RopeTable { inv_freq: table.inv_freq[..d / 4].to_vec(), scale: 1.3 };
+    let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
+    dev.rope(&mut qd, d, &positions, &partial)?;
+    run.cpu.rope(&mut qc, d, &positions, &partial)?;
+    let (got, want) = (dev.to_host(&qd)?, run.cpu.to_host(&qc)?);
+    run.record("rope (partial, scaled)", format!("[{n}, {}×{d}]", s.heads), &got, &want, F32_TOL);
 
     Ok(())
 }
@@ -476,7 +484,7 @@ fn check_rope_write_kv<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s
         layout.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
     }
     let inv_freq: Vec<f32> = (0..d / 2).map(|i| 1.0 / 10000f32.powf((2 * i) as f32 / d as f32)).collect();
-    let rope = RopeTable { inv_freq };
+    let rope = RopeTable { inv_freq, scale: 1.0 };
     let (q, k, v) =
         (random(rng, n * s.heads * d, 1.0), random(rng, n * kv_dim, 1.0), random(rng, n * kv_dim, 1.0));
     let (mut qd, mut qc) = run.pair(&q, n, s.heads * d)?;
@@ -484,6 +492,8 @@ fn check_rope_write_kv<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s
     let (vd, vc) = run.pair(&v, n, kv_dim)?;
     let mut cd = dev.alloc_kv(2 * blocks, bs, kv_dim)?;
     let mut cc = run.cpu.alloc_kv(2 * blocks, bs, kv_dim)?;
+    // A partial rotary table: the K dims it passes over must reach the cache too.
+    let rope = RopeTable { inv_freq: rope.inv_freq[..d / 4].to_vec(), scale: 1.1 };
     dev.rope_write_kv(&mut qd, &mut kd, &vd, &mut cd, &layout, d, &rope)?;
     run.cpu.rope_write_kv(&mut qc, &mut kc, &vc, &mut cc, &layout, d, &rope)?;
     let (mut got, mut want) = (dev.to_host(&qd)?, run.cpu.to_host(&qc)?);

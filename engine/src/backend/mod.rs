@@ -96,8 +96,12 @@ impl Quantization {
 /// Rotary embedding frequencies (a model may have several: local and global layers).
 #[derive(Debug, Clone, PartialEq)]
 pub struct RopeTable {
-    /// `head_dim / 2` inverse frequencies, already rescaled (linear, llama3).
+    /// Inverse frequencies, already rescaled (linear, llama3, YaRN, LongRoPE): one per
+    /// rotated pair. Rope rotates the first `2 · inv_freq.len()` dims of each head (all
+    /// of them, or `partial_rotary_factor` of them), pairing dim `i` with `i + len`.
     pub inv_freq: Vec<f32>,
+    /// Rotated dims are multiplied by this (YaRN's and LongRoPE's attention factor).
+    pub scale: f32,
 }
 
 /// Shape of the attention a layer computes.
@@ -207,6 +211,20 @@ pub trait TensorOps: Tensors {
         let out: Vec<f32> =
             host.chunks_exact(width.max(1)).flat_map(|r| r[cols.clone()].iter().copied()).collect();
         self.upload(out, rows, cols.len())
+    }
+    /// The parts one after another: `[a, n] ; [b, n] ; … → [a + b + …, n]`. The default
+    /// copies through the host.
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor> {
+        let cols = parts.first().map_or(0, |p| self.shape(p).1);
+        if parts.iter().any(|p| self.shape(p).1 != cols) {
+            return Err(Error::Internal("stacking tensors of different widths".into()));
+        }
+        let mut out = Vec::new();
+        for p in parts {
+            out.extend(self.to_host(p)?);
+        }
+        let rows = out.len() / cols.max(1);
+        self.upload(out, rows, cols)
     }
     /// The parts' rows side by side: `[n, a] ‖ [n, b] ‖ … → [n, a + b + …]`. The default
     /// copies through the host.

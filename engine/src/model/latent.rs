@@ -17,8 +17,8 @@
 //!
 //! Rope dims stored interleaved (`rope_interleave`) are de-interleaved in the weights at
 //! load, which is what transformers' interleaved rotation computes. YaRN's attention factor
-//! scales the rope dims' product (here the rotated queries, by its square); the softmax
-//! scale carries `mscale_all_dim`'s. Tensor parallelism splits the heads; every rank
+//! scales the rotated dims (the rope table's scale); the softmax scale carries
+//! `mscale_all_dim`'s. Tensor parallelism splits the heads; every rank
 //! computes and caches the latent (it is shared by all heads).
 //!
 //! [`AttentionOps::alloc_kv_shared`]: crate::backend::AttentionOps::alloc_kv_shared
@@ -29,7 +29,7 @@ use strata_common::{Error, Latent, Result};
 
 use super::loader::ShardLoader;
 use super::parts::{Linear, Norm, NormKind, PartCx};
-use crate::backend::{AttentionShape, Backend, Pointwise};
+use crate::backend::{AttentionShape, Backend};
 use crate::tensor::HostTensor;
 
 /// A layer's latent attention, this rank's heads of it.
@@ -49,8 +49,6 @@ pub(super) struct LatentAttention<B: Backend> {
     pub absorb_k: Vec<B::Weight>,
     pub absorb_v: Vec<B::Weight>,
     pub o: Linear<B>,
-    /// YaRN's attention factor squared (1 without).
-    pub rope_factor: f32,
     pub shape: AttentionShape,
 }
 
@@ -76,11 +74,14 @@ impl<B: Backend> LatentAttention<B> {
         let [q_nope, mut q_rope] = Linear::apply_many(b, q_in, [&self.q_nope, &self.q_rope])?;
         let [c, mut k_rope] = Linear::apply_many(b, normed, [&self.kv_latent, &self.k_rope])?;
         let c = self.kv_norm.apply(b, &c)?;
-        b.rope(&mut q_rope, r, positions, rope)?;
-        b.rope(&mut k_rope, r, positions, rope)?;
-        if self.rope_factor != 1.0 {
-            b.pointwise(&mut q_rope, Pointwise::Scale(self.rope_factor))?;
-        }
+        let (q_rope, k_rope) = match cx.mixed_ropes {
+            Some(_) => (cx.rope(q_rope, r, 0)?, cx.rope(k_rope, r, 0)?),
+            None => {
+                b.rope(&mut q_rope, r, positions, rope)?;
+                b.rope(&mut k_rope, r, positions, rope)?;
+                (q_rope, k_rope)
+            }
+        };
         let latent = b.concat_columns(&[&c, &k_rope])?;
         b.write_kv(cache, &latent, &latent, cx.layout)?;
         let mut parts = Vec::with_capacity(2 * self.heads);
@@ -187,7 +188,6 @@ impl<B: Backend> ShardLoader<'_, B> {
             absorb_v.push(self.weight(&format!("{a}.kv_b_proj.v{hd}"), uv, v, 0..v)?);
         }
         let o = self.row(&format!("{a}.o_proj"), n * v, heads.start * v..heads.end * v, c.o_bias)?;
-        let factor = c.rope_scaling.attention_factor() as f32;
         Ok(LatentAttention {
             dims,
             heads: heads.len(),
@@ -200,7 +200,6 @@ impl<B: Backend> ShardLoader<'_, B> {
             absorb_k,
             absorb_v,
             o,
-            rope_factor: factor * factor,
             shape: AttentionShape {
                 num_heads: heads.len(),
                 num_kv_heads: 1,

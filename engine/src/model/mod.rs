@@ -77,6 +77,8 @@ pub struct Model<B: Backend> {
     lm_head: Option<B::Weight>,
     /// The rope tables the layers' attention parts name.
     ropes: Vec<RopeTable>,
+    /// LongRoPE: the context at which steps switch to the long factors, and those tables.
+    long_ropes: Option<(usize, Vec<RopeTable>)>,
     weight_bytes: usize,
     /// Expert weights a batch-1 decode step leaves unread (see [`loader::ShardLoader`]).
     idle_expert_bytes: usize,
@@ -139,6 +141,7 @@ impl<B: Backend> Model<B> {
         let rank = s.rank;
         Ok(Model {
             ropes: rope::rope_tables(c),
+            long_ropes: rope::long_rope_tables(c),
             config,
             shard: ms,
             backend,
@@ -227,7 +230,8 @@ impl<B: Backend> Model<B> {
         kv: &mut [B::KvLayer],
         comm: &mut dyn DeviceCollectives<B>,
     ) -> Result<Option<StepOutput>> {
-        if !comm.in_stream_order() {
+        // A captured graph keeps its rope tables: LongRoPE's switch runs op by op.
+        if !comm.in_stream_order() || self.long_ropes.is_some() {
             return Ok(None);
         }
         let last = self.shard.is_last_stage();
@@ -305,8 +309,26 @@ impl<B: Backend> Model<B> {
         comm: &mut dyn DeviceCollectives<B>,
     ) -> Result<B::Tensor> {
         let group = &self.shard.tp_group[..];
+        // LongRoPE: a sequence reaching past the original context in this step rotates
+        // its new tokens with the long factors (as transformers decides for a forward
+        // pass: by its length so far); a step may hold sequences of both kinds.
+        let (mut ropes, mut mixed_ropes) = (&self.ropes[..], None);
+        if let Some((original, long)) = &self.long_ropes {
+            let mut rows = vec![false; layout.positions.len()];
+            for s in &layout.seqs {
+                let takes_long = s.context_before + s.num_tokens > *original;
+                rows.get_mut(s.token_start..s.token_start + s.num_tokens)
+                    .ok_or_else(|| Error::Internal("a sequence's rows lie outside the step".into()))?
+                    .fill(takes_long);
+            }
+            match (rows.iter().all(|&r| r), rows.iter().any(|&r| r)) {
+                (true, _) => ropes = &long[..],
+                (false, true) => mixed_ropes = Some((&long[..], rows)),
+                (false, false) => {}
+            }
+        }
         let mut cx =
-            PartCx { b: &self.backend, layout, ropes: &self.ropes, comm, group, metrics: &self.metrics };
+            PartCx { b: &self.backend, layout, ropes, mixed_ropes, comm, group, metrics: &self.metrics };
         parts::run(&mut cx, &self.layers, kv, x)
     }
 

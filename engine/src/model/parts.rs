@@ -57,8 +57,7 @@ pub struct AttentionSpec {
     /// Which of the model's rope tables rotates its queries and keys.
     pub rope: usize,
     /// What the scores `q · k` are multiplied by (`head_dim^-½` unless the model says;
-    /// times the square of YaRN's attention factor, which transformers applies to q and
-    /// k alike).
+    /// YaRN's and LongRoPE's attention factor scales the rotated dims, in the rope table).
     pub scale: f32,
     /// Scaled scores are soft-capped at this (Gemma 2).
     pub softcap: Option<f32>,
@@ -114,9 +113,6 @@ impl LayerSpec {
             Some(s) => (s as f32).powf(-0.5),
             None => 1.0 / (config.head_dim as f32).sqrt(),
         };
-        // YaRN scales rotated queries and keys alike: their product by its square. Layers
-        // rotating with their own unscaled base (Gemma 3's local ones) are not scaled.
-        let factor = config.rope_scaling.attention_factor() as f32;
         let moe_layers = config.moe.as_ref().map(|m| m.layers.clone()).unwrap_or_default();
         let mlp = |i: usize| match (&config.moe, moe_layers.get(i)) {
             (Some(m), Some(true)) => MlpSpec {
@@ -145,7 +141,7 @@ impl LayerSpec {
                     sliding_window: if windowed { config.sliding_window } else { None },
                     qk_norm: config.qk_norm,
                     rope,
-                    scale: if rope == 0 { scale * factor * factor } else { scale },
+                    scale,
                     softcap: config.attn_logit_softcap,
                     sinks: config.attention_sinks,
                 },
@@ -225,6 +221,9 @@ pub(super) struct PartCx<'a, B: Backend> {
     pub b: &'a B,
     pub layout: &'a BatchLayout,
     pub ropes: &'a [RopeTable],
+    /// LongRoPE with sequences on both sides of the original context in one step: the
+    /// long tables and, per row, whether its sequence takes them (`ropes` holds the short).
+    pub mixed_ropes: Option<(&'a [RopeTable], Vec<bool>)>,
     /// This rank's collectives, and its stage's TP group (which is also the group its
     /// experts are split across under expert parallelism), ascending.
     pub comm: &'a mut dyn DeviceCollectives<B>,
@@ -233,6 +232,39 @@ pub(super) struct PartCx<'a, B: Backend> {
 }
 
 impl<B: Backend> PartCx<'_, B> {
+    /// Rope on `x` (`head_dim`-wide heads) with table `index`: each row's own table when
+    /// the step mixes LongRoPE's short and long ones (rows of a run rotated together).
+    pub fn rope(&self, x: B::Tensor, head_dim: usize, index: usize) -> Result<B::Tensor> {
+        let table = |ropes: &[RopeTable]| {
+            ropes
+                .get(index)
+                .cloned()
+                .ok_or_else(|| Error::Internal(format!("rope table {index} of {}", ropes.len())))
+        };
+        let positions = &self.layout.positions;
+        let Some((long, rows)) = &self.mixed_ropes else {
+            let mut x = x;
+            self.b.rope(&mut x, head_dim, positions, &table(self.ropes)?)?;
+            return Ok(x);
+        };
+        let (short, long) = (table(self.ropes)?, table(long)?);
+        let mut parts = Vec::new();
+        let mut start = 0;
+        while start < rows.len() {
+            let end = (start..rows.len()).find(|&r| rows[r] != rows[start]).unwrap_or(rows.len());
+            let mut part = self.b.gather_rows(&x, &(start..end).collect::<Vec<_>>())?;
+            self.b.rope(
+                &mut part,
+                head_dim,
+                &positions[start..end],
+                if rows[start] { &long } else { &short },
+            )?;
+            parts.push(part);
+            start = end;
+        }
+        self.b.concat_rows(&parts.iter().collect::<Vec<_>>())
+    }
+
     /// Sums a row-parallel projection's partial output `x` across the TP group, timed on
     /// this rank (on a device, until the collective is queued on the stream).
     pub fn reduce(&mut self, x: &mut B::Tensor) -> Result<()> {
@@ -284,7 +316,13 @@ impl<B: Backend> Attention<B> {
                     q = q_norm.apply_per_head(b, q, self.shape.head_dim)?;
                     k = k_norm.apply_per_head(b, k, self.shape.head_dim)?;
                 }
-                b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
+                if cx.mixed_ropes.is_some() {
+                    q = cx.rope(q, self.shape.head_dim, self.spec.rope)?;
+                    k = cx.rope(k, self.shape.head_dim, self.spec.rope)?;
+                    b.write_kv(cache, &k, &v, cx.layout)?;
+                } else {
+                    b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
+                }
                 let attn = b.attention(&q, cache, cx.layout, self.shape, self.sinks.as_ref())?;
                 let mut o = self.o.apply(b, &attn)?;
                 cx.reduce(&mut o)?;

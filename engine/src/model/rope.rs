@@ -10,13 +10,38 @@ use strata_common::{ModelConfig, RopeScaling};
 use crate::backend::RopeTable;
 
 /// The model's rope tables: the global one (`rope_theta`, rescaled), then, where windowed
-/// layers rotate with a base of their own (Gemma 3), theirs, unscaled.
+/// layers rotate with a base of their own (Gemma 3), theirs, unscaled. Under LongRoPE the
+/// global table holds the short factors.
 pub fn rope_tables(config: &ModelConfig) -> Vec<RopeTable> {
-    let mut tables = vec![table(config.head_dim, config.rope_theta, &config.rope_scaling)];
+    let mut tables = vec![table(config.rotary_dim, config.rope_theta, &config.rope_scaling)];
     if let Some(theta) = config.local_rope_theta {
-        tables.push(table(config.head_dim, theta, &RopeScaling::None));
+        tables.push(table(config.rotary_dim, theta, &RopeScaling::None));
     }
     tables
+}
+
+/// Under LongRoPE, the tables a step uses once one of its positions lies at or past the
+/// original context (transformers switches there), and that context.
+pub fn long_rope_tables(config: &ModelConfig) -> Option<(usize, Vec<RopeTable>)> {
+    let RopeScaling::LongRope { long_factor, original_max_position_embeddings, attention_factor, .. } =
+        &config.rope_scaling
+    else {
+        return None;
+    };
+    let mut tables = rope_tables(config);
+    tables[0] = long_rope(config.rotary_dim, config.rope_theta, long_factor, *attention_factor);
+    Some((*original_max_position_embeddings, tables))
+}
+
+/// LongRoPE's frequencies: each pair's divided by its factor.
+fn long_rope(dim: usize, theta: f64, factors: &[f64], attention_factor: f64) -> RopeTable {
+    let base = theta as f32;
+    let inv_freq = (0..dim / 2)
+        .map(|i| {
+            1.0 / (factors.get(i).copied().unwrap_or(1.0) as f32 * base.powf((2 * i) as f32 / dim as f32))
+        })
+        .collect();
+    RopeTable { inv_freq, scale: attention_factor as f32 }
 }
 
 fn table(dim: usize, theta: f64, scaling: &RopeScaling) -> RopeTable {
@@ -24,6 +49,9 @@ fn table(dim: usize, theta: f64, scaling: &RopeScaling) -> RopeTable {
     let mut inv_freq: Vec<f32> = (0..dim / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / dim as f32)).collect();
     match *scaling {
         RopeScaling::None => {}
+        RopeScaling::LongRope { ref short_factor, attention_factor, .. } => {
+            return long_rope(dim, theta, short_factor, attention_factor);
+        }
         RopeScaling::Linear { factor } => {
             for f in &mut inv_freq {
                 *f /= factor as f32;
@@ -70,7 +98,7 @@ fn table(dim: usize, theta: f64, scaling: &RopeScaling) -> RopeTable {
             }
         }
     }
-    RopeTable { inv_freq }
+    RopeTable { inv_freq, scale: scaling.attention_factor() as f32 }
 }
 
 /// The dimensions (pairs) between which YaRN ramps from kept to interpolated frequencies:

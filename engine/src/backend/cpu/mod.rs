@@ -363,15 +363,28 @@ impl AttentionOps for CpuBackend {
         Ok(layer)
     }
     fn rope(&self, x: &mut CpuTensor, head_dim: usize, positions: &[u32], rope: &RopeTable) -> Result<()> {
-        let half = head_dim / 2;
+        // Pairs (i, i + half) of the first 2 · half dims of each head; the rest pass.
+        let half = rope.inv_freq.len();
+        if head_dim == 0
+            || 2 * half > head_dim
+            || !x.cols.is_multiple_of(head_dim)
+            || positions.len() != x.rows
+        {
+            return Err(Error::Internal(format!(
+                "rope of {half} pairs over heads of {head_dim} in rows of {} ({} positions, {} rows)",
+                x.cols,
+                positions.len(),
+                x.rows
+            )));
+        }
         let cols = x.cols;
         let rotate_row = |(row, &pos): (&mut [f32], &u32)| {
             let mut cos = vec![0f32; half];
             let mut sin = vec![0f32; half];
             for i in 0..half {
                 let angle = pos as f32 * rope.inv_freq[i];
-                cos[i] = angle.cos();
-                sin[i] = angle.sin();
+                cos[i] = angle.cos() * rope.scale;
+                sin[i] = angle.sin() * rope.scale;
             }
             for head in row.chunks_mut(head_dim) {
                 let (a, b) = head.split_at_mut(half);

@@ -92,7 +92,7 @@ fn rms_norm_matches_reference() {
 fn rope_rotates_pairs_half_apart() {
     let b = CpuBackend::new();
     let head_dim = 8;
-    let table = RopeTable { inv_freq: vec![1.0, 0.1, 0.01, 0.001] };
+    let table = RopeTable { inv_freq: vec![1.0, 0.1, 0.01, 0.001], scale: 1.0 };
     let x = random(2 * 16, 7); // 2 tokens, 2 heads
     let mut t = CpuTensor::new(x.clone(), 2, 16);
     b.rope(&mut t, head_dim, &[0, 5], &table).unwrap();

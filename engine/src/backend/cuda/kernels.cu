@@ -161,11 +161,12 @@ KERNEL void add_rms_norm(float* x, const float* d, const float* w, float* y, int
     }
 }
 
-// Rotates pair i of one head (its halves' i-th elements) by angle pos × inv_freq[i].
-DEVICE void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq) {
+// Rotates pair i of one head (elements i and i + half) by angle pos × inv_freq[i],
+// scaled by mscale (YaRN's and LongRoPE's attention factor; 1 for the others).
+DEVICE void rotate_pair(float* head, int i, int half, float pos, const float* inv_freq, float mscale) {
     float angle = pos * inv_freq[i];
-    float c = cosf(angle);
-    float s = sinf(angle);
+    float c = cosf(angle) * mscale;
+    float s = sinf(angle) * mscale;
     float x1 = head[i];
     float x2 = head[i + half];
     head[i] = x1 * c - x2 * s;
@@ -173,41 +174,46 @@ DEVICE void rotate_pair(float* head, int i, int half, float pos, const float* in
 }
 
 // One block per new token, fusing RoPE with the KV write: rotates the token's q and k
-// heads in place, then stores k and v, rounded to bf16, at its cache slot.
+// heads in place (the first 2 × half dims of each), then stores k and v, rounded to
+// bf16, at its cache slot.
 KERNEL void rope_write_kv(float* q, float* k, const float* v, bf16_t* k_cache, bf16_t* v_cache,
                           const int* positions, const int* slots, const float* inv_freq, int q_cols,
-                          int kv_dim, int head_dim) {
+                          int kv_dim, int head_dim, int half, float mscale) {
     int t = blockIdx.x;
     float pos = (float)positions[t];
-    int half = head_dim / 2;
     float* q_row = q + (long long)t * q_cols;
-    for (int j = threadIdx.x; j < q_cols / 2; j += blockDim.x) {
-        rotate_pair(q_row + (j / half) * head_dim, j % half, half, pos, inv_freq);
+    for (int j = threadIdx.x; j < q_cols / head_dim * half; j += blockDim.x) {
+        rotate_pair(q_row + (j / half) * head_dim, j % half, half, pos, inv_freq, mscale);
     }
     float* k_row = k + (long long)t * kv_dim;
     const float* v_row = v + (long long)t * kv_dim;
     long long dst = (long long)slots[t] * kv_dim;
-    for (int j = threadIdx.x; j < kv_dim / 2; j += blockDim.x) {
+    for (int j = threadIdx.x; j < kv_dim / head_dim * half; j += blockDim.x) {
         int head = (j / half) * head_dim;
         int i = j % half;
-        rotate_pair(k_row + head, i, half, pos, inv_freq);
+        rotate_pair(k_row + head, i, half, pos, inv_freq, mscale);
         k_cache[dst + head + i] = f32_to_bf16(k_row[head + i]);
         k_cache[dst + head + i + half] = f32_to_bf16(k_row[head + i + half]);
     }
     for (int c = threadIdx.x; c < kv_dim; c += blockDim.x) {
+        // The dims rope passes over (partial rotary), as they are.
+        if (c % head_dim >= 2 * half) {
+            k_cache[dst + c] = f32_to_bf16(k_row[c]);
+        }
         v_cache[dst + c] = f32_to_bf16(v_row[c]);
     }
 }
 
-// One block per row: rotates each head's halves by the token's position (HF's
-// rotate_half form). inv_freq holds head_dim / 2 frequencies, already rescaled.
-KERNEL void rope(float* x, const int* positions, const float* inv_freq, int cols, int head_dim) {
+// One block per row: rotates the first 2 × half dims of each head by the token's position
+// (HF's rotate_half form: dim i with dim i + half). inv_freq holds half frequencies,
+// already rescaled.
+KERNEL void rope(float* x, const int* positions, const float* inv_freq, int cols, int head_dim, int half,
+                 float mscale) {
     float* row = x + (long long)blockIdx.x * cols;
     float pos = (float)positions[blockIdx.x];
-    int half = head_dim / 2;
-    int pairs = cols / 2;
+    int pairs = cols / head_dim * half;
     for (int j = threadIdx.x; j < pairs; j += blockDim.x) {
-        rotate_pair(row + (j / half) * head_dim, j % half, half, pos, inv_freq);
+        rotate_pair(row + (j / half) * head_dim, j % half, half, pos, inv_freq, mscale);
     }
 }
 

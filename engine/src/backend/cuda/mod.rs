@@ -538,6 +538,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
             || head_dim == 0
             || !x.cols.is_multiple_of(head_dim)
             || !head_dim.is_multiple_of(2)
+            || 2 * rope.inv_freq.len() > head_dim
         {
             return Err(Error::Internal(format!(
                 "rope of [{}, {}] with head_dim {head_dim} and {} positions",
@@ -568,6 +569,8 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
                 Arg::Buf(&freqs),
                 Arg::I32(dim(x.cols)?),
                 Arg::I32(dim(head_dim)?),
+                Arg::I32(dim(rope.inv_freq.len())?),
+                Arg::F32(rope.scale),
             ],
         )
     }
@@ -585,6 +588,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
         let shapes_ok = q.rows == rows && k.rows == rows && v.rows == rows && layout.slots.len() == rows;
         let heads_ok = head_dim > 0
             && head_dim.is_multiple_of(2)
+            && 2 * rope.inv_freq.len() <= head_dim
             && q.cols.is_multiple_of(head_dim)
             && k.cols == cache.kv_dim
             && v.cols == cache.kv_dim
@@ -612,6 +616,8 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
                 Arg::I32(dim(q.cols)?),
                 Arg::I32(dim(cache.kv_dim)?),
                 Arg::I32(dim(head_dim)?),
+                Arg::I32(dim(rope.inv_freq.len())?),
+                Arg::F32(rope.scale),
             ],
         )
     }
