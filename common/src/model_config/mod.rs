@@ -304,8 +304,9 @@ impl ModelConfig {
         if let Some(l) = &latent {
             head_dim = l.qk_rope_head_dim;
         }
-        let rotary_dim = match (&latent, gemma) {
-            (None, false) => rotary_dim(partial, head_dim)?,
+        // Of the families here, transformers rotates part of a head only in Phi-3's.
+        let rotary_dim = match (&latent, architecture) {
+            (None, Architecture::Phi3) => rotary_dim(partial, head_dim)?,
             _ if partial.is_some_and(|f| f != 1.0) => {
                 return Err(Error::Unsupported(format!(
                     "partial_rotary_factor {} for {}",
@@ -737,18 +738,24 @@ mod tests {
                 16,
             ),
         ] {
-            assert_eq!(ModelConfig::from_json_str(&with(extra)).unwrap().rotary_dim, dims, "{extra}");
+            let phi = with(extra).replace("LlamaForCausalLM", "Phi3ForCausalLM");
+            assert_eq!(ModelConfig::from_json_str(&phi).unwrap().rotary_dim, dims, "{extra}");
         }
         for extra in [r#"{"partial_rotary_factor":0.1}"#, r#"{"partial_rotary_factor":1.5}"#] {
-            let e = ModelConfig::from_json_str(&with(extra)).unwrap_err().to_string();
+            let phi = with(extra).replace("LlamaForCausalLM", "Phi3ForCausalLM");
+            let e = ModelConfig::from_json_str(&phi).unwrap_err().to_string();
             assert!(e.contains("partial_rotary_factor"), "{extra}: {e}");
         }
+        // transformers' Llama rotates whole heads: a partial factor there is refused.
+        let e = ModelConfig::from_json_str(&with(r#"{"partial_rotary_factor":0.5}"#)).unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)) && e.to_string().contains("partial_rotary_factor"), "{e}");
         // LongRoPE: a factor per rotated pair, the original context beside rope_scaling.
         let long = |short: &str| {
             with(&format!(
                 r#"{{"partial_rotary_factor":0.75,"original_max_position_embeddings":64,"max_position_embeddings":512,
                     "rope_scaling":{{"type":"su","short_factor":{short},"long_factor":[1,2,3,4,5,6]}}}}"#
             ))
+            .replace("LlamaForCausalLM", "Phi3ForCausalLM")
         };
         let c = ModelConfig::from_json_str(&long("[1,1,1,1,1,1]")).unwrap();
         let RopeScaling::LongRope { original_max_position_embeddings, attention_factor, .. } = c.rope_scaling
