@@ -106,6 +106,7 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(embed)
     EMU_KERNEL(write_kv)
     EMU_KERNEL(gather_rows)
+    EMU_KERNEL(copy_block)
     EMU_KERNEL(unshard_rows)
     EMU_KERNEL(greedy_pick)
     EMU_KERNEL(top_logits)

@@ -248,6 +248,18 @@ KERNEL void gather_rows(const float* x, const int* rows, float* y, int cols) {
     }
 }
 
+// dst[dst_row + r, dst_col + c] = src[r, src_col + c] for c < width, one block per row of
+// src: a column slice (one head of per-head activations), or one part of a concatenation
+// by columns or by rows.
+KERNEL void copy_block(const float* src, float* dst, int src_cols, int src_col, int dst_cols, int dst_col,
+                       int dst_row, int width) {
+    const float* s = src + (long long)blockIdx.x * src_cols + src_col;
+    float* d = dst + ((long long)blockIdx.x + dst_row) * dst_cols + dst_col;
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        d[c] = s[c];
+    }
+}
+
 // y[t, r*w + c] = x[r, t, c]: whole rows of `ranks` vocabulary shards of width w gathered
 // rank after rank ([ranks][rows][w], an all-gather's order). One block per row.
 KERNEL void unshard_rows(const float* x, float* y, int rows, int w, int ranks) {

@@ -44,6 +44,7 @@ pub enum Kernel {
     Embed,
     WriteKv,
     GatherRows,
+    CopyBlock,
     UnshardRows,
     GreedyPick,
     TopLogits,
@@ -53,7 +54,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 21] = [
+    pub const ALL: [Kernel; 22] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -69,6 +70,7 @@ impl Kernel {
         Kernel::Embed,
         Kernel::WriteKv,
         Kernel::GatherRows,
+        Kernel::CopyBlock,
         Kernel::UnshardRows,
         Kernel::GreedyPick,
         Kernel::TopLogits,
@@ -95,6 +97,7 @@ impl Kernel {
             Kernel::Embed => "embed",
             Kernel::WriteKv => "write_kv",
             Kernel::GatherRows => "gather_rows",
+            Kernel::CopyBlock => "copy_block",
             Kernel::UnshardRows => "unshard_rows",
             Kernel::GreedyPick => "greedy_pick",
             Kernel::TopLogits => "top_logits",

@@ -16,6 +16,7 @@
 //! by every layer; small per-call uploads (token ids, row indices) are the only host →
 //! device traffic besides the step's hidden states at pipeline boundaries.
 
+mod blocks;
 pub mod device;
 #[cfg(feature = "cuda")]
 pub mod driver;
@@ -498,6 +499,40 @@ impl<G: Gpu> TensorOps for CudaBackend<G> {
         Ok(y)
     }
 
+    fn columns(&self, x: &Self::Tensor, cols: std::ops::Range<usize>) -> Result<Self::Tensor> {
+        if cols.end > x.cols || cols.start > cols.end {
+            return Err(Error::Internal(format!("columns {cols:?} of {}", x.cols)));
+        }
+        let y = self.output(x.rows, cols.len())?;
+        self.copy_block(x, &y, (cols.start, 0, 0), cols.len())?;
+        Ok(y)
+    }
+    fn concat_columns(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor> {
+        let rows = parts.first().map_or(0, |p| p.rows);
+        if parts.iter().any(|p| p.rows != rows) {
+            return Err(Error::Internal("concatenating tensors of different row counts".into()));
+        }
+        let y = self.output(rows, parts.iter().map(|p| p.cols).sum())?;
+        let mut at = 0;
+        for p in parts {
+            self.copy_block(p, &y, (0, at, 0), p.cols)?;
+            at += p.cols;
+        }
+        Ok(y)
+    }
+    fn concat_rows(&self, parts: &[&Self::Tensor]) -> Result<Self::Tensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err(Error::Internal("stacking tensors of different widths".into()));
+        }
+        let y = self.output(parts.iter().map(|p| p.rows).sum(), cols)?;
+        let mut at = 0;
+        for p in parts {
+            self.copy_block(p, &y, (0, 0, at), cols)?;
+            at += p.rows;
+        }
+        Ok(y)
+    }
     fn interleave_blocks(&self, x: &Self::Tensor, blocks: usize) -> Result<Self::Tensor> {
         if blocks == 0 || !x.rows.is_multiple_of(blocks) {
             return Err(Error::Internal(format!("{} rows are not {blocks} blocks", x.rows)));
