@@ -7,8 +7,8 @@
 
 use serde_json::{Map, Value};
 
-use super::{opt_f64, positive, yarn_mscale, Activation, RopeScaling};
-use crate::error::Result;
+use super::{layer_types, opt_f64, opt_usize, positive, yarn_mscale, Activation, RopeScaling};
+use crate::error::{Error, Result};
 
 pub(super) const HEAD_DIM: usize = 64;
 pub(super) const ROPE_THETA: f64 = 150_000.0;
@@ -26,6 +26,17 @@ pub(super) fn default_rope() -> RopeScaling {
         truncate: false,
         attention_factor: yarn_mscale(32.0, 1.0),
     }
+}
+
+/// Which layers attend within the window (`layer_types`; absent, alternating from a
+/// windowed first layer) and the window.
+pub(super) fn windows(obj: &Map<String, Value>, num_layers: usize) -> Result<(Vec<bool>, usize)> {
+    let window = match opt_usize(obj, "sliding_window")? {
+        Some(0) => return Err(Error::invalid("sliding_window", "must be positive")),
+        Some(w) => w,
+        None => SLIDING_WINDOW,
+    };
+    Ok((layer_types(obj, num_layers, &|i| (i + 1) % 2 != 0)?, window))
 }
 
 /// The experts' clamped SwiGLU.

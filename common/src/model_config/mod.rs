@@ -23,7 +23,7 @@ mod rope;
 pub use deepseek::{GroupedRouting, Latent};
 pub use moe::{ExpertNames, Moe};
 pub use rope::RopeScaling;
-use rope::{long_rope, parse_rope, yarn_mscale};
+use rope::{parse_rope, yarn_mscale};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Architecture {
@@ -247,33 +247,9 @@ impl ModelConfig {
             _ => heads(obj, hidden_size, default_head_dim)?,
         };
 
-        // transformers 5 nests rope_theta inside rope_parameters.
-        let rope_obj =
-            obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
-        let default_theta = if gpt_oss { gpt_oss::ROPE_THETA } else { 10000.0 };
-        let rope_theta = match opt_f64(obj, "rope_theta")? {
-            Some(t) => t,
-            None => {
-                rope_obj.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(default_theta)
-            }
-        };
-        // RoPE over the first part of each head (Phi-4-mini: partial_rotary_factor 0.75).
-        let partial = match opt_f64(obj, "partial_rotary_factor")? {
-            Some(f) => Some(f),
-            None => rope_obj.and_then(|r| r.get("partial_rotary_factor")).and_then(|v| v.as_f64()),
-        };
-        let rope_kind =
-            rope_obj.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
         let max_positions = opt_usize(obj, "max_position_embeddings")?.unwrap_or(2048);
-        let mut rope_scaling = match (gemma, gpt_oss, rope_obj) {
-            (true, _, _) => RopeScaling::None, // by layer type, below
-            (_, true, None) => gpt_oss::default_rope(),
-            (_, _, Some(r)) if matches!(rope_kind, Some("longrope" | "su")) => {
-                let rot = rotary_dim(partial, head_dim)?;
-                long_rope(r, opt_usize(obj, "original_max_position_embeddings")?, max_positions, rot / 2)?
-            }
-            _ => parse_rope(rope_obj)?,
-        };
+        let rope::RopeKeys { theta: rope_theta, scaling: mut rope_scaling, partial } =
+            rope::rope_keys(obj, architecture, head_dim, max_positions)?;
 
         let FamilyOptions { qkv_bias, o_bias, mlp_bias, mut sliding_window, qk_norm } =
             family_options(architecture, obj)?;
@@ -288,13 +264,8 @@ impl ModelConfig {
                 (Some(g.query_pre_attn_scalar), g.final_logit_softcap, g.attn_logit_softcap);
         }
         if gpt_oss {
-            let window = match opt_usize(obj, "sliding_window")? {
-                Some(0) => return Err(Error::invalid("sliding_window", "must be positive")),
-                Some(w) => w,
-                None => gpt_oss::SLIDING_WINDOW,
-            };
-            windowed_layers = layer_types(obj, num_layers, &|i| (i + 1) % 2 != 0)?;
-            sliding_window = Some(window);
+            let (layers, window) = gpt_oss::windows(obj, num_layers)?;
+            (windowed_layers, sliding_window) = (layers, Some(window));
         }
         check_quantization(obj)?;
         let latent = match architecture {
@@ -304,18 +275,7 @@ impl ModelConfig {
         if let Some(l) = &latent {
             head_dim = l.qk_rope_head_dim;
         }
-        // Of the families here, transformers rotates part of a head only in Phi-3's.
-        let rotary_dim = match (&latent, architecture) {
-            (None, Architecture::Phi3) => rotary_dim(partial, head_dim)?,
-            _ if partial.is_some_and(|f| f != 1.0) => {
-                return Err(Error::Unsupported(format!(
-                    "partial_rotary_factor {} for {}",
-                    partial.unwrap_or(1.0),
-                    architecture.hf_class()
-                )))
-            }
-            _ => head_dim,
-        };
+        let rotary_dim = rope::rotated_dims(architecture, latent.is_some(), partial, head_dim)?;
 
         let vocab_size = req_usize(obj, "vocab_size")?;
         let config = ModelConfig {
@@ -352,36 +312,39 @@ impl ModelConfig {
             moe: moe::options(architecture, obj, num_layers)?,
             latent,
             fused_projections: architecture == Architecture::Phi3,
-            dtype: obj
-                .get("torch_dtype")
-                .or_else(|| obj.get("dtype"))
-                .and_then(|v| v.as_str())
-                .map(str::to_owned),
-            quantization: obj
-                .get("quantization_config")
-                .and_then(|q| q.get("quant_method"))
-                .and_then(|v| v.as_str())
-                .map(str::to_owned),
+            dtype: text(obj.get("torch_dtype").or_else(|| obj.get("dtype"))),
+            quantization: text(obj.get("quantization_config").and_then(|q| q.get("quant_method"))),
             bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id")?,
         };
+        config.check_sizes()?;
+        Ok(config)
+    }
+
+    /// The sizes that must not be zero.
+    fn check_sizes(&self) -> Result<()> {
         for (name, v) in [
-            ("hidden_size", config.hidden_size),
-            ("intermediate_size", config.intermediate_size),
-            ("num_hidden_layers", config.num_layers),
-            ("vocab_size", config.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_layers),
+            ("vocab_size", self.vocab_size),
         ] {
             if v == 0 {
                 return Err(Error::invalid(name, "must be positive"));
             }
         }
-        Ok(config)
+        Ok(())
     }
 
     /// Number of query heads per KV head (1 for MHA, `num_heads` for MQA).
     pub fn group_size(&self) -> usize {
         self.num_heads / self.num_kv_heads
     }
+}
+
+/// A string value, owned.
+fn text(v: Option<&Value>) -> Option<String> {
+    v.and_then(|v| v.as_str()).map(str::to_owned)
 }
 
 fn relabel(e: Error, path: &Path) -> Error {
@@ -436,20 +399,6 @@ fn check_quantization(obj: &Map<String, Value>) -> Result<()> {
         ))),
         None => Err(Error::invalid("quantization_config.quant_method", "missing")),
     }
-}
-
-/// The rotated dims of a head: `factor × head_dim` (transformers truncates), even and
-/// positive.
-fn rotary_dim(factor: Option<f64>, head_dim: usize) -> Result<usize> {
-    let Some(f) = factor else { return Ok(head_dim) };
-    let dim = (head_dim as f64 * f) as usize;
-    if !(f > 0.0 && f <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
-        return Err(Error::invalid(
-            "partial_rotary_factor",
-            format!("{f} of a {head_dim}-dim head must leave an even number of rotated dims"),
-        ));
-    }
-    Ok(dim)
 }
 
 /// `v` when it is a positive, finite number; otherwise an error naming `key`.

@@ -2,10 +2,71 @@
 //! transformers 5's `rope_parameters`) says: linear, Llama 3.1's, YaRN. Any other type is
 //! refused by name.
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
-use super::positive;
+use super::{gpt_oss, opt_f64, opt_usize, positive, Architecture};
 use crate::error::{Error, Result};
+
+/// What config.json says of rotary embeddings, whichever spelling it uses.
+pub(super) struct RopeKeys {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+    /// `partial_rotary_factor`, where given.
+    pub partial: Option<f64>,
+}
+
+/// The rope's base, scaling and partial factor: transformers 5 nests them inside
+/// `rope_parameters`, 4.x writes `rope_theta` beside `rope_scaling`. Gemma's ropes are
+/// read by layer type (`gemma`); gpt-oss's default is its YaRN.
+pub(super) fn rope_keys(
+    obj: &Map<String, Value>,
+    architecture: Architecture,
+    head_dim: usize,
+    max_positions: usize,
+) -> Result<RopeKeys> {
+    let rope = obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
+    let gpt_oss = architecture == Architecture::GptOss;
+    let default_theta = if gpt_oss { gpt_oss::ROPE_THETA } else { 10000.0 };
+    let theta = match opt_f64(obj, "rope_theta")? {
+        Some(t) => t,
+        None => rope.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(default_theta),
+    };
+    // RoPE over the first part of each head (Phi-4-mini: partial_rotary_factor 0.75).
+    let partial = match opt_f64(obj, "partial_rotary_factor")? {
+        Some(f) => Some(f),
+        None => rope.and_then(|r| r.get("partial_rotary_factor")).and_then(|v| v.as_f64()),
+    };
+    let kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
+    let scaling = match (architecture, rope) {
+        (Architecture::Gemma2 | Architecture::Gemma3, _) => RopeScaling::None, // by layer type
+        (Architecture::GptOss, None) => gpt_oss::default_rope(),
+        (_, Some(r)) if matches!(kind, Some("longrope" | "su")) => {
+            let rot = rotary_dim(partial, head_dim)?;
+            long_rope(r, opt_usize(obj, "original_max_position_embeddings")?, max_positions, rot / 2)?
+        }
+        _ => parse_rope(rope)?,
+    };
+    Ok(RopeKeys { theta, scaling, partial })
+}
+
+/// The dims of each head that rope rotates. Of the families here, transformers rotates
+/// part of a head only in Phi-3's; a partial factor elsewhere is refused.
+pub(super) fn rotated_dims(
+    architecture: Architecture,
+    latent: bool,
+    partial: Option<f64>,
+    head_dim: usize,
+) -> Result<usize> {
+    match (latent, architecture) {
+        (false, Architecture::Phi3) => rotary_dim(partial, head_dim),
+        _ if partial.is_some_and(|f| f != 1.0) => Err(Error::Unsupported(format!(
+            "partial_rotary_factor {} for {}",
+            partial.unwrap_or(1.0),
+            architecture.hf_class()
+        ))),
+        _ => Ok(head_dim),
+    }
+}
 
 /// How rotary position frequencies are rescaled for long contexts.
 #[derive(Debug, Clone, PartialEq)]
@@ -210,4 +271,18 @@ pub(super) fn long_rope(
         original_max_position_embeddings: original,
         attention_factor,
     })
+}
+
+/// The rotated dims of a head: `factor × head_dim` (transformers truncates), even and
+/// positive.
+fn rotary_dim(factor: Option<f64>, head_dim: usize) -> Result<usize> {
+    let Some(f) = factor else { return Ok(head_dim) };
+    let dim = (head_dim as f64 * f) as usize;
+    if !(f > 0.0 && f <= 1.0) || dim == 0 || !dim.is_multiple_of(2) {
+        return Err(Error::invalid(
+            "partial_rotary_factor",
+            format!("{f} of a {head_dim}-dim head must leave an even number of rotated dims"),
+        ));
+    }
+    Ok(dim)
 }
