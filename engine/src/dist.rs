@@ -57,10 +57,9 @@ fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism, element: us
     Ok(plan
         .ranks
         .iter()
-        .map(|r| match &config.latent {
-            // The latent and the rotated key, once (they are keys and values both).
-            Some(latent) => r.layers.len() * latent.cached_width() * element,
-            None => 2 * r.layers.len() * r.kv_heads.len() * config.head_dim * element,
+        .map(|r| {
+            let (width, shared) = config.kv_layer_width(r.kv_heads.len());
+            r.layers.len() * width * if shared { 1 } else { 2 } * element
         })
         .max()
         .unwrap_or(0))

@@ -142,7 +142,7 @@ impl Engine {
         // Blocks behind the window go back only where every layer is windowed (a global
         // layer reads the whole sequence).
         let c = exec.config();
-        let window = c.sliding_window.filter(|_| c.windowed_layers.iter().all(|&w| w) && c.latent.is_none());
+        let window = c.sliding_window.filter(|_| c.windowed_layers.iter().all(|&w| w));
         Ok(Engine {
             exec,
             scheduler: Scheduler::new(config.scheduler.clone(), pool).with_window(window),

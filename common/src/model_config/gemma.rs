@@ -26,7 +26,6 @@ const PATTERN: usize = 6;
 const QUERY_PRE_ATTN_SCALAR: f64 = 256.0;
 const GLOBAL_THETA: f64 = 1_000_000.0;
 const LOCAL_THETA: f64 = 10_000.0;
-const GEMMA2_THETA: f64 = 10_000.0;
 const GEMMA2_ATTN_SOFTCAP: f64 = 50.0;
 const GEMMA2_FINAL_SOFTCAP: f64 = 30.0;
 
@@ -34,9 +33,8 @@ const GEMMA2_FINAL_SOFTCAP: f64 = 30.0;
 pub(super) struct Gemma {
     pub windowed_layers: Vec<bool>,
     pub sliding_window: usize,
-    pub rope_theta: f64,
-    pub rope_scaling: RopeScaling,
-    pub local_rope_theta: Option<f64>,
+    /// Gemma 3's ropes by layer type: `(global theta, global scaling, local theta)`.
+    pub ropes: Option<(f64, RopeScaling, f64)>,
     pub query_pre_attn_scalar: f64,
     pub final_logit_softcap: Option<f32>,
     pub attn_logit_softcap: Option<f32>,
@@ -47,22 +45,10 @@ pub(super) fn options(obj: &Map<String, Value>, num_layers: usize, arch: Archite
         return Err(Error::Unsupported("use_bidirectional_attention=true".into()));
     }
     let gemma2 = arch == Architecture::Gemma2;
-    let (rope_theta, rope_scaling, local_rope_theta) = match gemma2 {
-        true => {
-            let rope =
-                obj.get("rope_parameters").or_else(|| obj.get("rope_scaling")).filter(|v| !v.is_null());
-            let theta = match opt_f64(obj, "rope_theta")? {
-                Some(t) => t,
-                None => {
-                    rope.and_then(|r| r.get("rope_theta")).and_then(|t| t.as_f64()).unwrap_or(GEMMA2_THETA)
-                }
-            };
-            (positive("rope_theta", theta)?, parse_rope(rope)?, None)
-        }
-        false => {
-            let (theta, scaling, local) = ropes(obj)?;
-            (theta, scaling, Some(local))
-        }
+    // Gemma 2 has one rope, read as every family's is (`rope::rope_keys`).
+    let ropes = match gemma2 {
+        true => None,
+        false => Some(ropes(obj)?),
     };
     let windowed_layers = match gemma2 {
         true => layer_types(obj, num_layers, &|i| (i + 1) % 2 != 0)?,
@@ -75,9 +61,7 @@ pub(super) fn options(obj: &Map<String, Value>, num_layers: usize, arch: Archite
             Some(w) => w,
             None => SLIDING_WINDOW,
         },
-        rope_theta,
-        rope_scaling,
-        local_rope_theta,
+        ropes,
         query_pre_attn_scalar: positive(
             "query_pre_attn_scalar",
             opt_f64(obj, "query_pre_attn_scalar")?.unwrap_or(QUERY_PRE_ATTN_SCALAR),

@@ -259,7 +259,9 @@ impl ModelConfig {
         if gemma {
             let g = gemma::options(obj, num_layers, architecture)?;
             (windowed_layers, sliding_window) = (g.windowed_layers, Some(g.sliding_window));
-            (rope_theta, rope_scaling, local_rope_theta) = (g.rope_theta, g.rope_scaling, g.local_rope_theta);
+            if let Some((theta, scaling, local)) = g.ropes {
+                (rope_theta, rope_scaling, local_rope_theta) = (theta, scaling, Some(local));
+            }
             (query_pre_attn_scalar, final_logit_softcap, attn_logit_softcap) =
                 (Some(g.query_pre_attn_scalar), g.final_logit_softcap, g.attn_logit_softcap);
         }
@@ -334,6 +336,16 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+
+    /// Values one layer caches a position on a rank holding `kv_heads` KV heads, and
+    /// whether they serve as keys and values both (latent attention's latent, stored
+    /// once) rather than as keys with as many values beside them.
+    pub fn kv_layer_width(&self, kv_heads: usize) -> (usize, bool) {
+        match &self.latent {
+            Some(l) => (l.cached_width(), true),
+            None => (kv_heads * self.head_dim, false),
+        }
     }
 
     /// Number of query heads per KV head (1 for MHA, `num_heads` for MQA).

@@ -16,7 +16,7 @@ pub(super) struct RopeKeys {
 }
 
 /// The rope's base, scaling and partial factor: transformers 5 nests them inside
-/// `rope_parameters`, 4.x writes `rope_theta` beside `rope_scaling`. Gemma's ropes are
+/// `rope_parameters`, 4.x writes `rope_theta` beside `rope_scaling`. Gemma 3's ropes are
 /// read by layer type (`gemma`); gpt-oss's default is its YaRN.
 pub(super) fn rope_keys(
     obj: &Map<String, Value>,
@@ -38,7 +38,7 @@ pub(super) fn rope_keys(
     };
     let kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
     let scaling = match (architecture, rope) {
-        (Architecture::Gemma2 | Architecture::Gemma3, _) => RopeScaling::None, // by layer type
+        (Architecture::Gemma3, _) => RopeScaling::None, // by layer type (`gemma`)
         (Architecture::GptOss, None) => gpt_oss::default_rope(),
         (_, Some(r)) if matches!(kind, Some("longrope" | "su")) => {
             let rot = rotary_dim(partial, head_dim)?;
@@ -150,9 +150,8 @@ pub(super) fn parse_rope(rope: Option<&Value>) -> Result<RopeScaling> {
             })
         }
         "yarn" => yarn(rope, num("factor")?),
-        "longrope" | "su" => Err(Error::invalid(
-            "rope_scaling",
-            "longrope needs the model's context lengths (read by long_rope)",
+        "longrope" | "su" => Err(Error::Unsupported(
+            "rope_scaling type \"longrope\" for a rope by layer type (Gemma 3)".into(),
         )),
         other => Err(Error::Unsupported(format!(
             "rope_scaling type {other:?} (supported: default, linear, llama3, yarn)"

@@ -114,15 +114,22 @@ fn rope_order(r: usize, interleave: bool) -> Vec<usize> {
 }
 
 impl<B: Backend> ShardLoader<'_, B> {
+    /// Latent attention's matrices are read in pieces of rows (and transposed), which an
+    /// int8 checkpoint's per-row scales do not follow: such a checkpoint is refused.
+    fn refuse_int8(&self, weight: &str) -> Result<()> {
+        match self.ckpt.contains(&format!("{weight}_scale")) {
+            true => Err(Error::Unsupported(format!(
+                "{weight}: an int8 checkpoint of latent attention (load the bf16 one, with --quantize int8)"
+            ))),
+            false => Ok(()),
+        }
+    }
+
     /// Rows `rows` (in that order) of the `[out, in]` matrix `name` as a weight, with the
     /// same rows of its bias where `bias`.
     fn picked(&mut self, name: &str, shape: [usize; 2], rows: &[usize], bias: bool) -> Result<Linear<B>> {
         let weight = format!("{name}.weight");
-        if self.ckpt.contains(&format!("{weight}_scale")) {
-            return Err(Error::Unsupported(format!(
-                "{weight}: an int8 checkpoint of latent attention (load the bf16 one, with --quantize int8)"
-            )));
-        }
+        self.refuse_int8(&weight)?;
         let full = self.ckpt.get(&weight, &shape)?;
         let picked = full.select_rows(rows)?;
         let w = self.weight(&weight, picked, rows.len(), 0..rows.len())?;
@@ -173,11 +180,7 @@ impl<B: Backend> ShardLoader<'_, B> {
             self.picked(&kv_a, [l + r, h], &order.iter().map(|i| l + i).collect::<Vec<_>>(), bias)?;
         let kv_norm = self.norm_of(&format!("{a}.kv_a_layernorm.weight"), l, norm)?;
         let kv_b_name = format!("{a}.kv_b_proj.weight");
-        if self.ckpt.contains(&format!("{kv_b_name}_scale")) {
-            return Err(Error::Unsupported(format!(
-                "{kv_b_name}: an int8 checkpoint of latent attention (load the bf16 one, with --quantize int8)"
-            )));
-        }
+        self.refuse_int8(&kv_b_name)?;
         let kv_b = self.ckpt.get(&kv_b_name, &[n * (nope + v), l])?;
         let (mut absorb_k, mut absorb_v) = (Vec::new(), Vec::new());
         for hd in heads.clone() {

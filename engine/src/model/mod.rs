@@ -185,14 +185,13 @@ impl<B: Backend> Model<B> {
 
     /// Allocates this shard's paged KV cache: one storage per local layer.
     pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> Result<Vec<B::KvLayer>> {
-        if let Some(latent) = &self.config.latent {
-            let width = latent.cached_width();
-            return (0..self.layers.len())
-                .map(|_| self.backend.alloc_kv_shared(num_blocks, block_size, width))
-                .collect();
-        }
-        let kv_dim = self.shard.shard.kv_heads.len() * self.config.head_dim;
-        (0..self.layers.len()).map(|_| self.backend.alloc_kv(num_blocks, block_size, kv_dim)).collect()
+        let (width, shared) = self.config.kv_layer_width(self.shard.shard.kv_heads.len());
+        (0..self.layers.len())
+            .map(|_| match shared {
+                true => self.backend.alloc_kv_shared(num_blocks, block_size, width),
+                false => self.backend.alloc_kv(num_blocks, block_size, width),
+            })
+            .collect()
     }
 
     /// This rank's part of `step`: the step's output on the rank that

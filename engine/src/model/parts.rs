@@ -235,19 +235,13 @@ impl<B: Backend> PartCx<'_, B> {
     /// Rope on `x` (`head_dim`-wide heads) with table `index`: each row's own table when
     /// the step mixes LongRoPE's short and long ones (rows of a run rotated together).
     pub fn rope(&self, x: B::Tensor, head_dim: usize, index: usize) -> Result<B::Tensor> {
-        let table = |ropes: &[RopeTable]| {
-            ropes
-                .get(index)
-                .cloned()
-                .ok_or_else(|| Error::Internal(format!("rope table {index} of {}", ropes.len())))
-        };
         let positions = &self.layout.positions;
         let Some((long, rows)) = &self.mixed_ropes else {
             let mut x = x;
-            self.b.rope(&mut x, head_dim, positions, &table(self.ropes)?)?;
+            self.b.rope(&mut x, head_dim, positions, rope_table(self.ropes, index)?)?;
             return Ok(x);
         };
-        let (short, long) = (table(self.ropes)?, table(long)?);
+        let (short, long) = (rope_table(self.ropes, index)?, rope_table(long, index)?);
         let mut parts = Vec::new();
         let mut start = 0;
         while start < rows.len() {
@@ -257,7 +251,7 @@ impl<B: Backend> PartCx<'_, B> {
                 &mut part,
                 head_dim,
                 &positions[start..end],
-                if rows[start] { &long } else { &short },
+                if rows[start] { long } else { short },
             )?;
             parts.push(part);
             start = end;
@@ -279,6 +273,11 @@ impl<B: Backend> PartCx<'_, B> {
         self.metrics.all_reduce(started.elapsed(), bytes);
         Ok(())
     }
+}
+
+/// Table `index` of `ropes`.
+fn rope_table(ropes: &[RopeTable], index: usize) -> Result<&RopeTable> {
+    ropes.get(index).ok_or_else(|| Error::Internal(format!("rope table {index} of {}", ropes.len())))
 }
 
 /// A layer's attention, this rank's heads of it.
@@ -308,9 +307,7 @@ impl<B: Backend> Attention<B> {
         match self.spec.kind {
             AttentionKind::Latent(_) => Err(Error::Internal("latent attention loaded as grouped".into())),
             AttentionKind::Grouped => {
-                let rope = cx.ropes.get(self.spec.rope).ok_or_else(|| {
-                    Error::Internal(format!("rope table {} of {}", self.spec.rope, cx.ropes.len()))
-                })?;
+                let rope = rope_table(cx.ropes, self.spec.rope)?;
                 let [mut q, mut k, v] = Linear::apply_many(b, normed, [&self.q, &self.k, &self.v])?;
                 if let Some([q_norm, k_norm]) = &self.qk_norm {
                     q = q_norm.apply_per_head(b, q, self.shape.head_dim)?;
