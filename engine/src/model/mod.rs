@@ -32,6 +32,7 @@ use crate::comm::DeviceCollectives;
 use crate::logits::{LogitsWanted, StepLogits, StepOutput};
 use crate::metrics::{RankMetrics, ReplicaLabels};
 use crate::step::Step;
+use crate::tensor::DType;
 use loader::ShardLoader;
 use parts::{Layer, LayerSpec, Norm, NormKind, PartCx};
 use weights::Checkpoint;
@@ -71,6 +72,9 @@ pub struct Model<B: Backend> {
     backend: B,
     /// This rank's vocabulary rows of the embedding (first stage; last stage when tied).
     embed: Option<B::Weight>,
+    /// Gemma's `√hidden` embedding multiplier, rounded to the table's dtype as
+    /// transformers rounds it before multiplying.
+    embed_scale: Option<f32>,
     layers: Vec<Layer<B>>,
     norm: Norm<B>,
     /// This rank's vocabulary rows of the LM head (last stage); None when tied.
@@ -122,6 +126,10 @@ impl<B: Backend> Model<B> {
             true => Some(load.vocab_rows("model.embed_tokens.weight")?),
             false => None,
         };
+        let embed_scale = c.embed_scale.map(|scale| match ckpt.tensor("model.embed_tokens.weight") {
+            Ok(table) => in_dtype(scale, table.dtype),
+            Err(_) => scale,
+        });
         let lm_head = if last { load.lm_head()? } else { None };
         let mut layers = Vec::with_capacity(s.layers.len());
         for i in s.layers.clone() {
@@ -146,6 +154,7 @@ impl<B: Backend> Model<B> {
             shard: ms,
             backend,
             embed,
+            embed_scale,
             layers,
             norm,
             lm_head,
@@ -288,7 +297,7 @@ impl<B: Backend> Model<B> {
             .ok_or_else(|| Error::Internal("embeddings on a stage without the embedding".into()))?;
         let mut x = self.backend.embed(table, ids, s.vocab.start as u32)?;
         self.all_reduce(&mut x, ids.len(), comm)?;
-        if let Some(scale) = self.config.embed_scale {
+        if let Some(scale) = self.embed_scale {
             self.backend.pointwise(&mut x, Pointwise::Scale(scale))?;
         }
         Ok(x)
@@ -350,4 +359,26 @@ impl<B: Backend> Model<B> {
 /// throughout).
 fn final_norm(specs: &[LayerSpec], config: &ModelConfig) -> NormKind {
     specs.last().map_or(NormKind::Rms { eps: config.rms_norm_eps as f32 }, |s| s.norm)
+}
+
+/// `value` rounded to what `dtype` holds (f32 for int8 tables, whose scales are f32).
+fn in_dtype(value: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(value).to_f32(),
+        DType::F16 => half::f16::from_f32(value).to_f32(),
+        _ => value,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemma_embedding_scale_rounds_to_the_tables_dtype() {
+        let scale = (1152f32).sqrt();
+        assert_eq!(in_dtype(scale, DType::BF16), 34.0);
+        assert_eq!(in_dtype(scale, DType::F16), half::f16::from_f32(scale).to_f32());
+        assert_eq!(in_dtype(scale, DType::F32), scale);
+    }
 }

@@ -197,11 +197,7 @@ fn attend<const FMA: bool>(job: &Job, scores: &mut Vec<f32>, out: &mut [f32]) {
     for (h, s) in scores.chunks_exact_mut(span).enumerate() {
         let sink = job.sinks.map(|sinks| sinks[h]);
         let max = s.iter().fold(sink.unwrap_or(f32::NEG_INFINITY), |m, &v| m.max(v));
-        let mut total = sink.map_or(0.0, |x| (x - max).exp());
-        for v in s.iter_mut() {
-            *v = (*v - max).exp();
-            total += *v;
-        }
+        let total = sink.map_or(0.0, |x| (x - max).exp()) + super::vmath::exp_sub_in_place(s, max);
         let inv = 1.0 / total;
         s.iter_mut().for_each(|v| *v *= inv);
     }
@@ -230,7 +226,15 @@ fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
         }
     }
     let tail: f32 = a[split..].iter().zip(&b[split..]).map(|(x, y)| x * y).sum();
-    acc.iter().sum::<f32>() + tail
+    // Halving sums (a shuffle and a vector add each) instead of 15 dependent scalar adds.
+    let mut width = LANES / 2;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0] + tail
 }
 
 /// `a·b + c`, fused when `FMA`.

@@ -28,8 +28,10 @@ const STREAM_CHUNK: usize = 32;
 /// Weight rows widened per tile in the tiled (prefill) path.
 const TILE_ROWS: usize = 128;
 
-/// Weights from this size on are copied onto huge pages at load (one huge page).
-const HUGE_MIN_BYTES: usize = 2 << 20;
+/// Weights from this size on are copied onto huge pages at load (they share huge pages
+/// in slabs, see `super::huge`: a mixture of experts' small matrices stream from them as
+/// fast as large ones; below this a weight is a few pages of the checkpoint's mapping).
+const HUGE_MIN_BYTES: usize = 256 << 10;
 
 /// A weight's elements in the dtype the kernels read.
 pub enum WeightData {

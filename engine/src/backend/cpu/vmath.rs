@@ -78,6 +78,61 @@ pub fn sum_exp(x: &[f32], max: f32) -> f64 {
     x.iter().map(|&l| ((l - max) as f64).exp()).sum()
 }
 
+/// `x[i] = e^(x[i] - max)` in place; returns their sum, in f32 lanes (a softmax row of
+/// attention scores, every term ≤ 1 when `max` is the row's maximum).
+pub fn exp_sub_in_place(x: &mut [f32], max: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::available() {
+        // SAFETY: AVX-512 is available.
+        return unsafe { exp_sub_avx512(x, max) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::level() == super::simd::Level::Avx2 {
+        // SAFETY: AVX2 and FMA are available.
+        return unsafe { exp_sub_avx2(x, max) };
+    }
+    exp_sub_scalar(x, max)
+}
+
+fn exp_sub_scalar(x: &mut [f32], max: f32) -> f32 {
+    let mut total = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        total += *v;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn exp_sub_avx512(x: &mut [f32], max: f32) -> f32 {
+    let m = _mm512_set1_ps(max);
+    let mut acc = _mm512_setzero_ps();
+    let mut chunks = x.chunks_exact_mut(16);
+    for v in &mut chunks {
+        let e = exp(_mm512_sub_ps(_mm512_loadu_ps(v.as_ptr()), m));
+        _mm512_storeu_ps(v.as_mut_ptr(), e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    _mm512_reduce_add_ps(acc) + exp_sub_scalar(chunks.into_remainder(), max)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sub_avx2(x: &mut [f32], max: f32) -> f32 {
+    let m = _mm256_set1_ps(max);
+    let mut acc = _mm256_setzero_ps();
+    let mut chunks = x.chunks_exact_mut(8);
+    for v in &mut chunks {
+        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v.as_ptr()), m));
+        _mm256_storeu_ps(v.as_mut_ptr(), e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    lanes.iter().sum::<f32>() + exp_sub_scalar(chunks.into_remainder(), max)
+}
+
 /// Blocks of 256 values are summed in f32 lanes (16 terms each, all ≤ 1 when `max` is
 /// the row's maximum), the blocks in f64.
 #[cfg(target_arch = "x86_64")]
@@ -179,6 +234,20 @@ pub unsafe fn exp(x: __m512) -> __m512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_softmax_row_exponentiates_in_place_and_sums() {
+        // 37 values: whole vectors and a remainder on every kernel level.
+        let row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 9.0).collect();
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut got = row.clone();
+        let total = exp_sub_in_place(&mut got, max);
+        let want: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-6 * w.max(1e-30), "{g} against {w}");
+        }
+        assert!((total - want.iter().sum::<f32>()).abs() < 1e-5, "sum {total}");
+    }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
