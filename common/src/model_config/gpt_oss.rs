@@ -97,7 +97,6 @@ mod tests {
             (r#","sliding_window":0"#, "sliding_window"),
             (r#","layer_types":["full_attention"]"#, "layer_types"),
             (r#","rope_parameters":{"rope_type":"yarn","factor":4.0}"#, "original_max_position_embeddings"),
-            (r#","quantization_config":{"quant_method":"mxfp4"}"#, "mxfp4"),
         ] {
             let e = gpt_oss(extra).unwrap_err().to_string();
             assert!(e.contains(key), "{extra}: {e}");

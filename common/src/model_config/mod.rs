@@ -18,6 +18,7 @@ mod deepseek;
 mod gemma;
 mod gpt_oss;
 mod moe;
+mod quant;
 mod rope;
 
 pub use deepseek::{GroupedRouting, Latent};
@@ -187,6 +188,8 @@ pub struct ModelConfig {
     /// `quantization_config.quant_method`, if any ("strata-int8": written by
     /// `strata model quantize`).
     pub quantization: Option<String>,
+    /// FP8 weights' scale blocks, `[rows, columns]` (`quant_method: "fp8"`).
+    pub fp8_block: Option<[usize; 2]>,
     pub bos_token_id: Option<u32>,
     /// End-of-sequence ids from config.json and generation_config.json together.
     pub eos_token_ids: Vec<u32>,
@@ -269,7 +272,7 @@ impl ModelConfig {
             let (layers, window) = gpt_oss::windows(obj, num_layers)?;
             (windowed_layers, sliding_window) = (layers, Some(window));
         }
-        check_quantization(obj)?;
+        let fp8_block = quant::check(obj, architecture)?;
         let latent = match architecture {
             Architecture::DeepseekV3 => Some(deepseek::latent(obj, &rope_scaling)?),
             _ => None,
@@ -316,6 +319,7 @@ impl ModelConfig {
             fused_projections: architecture == Architecture::Phi3,
             dtype: text(obj.get("torch_dtype").or_else(|| obj.get("dtype"))),
             quantization: text(obj.get("quantization_config").and_then(|q| q.get("quant_method"))),
+            fp8_block,
             bos_token_id: token_ids(obj.get("bos_token_id"), "bos_token_id")?.first().copied(),
             eos_token_ids: token_ids(obj.get("eos_token_id"), "eos_token_id")?,
         };
@@ -394,23 +398,6 @@ pub(crate) fn layer_types(
             _ => Err(Error::invalid("layer_types", format!("{t} (sliding_attention or full_attention)"))),
         })
         .collect()
-}
-
-/// A `quantization_config` is refused unless it is Strata's own int8 (`strata model
-/// quantize`): weights in another format (MXFP4, FP8, GPTQ, AWQ, ...) would otherwise be
-/// read as if they were plain.
-fn check_quantization(obj: &Map<String, Value>) -> Result<()> {
-    let Some(q) = obj.get("quantization_config").filter(|v| !v.is_null()) else { return Ok(()) };
-    match q.get("quant_method").and_then(|m| m.as_str()) {
-        Some("strata-int8") => Ok(()),
-        Some(method) => Err(Error::Unsupported(format!(
-            "quantization_config.quant_method {method:?} (supported: strata-int8; a checkpoint \
-             dequantized to bf16 — transformers' save_pretrained after loading with \
-             dequantization — loads, and `--quantize int8` or `strata model quantize` \
-             shrinks it)"
-        ))),
-        None => Err(Error::invalid("quantization_config.quant_method", "missing")),
-    }
 }
 
 /// `v` when it is a positive, finite number; otherwise an error naming `key`.

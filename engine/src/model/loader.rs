@@ -280,9 +280,10 @@ impl<B: Backend> ShardLoader<'_, B> {
 
     /// Expert `e` of a stacked layout (gpt-oss: `experts.gate_up_proj` `[experts, hidden,
     /// 2 · inter]`, gate and up columns interleaved; `experts.down_proj` `[experts, inter,
-    /// hidden]`; a bias beside each): this rank's intermediate `rows` of it, read as `[out,
-    /// in]` matrices. The down bias is added by the rank holding the first columns (the
-    /// whole expert under expert parallelism).
+    /// hidden]`; a bias beside each; or both as MXFP4 blocks, `[out, in]` per expert):
+    /// this rank's intermediate `rows` of it, read as `[out, in]` matrices. The down bias
+    /// is added by the rank holding the first columns (the whole expert under expert
+    /// parallelism).
     fn stacked_expert(
         &mut self,
         block: &str,
@@ -293,14 +294,21 @@ impl<B: Backend> ShardLoader<'_, B> {
     ) -> Result<Expert<B>> {
         let h = self.config.hidden_size;
         let x = format!("{block}.experts");
-        let gate_up = self.ckpt.get(&format!("{x}.gate_up_proj"), &[experts, h, 2 * inter])?.index(e)?;
-        let down = self.ckpt.get(&format!("{x}.down_proj"), &[experts, inter, h])?.index(e)?;
+        let stacked = |name: &str, shape: [usize; 3]| -> Result<Stacked> {
+            let [_, inp, out] = shape;
+            Ok(match self.ckpt.mxfp4_expert(name, e, experts, out, inp)? {
+                Some(rows) => Stacked::OutIn(rows),
+                None => Stacked::InOut(self.ckpt.get(name, &shape)?.index(e)?),
+            })
+        };
+        let gate_up = stacked(&format!("{x}.gate_up_proj"), [experts, h, 2 * inter])?;
+        let down = stacked(&format!("{x}.down_proj"), [experts, inter, h])?;
         let gate_up_bias =
             self.ckpt.get(&format!("{x}.gate_up_proj_bias"), &[experts, 2 * inter])?.index(e)?.to_f32_vec();
         let (gate_cols, up_cols): (Vec<usize>, Vec<usize>) = rows.clone().map(|r| (2 * r, 2 * r + 1)).unzip();
         let mut part = |what: &str, cols: &[usize]| -> Result<Linear<B>> {
             let name = format!("{x}.{e}.{what}");
-            let host = gate_up.transposed_columns(cols)?;
+            let host = gate_up.out_rows(cols)?;
             let bias: Vec<f32> = cols.iter().map(|&c| gate_up_bias[c]).collect();
             Ok(Linear {
                 weight: self.weight(&name, host, 2 * inter, 0..cols.len())?,
@@ -308,7 +316,10 @@ impl<B: Backend> ShardLoader<'_, B> {
             })
         };
         let (gate, up) = (part("gate", &gate_cols)?, part("up", &up_cols)?);
-        let down_host = down.rows(rows.clone())?.transposed_columns(&(0..h).collect::<Vec<_>>())?;
+        let down_host = match down {
+            Stacked::InOut(t) => t.rows(rows.clone())?.transposed_columns(&(0..h).collect::<Vec<_>>())?,
+            Stacked::OutIn(t) => t.columns(rows.clone())?,
+        };
         let down_bias = match rows.start == 0 {
             true => {
                 let all = self.ckpt.get(&format!("{x}.down_proj_bias"), &[experts, h])?;
@@ -365,5 +376,22 @@ impl<B: Backend> ShardLoader<'_, B> {
             ));
         }
         self.vocab_rows("lm_head.weight").map(Some)
+    }
+}
+
+/// One expert's matrix of a stacked layout: `[in, out]` as transformers stores it, or
+/// `[out, in]` as MXFP4 blocks dequantize.
+enum Stacked {
+    InOut(HostTensor),
+    OutIn(HostTensor),
+}
+
+impl Stacked {
+    /// Output rows `rows` as an `[rows, in]` matrix.
+    fn out_rows(&self, rows: &[usize]) -> Result<HostTensor> {
+        match self {
+            Stacked::InOut(t) => t.transposed_columns(rows),
+            Stacked::OutIn(t) => t.select_rows(rows),
+        }
     }
 }

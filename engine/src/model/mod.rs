@@ -11,6 +11,7 @@
 //! The rank's collectives are whatever [`DeviceCollectives`] it was given — a one-rank
 //! replica's are [`crate::comm::Solo`]'s, and the code is the same.
 
+mod dequant;
 mod experts;
 mod latent;
 pub mod loader;
@@ -94,7 +95,8 @@ impl<B: Backend> Model<B> {
     /// Loads a whole HF model directory: config.json, generation_config.json, safetensors.
     pub fn load(dir: &Path, backend: B) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        ckpt.set_fp8_block(config.fp8_block);
         let shard = ModelShard::whole(&config);
         Self::from_checkpoint(config, &ckpt, backend, shard)
     }
@@ -103,7 +105,8 @@ impl<B: Backend> Model<B> {
     pub fn load_shard(dir: &Path, backend: B, par: Parallelism, rank: usize) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
         let plan = ShardPlan::new(&config, par)?;
-        let ckpt = Checkpoint::open(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        ckpt.set_fp8_block(config.fp8_block);
         let shard = plan.rank(rank).clone();
         let tp_group = plan.stage_ranks(shard.stage).collect();
         Self::from_checkpoint(config, &ckpt, backend, ModelShard { shard, par, tp_group })

@@ -35,6 +35,13 @@ pub fn write_int8(src: &Path, dst: &Path, mut progress: impl FnMut(usize, usize)
         return Err(Error::invalid("out", "is the model directory itself; give a new directory"));
     }
     let ckpt = Checkpoint::open(src)?;
+    if ckpt.has_packed() {
+        return Err(Error::Unsupported(
+            "quantizing a checkpoint stored in FP8 or MXFP4: serve it with `--quantize int8` \
+             (its weights are dequantized at load, then quantized)"
+                .into(),
+        ));
+    }
     let mut names: Vec<&str> = ckpt.names().collect();
     names.sort_unstable();
     let mut out: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();

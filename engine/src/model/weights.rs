@@ -4,6 +4,12 @@
 //! maps each file read-only and indexes its tensors by name. A [`HostTensor`] is a view
 //! into a mapping: nothing is copied until a backend decides to, so a rank that touches
 //! only its slices only ever pages those in. Every failure names the file and tensor.
+//!
+//! Weights stored quantized in the formats models are published in — FP8 (E4M3) with
+//! block scales (DeepSeek-V3, Qwen3-FP8) and MXFP4 experts (gpt-oss) — are read through
+//! [`super::dequant`]: `get` returns them dequantized to the model's dtype, as
+//! transformers does when it loads them with `dequantize=True`; their raw bytes never
+//! reach a backend.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,7 +23,20 @@ use crate::tensor::{DType, HostTensor};
 /// All tensors of a checkpoint, by name.
 pub struct Checkpoint {
     tensors: HashMap<String, HostTensor>,
+    /// Tensors in a quantized storage format, their bytes carried as I8 (see `Packed`).
+    packed: HashMap<String, (Packed, HostTensor)>,
+    /// FP8 weights' scale blocks (`quantization_config.weight_block_size`).
+    fp8_block: Option<[usize; 2]>,
     dir: PathBuf,
+}
+
+/// A storage format read only through dequantization.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Packed {
+    /// Bytes (MXFP4 blocks and scales).
+    U8,
+    /// FP8 E4M3 values.
+    F8E4M3,
 }
 
 impl Checkpoint {
@@ -53,13 +72,54 @@ impl Checkpoint {
                 "no model.safetensors or model.safetensors.index.json in this directory",
             ));
         };
-        let mut tensors = HashMap::new();
+        let (mut tensors, mut packed) = (HashMap::new(), HashMap::new());
         for file in files {
-            for t in read_file(&file)? {
-                tensors.insert(t.name.clone(), t);
+            for (t, kind) in read_file(&file)? {
+                match kind {
+                    Some(kind) => {
+                        packed.insert(t.name.clone(), (kind, t));
+                    }
+                    None => {
+                        tensors.insert(t.name.clone(), t);
+                    }
+                }
             }
         }
-        Ok(Checkpoint { tensors, dir: dir.to_owned() })
+        Ok(Checkpoint { tensors, packed, fp8_block: None, dir: dir.to_owned() })
+    }
+
+    /// Bytes of every tensor as loaded: FP8 and MXFP4 weights at the model's dtype, their
+    /// scales not at all (what placement's estimate from config.json must equal).
+    pub fn loaded_bytes(&self) -> u64 {
+        let dtype = self.model_dtype().size() as u64;
+        let scale_of_packed =
+            |n: &str| n.strip_suffix("_scale_inv").is_some_and(|w| self.packed.contains_key(w));
+        let plain: u64 = self
+            .tensors
+            .iter()
+            .filter(|(n, _)| !scale_of_packed(n))
+            .map(|(_, t)| t.bytes().len() as u64)
+            .sum();
+        let packed: u64 = self
+            .packed
+            .iter()
+            .map(|(name, (kind, t))| match kind {
+                Packed::F8E4M3 => t.numel() as u64 * dtype,
+                Packed::U8 if name.ends_with("_blocks") => t.numel() as u64 * 2 * dtype,
+                Packed::U8 => 0,
+            })
+            .sum();
+        plain + packed
+    }
+
+    /// Whether some weights are stored quantized (FP8, MXFP4).
+    pub fn has_packed(&self) -> bool {
+        !self.packed.is_empty()
+    }
+
+    /// FP8 weights' scale blocks, `[rows, columns]` (from the model config).
+    pub fn set_fp8_block(&mut self, block: Option<[usize; 2]>) {
+        self.fp8_block = block;
     }
 
     pub fn dir(&self) -> &Path {
@@ -67,7 +127,7 @@ impl Checkpoint {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.packed.contains_key(name)
     }
 
     /// Names of every tensor, in no particular order.
@@ -77,16 +137,22 @@ impl Checkpoint {
 
     /// The tensor `name`, whatever its shape.
     pub fn tensor(&self, name: &str) -> Result<HostTensor> {
-        self.tensors.get(name).cloned().ok_or_else(|| {
-            Error::model_file(&self.dir, format!("tensor {name:?} is missing from the checkpoint"))
-        })
+        match self.tensors.get(name) {
+            Some(t) => Ok(t.clone()),
+            None => self.dequantized(name),
+        }
     }
 
     /// The tensor `name`, checked against the shape the model config implies.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
-        let t = self.tensors.get(name).ok_or_else(|| {
-            Error::model_file(&self.dir, format!("tensor {name:?} is missing from the checkpoint"))
-        })?;
+        let owned;
+        let t = match self.tensors.get(name) {
+            Some(t) => t,
+            None => {
+                owned = self.dequantized(name)?;
+                &owned
+            }
+        };
         if t.shape != shape {
             return Err(Error::model_file(
                 t.file.as_path(),
@@ -97,10 +163,67 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// What dequantized weights are stored as: the embedding's dtype (the model's).
+    fn model_dtype(&self) -> DType {
+        self.tensors.get("model.embed_tokens.weight").map_or(DType::BF16, |t| t.dtype)
+    }
+
+    /// An FP8 weight dequantized with its `_scale_inv` blocks.
+    fn dequantized(&self, name: &str) -> Result<HostTensor> {
+        let missing =
+            || Error::model_file(&self.dir, format!("tensor {name:?} is missing from the checkpoint"));
+        let (kind, t) = self.packed.get(name).ok_or_else(missing)?;
+        let scales = self.tensors.get(&format!("{name}_scale_inv"));
+        match (kind, scales, self.fp8_block) {
+            (Packed::F8E4M3, Some(scales), Some(block)) => {
+                super::dequant::fp8_blocks(t, scales, block, self.model_dtype())
+            }
+            _ => Err(Error::model_file(
+                t.file.as_path(),
+                format!(
+                    "tensor {name:?} is stored as {kind:?}, read only as FP8 with `{name}_scale_inv` \
+                     and quantization_config.weight_block_size, or as MXFP4 experts"
+                ),
+            )),
+        }
+    }
+
+    /// Expert `e` of MXFP4 experts `{prefix}_blocks` (`[experts, rows, cols / 32, 16]`
+    /// bytes) and `{prefix}_scales` (`[experts, rows, cols / 32]`), as a `[rows, cols]`
+    /// matrix; `None` where `prefix` is not stored so.
+    pub fn mxfp4_expert(
+        &self,
+        prefix: &str,
+        e: usize,
+        experts: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<HostTensor>> {
+        let (blocks, scales) = (format!("{prefix}_blocks"), format!("{prefix}_scales"));
+        let (Some((Packed::U8, b)), Some((Packed::U8, s))) =
+            (self.packed.get(&blocks), self.packed.get(&scales))
+        else {
+            return Ok(None);
+        };
+        let groups = cols.div_ceil(32);
+        for (t, want) in [(b, vec![experts, rows, groups, 16]), (s, vec![experts, rows, groups])] {
+            if t.shape != want {
+                return Err(Error::model_file(
+                    t.file.as_path(),
+                    format!("tensor {:?} has shape {:?}, config.json implies {want:?}", t.name, t.shape),
+                ));
+            }
+        }
+        let name = format!("{prefix}.{e}");
+        super::dequant::mxfp4(&name, &b.index(e)?, &s.index(e)?, rows, cols, self.model_dtype()).map(Some)
+    }
+}
+
 /// Largest safetensors header read (the format's own limit).
 const MAX_HEADER: u64 = 100_000_000;
 
-fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
+fn read_file(path: &Path) -> Result<Vec<(HostTensor, Option<Packed>)>> {
     let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
     // SAFETY: the mapping is read-only; a checkpoint modified while being served is
     // outside what any inference server can defend against.
@@ -137,13 +260,13 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
         }
         let info: safetensors::tensor::TensorInfo = serde_json::from_value(info.clone())
             .map_err(|e| Error::model_file(path, format!("tensor {name:?}: bad header entry: {e}")))?;
-        let (dtype, range) = tensor_extent(path, name, &info, map.len() - data_start)?;
+        let (dtype, packed, range) = tensor_extent(path, name, &info, map.len() - data_start)?;
         let range = data_start + range.start..data_start + range.end;
-        out.push(HostTensor::mapped(name, dtype, info.shape, file.clone(), map.clone(), range));
+        out.push((HostTensor::mapped(name, dtype, info.shape, file.clone(), map.clone(), range), packed));
     }
     // Two tensors sharing bytes would alias weights a checkpoint writer never meant to.
     let mut extents: Vec<(&str, std::ops::Range<usize>)> =
-        out.iter().map(|t| (t.name.as_str(), t.byte_range())).collect();
+        out.iter().map(|(t, _)| (t.name.as_str(), t.byte_range())).collect();
     extents.sort_by_key(|(_, r)| (r.start, r.end));
     for pair in extents.windows(2) {
         if pair[1].1.start < pair[0].1.end {
@@ -156,23 +279,26 @@ fn read_file(path: &Path) -> Result<Vec<HostTensor>> {
     Ok(out)
 }
 
-/// A header entry's dtype and byte range within the data section (`data_len` bytes),
-/// with every product and sum checked: a hostile header is an error, never an overflow.
+/// A header entry's dtype (bytes carried as I8 for a packed format) and byte range within
+/// the data section (`data_len` bytes), with every product and sum checked: a hostile
+/// header is an error, never an overflow.
 fn tensor_extent(
     path: &Path,
     name: &str,
     info: &safetensors::tensor::TensorInfo,
     data_len: usize,
-) -> Result<(DType, std::ops::Range<usize>)> {
-    let dtype = match info.dtype {
-        safetensors::Dtype::F32 => DType::F32,
-        safetensors::Dtype::F16 => DType::F16,
-        safetensors::Dtype::BF16 => DType::BF16,
-        safetensors::Dtype::I8 => DType::I8,
+) -> Result<(DType, Option<Packed>, std::ops::Range<usize>)> {
+    let (dtype, packed) = match info.dtype {
+        safetensors::Dtype::F32 => (DType::F32, None),
+        safetensors::Dtype::F16 => (DType::F16, None),
+        safetensors::Dtype::BF16 => (DType::BF16, None),
+        safetensors::Dtype::I8 => (DType::I8, None),
+        safetensors::Dtype::U8 => (DType::I8, Some(Packed::U8)),
+        safetensors::Dtype::F8_E4M3 => (DType::I8, Some(Packed::F8E4M3)),
         other => {
             return Err(Error::model_file(
                 path,
-                format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16, I8"),
+                format!("tensor {name:?} has dtype {other:?}; supported: F32, F16, BF16, I8, U8 and F8_E4M3 (quantized weights)"),
             ))
         }
     };
@@ -196,7 +322,7 @@ fn tensor_extent(
             format!("truncated: tensor {name:?} ends at data byte {end} but the data section has {data_len}"),
         ));
     }
-    Ok((dtype, begin..end))
+    Ok((dtype, packed, begin..end))
 }
 
 #[cfg(test)]
