@@ -321,3 +321,57 @@ fn a_repeated_greedy_completion_comes_from_the_response_cache() {
     assert_eq!(generated["choices"], first["choices"]);
     assert_eq!(hits(), 1.0, "an opted-out request is generated");
 }
+
+/// Peak resident bytes of a process (VmHWM).
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// A chat template multiplies a caller's data (Llama 3.1 writes `tools |
+/// tojson(indent=4)`; 50 levels of nesting put 200 bytes of indentation before each of 2M
+/// leaves: 400 MB from a 4 MB body). The rendering stops at what the model's context
+/// holds as text: a clear 400, the server's peak memory bounded (it grew by ~190 MiB,
+/// the parsed body and the template's copy of it; 2.5 GB before the bound), and it
+/// answers `/health` meanwhile.
+#[test]
+fn a_chat_template_cannot_multiply_a_body_into_gigabytes() {
+    let model = chat_model("llama_gqa");
+    let template = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/chat_templates/templates/llama31_tools.jinja"),
+    )
+    .unwrap();
+    let path = model.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = json!(template);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (server, http) = serve_http(model.path(), &[]);
+    let before = peak_rss(server.child.id());
+    let leaves = serde_json::Value::Array(vec![json!(1); 2_000_000]);
+    let nested = (0..50).fold(leaves, |v, _| json!([v]));
+    let body = json!({"model": "m", "max_tokens": 4, "tools": [nested],
+        "messages": [{"role": "user", "content": "hi"}]});
+    let post_it = {
+        let http = http.clone();
+        std::thread::spawn(move || post(&http, "/v1/chat/completions", None, &body))
+    };
+    while !post_it.is_finished() {
+        let t = Instant::now();
+        let (status, _) = request(&http, "GET", "/health", None, None).unwrap();
+        assert_eq!(status, 200);
+        assert!(t.elapsed() < Duration::from_secs(2), "/health took {:?} during the rendering", t.elapsed());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (status, err) = post_it.join().unwrap();
+    assert_eq!(status, 400, "{err}");
+    let message = err["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("bytes"), "{err}");
+    let grown = peak_rss(server.child.id()).saturating_sub(before);
+    eprintln!("peak memory grew by {} MiB", grown >> 20);
+    assert!(grown < 400 << 20, "peak memory grew by {} MiB", grown >> 20);
+    // Still serving.
+    let ok = json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(post(&http, "/v1/chat/completions", None, &ok).0, 200);
+}

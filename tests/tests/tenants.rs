@@ -151,6 +151,7 @@ async fn a_flooding_tenant_is_limited_and_another_keeps_its_latency() {
     usage_equals_what_clients_received(&ep, 3 + 12 + loaded.len()).await;
     let http = server.out.passed("http").expect("the HTTP API announces its address");
     openai_client_sees_429(http["address"].as_str().unwrap()).await;
+    more_choices_than_may_run_are_refused(http["address"].as_str().unwrap());
 }
 
 /// The metered tenant's 120 tokens/min, the narrow tenant's max_tokens cap.
@@ -222,6 +223,20 @@ async fn openai_client_sees_429(http: &str) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.contains("rate limit ok"), "{stdout}");
+}
+
+/// `n` beyond the tenant's `max_concurrent` could never run at once: its choices would hold
+/// slots while waiting for each other. A 400 naming the limit; a tenant without the cap
+/// gets its choices.
+fn more_choices_than_may_run_are_refused(http: &str) {
+    use strata_tests::http::post;
+    let body = serde_json::json!({"model": "m", "prompt": "hi", "max_tokens": 2, "n": 2});
+    let (status, err) = post(http, "/v1/completions", Some("flood-key"), &body);
+    assert_eq!(status, 400, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap().contains("max_concurrent"), "{err}");
+    let (status, ok) = post(http, "/v1/completions", Some("steady-key"), &body);
+    assert_eq!(status, 200, "{ok}");
+    assert_eq!(ok["choices"].as_array().unwrap().len(), 2);
 }
 
 /// Batch files and jobs belong to the tenant that made them; its batch requests count in

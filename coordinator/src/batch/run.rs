@@ -96,10 +96,14 @@ struct Head {
 async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line) -> Outcome {
     let Head { batch_id, tenant, index } = head;
     let request_id = format!("{batch_id}-{index}");
-    let parsed = match api {
-        Api::Chat => completions::chat(&*batches.models, &line.body),
-        Api::Completion => completions::completion(&*batches.models, &line.body),
-    };
+    // Off the async runtime: a line's chat template may run long on its data.
+    let (models, body) = (batches.models.clone(), line.body.clone());
+    let parsed = tokio::task::spawn_blocking(move || match api {
+        Api::Chat => completions::chat(&*models, body),
+        Api::Completion => completions::completion(&*models, &body),
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::from(Error::Internal(format!("building the request: {e}")))));
     let result = match parsed {
         Ok(mut job) => {
             for c in &mut job.choices {

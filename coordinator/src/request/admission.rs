@@ -54,32 +54,7 @@ pub struct Admitted {
 pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
     let prompt_ids = match &req.prompt {
         None => return Err(Error::invalid("prompt", "missing: set text or token_ids")),
-        Some(Prompt::Text(t)) => {
-            if t.is_empty() {
-                return Err(Error::invalid("prompt.text", "must not be empty"));
-            }
-            model.tokenizer.encode(t, model.config.max_position_embeddings)?
-        }
-        Some(Prompt::Chat(t)) => {
-            let ids = model.tokenizer.encode_with(t, model.config.max_position_embeddings, false)?;
-            if ids.is_empty() {
-                return Err(Error::invalid("messages", "the chat template rendered an empty prompt"));
-            }
-            ids
-        }
-        Some(Prompt::TokenIds(ids)) => {
-            if ids.is_empty() {
-                return Err(Error::invalid("prompt.token_ids", "must not be empty"));
-            }
-            let vocab = model.config.vocab_size;
-            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                return Err(Error::invalid(
-                    "prompt.token_ids",
-                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
-                ));
-            }
-            ids.clone()
-        }
+        Some(p) => prompt_ids(p, model)?,
     };
     let context = model.config.max_position_embeddings;
     if prompt_ids.len() >= context {
@@ -110,4 +85,38 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
     let params = SamplingParams { max_new_tokens: max_tokens, priority: req.priority, ..req.params.clone() };
     params.validate()?;
     Ok(Admitted { prompt_ids, params })
+}
+
+/// A prompt's token ids: text tokenized (a rendered chat without the tokenizer's added
+/// special tokens), ids checked against the vocabulary. Blocks for as long as tokenizing
+/// takes: call it off the async runtime.
+pub fn prompt_ids(prompt: &Prompt, model: &ModelEntry) -> Result<Vec<u32>> {
+    match prompt {
+        Prompt::Text(t) => {
+            if t.is_empty() {
+                return Err(Error::invalid("prompt.text", "must not be empty"));
+            }
+            model.tokenizer.encode(t, model.config.max_position_embeddings)
+        }
+        Prompt::Chat(t) => {
+            let ids = model.tokenizer.encode_with(t, model.config.max_position_embeddings, false)?;
+            if ids.is_empty() {
+                return Err(Error::invalid("messages", "the chat template rendered an empty prompt"));
+            }
+            Ok(ids)
+        }
+        Prompt::TokenIds(ids) => {
+            if ids.is_empty() {
+                return Err(Error::invalid("prompt.token_ids", "must not be empty"));
+            }
+            let vocab = model.config.vocab_size;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(Error::invalid(
+                    "prompt.token_ids",
+                    format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            Ok(ids.clone())
+        }
+    }
 }

@@ -12,6 +12,14 @@
 //!
 //! A rendered prompt already holds the special tokens it needs: it is tokenized without
 //! the tokenizer's own (see [`Prompt::Chat`](crate::request::admission::Prompt::Chat)).
+//!
+//! **Bounds.** A caller's messages and tools are data a template may multiply (`tojson`
+//! with `indent` writes a deeply nested value hundreds of times its size): a rendering
+//! stops with the request's error once its output, or any one `tojson`, passes the
+//! byte limit it is given (what the model's context could hold as text), inputs nest at
+//! most [`MAX_DEPTH`] deep, and fuel bounds the instructions a template runs.
+
+use std::cell::Cell;
 
 use std::path::Path;
 
@@ -23,6 +31,44 @@ use strata_common::{Error, Result};
 /// How much work one rendering may do (MiniJinja's fuel: about one unit per instruction),
 /// so a template cannot loop without end on a caller's messages.
 const FUEL: u64 = 50_000_000;
+
+/// Deepest nesting of arrays and objects in a rendering's inputs.
+pub const MAX_DEPTH: usize = 64;
+
+thread_local! {
+    /// Bytes `tojson` may still write in the rendering running on this thread.
+    static TOJSON_BUDGET: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+/// The rendering's output, refusing bytes past `max`.
+struct Bounded {
+    out: Vec<u8>,
+    max: usize,
+    over: bool,
+}
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.max {
+            self.over = true;
+            return Err(std::io::Error::other("the rendered prompt is too long"));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// How deep `v` nests (a scalar is 0).
+pub fn depth(v: &Json) -> usize {
+    match v {
+        Json::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        Json::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+        _ => 0,
+    }
+}
 
 /// A model's chat template, ready to render.
 pub struct ChatTemplate {
@@ -131,23 +177,47 @@ impl ChatTemplate {
         Ok(ChatTemplate { env, has_tool_use, specials })
     }
 
-    /// The prompt text of a conversation. A template's `raise_exception` and any rendering
-    /// error become the request's error, naming `messages`.
-    pub fn render(&self, input: &ChatInput) -> Result<String> {
+    /// The prompt text of a conversation, at most `max_bytes` long. A template's
+    /// `raise_exception`, any rendering error, and an output (or one `tojson`) past
+    /// `max_bytes` become the request's error, naming `messages`.
+    pub fn render(&self, input: &ChatInput, max_bytes: usize) -> Result<String> {
         let name = if input.tools.is_some() && self.has_tool_use { "tool_use" } else { "default" };
         let template = self.env.get_template(name).map_err(|e| Error::Internal(describe(&e)))?;
-        let mut ctx = self.specials.clone();
+        let inputs = [Some(&input.messages), input.tools.as_ref()];
+        let deepest =
+            inputs.iter().flatten().flat_map(|v| v.iter()).chain(input.extra.values()).map(depth).max();
+        // A message (or tool, or extra variable) sits one level inside its list.
+        if deepest.unwrap_or(0) + 1 > MAX_DEPTH {
+            return Err(Error::invalid("messages", format!("nested more than {MAX_DEPTH} levels deep")));
+        }
+        let mut vars = self.specials.clone();
         for (k, v) in &input.extra {
-            ctx.insert(k.clone(), v.clone());
+            vars.insert(k.clone(), v.clone());
         }
-        ctx.insert("messages".into(), Json::Array(input.messages.clone()));
-        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
-        if let Some(tools) = &input.tools {
-            ctx.insert("tools".into(), Json::Array(tools.clone()));
+        // `tools` is left undefined without tools, as before any template tested it.
+        let base = minijinja::context! {
+            messages => Value::from_serialize(&input.messages),
+            add_generation_prompt => input.add_generation_prompt,
+            ..Value::from_serialize(&vars)
+        };
+        let ctx = match &input.tools {
+            Some(tools) => minijinja::context! { tools => Value::from_serialize(tools), ..base },
+            None => base,
+        };
+        let mut out = Bounded { out: Vec::new(), max: max_bytes, over: false };
+        TOJSON_BUDGET.with(|b| b.set(max_bytes));
+        let rendered = template.render_captured_to(ctx, &mut out).map(drop);
+        let tojson_over = TOJSON_BUDGET.with(|b| b.replace(usize::MAX)) == 0;
+        if out.over || tojson_over {
+            return Err(Error::invalid(
+                "messages",
+                format!("the chat template writes more than {max_bytes} bytes from them (more than the model's context holds)"),
+            ));
         }
-        template
-            .render(Value::from_serialize(&ctx))
-            .map_err(|e| Error::invalid("messages", format!("the model's chat template: {}", describe(&e))))
+        rendered.map_err(|e| {
+            Error::invalid("messages", format!("the model's chat template: {}", describe(&e)))
+        })?;
+        String::from_utf8(out.out).map_err(|e| Error::Internal(format!("chat template output: {e}")))
     }
 }
 
@@ -195,70 +265,106 @@ fn tojson(
     let _ = kwargs.get::<Option<Value>>("ensure_ascii")?;
     let _ = kwargs.get::<Option<Value>>("separators")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let budget = TOJSON_BUDGET.with(Cell::get);
     let mut out = String::new();
-    python_json(&json, indent, sort_keys, 0, &mut out);
+    python_json(&value, indent, sort_keys, 0, &mut out, budget)?;
+    if out.len() > budget {
+        TOJSON_BUDGET.with(|b| b.set(0));
+        return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: the value is too long"));
+    }
+    TOJSON_BUDGET.with(|b| b.set(budget - out.len()));
     Ok(Value::from_safe_string(out))
 }
 
-/// JSON as Python's `json.dumps` writes it.
-pub fn python_json(v: &Json, indent: Option<usize>, sort_keys: bool, depth: usize, out: &mut String) {
+/// JSON as Python's `json.dumps` writes it, straight from the template's value (no copy
+/// of it); stops soon after `out` passes `limit` bytes.
+fn python_json(
+    v: &Value,
+    indent: Option<usize>,
+    sort_keys: bool,
+    depth: usize,
+    out: &mut String,
+    limit: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    use minijinja::value::ValueKind;
+    if out.len() > limit {
+        return Ok(());
+    }
     let newline = |out: &mut String, depth: usize| {
         if let Some(n) = indent {
             out.push('\n');
-            out.extend(std::iter::repeat_n(' ', n * depth));
+            // Never more than one byte past the limit, however wide the indent.
+            let room = limit.saturating_sub(out.len()) + 1;
+            out.extend(std::iter::repeat_n(' ', n.saturating_mul(depth).min(room)));
         }
     };
     let item_sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        Json::Array(items) if !items.is_empty() => {
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Iterable if v.len() != Some(0) => {
             out.push('[');
-            for (i, item) in items.iter().enumerate() {
+            for (i, item) in v.try_iter()?.enumerate() {
+                if out.len() > limit {
+                    return Ok(());
+                }
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                python_json(item, indent, sort_keys, depth + 1, out);
+                python_json(&item, indent, sort_keys, depth + 1, out, limit)?;
             }
             newline(out, depth);
             out.push(']');
         }
-        Json::Object(map) if !map.is_empty() => {
-            let mut entries: Vec<(&String, &Json)> = map.iter().collect();
+        ValueKind::Map if v.len() != Some(0) => {
+            let key_text = |k: &Value| k.as_str().map_or_else(|| k.to_string(), str::to_string);
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
             if sort_keys {
-                entries.sort_by(|a, b| a.0.cmp(b.0));
+                keys.sort_by_key(|k| key_text(k));
             }
             out.push('{');
-            for (i, (k, item)) in entries.into_iter().enumerate() {
+            for (i, k) in keys.iter().enumerate() {
+                if out.len() > limit {
+                    return Ok(());
+                }
                 if i > 0 {
                     out.push_str(item_sep);
                 }
                 newline(out, depth + 1);
-                out.push_str(&Json::String(k.clone()).to_string());
+                out.push_str(&Json::String(key_text(k)).to_string());
                 out.push_str(": ");
-                python_json(item, indent, sort_keys, depth + 1, out);
+                python_json(&v.get_item(k)?, indent, sort_keys, depth + 1, out, limit)?;
             }
             newline(out, depth);
             out.push('}');
         }
-        Json::Number(n) if n.is_f64() => {
-            let f = n.as_f64().unwrap_or(0.0);
-            // Python writes whole floats with a ".0"; Rust's shortest form agrees otherwise.
-            if f.fract() == 0.0 && f.abs() < 1e16 {
-                out.push_str(&format!("{f:.1}"));
-            } else {
-                out.push_str(&n.to_string());
+        ValueKind::Seq | ValueKind::Iterable => out.push_str("[]"),
+        ValueKind::Map => out.push_str("{}"),
+        _ => {
+            let json = serde_json::to_value(v)
+                .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+            match json {
+                Json::Number(n) if n.is_f64() => {
+                    let f = n.as_f64().unwrap_or(0.0);
+                    // Python writes whole floats with a ".0"; Rust's shortest form agrees otherwise.
+                    if f.fract() == 0.0 && f.abs() < 1e16 {
+                        out.push_str(&format!("{f:.1}"));
+                    } else {
+                        out.push_str(&n.to_string());
+                    }
+                }
+                other => out.push_str(&other.to_string()),
             }
         }
-        other => out.push_str(&other.to_string()),
     }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    const LIMIT: usize = 1 << 20;
 
     fn template(source: &str) -> ChatTemplate {
         let mut specials = Map::new();
@@ -275,7 +381,7 @@ mod tests {
         let t = template("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ '<a&b>' | tojson }}");
         let mut extra = Map::new();
         extra.insert("x".into(), json!({"b": [1, 2.0, "é\n"], "a": {}}));
-        let out = t.render(&ChatInput { extra, ..Default::default() }).unwrap();
+        let out = t.render(&ChatInput { extra, ..Default::default() }, LIMIT).unwrap();
         assert_eq!(
             out,
             "{\"b\": [1, 2.0, \"é\\n\"], \"a\": {}}|{\n  \"b\": [\n    1,\n    2.0,\n    \"é\\n\"\n  ],\n  \"a\": {}\n}|\"<a&b>\""
@@ -285,20 +391,49 @@ mod tests {
     #[test]
     fn raise_exception_is_the_requests_error() {
         let t = template("{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok");
-        let e = t.render(&input(json!([{"role": "system", "content": "x"}]))).unwrap_err();
+        let e = t.render(&input(json!([{"role": "system", "content": "x"}])), LIMIT).unwrap_err();
         assert_eq!(
             e.to_string(),
             "invalid messages: the model's chat template: Conversations must start with a user message"
         );
-        assert_eq!(t.render(&input(json!([{"role": "user", "content": "x"}]))).unwrap(), "ok");
+        assert_eq!(t.render(&input(json!([{"role": "user", "content": "x"}])), LIMIT).unwrap(), "ok");
+    }
+
+    /// A caller's data multiplied by the template (Llama 3.1 writes `tools |
+    /// tojson(indent=4)`: nesting multiplies indentation) stops at the byte limit, as does
+    /// plain output past it; inputs nest at most MAX_DEPTH deep.
+    #[test]
+    fn renderings_stop_at_their_byte_limit_and_inputs_at_their_depth() {
+        let t = template("{% for t in tools %}{{ t | tojson(indent=4) }}{% endfor %}");
+        // 40,000 short strings 12 levels down: ~0.5 MB of JSON, 2.5 MB indented.
+        let leaves = json!(vec!["0123456789"; 40_000]);
+        let nested = (0..12).fold(leaves, |d, _| json!([d]));
+        let huge = ChatInput { tools: Some(vec![nested]), ..Default::default() };
+        let e = t.render(&huge, LIMIT).unwrap_err().to_string();
+        assert!(e.contains("more than 1048576 bytes"), "{e}");
+        let small = ChatInput { tools: Some(vec![json!([[1], [2]])]), ..Default::default() };
+        assert_eq!(t.render(&small, LIMIT).unwrap().len(), 48);
+        // The budget is the rendering's: a second small render after a refused one works.
+        assert!(t.render(&small, 60).is_ok());
+        assert!(t.render(&small, 40).is_err());
+
+        let echo = template("{% for m in messages %}{{ m.content }}{% endfor %}");
+        let long = input(json!([{"role": "user", "content": "y".repeat(5000)}]));
+        assert!(echo.render(&long, 4999).unwrap_err().to_string().contains("more than 4999 bytes"));
+        assert_eq!(echo.render(&long, 5000).unwrap().len(), 5000);
+
+        let wrapped = |n: usize| (0..n).fold(json!(1), |d, _| json!([d]));
+        // messages → a message → its field `x`: two levels before `x`'s own.
+        let with = |x: Json| input(json!([{"role": "user", "content": "x", "x": x}]));
+        assert!(echo.render(&with(wrapped(MAX_DEPTH - 2)), LIMIT).is_ok());
+        let e = echo.render(&with(wrapped(MAX_DEPTH - 1)), LIMIT).unwrap_err().to_string();
+        assert!(e.contains("nested more than 64"), "{e}");
     }
 
     #[test]
     fn a_template_that_never_ends_runs_out_of_fuel() {
-        let t = template(
-            "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}",
-        );
-        let e = t.render(&ChatInput::default()).unwrap_err();
+        let t = template("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
+        let e = t.render(&ChatInput::default(), LIMIT).unwrap_err();
         assert!(e.to_string().contains("fuel"), "{e}");
     }
 
@@ -306,10 +441,10 @@ mod tests {
     fn strftime_now_formats_the_local_date() {
         let t = template("{{ strftime_now('%Y-%m-%d') }}");
         let today = chrono::Local::now().format("%Y-%m-%d").to_string();
-        let out = t.render(&ChatInput::default()).unwrap();
+        let out = t.render(&ChatInput::default(), LIMIT).unwrap();
         // Around midnight the day may turn between the two calls.
         assert!(out == today || out.len() == 10, "{out}");
-        assert!(template("{{ strftime_now('%Q') }}").render(&ChatInput::default()).is_err());
+        assert!(template("{{ strftime_now('%Q') }}").render(&ChatInput::default(), LIMIT).is_err());
     }
 
     #[test]
@@ -325,9 +460,9 @@ mod tests {
         });
         std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
         let t = ChatTemplate::from_dir(dir.path()).unwrap().unwrap();
-        assert_eq!(t.render(&ChatInput::default()).unwrap(), "<s>d");
+        assert_eq!(t.render(&ChatInput::default(), LIMIT).unwrap(), "<s>d");
         let tools = ChatInput { tools: Some(vec![json!({})]), ..Default::default() };
-        assert_eq!(t.render(&tools).unwrap(), "<s>t1");
+        assert_eq!(t.render(&tools, LIMIT).unwrap(), "<s>t1");
         std::fs::write(dir.path().join("chat_template.jinja"), "{{ '{%' }").unwrap();
         let e = ChatTemplate::from_dir(dir.path()).unwrap_err();
         assert!(e.to_string().contains("chat_template.jinja"), "{e}");

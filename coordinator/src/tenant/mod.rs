@@ -91,6 +91,11 @@ impl Caller {
         self
     }
 
+    /// The most requests the tenant may have in flight at once, if it is capped.
+    pub fn max_concurrent(&self) -> Option<u32> {
+        self.rated.then_some(self.tenant.limits.max_concurrent).flatten()
+    }
+
     /// The most tokens a request may generate, if the tenant caps it.
     pub fn max_tokens_cap(&self) -> Option<u32> {
         self.tenant.limits.max_tokens_per_request

@@ -11,7 +11,7 @@ use strata_common::Error;
 
 use super::error::ApiError;
 use super::params::{self, Common, Fields, MAX_CHOICES};
-use crate::request::admission::{GenerateRequest, Priority, Prompt};
+use crate::request::admission::{self, GenerateRequest, Priority, Prompt};
 use crate::request::chat::ChatInput;
 use crate::routing::Catalog;
 
@@ -59,11 +59,23 @@ pub fn rename(job: &Job) -> impl Fn(&str) -> Option<String> {
     }
 }
 
-fn choices(common: &Common, prompts: Vec<Prompt>, fill_context: bool) -> Result<Vec<Choice>, ApiError> {
+/// Each prompt is tokenized once, here (a build runs on the blocking pool), however many
+/// choices share it: `n` copies of a long text would each be tokenized again.
+fn choices(
+    models: &dyn Catalog,
+    common: &Common,
+    prompts: Vec<Prompt>,
+    fill_context: bool,
+) -> Result<Vec<Choice>, ApiError> {
     let total = prompts.len().saturating_mul(common.n);
     if total > MAX_CHOICES {
         return Err(ApiError::invalid("n", format!("prompts × n is {total}; at most {MAX_CHOICES} choices")));
     }
+    let model = models.get(&common.model).map_err(ApiError::from)?;
+    let prompts = prompts
+        .iter()
+        .map(|p| admission::prompt_ids(p, &model).map(Prompt::TokenIds))
+        .collect::<Result<Vec<_>, Error>>()?;
     let mut out = Vec::with_capacity(total);
     for (p, prompt) in prompts.into_iter().enumerate() {
         for i in 0..common.n {
@@ -143,6 +155,17 @@ pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
             .iter()
             .map(|p| match p {
                 Prompt::Text(t) | Prompt::Chat(t) => Ok(t.clone()),
+                // Decoded only within the context: longer is refused at admission anyway.
+                Prompt::TokenIds(ids) if ids.len() > model.config.max_position_embeddings => {
+                    Err(Error::invalid(
+                        "prompt",
+                        format!(
+                            "{} tokens exceed the model's context of {}",
+                            ids.len(),
+                            model.config.max_position_embeddings
+                        ),
+                    ))
+                }
                 Prompt::TokenIds(ids) => model.tokenizer.decode(ids),
             })
             .collect::<Result<Vec<_>, Error>>()?;
@@ -150,7 +173,7 @@ pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
     } else {
         None
     };
-    let choices = choices(&common, prompts, false)?;
+    let choices = choices(models, &common, prompts, false)?;
     Ok(Job { api: Api::Completion, common, choices, echo })
 }
 
@@ -211,10 +234,10 @@ fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
 }
 
 /// A /v1/chat/completions body, rendered with the model's chat template.
-pub fn chat(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
-    let mut common = params::common(f, &["max_tokens", "max_completion_tokens"])?;
-    common.params.logprobs = params::chat_logprobs(f)?;
-    let messages = messages(f)?;
+pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
+    let mut common = params::common(&f, &["max_tokens", "max_completion_tokens"])?;
+    common.params.logprobs = params::chat_logprobs(&f)?;
+    let messages = messages(&f)?;
     match f.get("response_format") {
         None | Some(Json::Null) => {}
         Some(r) if r.get("type").and_then(Json::as_str) == Some("text") => {}
@@ -222,22 +245,23 @@ pub fn chat(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
             return Err(ApiError::invalid("response_format", "only {\"type\": \"text\"} is supported"))
         }
     }
-    if params::boolean(f, "continue_final_message")?.unwrap_or(false) {
+    if params::boolean(&f, "continue_final_message")?.unwrap_or(false) {
         return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
     }
-    let tools = match f.get("tools") {
+    // Taken out of the body, not copied: a caller's tools may be megabytes.
+    let tools = match f.remove("tools") {
         None | Some(Json::Null) => None,
-        Some(Json::Array(t)) => Some(t.clone()),
+        Some(Json::Array(t)) => Some(t),
         Some(_) => return Err(ApiError::invalid("tools", "tools must be an array")),
     };
-    let extra = match f.get("chat_template_kwargs") {
+    let extra = match f.remove("chat_template_kwargs") {
         None | Some(Json::Null) => Map::new(),
-        Some(Json::Object(o)) => o.clone(),
+        Some(Json::Object(o)) => o,
         Some(_) => {
             return Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs must be an object"))
         }
     };
-    let add_generation_prompt = params::boolean(f, "add_generation_prompt")?.unwrap_or(true);
+    let add_generation_prompt = params::boolean(&f, "add_generation_prompt")?.unwrap_or(true);
     let model = models.get(&common.model).map_err(ApiError::from)?;
     let Some(template) = model.tokenizer.chat_template() else {
         return Err(ApiError::invalid(
@@ -246,7 +270,8 @@ pub fn chat(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
         ));
     };
     let input = ChatInput { messages, tools, add_generation_prompt, extra };
-    let text = template.render(&input)?;
-    let choices = choices(&common, vec![Prompt::Chat(text)], true)?;
+    let text =
+        template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
+    let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;
     Ok(Job { api: Api::Chat, common, choices, echo: None })
 }

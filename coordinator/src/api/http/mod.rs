@@ -35,6 +35,10 @@ use crate::tenant::Caller;
 /// Largest JSON request body (prompts are bounded again by the context on admission).
 pub const MAX_JSON_BODY: usize = 16 << 20;
 
+/// Bytes of request bodies being parsed and built at once (a body takes its size, at
+/// least 4 KiB): one largest body, or thousands of small ones.
+pub const BUILD_BYTES: usize = MAX_JSON_BODY;
+
 /// Where and how the HTTP API serves.
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
@@ -56,6 +60,10 @@ pub struct HttpState {
     prefix: String,
     /// The batch API, when the coordinator has a data directory.
     pub batches: Option<Arc<crate::batch::Batches>>,
+    /// Bytes of request bodies parsed and built (chat templates rendered) at once, on the
+    /// blocking pool: a body may be megabytes of JSON, ~50× that once parsed and handed
+    /// to a template, and a template runs long on a caller's data.
+    builds: tokio::sync::Semaphore,
 }
 
 impl HttpState {
@@ -68,6 +76,7 @@ impl HttpState {
             next: AtomicU64::new(1),
             prefix: format!("{:08x}", rand::random::<u32>()),
             batches: None,
+            builds: tokio::sync::Semaphore::new(BUILD_BYTES),
         }
     }
 
@@ -121,14 +130,28 @@ fn caller(headers: &HeaderMap) -> Option<strata_common::trace::TraceContext> {
     strata_common::trace::TraceContext::from_headers(get("traceparent"), get("tracestate"))
 }
 
+/// `build` over a parsed body on the blocking pool, a bounded number at once.
+async fn build_job(
+    state: &HttpState,
+    body: Bytes,
+    build: fn(&dyn Catalog, params::Fields) -> Result<completions::Job, ApiError>,
+) -> Result<completions::Job, ApiError> {
+    let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
+    let permit = state.builds.acquire_many(weight).await;
+    let models = state.models.clone();
+    let built =
+        tokio::task::spawn_blocking(move || params::object(&body).and_then(|f| build(&*models, f))).await;
+    drop(permit);
+    built.map_err(|e| ApiError::from(strata_common::Error::Internal(format!("building the request: {e}"))))?
+}
+
 async fn completions(
     State(state): State<Arc<HttpState>>,
     Extension(who): Extension<Caller>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let job = params::object(&body).and_then(|f| completions::completion(&*state.models, &f));
-    match job {
+    match build_job(&state, body, |models, f| completions::completion(models, &f)).await {
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
@@ -140,8 +163,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let job = params::object(&body).and_then(|f| completions::chat(&*state.models, &f));
-    match job {
+    match build_job(&state, body, completions::chat).await {
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }

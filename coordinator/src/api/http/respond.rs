@@ -69,6 +69,21 @@ async fn start_all(
     who: &Caller,
     caller: Option<&TraceContext>,
 ) -> Result<Vec<Started>, ApiError> {
+    // Choices start together and each holds a slot: more than can ever run at once would
+    // hold every slot while waiting for the rest, starving other callers, then fail.
+    let n = job.choices.len();
+    let slots = models.get(&job.common.model).map_err(ApiError::from)?.routes.gate_size().slots;
+    for (most, whose) in [
+        (slots, "the model's slots on this coordinator"),
+        (who.max_concurrent().map_or(usize::MAX, |m| m as usize), "the tenant's max_concurrent"),
+    ] {
+        if n > 1 && n > most {
+            return Err(ApiError::invalid(
+                "n",
+                format!("{n} choices; at most {most} can run at once ({whose})"),
+            ));
+        }
+    }
     let starts = job.choices.iter().map(|c| {
         let request_id = format!("{}-{}", head.id, c.index);
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
