@@ -234,3 +234,58 @@ async fn online_requests_come_first_and_a_batch_always_moves() {
     let (status, cancelled) = post(&http, &format!("/v1/batches/{id}/cancel"), None, &json!({}));
     assert_eq!(status, 200, "{cancelled}");
 }
+
+/// A batch whose runs keep ending with their process (a crash it causes would repeat at
+/// every restart) is failed after three, not resumed into the same end; and a line past
+/// the size limit fails its batch naming the line, before anything runs.
+#[test]
+fn a_batch_is_not_resumed_into_the_same_crash_and_long_lines_are_refused() {
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let model = model.path().to_str().unwrap().to_string();
+    let data = tempfile::tempdir().unwrap();
+    let data_dir = data.path().to_str().unwrap();
+    let (mut server, http) = serve(&model, data_dir);
+    let id = create_batch(&http, (0..50).map(body).collect());
+    let started = Instant::now();
+    while batch(&http, &id)["status"] != "in_progress" {
+        assert!(started.elapsed() < Duration::from_secs(60), "{}", batch(&http, &id));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    // As if three runs had ended with the process before any request did.
+    let path = data.path().join("batches").join(format!("{id}.json"));
+    let mut record: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    record["runs_without_progress"] = json!(3);
+    std::fs::write(&path, record.to_string()).unwrap();
+
+    let (_server, http) = serve(&model, data_dir);
+    let b = wait_status(&http, &id, "failed");
+    assert!(b["errors"]["data"][0]["message"].as_str().unwrap().contains("not resumed again"), "{b}");
+
+    let ok = json!({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body(0)});
+    let long = json!({"custom_id": "b", "method": "POST", "url": "/v1/completions",
+        "body": {"model": "m", "prompt": "x".repeat(1 << 20)}});
+    let file = upload(&http, None, "requests.jsonl", &format!("{ok}\n{long}\n"));
+    let create =
+        json!({"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h"});
+    let (status, created) = post(&http, "/v1/batches", None, &create);
+    assert_eq!(status, 200, "{created}");
+    let b = wait_status(&http, created["id"].as_str().unwrap(), "failed");
+    let error = &b["errors"]["data"][0];
+    assert_eq!((&error["code"], &error["line"]), (&json!("invalid_request"), &json!(2)), "{b}");
+    assert!(error["message"].as_str().unwrap().contains("at most 1048576"), "{b}");
+}
+
+fn wait_status(http: &str, id: &str, status: &str) -> Value {
+    let started = Instant::now();
+    loop {
+        let b = batch(http, id);
+        if b["status"] == status {
+            return b;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not {status}: {b}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

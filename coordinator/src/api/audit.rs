@@ -171,7 +171,8 @@ impl AuditLog {
                 return;
             }
             if left_out > 0 {
-                detail = format!("({left_out} refused calls of this caller not recorded before this) {detail}");
+                detail =
+                    format!("({left_out} refused calls of this caller not recorded before this) {detail}");
             }
         }
         if detail.len() > MAX_DETAIL {
@@ -255,8 +256,14 @@ mod tests {
     async fn refused_calls_cannot_push_allowed_actions_out_of_the_log() {
         let log = AuditLog::new(Arc::new(MemoryRegistry::new()), Keys::new("t"), "c1".into());
         for i in 0..3 {
-            log.record("Deploy", "admin-token sha256:ab".into(), &format!("m{i}"), String::new(), &Ok::<_, Status>(()))
-                .await;
+            log.record(
+                "Deploy",
+                "admin-token sha256:ab".into(),
+                &format!("m{i}"),
+                String::new(),
+                &Ok::<_, Status>(()),
+            )
+            .await;
         }
         for port in 0..10_400u32 {
             let caller = format!("anonymous from 10.0.0.9:{}", 1000 + port % 50_000);

@@ -61,6 +61,7 @@ impl Job {
     /// Counts one ended request (written to disk at the next save).
     fn count(&self, ok: bool) {
         let mut b = self.object.lock().unwrap_or_else(|p| p.into_inner());
+        b.runs_without_progress = 0;
         if ok {
             b.request_counts.completed += 1;
         } else {
@@ -242,6 +243,7 @@ impl Batches {
             request_counts: Counts::default(),
             metadata,
             tenant: tenant.to_string(),
+            runs_without_progress: 0,
         };
         self.store.save_batch(&b)?;
         let job = Arc::new(Job { object: Mutex::new(b.clone()), cancelled: AtomicBool::new(false) });

@@ -37,20 +37,48 @@ pub const MAX_REQUESTS: usize = 50_000;
 /// Most bytes of one `custom_id`.
 const MAX_CUSTOM_ID: usize = 512;
 
-/// One request of a batch's input.
+/// Longest line of an input file, bytes (one request; OpenAI's are of this order).
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// One request of a batch's input: its id and where its line lies. Lines stay text while
+/// a batch runs — parsed, a file takes tens of times its size — and each is parsed
+/// again when its request starts.
 #[derive(Debug, Clone)]
 pub struct Line {
     pub custom_id: String,
-    pub body: Fields,
+    range: std::ops::Range<usize>,
 }
 
-/// The requests of an input file for `endpoint`; the first bad line is the error, naming
-/// its line number.
+impl Line {
+    /// The request's body (`stream` off), from the input the line was found in.
+    pub fn body(&self, input: &str) -> std::result::Result<Fields, String> {
+        let raw = input.get(self.range.clone()).ok_or("the line is outside the input")?;
+        let v: Json = serde_json::from_str(raw).map_err(|e| format!("not valid JSON: {e}"))?;
+        let Json::Object(mut line) = v else { return Err("a line must be a JSON object".into()) };
+        let Some(Json::Object(mut body)) = line.remove("body") else {
+            return Err("body must be an object".into());
+        };
+        body.insert("stream".into(), Json::Bool(false));
+        Ok(body)
+    }
+}
+
+/// The requests of an input file for `endpoint`, each line checked (and its parse let
+/// go); the first bad line is the error, naming its line number.
 pub fn parse_input(text: &str, endpoint: &str) -> std::result::Result<Vec<Line>, (usize, String)> {
     let mut lines = Vec::new();
     let mut seen = HashSet::new();
-    for (i, raw) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let n = i + 1;
+    let mut offset = 0;
+    for (i, with_end) in text.split_inclusive('\n').enumerate() {
+        let (n, start) = (i + 1, offset);
+        offset += with_end.len();
+        let raw = with_end.trim_end_matches(['\n', '\r']);
+        if raw.trim().is_empty() {
+            continue;
+        }
+        if raw.len() > MAX_LINE_BYTES {
+            return Err((n, format!("a line of {} bytes; at most {MAX_LINE_BYTES}", raw.len())));
+        }
         if lines.len() == MAX_REQUESTS {
             return Err((n, format!("more than {MAX_REQUESTS} requests")));
         }
@@ -68,11 +96,10 @@ pub fn parse_input(text: &str, endpoint: &str) -> std::result::Result<Vec<Line>,
         if v.get("url").and_then(Json::as_str) != Some(endpoint) {
             return Err((n, format!("url must be the batch's endpoint {endpoint}")));
         }
-        let Some(Json::Object(mut body)) = v.get("body").cloned() else {
+        if !matches!(v.get("body"), Some(Json::Object(_))) {
             return Err((n, "body must be an object".into()));
-        };
-        body.insert("stream".into(), Json::Bool(false));
-        lines.push(Line { custom_id, body });
+        }
+        lines.push(Line { custom_id, range: start..start + raw.len() });
     }
     if lines.is_empty() {
         return Err((0, "the input file has no requests".into()));
@@ -93,14 +120,17 @@ struct Head {
     index: usize,
 }
 
-async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line) -> Outcome {
+async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input: Arc<str>) -> Outcome {
     let Head { batch_id, tenant, index } = head;
     let request_id = format!("{batch_id}-{index}");
     // Off the async runtime: a line's chat template may run long on its data.
-    let (models, body) = (batches.models.clone(), line.body.clone());
-    let parsed = tokio::task::spawn_blocking(move || match api {
-        Api::Chat => completions::chat(&*models, body),
-        Api::Completion => completions::completion(&*models, &body),
+    let (models, at) = (batches.models.clone(), line.clone());
+    let parsed = tokio::task::spawn_blocking(move || {
+        let body = at.body(&input).map_err(|e| ApiError::invalid("body", e))?;
+        match api {
+            Api::Chat => completions::chat(&*models, body),
+            Api::Completion => completions::completion(&*models, &body),
+        }
     })
     .await
     .unwrap_or_else(|e| Err(ApiError::from(Error::Internal(format!("building the request: {e}")))));
@@ -170,14 +200,26 @@ pub async fn run(batches: Arc<Batches>, job: Arc<Job>) {
     }
 }
 
+/// Runs begun without a request ending before a batch is failed instead of resumed.
+pub const MAX_RUNS_WITHOUT_PROGRESS: u32 = 3;
+
 /// Validates (when new), then runs the requests not yet answered.
 async fn drive(batches: &Arc<Batches>, job: &Arc<Job>) -> Result<()> {
     let b = job.snapshot();
+    if b.runs_without_progress >= MAX_RUNS_WITHOUT_PROGRESS {
+        return Err(Error::Internal(format!(
+            "the coordinator stopped {} times while running this batch without a request ending; \
+             it is not resumed again",
+            b.runs_without_progress
+        )));
+    }
+    job.update(batches, |b| b.runs_without_progress += 1);
     let api = if b.endpoint == "/v1/chat/completions" { Api::Chat } else { Api::Completion };
     let input = tokio::fs::read(batches.store.data_path(&b.input_file_id))
         .await
         .map_err(|e| Error::Internal(format!("reading input file {}: {e}", b.input_file_id)))?;
-    let lines = match parse_input(&String::from_utf8_lossy(&input), &b.endpoint) {
+    let input: Arc<str> = String::from_utf8_lossy(&input).into();
+    let lines = match parse_input(&input, &b.endpoint) {
         Ok(lines) => lines,
         Err((line, message)) => {
             job.update(batches, |b| {
@@ -210,7 +252,7 @@ async fn drive(batches: &Arc<Batches>, job: &Arc<Job>) -> Result<()> {
         .collect();
     info!(batch = %b.id, remaining = todo.len(), "batch running");
     let mut files = (Results::open(&out_path)?, Results::open(&err_path)?);
-    dispatch(batches, job, api, todo, &mut files).await?;
+    dispatch(batches, job, api, (todo, input), &mut files).await?;
     finish(batches, job, (out_id, err_id))
 }
 
@@ -263,7 +305,7 @@ async fn dispatch(
     batches: &Arc<Batches>,
     job: &Arc<Job>,
     api: Api,
-    todo: Vec<(usize, Line)>,
+    (todo, input): (Vec<(usize, Line)>, Arc<str>),
     files: &mut (Results, Results),
 ) -> Result<()> {
     let (id, tenant) = {
@@ -284,7 +326,7 @@ async fn dispatch(
         while running.len() < allowed {
             let Some((index, line)) = todo.next() else { break };
             let head = Head { batch_id: id.clone(), tenant: tenant.clone(), index };
-            running.spawn(execute(batches.clone(), api, head, line));
+            running.spawn(execute(batches.clone(), api, head, line, input.clone()));
             counted.started();
         }
         if running.is_empty() {
@@ -352,6 +394,11 @@ mod tests {
         let ok =
             r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"x"}}"#;
         assert_eq!(parse_input(ok, "/v1/completions").unwrap().len(), 1);
+        // Lines are kept as places in the text and parsed again when they run.
+        let text = format!("{ok}\r\n\n{}\n", ok.replace("\"a\"", "\"b\"").replace("\"x\"", "\"y\""));
+        let lines = parse_input(&text, "/v1/completions").unwrap();
+        let prompts: Vec<Json> = lines.iter().map(|l| l.body(&text).unwrap()["prompt"].clone()).collect();
+        assert_eq!((lines[1].custom_id.as_str(), prompts), ("b", vec![Json::from("x"), Json::from("y")]));
         let cases = [
             (format!("{ok}\n{ok}"), 2, "used twice"),
             (format!("{ok}\nnot json"), 2, "not valid JSON"),
@@ -359,6 +406,7 @@ mod tests {
             (ok.replace("\"a\"", "5"), 1, "custom_id"),
             (ok.replace("POST", "GET"), 1, "POST"),
             ("\n\n".to_string(), 0, "no requests"),
+            (format!("{ok}\r\n{}", "x".repeat(MAX_LINE_BYTES + 1)), 2, "at most"),
         ];
         for (text, line, words) in cases {
             let (n, message) = parse_input(&text, "/v1/completions").unwrap_err();

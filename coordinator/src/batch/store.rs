@@ -71,6 +71,14 @@ pub struct BatchObject {
     /// are accounted) as that tenant's.
     #[serde(default = "default_tenant")]
     pub tenant: String,
+    /// Runs of the batch begun since a request of it last ended: a batch whose runs keep
+    /// ending with the process (a crash it causes) is failed, not resumed again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub runs_without_progress: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl BatchObject {
