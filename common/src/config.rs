@@ -475,10 +475,17 @@ fn rename(e: Error, key: &str) -> Error {
     }
 }
 
-/// A duration of at least `min` seconds, or an error naming `key`.
+/// Longest duration a setting may name: a year.
+pub const MAX_SECONDS: f64 = 365.0 * 86_400.0;
+
+/// A duration of at least `min` seconds and at most [`MAX_SECONDS`], or an error naming
+/// `key`.
 pub fn seconds(key: &str, v: f64, min: f64) -> Result<std::time::Duration> {
-    if !(v.is_finite() && v >= min) {
-        return Err(Error::invalid(key, format!("must be a number of seconds ≥ {min}, got {v}")));
+    if !(v.is_finite() && v >= min && v <= MAX_SECONDS) {
+        return Err(Error::invalid(
+            key,
+            format!("must be a number of seconds from {min} to {MAX_SECONDS}, got {v}"),
+        ));
     }
     Ok(std::time::Duration::from_secs_f64(v))
 }
@@ -553,6 +560,9 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("registry.lease_keepalive_s"));
         let cfg = Config::from_toml("[engine]\ndevice = \"tpu\"\n").unwrap();
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.device"));
+        // Durations are bounded above too: 1e20 seconds was a panic, not an error.
+        let cfg = Config::from_toml("[coordinator]\nroute_wait_s = 1e20\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("coordinator.route_wait_s"));
         let cfg = Config::from_toml("[engine]\nkv_cache_memory = \"lots\"\n").unwrap();
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.kv_cache_memory"));
         let cfg = Config::from_toml("[coordinator]\nresponse_cache_memory = \"lots\"\n").unwrap();

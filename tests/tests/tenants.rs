@@ -41,6 +41,12 @@ keys = ["narrow-key"]
 [coordinator.tenants.limits]
 max_tokens_per_request = 4
 models = ["m"]
+
+[[coordinator.tenants]]
+name = "elsewhere"
+keys = ["elsewhere-key"]
+[coordinator.tenants.limits]
+models = ["other"]
 "#;
 
 /// `strata serve` of the gqa fixture as model "m" with `tenants` as its configuration file
@@ -237,6 +243,22 @@ fn more_choices_than_may_run_are_refused(http: &str) {
     let (status, ok) = post(http, "/v1/completions", Some("steady-key"), &body);
     assert_eq!(status, 200, "{ok}");
     assert_eq!(ok["choices"].as_array().unwrap().len(), 2);
+    // A tenant sees only the models it may use.
+    use strata_tests::http::request;
+    let models = |key: &str| {
+        let (status, text) = request(http, "GET", "/v1/models", Some(key), None).unwrap();
+        assert_eq!(status, 200, "{text}");
+        let list: serde_json::Value = serde_json::from_str(&text).unwrap();
+        list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(models("narrow-key"), ["m"]);
+    assert!(models("elsewhere-key").is_empty());
+    assert_eq!(request(http, "GET", "/v1/models/m", Some("elsewhere-key"), None).unwrap().0, 404);
 }
 
 /// Batch files and jobs belong to the tenant that made them; its batch requests count in

@@ -41,9 +41,11 @@ impl Bucket {
         self.at = Some(now);
     }
 
-    /// How long until the bucket holds `want` (it may never, if `want` exceeds capacity).
+    /// How long until the bucket holds `want` (it may never, if `want` exceeds capacity),
+    /// at most a day: a hint, whatever tiny rate it comes from.
     fn wait_for(&self, want: f64, per_second: f64) -> Duration {
-        Duration::from_secs_f64(((want - self.level) / per_second).max(0.0))
+        let day = Duration::from_secs(86_400);
+        Duration::try_from_secs_f64(((want - self.level) / per_second).max(0.0)).map_or(day, |d| d.min(day))
     }
 }
 
@@ -201,6 +203,16 @@ mod tests {
 
     fn ask(prompt: u32, max: u32) -> Ask {
         Ask { prompt_tokens: prompt, max_tokens: max }
+    }
+
+    /// A tiny positive rate (as configured, or divided among many coordinators) gives a
+    /// retry hint of at most a day; it panicked every request of the tenant.
+    #[tokio::test(start_paused = true)]
+    async fn a_tiny_rate_refuses_with_a_bounded_hint() {
+        let l = Limiter::new("t", TenantLimits { requests_per_second: Some(1e-300), ..Default::default() });
+        drop(l.admit(ask(1, 1)).unwrap());
+        let e = l.admit(ask(1, 1)).unwrap_err();
+        assert_eq!(e.retry_after(), Some(Duration::from_secs(86_400)));
     }
 
     #[tokio::test(start_paused = true)]

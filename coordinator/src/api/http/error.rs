@@ -8,6 +8,21 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use strata_common::{Error, ErrorClass};
 
+/// Longest message (and param) an error body carries, in bytes.
+pub const MAX_MESSAGE: usize = 1024;
+
+/// `text` cut at [`MAX_MESSAGE`] bytes (on a character boundary), marked when cut.
+fn cut(text: &str) -> String {
+    if text.len() <= MAX_MESSAGE {
+        return text.to_string();
+    }
+    let mut end = MAX_MESSAGE;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len())
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: StatusCode,
@@ -44,12 +59,14 @@ impl ApiError {
         }
     }
 
-    /// The error object (also what a stream sends when it fails after it started).
+    /// The error object (also what a stream sends when it fails after it started). The
+    /// message and param are cut at [`MAX_MESSAGE`] bytes: they may quote what the caller
+    /// sent (a megabyte of model name is not echoed back).
     pub fn body(&self) -> serde_json::Value {
         json!({"error": {
-            "message": self.message,
+            "message": cut(&self.message),
             "type": self.kind,
-            "param": self.param,
+            "param": self.param.as_deref().map(cut),
             "code": self.code,
         }})
     }
@@ -109,6 +126,16 @@ impl IntoResponse for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_caller_sent_is_not_echoed_back_whole() {
+        let name = "é".repeat(600_000);
+        let e = ApiError::from(Error::NotFound(format!("model {name:?}; served: m")));
+        let body = e.body().to_string();
+        assert!(body.len() < 2 * MAX_MESSAGE, "{} bytes", body.len());
+        assert!(body.contains("bytes in all"), "{body}");
+        assert_eq!(cut("short"), "short");
+    }
 
     #[test]
     fn domain_errors_map_to_openai_statuses_and_params() {

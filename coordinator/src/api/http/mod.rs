@@ -180,14 +180,22 @@ fn model_json(m: &crate::routing::ModelEntry) -> serde_json::Value {
     })
 }
 
-async fn list_models(State(state): State<Arc<HttpState>>) -> Response {
-    let data: Vec<_> = state.models.all().iter().map(|m| model_json(m)).collect();
+/// The models the caller may use (a tenant limited to some models sees only those).
+async fn list_models(State(state): State<Arc<HttpState>>, Extension(who): Extension<Caller>) -> Response {
+    let data: Vec<_> =
+        state.models.all().iter().filter(|m| who.may_use(&m.name).is_ok()).map(|m| model_json(m)).collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn get_model(State(state): State<Arc<HttpState>>, Path(id): Path<String>) -> Response {
+/// A model the caller may use; another is not found, as if it were not served.
+async fn get_model(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Response {
     match state.models.get(&id) {
-        Ok(m) => axum::Json(model_json(&m)).into_response(),
+        Ok(m) if who.may_use(&m.name).is_ok() => axum::Json(model_json(&m)).into_response(),
+        Ok(m) => ApiError::not_found(format!("model {:?}", m.name)).into_response(),
         Err(e) => ApiError::from(e).into_response(),
     }
 }
