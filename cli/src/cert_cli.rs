@@ -103,6 +103,13 @@ fn issue(
     opts: &IssueOptions,
 ) -> anyhow::Result<(String, KeyPair)> {
     let mut names: Vec<String> = role.map(|r| r.dns_name().to_string()).into_iter().collect();
+    for host in &opts.hosts {
+        // A role is a name in the certificate: a host may not be another role's.
+        let plain = host.trim_end_matches('.').to_ascii_lowercase();
+        if let Some(other) = Role::all().into_iter().find(|r| r.dns_name() == plain && Some(*r) != role) {
+            bail!("--host {host}: that name is the {other} role; issue it with --role {other}");
+        }
+    }
     names.extend(opts.hosts.iter().cloned());
     let mut params = CertificateParams::new(names).context("--host")?;
     params.distinguished_name.push(DnType::CommonName, name);
@@ -148,4 +155,25 @@ pub fn run(command: CertCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--role worker --host strata-coordinator` minted a coordinator's certificate.
+    #[test]
+    fn a_host_cannot_name_another_role() {
+        let (_, ca_key, ca_params) = make_ca(1).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let opts = |host: &str| IssueOptions { hosts: vec![host.into()], days: 1 };
+        for host in ["strata-coordinator", "STRATA-Coordinator."] {
+            let e = issue(&issuer, "w1", Some(Role::Worker), &opts(host)).map(|_| ()).unwrap_err();
+            assert!(e.to_string().contains("coordinator role"), "{host}: {e}");
+        }
+        assert!(issue(&issuer, "w1", Some(Role::Worker), &opts("strata-worker")).is_ok());
+        let e =
+            issue(&issuer, "c1", Some(Role::Coordinator), &opts("strata-worker")).map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("worker role"), "{e}");
+    }
 }

@@ -4,8 +4,10 @@
 //! the caller's own seed — on the same model revision gets the same tokens every time, so
 //! the coordinator keeps finished responses in memory and replays them. The key is the
 //! model, its revision (the deployment's spec generation: a changed deployment never
-//! answers from an older one's responses), the prompt's token ids and every generation
-//! parameter (sampling knobs, seed, max tokens, stops, logprobs). A sampled request without
+//! answers from an older one's responses), the prompt's token ids, every generation
+//! parameter (sampling knobs, seed, max tokens, stops, logprobs) and the caller's tenant:
+//! one tenant's responses never answer another's, so no tenant can learn by timing
+//! whether another sent a prompt. A sampled request without
 //! a seed is never cached (the coordinator picks it a fresh seed); a caller may opt out
 //! per request. A response is stored only when it finished normally on one replica of the
 //! key's revision (no failover, no error, no cancellation).
@@ -30,6 +32,7 @@ use super::metrics::ModelLabel;
 /// What identifies a response.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Key {
+    tenant: String,
     model: String,
     revision: u64,
     prompt: Vec<u32>,
@@ -41,6 +44,7 @@ impl Key {
     /// The key of a request, or None when its output is not determined by its inputs
     /// (sampled without the caller's seed) or the caller opted out.
     pub fn of(
+        tenant: &str,
         model: &str,
         revision: u64,
         prompt: &[u32],
@@ -51,7 +55,13 @@ impl Key {
             return None;
         }
         let params = serde_json::to_string(params).ok()?;
-        Some(Key { model: model.to_string(), revision, prompt: prompt.to_vec(), params })
+        Some(Key {
+            tenant: tenant.to_string(),
+            model: model.to_string(),
+            revision,
+            prompt: prompt.to_vec(),
+            params,
+        })
     }
 
     pub fn revision(&self) -> u64 {
@@ -211,24 +221,25 @@ mod tests {
 
     #[test]
     fn only_deterministic_requests_have_keys() {
-        assert!(Key::of("m", 1, &[1, 2], &greedy(), true).is_some());
-        assert!(Key::of("m", 1, &[1, 2], &greedy(), false).is_none(), "opted out");
+        assert!(Key::of("t", "m", 1, &[1, 2], &greedy(), true).is_some());
+        assert!(Key::of("t", "m", 1, &[1, 2], &greedy(), false).is_none(), "opted out");
         let sampled = SamplingParams { temperature: 0.8, ..greedy() };
-        assert!(Key::of("m", 1, &[1, 2], &sampled, true).is_none(), "no seed: a fresh draw each time");
+        assert!(Key::of("t", "m", 1, &[1, 2], &sampled, true).is_none(), "no seed: a fresh draw each time");
         let seeded = SamplingParams { seed: Some(7), ..sampled };
-        assert!(Key::of("m", 1, &[1, 2], &seeded, true).is_some());
+        assert!(Key::of("t", "m", 1, &[1, 2], &seeded, true).is_some());
         // Every input is part of the key.
-        let k = Key::of("m", 1, &[1, 2], &greedy(), true);
-        assert_ne!(k, Key::of("m", 2, &[1, 2], &greedy(), true), "revision");
-        assert_ne!(k, Key::of("m", 1, &[1, 3], &greedy(), true), "prompt");
-        assert_ne!(k, Key::of("n", 1, &[1, 2], &greedy(), true), "model");
+        let k = Key::of("t", "m", 1, &[1, 2], &greedy(), true);
+        assert_ne!(k, Key::of("t", "m", 2, &[1, 2], &greedy(), true), "revision");
+        assert_ne!(k, Key::of("t", "m", 1, &[1, 3], &greedy(), true), "prompt");
+        assert_ne!(k, Key::of("t", "n", 1, &[1, 2], &greedy(), true), "model");
+        assert_ne!(k, Key::of("u", "m", 1, &[1, 2], &greedy(), true), "another tenant");
         let longer = SamplingParams { max_new_tokens: 5, ..greedy() };
-        assert_ne!(k, Key::of("m", 1, &[1, 2], &longer, true), "max tokens");
+        assert_ne!(k, Key::of("t", "m", 1, &[1, 2], &longer, true), "max tokens");
     }
 
     #[test]
     fn the_least_recently_used_response_goes_first_and_bytes_stay_bounded() {
-        let key = |i: u32| Key::of("m", 1, &[i], &greedy(), true).unwrap();
+        let key = |i: u32| Key::of("t", "m", 1, &[i], &greedy(), true).unwrap();
         let response = |i: u32| vec![chunk("a", i, None), chunk("b", i + 1, Some(FinishReason::Length))];
         let one = key(0).bytes() + response(0).iter().map(chunk_bytes).sum::<usize>();
         let cache = ResponseCache::new(3 * one);

@@ -121,7 +121,7 @@ pub async fn begin(
         admit_for(&model, request, caller).await.inspect_err(|e| refuse(caller, &model.name, e))?;
     let prompt_ids = admitted.prompt_ids.clone();
     let revision = model.routes.revision_for(&prompt_ids);
-    let key = Key::of(&model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
+    let key = Key::of(caller.tenant(), &model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
     if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
         account.cached();
         let rx = replay(&model, &admitted, response, account);
