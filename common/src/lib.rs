@@ -12,6 +12,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod events;
+pub mod files;
 #[cfg(feature = "grpc")]
 pub mod grpc_metrics;
 pub mod host;

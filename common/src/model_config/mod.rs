@@ -199,13 +199,11 @@ impl ModelConfig {
     /// Reads `config.json` and, when present, `generation_config.json` from a model directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path)
-            .map_err(|e| Error::model_file(&path, format!("cannot read: {e}")))?;
+        let text = crate::files::read_text(&path, crate::files::MAX_JSON_FILE)?;
         let mut config = Self::from_json_str(&text).map_err(|e| relabel(e, &path))?;
         let gen_path = dir.join("generation_config.json");
         if gen_path.exists() {
-            let text = std::fs::read_to_string(&gen_path)
-                .map_err(|e| Error::model_file(&gen_path, format!("cannot read: {e}")))?;
+            let text = crate::files::read_text(&gen_path, crate::files::MAX_JSON_FILE)?;
             let value: Value = serde_json::from_str(&text)
                 .map_err(|e| Error::model_file(&gen_path, format!("invalid JSON: {e}")))?;
             for id in

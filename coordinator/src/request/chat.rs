@@ -26,6 +26,7 @@ use std::path::Path;
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Map, Value as Json};
+use strata_common::files::{read_bounded, read_text, MAX_JSON_FILE};
 use strata_common::{Error, Result};
 
 /// How much work one rendering may do (MiniJinja's fuel: about one unit per instruction),
@@ -100,15 +101,15 @@ impl ChatTemplate {
     /// The template of the model in `dir`, or None when it has none.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let config_path = dir.join("tokenizer_config.json");
-        let config: Json = match std::fs::read(&config_path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
+        let config: Json = match config_path.exists() {
+            true => serde_json::from_slice(&read_bounded(&config_path, MAX_JSON_FILE)?)
                 .map_err(|e| Error::model_file(&config_path, format!("not valid JSON: {e}")))?,
-            Err(_) => Json::Object(Map::new()),
+            false => Json::Object(Map::new()),
         };
         let jinja_path = dir.join("chat_template.jinja");
         let mut templates: Vec<(String, String)> = Vec::new();
-        if let Ok(text) = std::fs::read_to_string(&jinja_path) {
-            templates.push(("default".into(), text));
+        if jinja_path.exists() {
+            templates.push(("default".into(), read_text(&jinja_path, MAX_JSON_FILE)?));
         } else {
             match config.get("chat_template") {
                 None | Some(Json::Null) => {}

@@ -24,7 +24,8 @@ impl Tokenizer {
         if !path.exists() {
             return Err(Error::model_file(&path, "missing (needed to turn text into tokens)"));
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let bytes = strata_common::files::read_bounded(&path, strata_common::files::MAX_TOKENIZER_FILE)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
         let longest_token = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
         let chat = ChatTemplate::from_dir(dir)?;

@@ -45,8 +45,7 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index)
-                .map_err(|e| Error::model_file(&index, format!("cannot read: {e}")))?;
+            let text = strata_common::files::read_text(&index, strata_common::files::MAX_JSON_FILE)?;
             let value: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| Error::model_file(&index, format!("invalid JSON: {e}")))?;
             let map = value
@@ -224,6 +223,8 @@ impl Checkpoint {
 const MAX_HEADER: u64 = 100_000_000;
 
 fn read_file(path: &Path) -> Result<Vec<(HostTensor, Option<Packed>)>> {
+    // A FIFO or device would block the open or never end: regular files only.
+    strata_common::files::check_regular(path, u64::MAX)?;
     let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
     // SAFETY: the mapping is read-only; a checkpoint modified while being served is
     // outside what any inference server can defend against.
