@@ -120,6 +120,14 @@ impl LocalModel {
                     break 'run f;
                 }
             }
+            // A sequence the engine gave up on (NaN logits, a cache that cannot hold it)
+            // ends the generation with its error; it would never emit another event.
+            if let Some(a) = self.engine.take_aborted().into_iter().find(|a| a.seq == SEQ) {
+                return Err(a.error);
+            }
+            if !self.engine.has_work() {
+                return Err(Error::Internal("the engine stopped the sequence without finishing it".into()));
+            }
         };
         let text = match stream.as_mut() {
             Some(s) => {

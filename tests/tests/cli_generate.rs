@@ -473,3 +473,43 @@ fn gpu_check_runs_the_device_collectives_contract_on_the_cpu() {
     let checks: Vec<&str> = lines.iter().map(|l| l["check"].as_str().unwrap()).collect();
     assert!(checks.contains(&"all_to_all, uneven counts"), "{checks:?}");
 }
+
+/// A model whose weights hold NaN: `strata generate` fails with the engine's error instead
+/// of spinning for ever on a sequence the engine had given up on.
+#[test]
+fn nan_weights_end_generate_with_an_error() {
+    let (_tmp, dir) = scratch_copy("llama_gqa");
+    let path = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let t = &header["model.layers.0.mlp.down_proj.weight"];
+    assert_eq!(t["dtype"], "F32");
+    let (start, end) =
+        (t["data_offsets"][0].as_u64().unwrap() as usize, t["data_offsets"][1].as_u64().unwrap() as usize);
+    for v in bytes[8 + n + start..8 + n + end].chunks_exact_mut(4) {
+        v.copy_from_slice(&f32::NAN.to_le_bytes());
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let mut child = Command::new(strata_bin())
+        .args(["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,5,9", "--max-tokens", "4"])
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("strata generate still running after 60 s on NaN weights");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(stderr.contains("non-finite"), "{stderr}");
+}
