@@ -2,8 +2,10 @@
 //!
 //! The same parts as cluster mode, minus etcd: one coordinator (always the leader) and
 //! enough in-process workers for the models on the command line (`replicas × tp × pp`
-//! each, plus `--spare-workers`), each serving worker.v1 on a loopback port and
-//! registered with a lease in a [`MemoryRegistry`]. The command line's models are written
+//! each, plus `--spare-workers`), each registered with a lease in a [`MemoryRegistry`]
+//! and called in-process — no worker.v1 listener, so no local user can reach a worker
+//! around the API keys and the admin token (its address, a reserved loopback port, only
+//! names it). The command line's models are written
 //! as deployments and the reconciler builds them exactly as it would across machines —
 //! so `strata serve` also answers the admin API (deploy, scale, drain at run time), its
 //! replicas are canaried, and a replica that breaks is rebuilt. Requests reach the
@@ -35,7 +37,6 @@ use strata_coordinator::routing::Catalog;
 use strata_worker::agent::{AgentConfig, WorkerAgent};
 use strata_worker::in_process::InProcessWorker;
 use strata_worker::membership::{Announcement, Membership};
-use strata_worker::process::worker_server;
 
 /// One model of the command line.
 #[derive(Debug, Clone)]
@@ -63,10 +64,11 @@ pub struct EmbeddedOptions {
 
 const LEASE_TTL: Duration = Duration::from_secs(5);
 
-/// One in-process worker: its agent, leased registration and worker.v1 server.
+/// One in-process worker: its leased registration, and the loopback port that keeps its
+/// address unique (bound, never served).
 struct LocalWorker {
     membership: Membership,
-    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    _address: TcpListener,
 }
 
 /// Starts worker `i`: registered in `registry` and reachable through `clients` directly.
@@ -89,15 +91,10 @@ async fn start_worker(
     let listener = TcpListener::bind("127.0.0.1:0").await.context("binding an in-process worker")?;
     let address = listener.local_addr()?.to_string();
     clients.register(&address, Arc::new(InProcessWorker(agent.clone())));
-    let server = tokio::spawn(
-        tonic::transport::Server::builder().add_service(worker_server(agent.clone())).serve_with_incoming(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-        ),
-    );
     let capacity = agent.config().capacity(None).map_err(|e| anyhow::anyhow!("{e}"))?;
     let announcement = Announcement { address, capacity, ttl: LEASE_TTL, keepalive: LEASE_TTL / 3 };
     let membership = Membership::start(registry.clone(), keys.clone(), agent, announcement);
-    Ok(LocalWorker { membership, server })
+    Ok(LocalWorker { membership, _address: listener })
 }
 
 /// Writes the command line's models as deployments.
@@ -204,7 +201,6 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     let _ = ledger.flush().await;
     for w in workers {
         w.membership.leave().await;
-        w.server.abort();
     }
     drop(watcher);
     served

@@ -126,3 +126,30 @@ async fn the_server_advertises_a_bound_on_concurrent_streams() {
     let _ = response.await;
     assert_eq!(client.current_max_send_streams(), 1024, "SETTINGS_MAX_CONCURRENT_STREAMS");
 }
+
+/// `strata serve`'s workers are called in-process: their addresses serve nothing, so a
+/// local user cannot reach worker.v1 (Generate without an API key, Drain without the admin
+/// token, LoadShard dialling an address of their choice) around the front door.
+#[tokio::test(flavor = "multi_thread")]
+async fn serves_in_process_workers_have_no_worker_api_on_loopback() {
+    use strata_proto::admin::v1::admin_client::AdminClient;
+    use strata_proto::admin::v1::ListWorkersRequest;
+    use strata_proto::worker::v1::worker_client::WorkerClient;
+    use strata_proto::worker::v1::StatusRequest;
+    let server = Server::start(&["--model", &gqa(), "--name", "m", "--api-key", "k"]);
+    let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
+    let workers = admin.list_workers(ListWorkersRequest::default()).await.unwrap().into_inner().workers;
+    assert!(!workers.is_empty());
+    for w in workers {
+        let call = async {
+            let channel = Endpoint::from_shared(format!("http://{}", w.address)).unwrap().connect().await?;
+            WorkerClient::new(channel).status(StatusRequest {}).await.map_err(|e| e.into())
+        };
+        let reached: Result<_, Box<dyn std::error::Error + Send + Sync>> =
+            match tokio::time::timeout(Duration::from_secs(3), call).await {
+                Ok(r) => r,
+                Err(_) => Err("no answer".into()),
+            };
+        assert!(reached.is_err(), "worker.v1 answered at {}", w.address);
+    }
+}
