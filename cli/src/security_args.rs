@@ -105,7 +105,8 @@ pub struct CallerArgs {
     /// (coordinator.data_dir). Without it the batch API is off.
     #[arg(long, env = "STRATA_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Most batch requests in flight at once [default: 32] (coordinator.batch_concurrency).
+    /// Most batch requests in flight at once, all batches together [default: 32]
+    /// (coordinator.batch_concurrency).
     #[arg(long, env = "STRATA_BATCH_CONCURRENCY")]
     pub batch_concurrency: Option<usize>,
     /// Memory for responses to deterministic requests (greedy, or seeded sampling), replayed

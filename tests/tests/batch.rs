@@ -289,3 +289,37 @@ fn wait_status(http: &str, id: &str, status: &str) -> Value {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// `--batch-concurrency` is one budget for every batch (three batches took three times
+/// it): while three run side by side, never more than it are in flight.
+#[test]
+fn batches_share_one_concurrency_budget() {
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let data = tempfile::tempdir().unwrap();
+    let server = Server::start(&[
+        "--model",
+        model.path().to_str().unwrap(),
+        "--name",
+        "m",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.path().to_str().unwrap(),
+        "--batch-concurrency",
+        "3",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
+    let ids: Vec<String> = (0..3).map(|_| create_batch(&http, (0..12).map(body).collect())).collect();
+    let (started, mut most) = (Instant::now(), 0.0f64);
+    while !ids.iter().all(|id| batch(&http, id)["status"] == "completed") {
+        most = most.max(batch_in_flight(&metrics));
+        assert!(started.elapsed() < Duration::from_secs(180), "the batches did not finish");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(most >= 2.0, "the batches ran side by side ({most} in flight at most)");
+    assert!(most <= 3.0, "{most} batch requests in flight against a budget of 3");
+}

@@ -79,7 +79,10 @@ pub struct Batches {
     store: Store,
     models: Arc<dyn Catalog>,
     limits: RouteLimits,
+    /// Batch requests in flight at once, all batches together (`--batch-concurrency`).
     concurrency: usize,
+    /// Batch requests in flight now, all batches together.
+    running: std::sync::atomic::AtomicUsize,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     tenants: Tenants,
 }
@@ -101,8 +104,15 @@ impl Batches {
                 Arc::new(Job { object: Mutex::new(b), cancelled: AtomicBool::new(false) }),
             );
         }
-        let batches =
-            Arc::new(Batches { store, models, limits, concurrency, jobs: Mutex::new(jobs), tenants });
+        let batches = Arc::new(Batches {
+            store,
+            models,
+            limits,
+            concurrency,
+            running: Default::default(),
+            jobs: Mutex::new(jobs),
+            tenants,
+        });
         let unfinished: Vec<Arc<Job>> =
             batches.jobs().into_iter().filter(|j| j.snapshot().unfinished()).collect();
         for job in unfinished {

@@ -11,6 +11,7 @@
 
 use std::collections::HashSet;
 use std::io::Write;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -140,9 +141,7 @@ async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input:
                 c.request.priority = Priority::Batch;
             }
             match batches.caller(&tenant) {
-                Ok(who) => {
-                    respond::answer(&*batches.models, batches.limits, &job, request_id.clone(), &who).await
-                }
+                Ok(who) => answer_within_rates(&batches, &job, &request_id, &who).await,
                 Err(e) => Err(ApiError::from(e)),
             }
         }
@@ -197,6 +196,29 @@ pub async fn run(batches: Arc<Batches>, job: Arc<Job>) {
                 json!({"object": "list", "data": [{"code": "internal_error", "message": e.to_string()}]}),
             );
         });
+    }
+}
+
+/// The request answered once the tenant's rates let it in: a refusal by its requests per
+/// second or tokens per minute (a 429 with a retry hint) is waited out, not failed, so a
+/// batch spends the tenant's quota at the quota's pace.
+async fn answer_within_rates(
+    batches: &Batches,
+    job: &completions::Job,
+    request_id: &str,
+    who: &crate::tenant::Caller,
+) -> std::result::Result<Json, ApiError> {
+    loop {
+        match respond::answer(&*batches.models, batches.limits, job, request_id.to_string(), who).await {
+            Err(e)
+                if e.status == axum::http::StatusCode::TOO_MANY_REQUESTS
+                    && e.code == Some("rate_limit_exceeded") =>
+            {
+                let wait = Duration::from_secs(e.retry_after.unwrap_or(1).max(1));
+                tokio::time::sleep(wait).await;
+            }
+            other => return other,
+        }
     }
 }
 
@@ -277,25 +299,31 @@ fn metrics() -> &'static BatchMetrics {
     })
 }
 
-/// Requests this runner has in flight, counted in the gauge until they end (or the
-/// runner stops: dropping its tasks cancels them).
-struct InFlight(i64);
+/// Requests this runner has in flight, counted in the gauge and the batches' shared
+/// budget until they end (or the runner stops: dropping its tasks cancels them).
+struct InFlight<'a> {
+    n: i64,
+    budget: &'a std::sync::atomic::AtomicUsize,
+}
 
-impl InFlight {
+impl InFlight<'_> {
     fn started(&mut self) {
-        self.0 += 1;
+        self.n += 1;
+        self.budget.fetch_add(1, Ordering::Relaxed);
         metrics().in_flight.inc();
     }
 
     fn ended(&mut self) {
-        self.0 -= 1;
+        self.n -= 1;
+        self.budget.fetch_sub(1, Ordering::Relaxed);
         metrics().in_flight.dec();
     }
 }
 
-impl Drop for InFlight {
+impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        metrics().in_flight.dec_by(self.0);
+        self.budget.fetch_sub(self.n as usize, Ordering::Relaxed);
+        metrics().in_flight.dec_by(self.n);
     }
 }
 
@@ -312,25 +340,32 @@ async fn dispatch(
         let b = job.snapshot();
         (b.id, b.tenant)
     };
-    let mut todo = todo.into_iter();
+    let mut todo = todo.into_iter().peekable();
     let mut running = JoinSet::new();
-    let mut counted = InFlight(0);
+    let mut counted = InFlight { n: 0, budget: &batches.running };
     let mut saved = tokio::time::Instant::now();
     loop {
         if job.cancelled() {
             running.abort_all();
             return Ok(());
         }
+        // One budget for every batch, each taking what the others leave; one request at
+        // least in flight whatever the online load, so batches always move.
         let allowed =
             batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
-        while running.len() < allowed {
+        while batches.running.load(Ordering::Relaxed) < allowed {
             let Some((index, line)) = todo.next() else { break };
             let head = Head { batch_id: id.clone(), tenant: tenant.clone(), index };
             running.spawn(execute(batches.clone(), api, head, line, input.clone()));
             counted.started();
         }
         if running.is_empty() {
-            return Ok(());
+            if todo.peek().is_none() {
+                return Ok(());
+            }
+            // Other batches hold the budget: look again shortly.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
         }
         tokio::select! {
             next = running.join_next() => {

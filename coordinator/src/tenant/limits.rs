@@ -97,13 +97,14 @@ impl Limiter {
         s.share = 1.0 / coordinators.max(1) as f64;
     }
 
-    /// Admits a request or says which limit refused it and when to retry.
-    pub fn admit(self: &Arc<Self>, ask: Ask) -> Result<Permit> {
+    /// Admits a request or says which limit refused it and when to retry; `concurrent`:
+    /// whether it counts toward `max_concurrent` (batch work does not).
+    pub fn admit(self: &Arc<Self>, ask: Ask, concurrent: bool) -> Result<Permit> {
         let now = Instant::now();
         let mut s = self.state();
         let share = s.share;
         let t = &self.tenant;
-        if let Some(max) = s.limits.max_concurrent {
+        if let Some(max) = s.limits.max_concurrent.filter(|_| concurrent) {
             let here = (f64::from(max) * share).ceil().max(1.0) as u32;
             if s.in_flight >= here {
                 return Err(limited(
@@ -151,8 +152,9 @@ impl Limiter {
         if rps.is_some() {
             s.requests.level -= 1.0;
         }
-        s.in_flight += 1;
-        Ok(Permit { limiter: self.clone(), reserved: if tpm.is_some() { cost } else { 0.0 }, used: 0 })
+        s.in_flight += u32::from(concurrent);
+        let reserved = if tpm.is_some() { cost } else { 0.0 };
+        Ok(Permit { limiter: self.clone(), reserved, used: 0, concurrent })
     }
 }
 
@@ -177,6 +179,8 @@ pub struct Permit {
     reserved: f64,
     /// Tokens the request consumed (its prompt and what it generated).
     used: u64,
+    /// Counted in the tenant's requests in flight.
+    concurrent: bool,
 }
 
 impl Permit {
@@ -189,7 +193,7 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut s = self.limiter.state();
-        s.in_flight = s.in_flight.saturating_sub(1);
+        s.in_flight = s.in_flight.saturating_sub(u32::from(self.concurrent));
         let unused = self.reserved - self.used as f64;
         if unused > 0.0 {
             s.tokens.level += unused;
@@ -210,40 +214,57 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_tiny_rate_refuses_with_a_bounded_hint() {
         let l = Limiter::new("t", TenantLimits { requests_per_second: Some(1e-300), ..Default::default() });
-        drop(l.admit(ask(1, 1)).unwrap());
-        let e = l.admit(ask(1, 1)).unwrap_err();
+        drop(l.admit(ask(1, 1), true).unwrap());
+        let e = l.admit(ask(1, 1), true).unwrap_err();
         assert_eq!(e.retry_after(), Some(Duration::from_secs(86_400)));
+    }
+
+    /// Batch work spends the tenant's token quota (a 2,000 tokens/min tenant's batches
+    /// used ~350k a minute) without taking its stream slots.
+    #[tokio::test(start_paused = true)]
+    async fn batch_work_spends_the_quota_but_takes_no_stream_slot() {
+        let limits =
+            TenantLimits { tokens_per_minute: Some(100), max_concurrent: Some(1), ..Default::default() };
+        let l = Limiter::new("t", limits);
+        let online = l.admit(ask(10, 40), true).unwrap();
+        let batch = l.admit(ask(10, 40), false).unwrap();
+        assert!(l.admit(ask(1, 1), false).unwrap_err().to_string().contains("tokens/min"));
+        drop((online, batch));
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let batch = l.admit(ask(10, 40), false).unwrap();
+        assert!(l.admit(ask(10, 40), true).is_ok(), "the batch request holds no stream slot");
+        drop(batch);
     }
 
     #[tokio::test(start_paused = true)]
     async fn requests_per_second_refill_over_time() {
         let l = Limiter::new("t", TenantLimits { requests_per_second: Some(2.0), ..Default::default() });
-        let a = l.admit(ask(1, 1)).unwrap();
-        let b = l.admit(ask(1, 1)).unwrap();
+        let a = l.admit(ask(1, 1), true).unwrap();
+        let b = l.admit(ask(1, 1), true).unwrap();
         drop((a, b));
-        let e = l.admit(ask(1, 1)).unwrap_err();
+        let e = l.admit(ask(1, 1), true).unwrap_err();
         let after = e.retry_after().unwrap();
         assert!(after > Duration::ZERO && after <= Duration::from_millis(500), "{after:?}");
         assert!(e.to_string().contains("2 requests/s"), "{e}");
         tokio::time::advance(after).await;
-        assert!(l.admit(ask(1, 1)).is_ok(), "the hint was enough");
+        assert!(l.admit(ask(1, 1), true).is_ok(), "the hint was enough");
     }
 
     #[tokio::test(start_paused = true)]
     async fn token_quotas_reserve_and_give_back() {
         let l = Limiter::new("t", TenantLimits { tokens_per_minute: Some(600), ..Default::default() });
-        let mut p = l.admit(ask(100, 400)).unwrap(); // reserves 500 of 600
-        assert!(l.admit(ask(50, 100)).is_err(), "150 more do not fit in the 100 left");
+        let mut p = l.admit(ask(100, 400), true).unwrap(); // reserves 500 of 600
+        assert!(l.admit(ask(50, 100), true).is_err(), "150 more do not fit in the 100 left");
         p.consumed(100 + 20); // prompt + 20 generated: 380 flow back
         drop(p);
-        let e = l.admit(ask(500, 200)).unwrap_err();
+        let e = l.admit(ask(500, 200), true).unwrap_err();
         assert_eq!(
             e.class(),
             strata_common::ErrorClass::InvalidInput,
             "more than a minute's quota never fits"
         );
-        let q = l.admit(ask(100, 300)).unwrap();
-        let e = l.admit(ask(100, 100)).unwrap_err();
+        let q = l.admit(ask(100, 300), true).unwrap();
+        let e = l.admit(ask(100, 100), true).unwrap_err();
         // 80 left of 600 at 10/s: 120 more take 12 s.
         assert_eq!(e.retry_after().unwrap().as_secs(), 12);
         drop(q);
@@ -254,12 +275,12 @@ mod tests {
         let limits = TenantLimits { max_concurrent: Some(3), ..Default::default() };
         let l = Limiter::new("t", limits.clone());
         l.update(&limits, 2); // two coordinators: ceil(1.5) = 2 here
-        let a = l.admit(ask(1, 1)).unwrap();
-        let _b = l.admit(ask(1, 1)).unwrap();
-        let e = l.admit(ask(1, 1)).unwrap_err();
+        let a = l.admit(ask(1, 1), true).unwrap();
+        let _b = l.admit(ask(1, 1), true).unwrap();
+        let e = l.admit(ask(1, 1), true).unwrap_err();
         assert!(e.to_string().contains("50% share"), "{e}");
         drop(a);
-        assert!(l.admit(ask(1, 1)).is_ok(), "a finished stream frees its slot");
+        assert!(l.admit(ask(1, 1), true).is_ok(), "a finished stream frees its slot");
         // A refusal consumes nothing: the request bucket is untouched by refused asks.
         let r = Limiter::new(
             "r",
@@ -269,7 +290,7 @@ mod tests {
                 ..Default::default()
             },
         );
-        assert!(r.admit(ask(100, 1)).is_err());
-        assert!(r.admit(ask(10, 1)).is_ok(), "the refused request did not use the one request/s");
+        assert!(r.admit(ask(100, 1), true).is_err());
+        assert!(r.admit(ask(10, 1), true).is_ok(), "the refused request did not use the one request/s");
     }
 }

@@ -70,7 +70,8 @@ pub struct Tenant {
 #[derive(Debug, Clone)]
 pub struct Caller {
     tenant: Arc<Tenant>,
-    /// Rate and concurrency limits apply (false for batch jobs, which pace themselves).
+    /// Concurrency limits apply (false for batch jobs, which the batch runner paces with
+    /// one budget for all batches); rates apply either way.
     rated: bool,
 }
 
@@ -84,8 +85,10 @@ impl Caller {
         self.tenant.weight
     }
 
-    /// The same tenant without its rate and stream limits (batch work, which the batch
-    /// runner paces), still held to its models and `max_tokens_per_request`.
+    /// The same tenant for batch work: held to its rates (requests per second, tokens per
+    /// minute: a batch spends the tenant's quota like any call, the runner waiting when
+    /// refused), its models and `max_tokens_per_request`, but not to `max_concurrent` —
+    /// the batch runner paces batches with one budget of its own.
     pub fn unrated(mut self) -> Caller {
         self.rated = false;
         self
@@ -116,10 +119,7 @@ impl Caller {
 
     /// Takes what an admitted request needs from the tenant's limits.
     pub fn admit(&self, ask: Ask) -> Result<Option<Permit>> {
-        if !self.rated {
-            return Ok(None);
-        }
-        self.tenant.limiter.admit(ask).map(Some)
+        self.tenant.limiter.admit(ask, self.rated).map(Some)
     }
 }
 
