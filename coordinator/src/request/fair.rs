@@ -218,10 +218,18 @@ impl Gate {
                 self.publish(&s);
                 return Ok(Slot { gate: self.clone(), tenant: t.tenant.clone() });
             }
-            if s.queue.len() >= size.queue {
+            // The waiting room is shared by the tenants using the model: a full room
+            // refuses a tenant only once it has its share of it waiting, so one tenant
+            // filling the room cannot shut the others out (the room then holds at most
+            // twice its size).
+            let share = size.queue.div_ceil(s.active(now).max(1)).max(1);
+            let own = s.queue.values().filter(|w| w.tenant == t.tenant).count();
+            let full = s.queue.len() >= size.queue && own >= share;
+            if full || s.queue.len() >= size.queue.saturating_mul(2) {
                 return Err(Error::Overloaded(format!(
-                    "{} requests are waiting for this model's replicas, as many as may",
-                    s.queue.len()
+                    "{} requests are waiting for this model's replicas ({own} of tenant {:?}, its share {share}), as many as may",
+                    s.queue.len(),
+                    t.tenant
                 )));
             }
             let (tx, rx) = oneshot::channel();
@@ -272,6 +280,36 @@ mod tests {
 
     fn far() -> Instant {
         Instant::now() + Duration::from_secs(60)
+    }
+
+    /// Probed: one tenant filled the shared waiting room and the others were refused. A
+    /// full room refuses only a tenant that has its share of it waiting.
+    #[tokio::test]
+    async fn a_tenant_filling_the_waiting_room_does_not_shut_out_another() {
+        let gate = Arc::new(Gate::default());
+        let room = GateSize { slots: 1, queue: 4 };
+        let _held = gate.enter(&ticket("a", 1.0, Priority::Online), room, far()).await.unwrap();
+        let b_seen = gate.enter(&ticket("b", 1.0, Priority::Online), room, Instant::now()).await.map(|_| ());
+        assert!(b_seen.is_err(), "b waited no time: refused, but now it uses the model");
+        let mut waiting = Vec::new();
+        for _ in 0..4 {
+            let g = gate.clone();
+            waiting.push(tokio::spawn(async move {
+                g.enter(&ticket("a", 1.0, Priority::Online), room, far()).await.map(|_| ())
+            }));
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gate.waiting(), 4, "a fills the room (nobody else waits)");
+        let e = gate.enter(&ticket("a", 1.0, Priority::Online), room, far()).await.map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("its share 2"), "{e}");
+        let g = gate.clone();
+        let b = tokio::spawn(async move {
+            g.enter(&ticket("b", 1.0, Priority::Online), room, far()).await.map(|_| ())
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(gate.waiting(), 5, "b waits although the room is full: it is under its share");
+        b.abort();
+        waiting.iter().for_each(|w| w.abort());
     }
 
     #[tokio::test]
