@@ -9,6 +9,8 @@
 
 pub mod cluster;
 pub mod config;
+#[cfg(feature = "grpc")]
+pub mod conn_limits;
 pub mod device;
 pub mod error;
 pub mod events;

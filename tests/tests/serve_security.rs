@@ -153,3 +153,40 @@ async fn serves_in_process_workers_have_no_worker_api_on_loopback() {
         assert!(reached.is_err(), "worker.v1 answered at {}", w.address);
     }
 }
+
+/// Idle connections cannot use up the server: one peer's connections past its cap are
+/// closed at once, connections that send nothing are closed after the first-bytes
+/// deadline, and other peers are answered throughout (21,000 idle connections once took
+/// every descriptor and every listener stopped answering).
+#[test]
+fn idle_connections_are_capped_per_peer_and_closed() {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddr, TcpStream};
+    let server = Server::start(&["--model", &gqa(), "--name", "m", "--http-listen", "127.0.0.1:0"]);
+    let http: SocketAddr = server.out.passed("http").unwrap()["address"].as_str().unwrap().parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    // A connection from `ip` (any 127.x address is this machine).
+    let from = |ip: &str| -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{ip}:0").parse().unwrap()).unwrap();
+        let stream = rt.block_on(socket.connect(http)).unwrap().into_std().unwrap();
+        stream.set_nonblocking(false).unwrap();
+        stream
+    };
+    let idle: Vec<TcpStream> = (0..600).map(|_| from("127.0.0.1")).collect();
+    // Another peer is answered while the first holds its whole allowance.
+    let mut other = from("127.0.0.2");
+    write!(other, "GET /health HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    other.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.0 200"), "{reply}");
+    // Past the peer's cap, connections are closed at once; the silent ones within 10 s.
+    let started = std::time::Instant::now();
+    for mut s in idle {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+        let mut buf = [0u8; 1];
+        let n = s.read(&mut buf);
+        assert!(matches!(n, Ok(0) | Err(_)), "an idle connection got {n:?}");
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(25), "closed after {:?}", started.elapsed());
+}

@@ -152,7 +152,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         .add_service(health)
         .add_service(worker_server(agent.clone()))
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            strata_common::conn_limits::LimitedListener::new(listener, Default::default()).incoming(),
             async {
                 let _ = stop_rx.await;
             },

@@ -114,7 +114,7 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         )))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            strata_common::conn_limits::LimitedListener::new(listener, Default::default()).incoming(),
             async {
                 let _ = stop_rx.await;
             },

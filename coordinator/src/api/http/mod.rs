@@ -31,6 +31,7 @@ use super::auth::{bearer_token, ClientAuth};
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
 use crate::tenant::Caller;
+use strata_common::conn_limits::LimitedListener;
 
 /// Largest JSON request body (prompts are bounded again by the context on admission).
 pub const MAX_JSON_BODY: usize = 16 << 20;
@@ -283,15 +284,26 @@ impl HttpServer {
         self,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        use axum::serve::ListenerExt;
         let app = router(self.state);
-        // Streams write small events: without TCP_NODELAY, Nagle holds each behind the
-        // peer's delayed ACK (tens of milliseconds).
-        let listener = self.listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-            .with_graceful_shutdown(stop)
-            .await
+        // Capped connections, each with a deadline for its first bytes; TCP_NODELAY (streams
+        // write small events: Nagle would hold each behind the peer's delayed ACK).
+        let listener = Limited(LimitedListener::new(self.listener, Default::default()));
+        axum::serve(listener, app.into_make_service()).with_graceful_shutdown(stop).await
+    }
+}
+
+/// The HTTP API's listener: [`LimitedListener`]'s caps and first-bytes deadline.
+struct Limited(LimitedListener);
+
+impl axum::serve::Listener for Limited {
+    type Io = strata_common::conn_limits::Limited;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, SocketAddr) {
+        self.0.accept().await
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.0.local_addr()
     }
 }
