@@ -6,12 +6,14 @@
 //! [`GrpcMetricsLayer`] is a tower layer in front of a tonic server. The status code comes
 //! from the response's trailers (or its headers, for a trailers-only error); a response
 //! whose caller went away before the end counts as `CANCELLED`. Method names come from
-//! the caller's request path, so they are bounded: past [`MAX_METHODS`] distinct paths, or
-//! for a path that is not `/service/method`, the labels say `other`.
+//! the caller's request path, so they are bounded: a path that is not one of Strata's
+//! methods (read from its protos' descriptors, plus gRPC health and reflection) is
+//! labelled `other` — junk paths from an unauthenticated caller cannot crowd real methods
+//! out of their labels.
 
 use std::collections::HashSet;
 use std::pin::Pin;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -25,8 +27,34 @@ use tonic::codegen::http;
 
 use crate::metrics::register;
 
-/// Most distinct methods the metrics keep apart.
-pub const MAX_METHODS: usize = 256;
+/// Every method Strata's servers serve, as request paths (`/package.Service/Method`).
+fn known_methods() -> &'static HashSet<String> {
+    static KNOWN: OnceLock<HashSet<String>> = OnceLock::new();
+    KNOWN.get_or_init(|| {
+        use prost::Message;
+        let mut known: HashSet<String> = [
+            "/grpc.health.v1.Health/Check",
+            "/grpc.health.v1.Health/Watch",
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        let set =
+            prost_types::FileDescriptorSet::decode(strata_proto::FILE_DESCRIPTOR_SET).unwrap_or_default();
+        for file in set.file {
+            let package = file.package.unwrap_or_default();
+            for service in file.service {
+                let name = service.name.unwrap_or_default();
+                for method in service.method {
+                    known.insert(format!("/{package}.{name}/{}", method.name.unwrap_or_default()));
+                }
+            }
+        }
+        known
+    })
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct MethodLabels {
@@ -45,7 +73,6 @@ struct GrpcMetrics {
     started: Family<MethodLabels, Counter>,
     handled: Family<HandledLabels, Counter>,
     handling: Family<MethodLabels, Histogram, fn() -> Histogram>,
-    methods: Mutex<HashSet<String>>,
 }
 
 fn handling() -> Histogram {
@@ -62,7 +89,6 @@ fn metrics() -> &'static GrpcMetrics {
             started: Family::default(),
             handled: Family::default(),
             handling: Family::new_with_constructor(handling),
-            methods: Mutex::new(HashSet::new()),
         };
         register("grpc_server_started", "gRPC calls started, by service and method", m.started.clone());
         register(
@@ -81,24 +107,11 @@ fn metrics() -> &'static GrpcMetrics {
 
 /// The labels for request path `path`, bounded as the module says.
 fn method_labels(path: &str) -> MethodLabels {
-    let other = || MethodLabels { grpc_service: "other".into(), grpc_method: "other".into() };
-    let Some((service, method)) = path.strip_prefix('/').and_then(|p| p.split_once('/')) else {
-        return other();
-    };
-    let plain = |s: &str| {
-        !s.is_empty() && s.len() <= 96 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._".contains(&b))
-    };
-    if !plain(service) || !plain(method) {
-        return other();
+    let known = known_methods().contains(path);
+    match path.strip_prefix('/').and_then(|p| p.split_once('/')).filter(|_| known) {
+        Some((service, method)) => MethodLabels { grpc_service: service.into(), grpc_method: method.into() },
+        None => MethodLabels { grpc_service: "other".into(), grpc_method: "other".into() },
     }
-    let mut seen = metrics().methods.lock().unwrap_or_else(|p| p.into_inner());
-    if !seen.contains(path) {
-        if seen.len() >= MAX_METHODS {
-            return other();
-        }
-        seen.insert(path.to_string());
-    }
-    MethodLabels { grpc_service: service.into(), grpc_method: method.into() }
 }
 
 /// The canonical name of a gRPC status code, as the `grpc_code` label spells it.
@@ -256,10 +269,13 @@ mod tests {
         for bad in ["", "/", "/x", "//y", "/a b/c", "/a/b/c", &format!("/{}/m", "s".repeat(200))] {
             assert_eq!(method_labels(bad).grpc_service, "other", "{bad:?}");
         }
-        for i in 0..MAX_METHODS + 10 {
-            method_labels(&format!("/flood.Svc/M{i}"));
+        // Junk paths, however many, are `other`; real methods keep their names after them.
+        for i in 0..1000 {
+            assert_eq!(method_labels(&format!("/flood.Svc/M{i}")).grpc_method, "other");
+            assert_eq!(method_labels(&format!("/strata.admin.v1.Admin/Junk{i}")).grpc_method, "other");
         }
-        assert_eq!(method_labels("/flood.Svc/Another").grpc_method, "other");
-        assert!(metrics().methods.lock().unwrap().len() <= MAX_METHODS);
+        assert_eq!(method_labels("/strata.admin.v1.Admin/ListAudit").grpc_method, "ListAudit");
+        assert_eq!(method_labels("/strata.worker.v1.Worker/LoadShard").grpc_method, "LoadShard");
+        assert_eq!(method_labels("/grpc.health.v1.Health/Check").grpc_service, "grpc.health.v1.Health");
     }
 }
