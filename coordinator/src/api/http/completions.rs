@@ -100,7 +100,7 @@ fn choices(
 }
 
 /// The prompts of a /v1/completions body: a string, strings, token ids, or arrays of ids.
-fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+pub(super) fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
     let bad = || {
         ApiError::invalid(
             "prompt",
@@ -202,7 +202,7 @@ fn content(i: usize, m: &Map<String, Json>) -> Result<Json, ApiError> {
     }
 }
 
-fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
+pub(super) fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
     let Some(Json::Array(list)) = f.get("messages") else {
         return Err(ApiError::invalid(
             "messages",

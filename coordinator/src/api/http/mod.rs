@@ -9,6 +9,8 @@
 
 pub mod completions;
 pub mod error;
+#[cfg(test)]
+mod fuzz;
 pub mod metrics;
 pub mod params;
 pub mod respond;
