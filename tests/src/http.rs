@@ -59,6 +59,18 @@ pub fn sse_data(body: &str) -> Vec<String> {
 /// Uploads `content` as a batch input file (`POST /v1/files`, multipart/form-data);
 /// returns the file object.
 pub fn upload(address: &str, key: Option<&str>, filename: &str, content: &str) -> serde_json::Value {
+    let (status, body) = try_upload(address, key, filename, content);
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// [`upload`], returning the status and the body whatever they are.
+pub fn try_upload(
+    address: &str,
+    key: Option<&str>,
+    filename: &str,
+    content: &str,
+) -> (u16, serde_json::Value) {
     let boundary = "strata-test-boundary-7d1c";
     let body = format!(
         "--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
@@ -78,8 +90,8 @@ pub fn upload(address: &str, key: Option<&str>, filename: &str, content: &str) -
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
     let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
-    assert!(head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"), "{head}\n{body}");
-    serde_json::from_str(body).unwrap()
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(body).unwrap_or(serde_json::Value::String(body.to_string())))
 }
 
 /// `GET /metrics` over plain HTTP/1.1.

@@ -323,3 +323,26 @@ fn batches_share_one_concurrency_budget() {
     assert!(most >= 2.0, "the batches ran side by side ({most} in flight at most)");
     assert!(most <= 3.0, "{most} batch requests in flight against a budget of 3");
 }
+
+/// A tenant's files are bounded (4,000 uploads once went through in two seconds): the
+/// upload past the count is refused naming the limit, and goes through once one is
+/// deleted.
+#[test]
+fn a_tenants_files_are_bounded() {
+    let data = tempfile::tempdir().unwrap();
+    let model = strata_tests::fixtures_dir().join("llama_gqa");
+    let (_server, http) = serve(model.to_str().unwrap(), data.path().to_str().unwrap());
+    let line =
+        json!({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body(0)}).to_string();
+    let first = upload(&http, None, "f.jsonl", &line);
+    for _ in 1..1000 {
+        upload(&http, None, "f.jsonl", &line);
+    }
+    let (status, refused) = strata_tests::http::try_upload(&http, None, "f.jsonl", &line);
+    assert_eq!(status, 400, "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("at most 1000"), "{refused}");
+    let id = first["id"].as_str().unwrap();
+    let (status, _) = request(&http, "DELETE", &format!("/v1/files/{id}"), None, None).unwrap();
+    assert_eq!(status, 200);
+    assert!(upload(&http, None, "f.jsonl", &line)["id"].is_string());
+}

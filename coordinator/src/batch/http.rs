@@ -45,6 +45,11 @@ fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
 
 /// `POST /v1/files`: a multipart form with `purpose` and `file`, written to disk as it
 /// arrives (never held whole in memory).
+/// Most files one tenant keeps (uploads and batch results).
+pub const MAX_TENANT_FILES: usize = 1000;
+/// Most bytes of files one tenant keeps.
+pub const MAX_TENANT_BYTES: u64 = 10 << 30;
+
 async fn upload(
     State(batches): State<Arc<Batches>>,
     Extension(who): Extension<Caller>,
@@ -67,6 +72,15 @@ async fn receive(
     form: &mut Multipart,
     tenant: &str,
 ) -> Result<super::store::FileObject, ApiError> {
+    // A tenant's files (uploads and results) are bounded in number and bytes.
+    let held = batches.files(tenant).map_err(ApiError::from)?;
+    let held_bytes: u64 = held.iter().map(|f| f.bytes).sum();
+    if held.len() >= MAX_TENANT_FILES {
+        return Err(ApiError::invalid(
+            "file",
+            format!("the tenant has {} files, at most {MAX_TENANT_FILES}: delete some first", held.len()),
+        ));
+    }
     let mut purpose = None;
     let mut file: Option<(String, u64)> = None;
     while let Some(mut field) = form.next_field().await.map_err(multipart_error)? {
@@ -85,6 +99,14 @@ async fn receive(
                         return Err(ApiError::invalid(
                             "file",
                             format!("files may be at most {MAX_FILE_BYTES} bytes"),
+                        ));
+                    }
+                    if held_bytes + bytes > MAX_TENANT_BYTES {
+                        return Err(ApiError::invalid(
+                            "file",
+                            format!(
+                                "the tenant's files would pass {MAX_TENANT_BYTES} bytes ({held_bytes} held): delete some first"
+                            ),
                         ));
                     }
                     out.write_all(&chunk)
