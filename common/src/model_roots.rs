@@ -4,7 +4,9 @@
 //! same directory everywhere (absolute, no `..`) and stay inside what the operator allowed
 //! (`--model-root`): a caller with the admin token must not point workers at `/etc` or at
 //! another tenant's files. Roots are checked by path components, and again after
-//! following symlinks where the directory exists on this machine.
+//! following symlinks where the directory exists on this machine — the directory and
+//! every file in it (a `config.json` or weights file linked to a path outside the roots
+//! is refused; links within them, as in HF's cache of snapshots and blobs, are fine).
 
 use std::path::{Component, Path, PathBuf};
 
@@ -67,15 +69,30 @@ impl ModelRoots {
                 self.listed()
             )));
         }
+        let roots: Vec<PathBuf> =
+            self.0.iter().map(|r| std::fs::canonicalize(r).unwrap_or(r.clone())).collect();
+        let inside = |real: &Path| roots.iter().any(|r| real.starts_with(r));
         if let Ok(real) = std::fs::canonicalize(path) {
-            let inside =
-                self.0.iter().any(|r| real.starts_with(std::fs::canonicalize(r).unwrap_or(r.clone())));
-            if !inside {
+            if !inside(&real) {
                 return Err(Error::PermissionDenied(format!(
                     "model_dir {model_dir} resolves to {}, outside the model roots ({})",
                     real.display(),
                     self.listed()
                 )));
+            }
+            // Each file the loaders read, wherever its links lead.
+            for entry in std::fs::read_dir(&real).into_iter().flatten().flatten() {
+                let file = entry.path();
+                if let Ok(target) = std::fs::canonicalize(&file) {
+                    if !inside(&target) {
+                        return Err(Error::PermissionDenied(format!(
+                            "{} resolves to {}, outside the model roots ({})",
+                            file.display(),
+                            target.display(),
+                            self.listed()
+                        )));
+                    }
+                }
             }
         }
         Ok(path.to_path_buf())
@@ -113,7 +130,17 @@ mod tests {
         let roots = ModelRoots::new(vec![root.path().to_path_buf()]);
         let e = roots.check(link.to_str().unwrap()).unwrap_err();
         assert!(e.to_string().contains("resolves to"), "{e}");
-        std::fs::create_dir(root.path().join("real")).unwrap();
-        assert!(roots.check(root.path().join("real").to_str().unwrap()).is_ok());
+        let real = root.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        assert!(roots.check(real.to_str().unwrap()).is_ok());
+        // A file linked within the roots (HF's cache: snapshots link to blobs) is fine; one
+        // linked outside them is refused, naming it.
+        std::fs::write(root.path().join("blob"), "{}").unwrap();
+        std::os::unix::fs::symlink(root.path().join("blob"), real.join("config.json")).unwrap();
+        assert!(roots.check(real.to_str().unwrap()).is_ok());
+        std::fs::write(outside.path().join("weights"), "x").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("weights"), real.join("model.safetensors")).unwrap();
+        let e = roots.check(real.to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("model.safetensors"), "{e}");
     }
 }
