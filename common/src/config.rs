@@ -430,19 +430,7 @@ impl Config {
                 format!("{:?}: give cpu or cuda", c.default_device),
             ));
         }
-        for (key, v, min) in [
-            ("coordinator.canary_interval_s", c.canary_interval_s, 0.05),
-            ("coordinator.canary_timeout_s", c.canary_timeout_s, 0.05),
-            ("coordinator.load_timeout_s", c.load_timeout_s, 1.0),
-            ("coordinator.replica_drain_timeout_s", c.replica_drain_timeout_s, 0.0),
-            ("coordinator.failed_retention_s", c.failed_retention_s, 0.0),
-            ("coordinator.route_wait_s", c.route_wait_s, 0.0),
-            ("coordinator.drain_timeout_s", c.drain_timeout_s, 0.0),
-            ("serve.drain_timeout_s", self.serve.drain_timeout_s, 0.0),
-            ("worker.drain_timeout_s", self.worker.drain_timeout_s, 0.0),
-        ] {
-            seconds(key, v, min)?;
-        }
+        self.check_durations()?;
         self.security.credentials()?;
         let m = &self.telemetry.metrics_listen;
         if m != "off" && m.parse::<SocketAddr>().is_err() {
@@ -463,6 +451,25 @@ impl Config {
                     format!("{}: a model root must be an absolute path", root.display()),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Every duration setting within its bounds (see [`seconds`]).
+    fn check_durations(&self) -> Result<()> {
+        let c = &self.coordinator;
+        for (key, v, min) in [
+            ("coordinator.canary_interval_s", c.canary_interval_s, 0.05),
+            ("coordinator.canary_timeout_s", c.canary_timeout_s, 0.05),
+            ("coordinator.load_timeout_s", c.load_timeout_s, 1.0),
+            ("coordinator.replica_drain_timeout_s", c.replica_drain_timeout_s, 0.0),
+            ("coordinator.failed_retention_s", c.failed_retention_s, 0.0),
+            ("coordinator.route_wait_s", c.route_wait_s, 0.0),
+            ("coordinator.drain_timeout_s", c.drain_timeout_s, 0.0),
+            ("serve.drain_timeout_s", self.serve.drain_timeout_s, 0.0),
+            ("worker.drain_timeout_s", self.worker.drain_timeout_s, 0.0),
+        ] {
+            seconds(key, v, min)?;
         }
         Ok(())
     }
