@@ -163,6 +163,32 @@ fn strata_batch_run_resumes_after_an_interruption() {
     assert_eq!(seven["response"]["body"]["choices"][0]["text"], online["choices"][0]["text"]);
 }
 
+/// `strata serve` of a slow model (written into `model`) with a data directory and metrics;
+/// returns it and its HTTP and metrics addresses.
+fn serve_metered(
+    model: &std::path::Path,
+    data: &std::path::Path,
+    extra: &[&str],
+) -> (Server, String, String) {
+    write_slow_model(model);
+    let args = [
+        "--model",
+        model.to_str().unwrap(),
+        "--name",
+        "m",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ];
+    let server = Server::start(&[&args[..], extra].concat());
+    let address = |event: &str| server.out.passed(event).unwrap()["address"].as_str().unwrap().to_string();
+    let (http, metrics) = (address("http"), address("metrics"));
+    (server, http, metrics)
+}
+
 /// The batch's in-flight gauge as Prometheus scrapes it.
 fn batch_in_flight(metrics: &str) -> f64 {
     let (_, text) = strata_tests::prometheus::http_get(metrics, "/metrics").unwrap();
@@ -189,27 +215,9 @@ fn wait_in_flight(metrics: &str, want: f64, what: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn online_requests_come_first_and_a_batch_always_moves() {
     use strata_proto::inference::v1::inference_client::InferenceClient;
-    let model = tempfile::tempdir().unwrap();
-    write_slow_model(model.path());
-    let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--model",
-        model.path().to_str().unwrap(),
-        "--name",
-        "m",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.path().to_str().unwrap(),
-        "--batch-concurrency",
-        "4",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--max-num-seqs",
-        "16",
-    ]);
-    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
-    let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
+    let (model, data) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (server, http, metrics) =
+        serve_metered(model.path(), data.path(), &["--batch-concurrency", "4", "--max-num-seqs", "16"]);
     let bodies = (0..40)
         .map(|i| json!({"model": "m", "prompt": format!("job {i}"), "max_tokens": 120, "temperature": 0, "ignore_eos": true}))
         .collect();
@@ -294,25 +302,8 @@ fn wait_status(http: &str, id: &str, status: &str) -> Value {
 /// it): while three run side by side, never more than it are in flight.
 #[test]
 fn batches_share_one_concurrency_budget() {
-    let model = tempfile::tempdir().unwrap();
-    write_slow_model(model.path());
-    let data = tempfile::tempdir().unwrap();
-    let server = Server::start(&[
-        "--model",
-        model.path().to_str().unwrap(),
-        "--name",
-        "m",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.path().to_str().unwrap(),
-        "--batch-concurrency",
-        "3",
-        "--metrics-listen",
-        "127.0.0.1:0",
-    ]);
-    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
-    let metrics = server.out.passed("metrics").unwrap()["address"].as_str().unwrap().to_string();
+    let (model, data) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (_server, http, metrics) = serve_metered(model.path(), data.path(), &["--batch-concurrency", "3"]);
     let ids: Vec<String> = (0..3).map(|_| create_batch(&http, (0..12).map(body).collect())).collect();
     let (started, mut most) = (Instant::now(), 0.0f64);
     while !ids.iter().all(|id| batch(&http, id)["status"] == "completed") {

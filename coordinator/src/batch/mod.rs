@@ -6,8 +6,9 @@
 //! ([`run`]). Each batch runs its requests through the same admission, routing and
 //! failover as online calls, at lower priority, as the tenant that created them (a tenant
 //! sees only its own files and batches; its batch requests count in its usage and are
-//! held to its models and `max_tokens_per_request`, paced by the batch runner rather than
-//! its rates). Batches belong to the coordinator whose
+//! held to its models, `max_tokens_per_request` and rates, paced by the batch runner's one
+//! budget for all batches rather than its `max_concurrent`). Batches belong to the
+//! coordinator whose
 //! data directory holds them: with several coordinators, send the batch API to one of them
 //! (or give them one shared directory and one batch runner: see docs/HTTP_API.md).
 
@@ -157,10 +158,10 @@ impl Batches {
         Ok(self.store.files()?.into_iter().filter(|f| f.tenant == tenant).collect())
     }
 
-    /// The caller a batch's requests run as: its tenant, paced by the batch runner rather
-    /// than the tenant's rates.
+    /// The caller a batch's requests run as: its tenant, held to its rates, paced by the
+    /// batch runner rather than its `max_concurrent`.
     fn caller(&self, tenant: &str) -> Result<Caller> {
-        self.tenants.caller(tenant).map(Caller::unrated)
+        self.tenants.caller(tenant).map(Caller::for_batch)
     }
 
     /// Makes the file `id` (its data already written) visible to `tenant` as `filename`.

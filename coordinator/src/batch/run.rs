@@ -307,10 +307,17 @@ struct InFlight<'a> {
 }
 
 impl InFlight<'_> {
-    fn started(&mut self) {
-        self.n += 1;
-        self.budget.fetch_add(1, Ordering::Relaxed);
-        metrics().in_flight.inc();
+    /// Takes one of the shared budget's `allowed` places, if one is free (atomically:
+    /// batches running side by side never take more than `allowed` together).
+    fn try_start(&mut self, allowed: usize) -> bool {
+        let taken = self
+            .budget
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| (n < allowed).then_some(n + 1));
+        if taken.is_ok() {
+            self.n += 1;
+            metrics().in_flight.inc();
+        }
+        taken.is_ok()
     }
 
     fn ended(&mut self) {
@@ -353,11 +360,9 @@ async fn dispatch(
         // least in flight whatever the online load, so batches always move.
         let allowed =
             batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
-        while batches.running.load(Ordering::Relaxed) < allowed {
-            let Some((index, line)) = todo.next() else { break };
+        while let Some((index, line)) = todo.next_if(|_| counted.try_start(allowed)) {
             let head = Head { batch_id: id.clone(), tenant: tenant.clone(), index };
             running.spawn(execute(batches.clone(), api, head, line, input.clone()));
-            counted.started();
         }
         if running.is_empty() {
             if todo.peek().is_none() {

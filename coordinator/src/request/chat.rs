@@ -20,7 +20,6 @@
 //! most [`MAX_DEPTH`] deep, and fuel bounds the instructions a template runs.
 
 use std::cell::Cell;
-
 use std::path::Path;
 
 use minijinja::value::{Kwargs, Value};
@@ -37,8 +36,9 @@ const FUEL: u64 = 50_000_000;
 pub const MAX_DEPTH: usize = 64;
 
 thread_local! {
-    /// Bytes `tojson` may still write in the rendering running on this thread.
-    static TOJSON_BUDGET: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// Bytes `tojson` may still write in the rendering running on this thread; None once
+    /// one went past them.
+    static TOJSON_BUDGET: Cell<Option<usize>> = const { Cell::new(Some(usize::MAX)) };
 }
 
 /// The rendering's output, refusing bytes past `max`.
@@ -63,7 +63,7 @@ impl std::io::Write for Bounded {
 }
 
 /// How deep `v` nests (a scalar is 0).
-pub fn depth(v: &Json) -> usize {
+fn depth(v: &Json) -> usize {
     match v {
         Json::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
         Json::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
@@ -206,9 +206,9 @@ impl ChatTemplate {
             None => base,
         };
         let mut out = Bounded { out: Vec::new(), max: max_bytes, over: false };
-        TOJSON_BUDGET.with(|b| b.set(max_bytes));
+        TOJSON_BUDGET.with(|b| b.set(Some(max_bytes)));
         let rendered = template.render_captured_to(ctx, &mut out).map(drop);
-        let tojson_over = TOJSON_BUDGET.with(|b| b.replace(usize::MAX)) == 0;
+        let tojson_over = TOJSON_BUDGET.with(|b| b.replace(Some(usize::MAX))).is_none();
         if out.over || tojson_over {
             return Err(Error::invalid(
                 "messages",
@@ -266,14 +266,16 @@ fn tojson(
     let _ = kwargs.get::<Option<Value>>("ensure_ascii")?;
     let _ = kwargs.get::<Option<Value>>("separators")?;
     kwargs.assert_all_used()?;
-    let budget = TOJSON_BUDGET.with(Cell::get);
+    let too_long = || minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: the value is too long");
+    let budget = TOJSON_BUDGET.with(Cell::get).ok_or_else(too_long)?;
     let mut out = String::new();
     python_json(&value, indent, sort_keys, 0, &mut out, budget)?;
-    if out.len() > budget {
-        TOJSON_BUDGET.with(|b| b.set(0));
-        return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: the value is too long"));
+    // A value that fills the budget exactly is fine; one past it ends the rendering.
+    let left = budget.checked_sub(out.len());
+    TOJSON_BUDGET.with(|b| b.set(left));
+    if left.is_none() {
+        return Err(too_long());
     }
-    TOJSON_BUDGET.with(|b| b.set(budget - out.len()));
     Ok(Value::from_safe_string(out))
 }
 

@@ -70,9 +70,9 @@ pub struct Tenant {
 #[derive(Debug, Clone)]
 pub struct Caller {
     tenant: Arc<Tenant>,
-    /// Concurrency limits apply (false for batch jobs, which the batch runner paces with
-    /// one budget for all batches); rates apply either way.
-    rated: bool,
+    /// An online caller: `max_concurrent` applies (batch work is paced by the batch
+    /// runner's one budget instead); rates apply either way.
+    online: bool,
 }
 
 impl Caller {
@@ -89,14 +89,14 @@ impl Caller {
     /// minute: a batch spends the tenant's quota like any call, the runner waiting when
     /// refused), its models and `max_tokens_per_request`, but not to `max_concurrent` —
     /// the batch runner paces batches with one budget of its own.
-    pub fn unrated(mut self) -> Caller {
-        self.rated = false;
+    pub fn for_batch(mut self) -> Caller {
+        self.online = false;
         self
     }
 
     /// The most requests the tenant may have in flight at once, if it is capped.
     pub fn max_concurrent(&self) -> Option<u32> {
-        self.rated.then_some(self.tenant.limits.max_concurrent).flatten()
+        self.online.then_some(self.tenant.limits.max_concurrent).flatten()
     }
 
     /// The most tokens a request may generate, if the tenant caps it.
@@ -118,8 +118,8 @@ impl Caller {
     }
 
     /// Takes what an admitted request needs from the tenant's limits.
-    pub fn admit(&self, ask: Ask) -> Result<Option<Permit>> {
-        self.tenant.limiter.admit(ask, self.rated).map(Some)
+    pub fn admit(&self, ask: Ask) -> Result<Permit> {
+        self.tenant.limiter.admit(ask, self.online)
     }
 }
 
@@ -248,7 +248,7 @@ impl Tenants {
         let d = self.current();
         if d.by_digest.is_empty() {
             let open = d.by_name.get(DEFAULT_TENANT).expect("the default tenant always exists");
-            return Ok(Caller { tenant: open.clone(), rated: true });
+            return Ok(Caller { tenant: open.clone(), online: true });
         }
         let Some(token) = token else {
             return Err(Error::Unauthenticated(format!(
@@ -258,7 +258,7 @@ impl Tenants {
         // A lookup by digest: what a caller can learn from its timing is about digests,
         // which say nothing of the keys.
         match d.by_digest.get(&digest(token)) {
-            Some(t) => Ok(Caller { tenant: t.clone(), rated: true }),
+            Some(t) => Ok(Caller { tenant: t.clone(), online: true }),
             None => Err(Error::Unauthenticated("the API key is not valid".into())),
         }
     }
@@ -266,7 +266,7 @@ impl Tenants {
     /// The caller of tenant `name` (batch work runs as the tenant that submitted it).
     pub fn caller(&self, name: &str) -> Result<Caller> {
         match self.current().by_name.get(name) {
-            Some(t) => Ok(Caller { tenant: t.clone(), rated: true }),
+            Some(t) => Ok(Caller { tenant: t.clone(), online: true }),
             None => Err(Error::PermissionDenied(format!("tenant {name:?} no longer exists"))),
         }
     }

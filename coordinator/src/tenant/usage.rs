@@ -235,15 +235,13 @@ pub struct Account {
     tenant: String,
     model: String,
     counts: UsageCounts,
-    permit: Option<Permit>,
+    permit: Permit,
     slot: Option<crate::request::fair::Slot>,
 }
 
 impl Account {
-    pub fn open(caller: &Caller, model: &str, prompt_tokens: usize, mut permit: Option<Permit>) -> Account {
-        if let Some(p) = &mut permit {
-            p.consumed(prompt_tokens as u64);
-        }
+    pub fn open(caller: &Caller, model: &str, prompt_tokens: usize, mut permit: Permit) -> Account {
+        permit.consumed(prompt_tokens as u64);
         let counts = UsageCounts { requests: 1, prompt_tokens: prompt_tokens as u64, ..Default::default() };
         Account { tenant: caller.tenant().to_string(), model: model.to_string(), counts, permit, slot: None }
     }
@@ -261,9 +259,7 @@ impl Account {
     /// `n` tokens reached the caller.
     pub fn delivered(&mut self, n: usize) {
         self.counts.generated_tokens += n as u64;
-        if let Some(p) = &mut self.permit {
-            p.consumed(n as u64);
-        }
+        self.permit.consumed(n as u64);
     }
 
     pub fn failed(&mut self) {

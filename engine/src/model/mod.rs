@@ -129,10 +129,7 @@ impl<B: Backend> Model<B> {
             true => Some(load.vocab_rows("model.embed_tokens.weight")?),
             false => None,
         };
-        let embed_scale = c.embed_scale.map(|scale| match ckpt.tensor("model.embed_tokens.weight") {
-            Ok(table) => in_dtype(scale, table.dtype),
-            Err(_) => scale,
-        });
+        let embed_scale = c.embed_scale.map(|scale| in_dtype(scale, ckpt.model_dtype()));
         let lm_head = if last { load.lm_head()? } else { None };
         let mut layers = Vec::with_capacity(s.layers.len());
         for i in s.layers.clone() {

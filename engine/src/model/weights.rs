@@ -163,8 +163,8 @@ impl Checkpoint {
 }
 
 impl Checkpoint {
-    /// What dequantized weights are stored as: the embedding's dtype (the model's).
-    fn model_dtype(&self) -> DType {
+    /// The model's dtype: its embedding's (what dequantized weights are stored as).
+    pub fn model_dtype(&self) -> DType {
         self.tensors.get("model.embed_tokens.weight").map_or(DType::BF16, |t| t.dtype)
     }
 
