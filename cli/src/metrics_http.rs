@@ -31,8 +31,11 @@ pub async fn serve(listen: SocketAddr, role: &'static str) -> anyhow::Result<Soc
             )
         }),
     );
+    // The same connection caps and header deadline as the HTTP API: the metrics port must
+    // keep answering however many idle connections arrive.
+    let listener = strata_common::conn_limits::LimitedListener::new(listener, Default::default());
     tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
+        if let Err(e) = strata_coordinator::api::http::serve(listener, app, std::future::pending()).await {
             tracing::warn!("the metrics endpoint stopped: {e}");
         }
     });

@@ -5,7 +5,9 @@
 //! descriptors and every listener stopped answering. Now a listener at its total cap stops
 //! accepting (new connections wait in the kernel's backlog) while the open ones are
 //! served; a peer at its cap has further connections closed at once; and a connection that
-//! sends nothing within [`ConnLimits::first_bytes`] of being accepted is closed.
+//! has not sent its opening bytes ([`ConnLimits::opening_bytes`]: for gRPC, the HTTP/2
+//! preface and the first frame's header) within [`ConnLimits::first_bytes`] of being
+//! accepted is closed — a preface sent in part and left there holds no slot either.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -26,13 +28,32 @@ pub struct ConnLimits {
     pub max_connections: usize,
     /// Open connections from one IP address at once.
     pub max_per_peer: usize,
-    /// How long a new connection has to send its first bytes.
+    /// How long a new connection has to send its opening bytes.
     pub first_bytes: Duration,
+    /// How many bytes count as the opening (at least 1).
+    pub opening_bytes: usize,
 }
 
+/// An HTTP/2 connection's opening: the 24-byte client preface, then the 9-byte header of
+/// the SETTINGS frame that must follow it (a TLS ClientHello is longer still).
+pub const HTTP2_OPENING: usize = 24 + 9;
+
 impl Default for ConnLimits {
+    /// Any first bytes (HTTP/1: hyper's header-read timeout bounds the rest of the head).
     fn default() -> Self {
-        ConnLimits { max_connections: 4096, max_per_peer: 512, first_bytes: Duration::from_secs(10) }
+        ConnLimits {
+            max_connections: 4096,
+            max_per_peer: 512,
+            first_bytes: Duration::from_secs(10),
+            opening_bytes: 1,
+        }
+    }
+}
+
+impl ConnLimits {
+    /// A gRPC listener's: the whole HTTP/2 opening within the deadline.
+    pub fn grpc() -> Self {
+        ConnLimits { opening_bytes: HTTP2_OPENING, ..Default::default() }
     }
 }
 
@@ -85,7 +106,8 @@ impl LimitedListener {
             let _ = stream.set_nodelay(true);
             let first = Box::pin(tokio::time::sleep(self.limits.first_bytes));
             let held = Held { _permit: permit, peers: self.peers.clone(), ip: peer.ip() };
-            return (Limited { io: stream, first: Some(first), _held: held }, peer);
+            let opening = self.limits.opening_bytes.max(1);
+            return (Limited { io: stream, first: Some(first), opening, _held: held }, peer);
         }
     }
 
@@ -120,8 +142,10 @@ impl Drop for Held {
 /// An accepted connection within its listener's limits.
 pub struct Limited {
     io: TcpStream,
-    /// Until the first bytes arrive: when they must have.
+    /// Until the opening bytes arrive: when they must have.
     first: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Opening bytes still to come.
+    opening: usize,
     _held: Held,
 }
 
@@ -141,12 +165,14 @@ impl AsyncRead for Limited {
         let this = &mut *self;
         let read = Pin::new(&mut this.io).poll_read(cx, buf);
         if let Some(first) = this.first.as_mut() {
-            if matches!(read, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            let got = if matches!(read, Poll::Ready(Ok(()))) { buf.filled().len() - before } else { 0 };
+            this.opening = this.opening.saturating_sub(got);
+            if this.opening == 0 {
                 this.first = None;
-            } else if first.as_mut().poll(cx).is_ready() {
+            } else if got == 0 && first.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
-                    "the connection sent nothing in time",
+                    "the connection did not send its opening in time",
                 )));
             }
         }
@@ -226,8 +252,12 @@ mod tests {
 
     #[tokio::test]
     async fn silent_connections_are_closed_and_caps_hold() {
-        let limits =
-            ConnLimits { max_connections: 3, max_per_peer: 2, first_bytes: Duration::from_millis(300) };
+        let limits = ConnLimits {
+            max_connections: 3,
+            max_per_peer: 2,
+            first_bytes: Duration::from_millis(300),
+            opening_bytes: 1,
+        };
         let (l, addr) = listener(limits).await;
         serve(l);
         // Two silent connections fill the peer's cap: a third is closed at once.
@@ -242,5 +272,36 @@ mod tests {
             assert!(matches!(n, Ok(0) | Err(_)), "closed: {n:?}");
         }
         assert!(echoes(addr).await, "served once the silent ones are gone");
+    }
+
+    #[tokio::test]
+    async fn an_opening_sent_in_part_is_closed_at_the_deadline() {
+        let limits = ConnLimits { first_bytes: Duration::from_millis(300), ..ConnLimits::grpc() };
+        let (l, addr) = listener(limits).await;
+        serve(l);
+        // Half an HTTP/2 preface, then nothing: closed although bytes came.
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"PRI * HTTP/2.0\r\n").await.unwrap();
+        let mut buf = [0u8; 64];
+        let mut echoed = 0;
+        let closed = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => echoed += n,
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "a partial opening was held past its deadline");
+        assert_eq!(echoed, 16, "what was sent is read before the close");
+        // The whole opening in time: the connection stays and is served.
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&[b'x'; HTTP2_OPENING]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        s.write_all(b"hi").await.unwrap();
+        let mut got = vec![0u8; HTTP2_OPENING + 2];
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut got)).await;
+        assert!(read.is_ok_and(|r| r.is_ok()), "an opened connection outlives the deadline");
     }
 }

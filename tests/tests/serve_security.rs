@@ -190,3 +190,37 @@ fn idle_connections_are_capped_per_peer_and_closed() {
     }
     assert!(started.elapsed() < std::time::Duration::from_secs(25), "closed after {:?}", started.elapsed());
 }
+
+/// A connection that starts a request and stops — half a request head, a kept-alive
+/// connection gone quiet, half an HTTP/2 preface on the gRPC port — is closed by the
+/// header-read and opening deadlines (10 s each), not held for as long as the peer likes.
+#[test]
+fn half_sent_requests_are_closed_at_their_deadlines() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let server = Server::start(&["--model", &gqa(), "--name", "m", "--http-listen", "127.0.0.1:0"]);
+    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let connect = |addr: &str| {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s
+    };
+    // Reads to the end; Err if the server still held the connection after 30 s.
+    let read_to_close = |mut s: TcpStream| -> std::io::Result<Vec<u8>> {
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).map(|_| got)
+    };
+    let started = std::time::Instant::now();
+    let mut half_head = connect(&http);
+    half_head.write_all(b"GET /health HTTP/1.1\r\nHost: strata\r\nX-Slow: ").unwrap();
+    let mut kept_alive = connect(&http);
+    kept_alive.write_all(b"GET /health HTTP/1.1\r\nHost: strata\r\n\r\n").unwrap();
+    let mut half_preface = connect(&server.addr);
+    half_preface.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
+
+    assert!(read_to_close(half_head).is_ok(), "half a request head was held open");
+    let answered = read_to_close(kept_alive).expect("a quiet kept-alive connection was held open");
+    assert!(answered.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&answered));
+    assert!(read_to_close(half_preface).is_ok(), "half an HTTP/2 preface was held open");
+    assert!(started.elapsed() < Duration::from_secs(25), "closed after {:?}", started.elapsed());
+}

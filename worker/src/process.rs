@@ -152,7 +152,11 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         .add_service(health)
         .add_service(worker_server(agent.clone()))
         .serve_with_incoming_shutdown(
-            strata_common::conn_limits::LimitedListener::new(listener, Default::default()).incoming(),
+            strata_common::conn_limits::LimitedListener::new(
+                listener,
+                strata_common::conn_limits::ConnLimits::grpc(),
+            )
+            .incoming(),
             async {
                 let _ = stop_rx.await;
             },

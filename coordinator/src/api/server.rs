@@ -114,7 +114,11 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         )))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(
-            strata_common::conn_limits::LimitedListener::new(listener, Default::default()).incoming(),
+            strata_common::conn_limits::LimitedListener::new(
+                listener,
+                strata_common::conn_limits::ConnLimits::grpc(),
+            )
+            .incoming(),
             async {
                 let _ = stop_rx.await;
             },

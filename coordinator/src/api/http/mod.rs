@@ -14,6 +14,9 @@ mod fuzz;
 pub mod metrics;
 pub mod params;
 pub mod respond;
+mod serve;
+
+pub use serve::{serve, HEADER_READ_TIMEOUT};
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -287,25 +290,9 @@ impl HttpServer {
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let app = router(self.state);
-        // Capped connections, each with a deadline for its first bytes; TCP_NODELAY (streams
-        // write small events: Nagle would hold each behind the peer's delayed ACK).
-        let listener = Limited(LimitedListener::new(self.listener, Default::default()));
-        axum::serve(listener, app.into_make_service()).with_graceful_shutdown(stop).await
-    }
-}
-
-/// The HTTP API's listener: [`LimitedListener`]'s caps and first-bytes deadline.
-struct Limited(LimitedListener);
-
-impl axum::serve::Listener for Limited {
-    type Io = strata_common::conn_limits::Limited;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, SocketAddr) {
-        self.0.accept().await
-    }
-
-    fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.0.local_addr()
+        // Capped connections, each with a deadline for its first bytes and for every
+        // request head; TCP_NODELAY (streams write small events: Nagle would hold each
+        // behind the peer's delayed ACK).
+        serve::serve(LimitedListener::new(self.listener, Default::default()), app, stop).await
     }
 }
