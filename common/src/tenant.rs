@@ -108,6 +108,11 @@ pub struct TenantRecord {
     pub limits: TenantLimits,
     #[serde(default)]
     pub keys: Vec<KeyRecord>,
+    /// Which creation of the name this is: set when the tenant is made, kept by changes,
+    /// new when a deleted name is made again — so files and batches a deleted tenant left
+    /// behind are not the new one's. Empty for records older than the field.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub incarnation: String,
 }
 
 fn one() -> f64 {
@@ -228,6 +233,7 @@ mod tests {
             weight: 1.0,
             limits: TenantLimits::default(),
             keys: vec![k],
+            incarnation: String::new(),
         };
         assert!(t.check("team-a").is_ok());
         assert!(t.check("team-b").is_err());

@@ -303,6 +303,27 @@ async fn batches_belong_to_their_tenant() {
     let rows = admin.get_usage(apb::GetUsageRequest { tenant: "a".into(), ..Default::default() }).await;
     let rows = rows.unwrap().into_inner().rows;
     assert_eq!((rows[0].requests, rows[0].generated_tokens), (2, 6), "{rows:?}");
+
+    // A tenant deleted and made again under its name is another tenant: it does not
+    // inherit the first one's files.
+    let make = |admin: &mut AdminClient<Channel>| {
+        let mut admin = admin.clone();
+        async move {
+            admin.set_tenant(apb::SetTenantRequest { name: "c".into(), ..Default::default() }).await.unwrap();
+            let key = admin.create_api_key(apb::CreateApiKeyRequest { tenant: "c".into() }).await.unwrap();
+            key.into_inner().key
+        }
+    };
+    let first = make(&mut admin).await;
+    let left = upload(&http, Some(&first), "left.jsonl", &line(0));
+    let left = left["id"].as_str().unwrap().to_string();
+    assert_eq!(get(format!("/v1/files/{left}"), &first).0, 200);
+    admin.delete_tenant(apb::DeleteTenantRequest { name: "c".into() }).await.unwrap();
+    let again = make(&mut admin).await;
+    let (_, listed) = get("/v1/files".into(), &again);
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&listed).unwrap()["data"], json!([]), "{listed}");
+    assert_eq!(get(format!("/v1/files/{left}"), &again).0, 404);
+    assert_eq!(get(format!("/v1/files/{left}/content"), &again).0, 404);
 }
 
 /// With the replica's four sequence slots taken by a tenant that floods without limits,

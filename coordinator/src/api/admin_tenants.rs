@@ -131,13 +131,20 @@ impl ClusterAdmin {
         let r = request.into_inner();
         self.tenant_name(&r.name, "name").map_err(to_status)?;
         let limits = limits_from_pb(r.limits.unwrap_or_default());
+        // A name made (again): a new incarnation, so what a deleted tenant of that name
+        // left behind (files, batches) is not this one's.
+        let fresh = crate::batch::store::new_id("");
         let set = |old: Option<TenantRecord>| {
-            let keys = old.map(|o| o.keys).unwrap_or_default();
+            let (keys, incarnation) = match old {
+                Some(o) => (o.keys, o.incarnation),
+                None => (Vec::new(), fresh.clone()),
+            };
             Ok(Some(TenantRecord {
                 name: r.name.clone(),
                 weight: r.weight.unwrap_or(1.0),
                 limits: limits.clone(),
                 keys,
+                incarnation,
             }))
         };
         let t = self.update_tenant(&r.name, set).await.map_err(to_status)?;

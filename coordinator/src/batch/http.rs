@@ -56,7 +56,7 @@ async fn upload(
     mut form: Multipart,
 ) -> Response {
     let id = new_id("file-");
-    let result = receive(&batches, &id, &mut form, who.tenant()).await;
+    let result = receive(&batches, &id, &mut form, &who.owner()).await;
     if result.is_err() {
         let _ = tokio::fs::remove_file(batches.store().upload_path(&id)).await;
     }
@@ -70,10 +70,10 @@ async fn receive(
     batches: &Batches,
     id: &str,
     form: &mut Multipart,
-    tenant: &str,
+    owner: &crate::tenant::Owner,
 ) -> Result<super::store::FileObject, ApiError> {
     // A tenant's files (uploads and results) are bounded in number and bytes.
-    let held = batches.files(tenant).map_err(ApiError::from)?;
+    let held = batches.files(owner).map_err(ApiError::from)?;
     let held_bytes: u64 = held.iter().map(|f| f.bytes).sum();
     if held.len() >= MAX_TENANT_FILES {
         return Err(ApiError::invalid(
@@ -128,13 +128,13 @@ async fn receive(
         Some("batch") => {}
         _ => return Err(ApiError::invalid("purpose", "purpose must be batch")),
     }
-    Ok(batches.add_file(id, &name, "batch", bytes, tenant)?)
+    Ok(batches.add_file(id, &name, "batch", bytes, owner)?)
 }
 
 type Who = Extension<Caller>;
 
 async fn list_files(State(batches): State<Arc<Batches>>, Extension(who): Who) -> Response {
-    answer(batches.files(who.tenant()).map(|data| json!({"object": "list", "data": data})))
+    answer(batches.files(&who.owner()).map(|data| json!({"object": "list", "data": data})))
 }
 
 async fn get_file(
@@ -142,7 +142,7 @@ async fn get_file(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    answer(batches.file(&id, who.tenant()))
+    answer(batches.file(&id, &who.owner()))
 }
 
 async fn delete_file(
@@ -150,7 +150,7 @@ async fn delete_file(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    let deleted = batches.file(&id, who.tenant()).and_then(|_| batches.store().delete_file(&id));
+    let deleted = batches.file(&id, &who.owner()).and_then(|_| batches.store().delete_file(&id));
     answer(deleted.map(|_| json!({"id": id, "object": "file", "deleted": true})))
 }
 
@@ -160,7 +160,7 @@ async fn file_content(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    if let Err(e) = check_id(&id).and_then(|_| batches.file(&id, who.tenant())) {
+    if let Err(e) = check_id(&id).and_then(|_| batches.file(&id, &who.owner())) {
         return ApiError::from(e).into_response();
     }
     match tokio::fs::File::open(batches.store().data_path(&id)).await {
@@ -213,7 +213,7 @@ async fn create(
     if metadata.as_ref().is_some_and(|m| !m.is_object()) {
         return ApiError::invalid("metadata", "metadata must be an object").into_response();
     }
-    answer(batches.create(&input, &endpoint, &window, metadata, who.tenant()))
+    answer(batches.create(&input, &endpoint, &window, metadata, &who.owner()))
 }
 
 #[derive(serde::Deserialize)]
@@ -228,7 +228,7 @@ async fn list_batches(
     Extension(who): Who,
     Query(q): Query<ListQuery>,
 ) -> Response {
-    let all = batches.list(who.tenant());
+    let all = batches.list(&who.owner());
     let start = match &q.after {
         Some(after) => all.iter().position(|b| &b.id == after).map_or(all.len(), |i| i + 1),
         None => 0,
@@ -251,7 +251,7 @@ async fn get_batch(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    answer(batches.get(&id, who.tenant()))
+    answer(batches.get(&id, &who.owner()))
 }
 
 async fn cancel(
@@ -259,5 +259,5 @@ async fn cancel(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    answer(batches.cancel(&id, who.tenant()))
+    answer(batches.cancel(&id, &who.owner()))
 }

@@ -27,7 +27,7 @@ use tracing::warn;
 use self::store::{new_id, now, BatchObject, Counts, FileObject, Store};
 use crate::request::generation::RouteLimits;
 use crate::routing::Catalog;
-use crate::tenant::{Caller, Tenants};
+use crate::tenant::{Caller, Owner, Tenants};
 
 /// Largest file one upload may be.
 pub const MAX_FILE_BYTES: u64 = 100 << 20;
@@ -131,41 +131,41 @@ impl Batches {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner()).values().cloned().collect()
     }
 
-    /// The batch `id` if `tenant` owns it (another tenant's batch is not found).
-    fn job(&self, id: &str, tenant: &str) -> Result<Arc<Job>> {
+    /// The batch `id` if `owner` owns it (another tenant's batch is not found).
+    fn job(&self, id: &str, owner: &Owner) -> Result<Arc<Job>> {
         store::check_id(id)?;
         self.jobs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
-            .filter(|j| j.snapshot().tenant == tenant)
+            .filter(|j| &j.snapshot().owner() == owner)
             .cloned()
             .ok_or_else(|| Error::NotFound(format!("no such batch {id:?}")))
     }
 
-    /// The file `id` if `tenant` owns it.
-    pub fn file(&self, id: &str, tenant: &str) -> Result<FileObject> {
+    /// The file `id` if `owner` owns it.
+    pub fn file(&self, id: &str, owner: &Owner) -> Result<FileObject> {
         store::check_id(id)?;
         self.store
             .file(id)
             .ok()
-            .filter(|f| f.tenant == tenant)
+            .filter(|f| f.owned_by(owner))
             .ok_or_else(|| Error::NotFound(format!("no such file {id:?}")))
     }
 
-    /// Every file `tenant` owns.
-    pub fn files(&self, tenant: &str) -> Result<Vec<FileObject>> {
-        Ok(self.store.files()?.into_iter().filter(|f| f.tenant == tenant).collect())
+    /// Every file `owner` owns.
+    pub fn files(&self, owner: &Owner) -> Result<Vec<FileObject>> {
+        Ok(self.store.files()?.into_iter().filter(|f| f.owned_by(owner)).collect())
     }
 
     /// The caller a batch's requests run as: its tenant, held to its rates, paced by the
     /// batch runner rather than its `max_concurrent`.
-    fn caller(&self, tenant: &str) -> Result<Caller> {
-        self.tenants.caller(tenant).map(Caller::for_batch)
+    fn caller(&self, owner: &Owner) -> Result<Caller> {
+        self.tenants.caller(owner).map(Caller::for_batch)
     }
 
-    /// Makes the file `id` (its data already written) visible to `tenant` as `filename`.
-    fn publish(&self, id: &str, filename: &str, tenant: &str) -> Result<String> {
+    /// Makes the file `id` (its data already written) visible to `owner` as `filename`.
+    fn publish(&self, id: &str, filename: &str, owner: &Owner) -> Result<String> {
         let bytes = std::fs::metadata(self.store.data_path(id)).map(|m| m.len()).unwrap_or(0);
         let f = FileObject {
             id: id.to_string(),
@@ -175,7 +175,8 @@ impl Batches {
             filename: filename.to_string(),
             purpose: "batch_output".into(),
             status: "processed".into(),
-            tenant: tenant.to_string(),
+            tenant: owner.tenant.clone(),
+            tenant_incarnation: owner.incarnation.clone(),
         };
         self.store.save_file(&f)?;
         Ok(f.id)
@@ -188,7 +189,7 @@ impl Batches {
         filename: &str,
         purpose: &str,
         bytes: u64,
-        tenant: &str,
+        owner: &Owner,
     ) -> Result<FileObject> {
         let f = FileObject {
             id: upload_id.to_string(),
@@ -198,7 +199,8 @@ impl Batches {
             filename: filename.to_string(),
             purpose: purpose.to_string(),
             status: "processed".into(),
-            tenant: tenant.to_string(),
+            tenant: owner.tenant.clone(),
+            tenant_incarnation: owner.incarnation.clone(),
         };
         let (from, to) = (self.store.upload_path(upload_id), self.store.data_path(upload_id));
         std::fs::rename(&from, &to).map_err(|e| Error::Internal(format!("{}: {e}", to.display())))?;
@@ -217,7 +219,7 @@ impl Batches {
         endpoint: &str,
         completion_window: &str,
         metadata: Option<Json>,
-        tenant: &str,
+        owner: &Owner,
     ) -> Result<BatchObject> {
         if !matches!(endpoint, "/v1/completions" | "/v1/chat/completions") {
             return Err(Error::invalid("endpoint", "must be /v1/completions or /v1/chat/completions"));
@@ -226,7 +228,7 @@ impl Batches {
             return Err(Error::invalid("completion_window", "must be 24h"));
         }
         let file = self
-            .file(input_file_id, tenant)
+            .file(input_file_id, owner)
             .map_err(|_| Error::invalid("input_file_id", format!("no uploaded file {input_file_id:?}")))?;
         if file.purpose != "batch" {
             return Err(Error::invalid("input_file_id", "the file's purpose must be batch"));
@@ -253,7 +255,8 @@ impl Batches {
             cancelled_at: None,
             request_counts: Counts::default(),
             metadata,
-            tenant: tenant.to_string(),
+            tenant: owner.tenant.clone(),
+            tenant_incarnation: owner.incarnation.clone(),
             runs_without_progress: 0,
         };
         self.store.save_batch(&b)?;
@@ -263,21 +266,21 @@ impl Batches {
         Ok(b)
     }
 
-    pub fn get(&self, id: &str, tenant: &str) -> Result<BatchObject> {
-        Ok(self.job(id, tenant)?.snapshot())
+    pub fn get(&self, id: &str, owner: &Owner) -> Result<BatchObject> {
+        Ok(self.job(id, owner)?.snapshot())
     }
 
-    /// Every batch of `tenant`, newest first.
-    pub fn list(&self, tenant: &str) -> Vec<BatchObject> {
+    /// Every batch of `owner`, newest first.
+    pub fn list(&self, owner: &Owner) -> Vec<BatchObject> {
         let mut all: Vec<BatchObject> =
-            self.jobs().iter().map(|j| j.snapshot()).filter(|b| b.tenant == tenant).collect();
+            self.jobs().iter().map(|j| j.snapshot()).filter(|b| &b.owner() == owner).collect();
         all.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
         all
     }
 
     /// Asks a running batch to stop: it ends as `cancelled`, with the results so far.
-    pub fn cancel(&self, id: &str, tenant: &str) -> Result<BatchObject> {
-        let job = self.job(id, tenant)?;
+    pub fn cancel(&self, id: &str, owner: &Owner) -> Result<BatchObject> {
+        let job = self.job(id, owner)?;
         if !job.snapshot().unfinished() {
             return Err(Error::FailedPrecondition(format!("batch {id} has already ended")));
         }

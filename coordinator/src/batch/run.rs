@@ -117,12 +117,12 @@ struct Outcome {
 /// Which request of which batch a line is.
 struct Head {
     batch_id: String,
-    tenant: String,
+    owner: crate::tenant::Owner,
     index: usize,
 }
 
 async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input: Arc<str>) -> Outcome {
-    let Head { batch_id, tenant, index } = head;
+    let Head { batch_id, owner, index } = head;
     let request_id = format!("{batch_id}-{index}");
     // Off the async runtime: a line's chat template may run long on its data.
     let (models, at) = (batches.models.clone(), line.clone());
@@ -140,7 +140,7 @@ async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input:
             for c in &mut job.choices {
                 c.request.priority = Priority::Batch;
             }
-            match batches.caller(&tenant) {
+            match batches.caller(&owner) {
                 Ok(who) => answer_within_rates(&batches, &job, &request_id, &who).await,
                 Err(e) => Err(ApiError::from(e)),
             }
@@ -343,9 +343,9 @@ async fn dispatch(
     (todo, input): (Vec<(usize, Line)>, Arc<str>),
     files: &mut (Results, Results),
 ) -> Result<()> {
-    let (id, tenant) = {
+    let (id, owner) = {
         let b = job.snapshot();
-        (b.id, b.tenant)
+        (b.id.clone(), b.owner())
     };
     let mut todo = todo.into_iter().peekable();
     let mut running = JoinSet::new();
@@ -361,7 +361,7 @@ async fn dispatch(
         let allowed =
             batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
         while let Some((index, line)) = todo.next_if(|_| counted.try_start(allowed)) {
-            let head = Head { batch_id: id.clone(), tenant: tenant.clone(), index };
+            let head = Head { batch_id: id.clone(), owner: owner.clone(), index };
             running.spawn(execute(batches.clone(), api, head, line, input.clone()));
         }
         if running.is_empty() {
@@ -404,9 +404,9 @@ fn finish(batches: &Batches, job: &Job, (out_id, err_id): (String, String)) -> R
         }
     });
     let b = job.snapshot();
-    let out = batches.publish(&out_id, &format!("{}_output.jsonl", b.id), &b.tenant)?;
+    let out = batches.publish(&out_id, &format!("{}_output.jsonl", b.id), &b.owner())?;
     let err = if b.request_counts.failed > 0 {
-        Some(batches.publish(&err_id, &format!("{}_error.jsonl", b.id), &b.tenant)?)
+        Some(batches.publish(&err_id, &format!("{}_error.jsonl", b.id), &b.owner())?)
     } else {
         None
     };

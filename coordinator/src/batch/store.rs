@@ -17,6 +17,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value as Json;
 use strata_common::{Error, Result};
 
+use crate::tenant::Owner;
+
 /// A file object, as OpenAI's API shows it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FileObject {
@@ -30,6 +32,15 @@ pub struct FileObject {
     /// The tenant that owns the file (only it sees the file).
     #[serde(default = "default_tenant")]
     pub tenant: String,
+    /// Which creation of that tenant ([`Owner`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tenant_incarnation: String,
+}
+
+impl FileObject {
+    pub fn owned_by(&self, owner: &Owner) -> bool {
+        self.tenant == owner.tenant && self.tenant_incarnation == owner.incarnation
+    }
 }
 
 fn default_tenant() -> String {
@@ -71,6 +82,9 @@ pub struct BatchObject {
     /// are accounted) as that tenant's.
     #[serde(default = "default_tenant")]
     pub tenant: String,
+    /// Which creation of that tenant ([`Owner`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tenant_incarnation: String,
     /// Runs of the batch begun since a request of it last ended: a batch whose runs keep
     /// ending with the process (a crash it causes) is failed, not resumed again.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -82,6 +96,10 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl BatchObject {
+    pub fn owner(&self) -> Owner {
+        Owner { tenant: self.tenant.clone(), incarnation: self.tenant_incarnation.clone() }
+    }
+
     /// Whether the batch still has work to do (it resumes after a restart).
     pub fn unfinished(&self) -> bool {
         matches!(self.status.as_str(), "validating" | "in_progress" | "finalizing" | "cancelling")

@@ -287,7 +287,13 @@ mod tests {
         v.apply(&k, &Event::Delete { key: k.replica("m", "m-1"), mod_revision: 7 });
         v.apply(&k, &Event::Delete { key: k.leader(), mod_revision: 8 });
         assert!(v.replicas.is_empty() && v.leader.is_none());
-        let t = TenantRecord { name: "t".into(), weight: 1.0, limits: Default::default(), keys: vec![] };
+        let t = TenantRecord {
+            name: "t".into(),
+            weight: 1.0,
+            limits: Default::default(),
+            keys: vec![],
+            incarnation: String::new(),
+        };
         v.apply(&k, &put(k.tenant("t"), encode(&t), 9));
         v.apply(&k, &put(k.tenant("u"), encode(&t), 10));
         v.apply(&k, &put(k.coordinator("c1"), Vec::new(), 11));

@@ -63,7 +63,18 @@ pub struct Tenant {
     /// Ids of its keys (never the keys).
     pub key_ids: Vec<String>,
     pub limits: TenantLimits,
+    /// Which creation of the name (see [`TenantRecord::incarnation`]; empty for configured
+    /// tenants, whose name is theirs for as long as the configuration says so).
+    pub incarnation: String,
     limiter: Arc<Limiter>,
+}
+
+/// Whose a stored object (a batch file, a batch) is: a tenant's name and which creation
+/// of that name. A tenant deleted and made again is another owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    pub tenant: String,
+    pub incarnation: String,
 }
 
 /// Who is calling: the tenant its key belongs to.
@@ -78,6 +89,11 @@ pub struct Caller {
 impl Caller {
     pub fn tenant(&self) -> &str {
         &self.tenant.name
+    }
+
+    /// What the caller stores is owned as.
+    pub fn owner(&self) -> Owner {
+        Owner { tenant: self.tenant.name.clone(), incarnation: self.tenant.incarnation.clone() }
     }
 
     /// The tenant's share under overload, relative to others.
@@ -159,7 +175,8 @@ impl Tenants {
             t.validate(i)?;
             let keys = parse_keys(&t.keys, &format!("coordinator.tenants[{i}].keys"))?;
             let (name, weight, limits) = (t.name, t.weight, t.limits);
-            sources.config.push(Entry { name, weight, source: Source::Config, limits, keys });
+            let incarnation = String::new();
+            sources.config.push(Entry { name, weight, source: Source::Config, limits, keys, incarnation });
         }
         let directory = build(&mut sources)?;
         Ok(Tenants {
@@ -263,11 +280,12 @@ impl Tenants {
         }
     }
 
-    /// The caller of tenant `name` (batch work runs as the tenant that submitted it).
-    pub fn caller(&self, name: &str) -> Result<Caller> {
-        match self.current().by_name.get(name) {
-            Some(t) => Ok(Caller { tenant: t.clone(), online: true }),
-            None => Err(Error::PermissionDenied(format!("tenant {name:?} no longer exists"))),
+    /// The caller `owner` is now (batch work runs as the tenant that submitted it): none
+    /// once that tenant is gone, even if its name was made again.
+    pub fn caller(&self, owner: &Owner) -> Result<Caller> {
+        match self.current().by_name.get(&owner.tenant) {
+            Some(t) if t.incarnation == owner.incarnation => Ok(Caller { tenant: t.clone(), online: true }),
+            _ => Err(Error::PermissionDenied(format!("tenant {:?} no longer exists", owner.tenant))),
         }
     }
 
@@ -301,6 +319,7 @@ struct Entry {
     source: Source,
     limits: TenantLimits,
     keys: Vec<[u8; 32]>,
+    incarnation: String,
 }
 
 fn entries(s: &Sources) -> Vec<Entry> {
@@ -313,6 +332,7 @@ fn entries(s: &Sources) -> Vec<Entry> {
             source: Source::Config,
             limits: TenantLimits::default(),
             keys: s.default_keys.clone(),
+            incarnation: String::new(),
         }),
     }
     for (name, r) in &s.admin {
@@ -327,6 +347,7 @@ fn entries(s: &Sources) -> Vec<Entry> {
             source: Source::Admin,
             limits: r.limits.clone(),
             keys,
+            incarnation: r.incarnation.clone(),
         });
     }
     out
@@ -356,6 +377,7 @@ fn build(s: &mut Sources) -> Result<Directory> {
             source: e.source,
             key_ids,
             limits: e.limits,
+            incarnation: e.incarnation,
             limiter: limiter.clone(),
         });
         for k in &e.keys {

@@ -11,7 +11,13 @@ fn config(name: &str, keys: &[&str], limits: TenantLimits) -> TenantConfig {
 
 fn record(name: &str, key: &str) -> TenantRecord {
     let key = KeyRecord::from_digest(&hex(&digest(key)), 1).unwrap();
-    TenantRecord { name: name.into(), weight: 2.0, limits: TenantLimits::default(), keys: vec![key] }
+    TenantRecord {
+        name: name.into(),
+        weight: 2.0,
+        limits: TenantLimits::default(),
+        keys: vec![key],
+        incarnation: String::new(),
+    }
 }
 
 #[test]
@@ -60,11 +66,24 @@ fn registry_tenants_come_and_go_and_config_wins() {
     assert_eq!(t.authenticate(Some("kc"), "h").unwrap().tenant(), "c");
     assert!(t.authenticate(Some("k-shadow"), "h").is_err(), "the configured tenant a is not replaced");
     assert_eq!(t.authenticate(Some("ka"), "h").unwrap().tenant(), "a");
-    assert!(t.caller("d").is_err());
+    let owner =
+        |name: &str, incarnation: &str| Owner { tenant: name.into(), incarnation: incarnation.into() };
+    assert!(t.caller(&owner("d", "")).is_err());
     assert!(t.configured("a") && !t.configured("c"));
     admin.remove("c");
     t.follow(&admin, 1);
     assert!(t.authenticate(Some("kc"), "h").is_err(), "a deleted tenant's key stops working");
+    // Made again under the same name: another owner; what the first one stored is not its.
+    let first = t.authenticate(Some("ka"), "h").unwrap().owner();
+    admin.insert("c".to_string(), TenantRecord { incarnation: "one".into(), ..record("c", "kc") });
+    t.follow(&admin, 1);
+    let c1 = t.authenticate(Some("kc"), "h").unwrap().owner();
+    assert!(t.caller(&c1).is_ok());
+    admin.insert("c".to_string(), TenantRecord { incarnation: "two".into(), ..record("c", "kc") });
+    t.follow(&admin, 1);
+    assert_ne!(t.authenticate(Some("kc"), "h").unwrap().owner(), c1);
+    assert!(t.caller(&c1).is_err(), "the deleted incarnation's batches no longer run");
+    assert!(t.caller(&first).is_ok(), "a configured tenant keeps its name");
 }
 
 #[test]
