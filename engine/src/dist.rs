@@ -23,13 +23,13 @@ use crate::comm::plan::{encode_step, LeaderMessage, PlanBounds};
 use crate::comm::{bytes_f32, f32_bytes, CommStats, DeviceCollectives, Solo};
 use crate::logits::StepOutput;
 use crate::model::Model;
-use crate::step::Step;
+use crate::step::{KvBlocks, Step};
 
 /// What the engine needs from whatever runs its steps.
 pub trait StepExecutor: Send {
     fn config(&self) -> &ModelConfig;
-    /// Allocates `num_blocks` KV blocks on every rank.
-    fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()>;
+    /// Allocates the KV cache `kv` says on every rank.
+    fn alloc_kv(&mut self, kv: KvBlocks) -> Result<()>;
     /// Runs one step and returns, for its logit rows, what it asks for — their logits
     /// (`[rows, vocab]`), greedy picks or candidates — and, when it draws (only where
     /// [`StepExecutor::draws_on_device`]), each row's drawn token.
@@ -51,15 +51,17 @@ pub trait StepExecutor: Send {
 }
 
 /// KV bytes per position on the rank that needs the most (all ranks allocate the same
-/// number of blocks, so the busiest rank decides).
+/// number of blocks, so the busiest rank decides): a storage for each of its layers, or
+/// for each slot its layers share ([`strata_common::KvGroups`]).
 fn max_kv_bytes_per_position(config: &ModelConfig, par: Parallelism, element: usize) -> Result<usize> {
     let plan = ShardPlan::new(config, par)?;
+    let groups = config.kv_groups();
     Ok(plan
         .ranks
         .iter()
         .map(|r| {
             let (width, shared) = config.kv_layer_width(r.kv_heads.len());
-            r.layers.len() * width * if shared { 1 } else { 2 } * element
+            groups.slots_of(r.layers.clone()).len() * width * if shared { 1 } else { 2 } * element
         })
         .max()
         .unwrap_or(0))
@@ -195,13 +197,13 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
     fn config(&self) -> &ModelConfig {
         &self.rank.model.config
     }
-    fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
-        // Every rank allocates exactly the leader's block count: slots index all of them.
-        let init = LeaderMessage::Init { num_blocks, block_size }.encode();
+    fn alloc_kv(&mut self, kv: KvBlocks) -> Result<()> {
+        // Every rank allocates exactly the leader's block counts: slots index all of them.
+        let init = LeaderMessage::Init(kv).encode();
         for r in 1..self.world() {
             self.rank.comm.host().send(r, &init)?;
         }
-        self.rank.kv = self.rank.model.alloc_kv(num_blocks, block_size)?;
+        self.rank.kv = self.rank.model.alloc_kv(kv)?;
         Ok(())
     }
     fn execute(&mut self, step: &Step) -> Result<StepOutput> {
@@ -260,18 +262,17 @@ pub fn follower_loop<B: Backend>(
     pool: Option<rayon::ThreadPool>,
 ) -> Result<()> {
     let mut rank = Rank { model, kv: Vec::new(), comm, pool };
-    let LeaderMessage::Init { num_blocks, block_size } =
-        LeaderMessage::decode(&rank.comm.host().recv_idle(0)?, None)?
-    else {
+    let LeaderMessage::Init(kv) = LeaderMessage::decode(&rank.comm.host().recv_idle(0)?, None)? else {
         return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
     };
-    rank.kv = rank.model.alloc_kv(num_blocks, block_size)?;
-    let bounds = PlanBounds { num_blocks, block_size, vocab_size: rank.model.config.vocab_size };
+    rank.kv = rank.model.alloc_kv(kv)?;
+    let kv_groups = rank.model.config.kv_groups().num_groups();
+    let bounds = PlanBounds { kv, kv_groups, vocab_size: rank.model.config.vocab_size };
     loop {
         let step = match LeaderMessage::decode(&rank.comm.host().recv_idle(0)?, Some(bounds))? {
             LeaderMessage::Step(step) => step,
             LeaderMessage::Shutdown => return Ok(()),
-            LeaderMessage::Init { .. } => {
+            LeaderMessage::Init(_) => {
                 return Err(Error::Internal("the leader sent a second KV cache size".into()))
             }
         };

@@ -24,7 +24,7 @@ use crate::sampler::Sampler;
 pub use crate::sampler::TokenLogprobs;
 use crate::scheduler::{Schedule, Scheduled, Scheduler, SchedulerConfig, SeqData};
 pub use crate::step::SeqId;
-use crate::step::{BatchLayout, SeqSlice, Step};
+use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
 /// A KV cache in host memory must fit in what the machine has available: asking for more
 /// is an error naming the setting, never an allocation that aborts the process.
@@ -134,18 +134,18 @@ impl Engine {
         }
         check_kv_memory(config)?;
         let element = exec.kv_element_bytes();
-        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, config.block_size, element)?;
-        exec.alloc_kv(num_blocks, config.block_size)?;
-        debug!(num_blocks, block_size = config.block_size, "KV cache allocated");
-        let pool = BlockPool::with_prefix_caching(num_blocks, config.block_size, config.prefix_caching);
+        let bs = config.block_size;
+        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, bs, element)?;
+        exec.alloc_kv(KvBlocks { num_blocks, block_size: bs })?;
+        // A table per KV group, each released behind its window (a global group's never).
+        let groups = exec.config().kv_groups();
+        debug!(num_blocks, block_size = bs, kv_groups = groups.num_groups(), "KV cache allocated");
+        let pool = BlockPool::with_prefix_caching(num_blocks, bs, config.prefix_caching);
         let eos = exec.config().eos_token_ids.iter().copied().collect();
-        // Blocks behind the window go back only where every layer is windowed (a global
-        // layer reads the whole sequence).
-        let c = exec.config();
-        let window = c.sliding_window.filter(|_| c.windowed_layers.iter().all(|&w| w));
+        let scheduler = Scheduler::new(config.scheduler.clone(), pool).with_kv_groups(&groups.windows);
         Ok(Engine {
             exec,
-            scheduler: Scheduler::new(config.scheduler.clone(), pool).with_window(window),
+            scheduler,
             meta: HashMap::new(),
             eos,
             aborted: Vec::new(),
@@ -194,6 +194,11 @@ impl Engine {
 
     pub fn total_blocks(&self) -> usize {
         self.scheduler.pool().num_blocks()
+    }
+
+    /// The longest sequence (prompt and output) the KV cache can ever hold.
+    pub fn max_kv_positions(&self) -> usize {
+        self.scheduler.max_positions()
     }
 
     /// Positions per KV block.
@@ -245,8 +250,7 @@ impl Engine {
                 ),
             ));
         }
-        let pool = self.scheduler.pool();
-        let capacity = pool.num_blocks() * pool.block_size();
+        let capacity = self.scheduler.max_positions();
         if total + 1 > capacity {
             return Err(Error::invalid(
                 "prompt",
@@ -442,6 +446,8 @@ impl Engine {
         let pool = self.scheduler.pool();
         let mut ids = Vec::with_capacity(plan.num_tokens());
         let mut layout = BatchLayout { block_size: pool.block_size(), ..Default::default() };
+        let groups = self.scheduler.num_kv_groups() - 1;
+        layout.groups = vec![BatchLayout { block_size: pool.block_size(), ..Default::default() }; groups];
         let mut logit_rows = Vec::new();
         for item in &plan.seqs {
             let seq = self.scheduler.seq(item.id).expect("scheduled sequences exist");
@@ -450,16 +456,26 @@ impl Engine {
                 ids.push(seq.tokens[pos]);
                 layout.positions.push(pos as u32);
                 layout.slots.push(pool.slot(&seq.blocks, pos));
+                for (g, table) in layout.groups.iter_mut().zip(&seq.group_blocks) {
+                    g.slots.push(pool.slot(table, pos));
+                }
             }
-            layout.seqs.push(SeqSlice {
+            let slice = |table: &[u32]| SeqSlice {
                 token_start: start,
                 num_tokens: item.end - item.start,
                 context_before: item.start,
-                block_table: seq.blocks.to_vec(),
-            });
+                block_table: table.to_vec(),
+            };
+            layout.seqs.push(slice(&seq.blocks));
+            for (g, table) in layout.groups.iter_mut().zip(&seq.group_blocks) {
+                g.seqs.push(slice(table));
+            }
             if item.sample {
                 logit_rows.push(ids.len() - 1);
             }
+        }
+        for g in &mut layout.groups {
+            g.positions = layout.positions.clone();
         }
         Step::full_logits(ids, layout, logit_rows)
     }
@@ -494,23 +510,32 @@ impl Engine {
 
     /// `[rows, vocab]` logits of `rows` of `tokens`, run as one scratch sequence.
     fn logits_at(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
+        // Scratch tables, one per KV group: their blocks go back when they are dropped,
+        // whatever happens.
         let pool = self.scheduler.pool();
-        // A scratch table: its blocks go back when it is dropped, whatever happens.
-        let mut blocks = BlockTable::default();
-        pool.grow(&mut blocks, tokens.len())?;
-        let layout = BatchLayout {
-            positions: (0..tokens.len() as u32).collect(),
-            slots: (0..tokens.len()).map(|p| pool.slot(&blocks, p)).collect(),
-            seqs: vec![SeqSlice {
-                token_start: 0,
-                num_tokens: tokens.len(),
-                context_before: 0,
-                block_table: blocks.to_vec(),
-            }],
-            block_size: pool.block_size(),
-        };
+        let mut tables = Vec::new();
+        let mut layouts = Vec::new();
+        for _ in 0..self.scheduler.num_kv_groups() {
+            let mut blocks = BlockTable::default();
+            pool.grow(&mut blocks, tokens.len())?;
+            layouts.push(BatchLayout {
+                positions: (0..tokens.len() as u32).collect(),
+                slots: (0..tokens.len()).map(|p| pool.slot(&blocks, p)).collect(),
+                seqs: vec![SeqSlice {
+                    token_start: 0,
+                    num_tokens: tokens.len(),
+                    context_before: 0,
+                    block_table: blocks.to_vec(),
+                }],
+                block_size: pool.block_size(),
+                groups: Vec::new(),
+            });
+            tables.push(blocks);
+        }
+        let mut layout = layouts.remove(0);
+        layout.groups = layouts;
         let logits = self.exec.execute(&Step::full_logits(tokens.to_vec(), layout, rows.to_vec()));
-        drop(blocks);
+        drop(tables);
         logits?.logits.into_full()
     }
 }

@@ -41,6 +41,15 @@ pub struct SeqSlice {
     pub block_table: Vec<u32>,
 }
 
+/// The paged KV cache every rank allocates: `num_blocks` blocks of `block_size` positions
+/// in each of its storages (one a layer, or one a slot where layers share them: see
+/// [`strata_common::KvGroups`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvBlocks {
+    pub num_blocks: usize,
+    pub block_size: usize,
+}
+
 /// Where every token of a step sits: its position and its KV slot.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BatchLayout {
@@ -49,11 +58,21 @@ pub struct BatchLayout {
     pub slots: Vec<u32>,
     pub seqs: Vec<SeqSlice>,
     pub block_size: usize,
+    /// Where a model's layers form several KV groups (windowed and global layers mixed:
+    /// [`strata_common::KvGroups`]), the layouts of groups 1, 2, …: these positions and
+    /// sequences with that group's slots and block tables. This layout is group 0's.
+    pub groups: Vec<BatchLayout>,
 }
 
 impl BatchLayout {
     pub fn num_tokens(&self) -> usize {
         self.positions.len()
+    }
+
+    /// The layout of KV group `group`'s layers (this one for group 0, or where the step
+    /// has no other).
+    pub fn for_group(&self, group: usize) -> &BatchLayout {
+        group.checked_sub(1).and_then(|g| self.groups.get(g)).unwrap_or(self)
     }
 }
 
@@ -93,6 +112,17 @@ impl Step {
     /// follower checks against its KV cache and vocabulary is [`crate::comm::plan`]'s.)
     pub fn check_shape(&self) -> Result<()> {
         let (l, n) = (&self.layout, self.ids.len());
+        let rows = |s: &SeqSlice| (s.token_start, s.num_tokens, s.context_before);
+        for g in &l.groups {
+            if !g.groups.is_empty()
+                || g.positions != l.positions
+                || g.slots.len() != l.slots.len()
+                || g.block_size != l.block_size
+                || !g.seqs.iter().map(rows).eq(l.seqs.iter().map(rows))
+            {
+                return Err(Error::Internal("a KV group's layout is not the step's".into()));
+            }
+        }
         if l.positions.len() != n || l.slots.len() != n {
             return Err(Error::Internal(format!(
                 "{n} ids, {} positions, {} slots",
@@ -135,6 +165,7 @@ mod tests {
                 SeqSlice { token_start: 2, num_tokens: 1, context_before: 7, block_table: vec![4] },
             ],
             block_size: 16,
+            groups: Vec::new(),
         };
         Step::full_logits(vec![5, 6, 9], layout, vec![1, 2])
     }
@@ -143,8 +174,26 @@ mod tests {
     fn a_step_out_of_its_own_rows_is_refused() {
         assert!(step().check_shape().is_ok());
         type Edit = fn(&mut Step);
-        let cases: [(&str, Edit); 4] = [
+        fn grouped(s: &mut Step) {
+            let mut g = s.layout.clone();
+            g.slots = vec![0, 1, 2];
+            s.layout.groups = vec![g];
+        }
+        let mut s = step();
+        grouped(&mut s);
+        assert!(s.check_shape().is_ok());
+        assert_eq!(s.layout.for_group(1).slots, [0, 1, 2]);
+        assert_eq!(s.layout.for_group(0).slots, [32, 33, 71]);
+        let cases: [(&str, Edit); 6] = [
             ("positions", |s| s.layout.positions.truncate(2)),
+            ("KV group's layout", |s| {
+                grouped(s);
+                s.layout.groups[0].slots.pop();
+            }),
+            ("KV group's layout", |s| {
+                grouped(s);
+                s.layout.groups[0].seqs[1].context_before = 6;
+            }),
             ("rows 2+2", |s| s.layout.seqs[1].num_tokens = 2),
             ("logit row 3", |s| s.logit_rows.push(3)),
             ("1 draws for 2", |s| s.draws = vec![Draw::NONE]),

@@ -295,31 +295,45 @@ fn int8_weights_stay_close_to_exact() {
 /// A model whose every layer attends within a sliding window (Mistral's and Phi-3's
 /// fixtures) runs a sequence longer than its whole KV cache: blocks that fall behind the
 /// window go back to the pool as it runs (and are counted), the tokens are still HF's,
-/// and nothing leaks. Gemma's and gpt-oss's global layers read every position: they keep
-/// theirs.
+/// and nothing leaks. A model mixing windowed and global layers (Gemma 2/3, gpt-oss) runs
+/// in a budget that a storage a layer could not hold the sequence in: its layers form KV
+/// groups sharing storage, the windowed groups keeping only the window, the global one
+/// every position.
 #[test]
 fn windowed_models_release_blocks_behind_the_window() {
-    let mut ran = 0;
+    let (mut ran, mut mixed_ran) = (0, 0);
     for dir in fixture_models() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
         let Some(window) = config.sliding_window else { continue };
-        let all_windowed = config.windowed_layers.iter().all(|&w| w);
+        let all_windowed = (0..config.num_layers).all(|l| config.layer_windowed(l));
         let r = reference(&dir);
         let (prompt, want) = (ids(&r["prompt_ids"]), ids(&r["greedy_ids"]));
-        let block = 4;
+        let (block, chunk) = (4, 8);
         let positions = prompt.len() + want.len();
+        let layer_block = 2 * config.num_kv_heads * config.head_dim * 4 * block;
+        let groups = config.kv_groups();
+        let storages = groups.slots_of(0..config.num_layers).len();
+        let windowed_groups = groups.windows.iter().filter(|w| w.is_some()).count();
+        // The most a windowed group holds for one sequence: its window, the blocks at
+        // either end and a chunk.
+        let window_blocks = window.div_ceil(block) + 3 + chunk / block;
         // Windowed: room for the window, a prefill chunk and a block of slack — under the
-        // sequence. Global layers need the whole sequence.
-        let blocks = match all_windowed {
-            true => (window + 8).div_ceil(block) + 2,
-            false => positions.div_ceil(block) + 2,
+        // sequence. Mixed: the whole sequence in the global group, the window in each
+        // windowed one, and a block of slack.
+        let blocks = match (all_windowed, groups.num_groups() > 1) {
+            (true, _) => (window + chunk).div_ceil(block) + 2,
+            (false, true) => positions.div_ceil(block) + windowed_groups * window_blocks + 2,
+            (false, false) => continue,
         };
-        let per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4 * block;
+        let budget = blocks * storages * layer_block;
         let engine_config = EngineConfig {
-            kv_cache_bytes: blocks * per_block,
+            kv_cache_bytes: budget,
             block_size: block,
-            scheduler: strata_engine::scheduler::SchedulerConfig { max_num_seqs: 4, max_batched_tokens: 8 },
+            scheduler: strata_engine::scheduler::SchedulerConfig {
+                max_num_seqs: 1,
+                max_batched_tokens: chunk,
+            },
             ..Default::default()
         };
         let model = Model::load(&dir, CpuBackend::new()).unwrap();
@@ -337,11 +351,18 @@ fn windowed_models_release_blocks_behind_the_window() {
         if all_windowed && exceeded {
             // Every block but those the last window and chunk still held went back early.
             assert!(released >= positions.div_ceil(block) - blocks, "{name}: {released} released");
-        } else if !all_windowed {
-            assert_eq!(released, 0, "{name}: a global layer reads every position");
+        }
+        let a_storage_a_layer = budget / (config.num_layers * layer_block);
+        if !all_windowed && positions > a_storage_a_layer * block {
+            // A storage for every layer would not have held the sequence.
+            assert!(e.max_kv_positions() >= positions, "{name}: {} positions", e.max_kv_positions());
+            let least = windowed_groups * (positions.div_ceil(block) - window_blocks);
+            assert!(released >= least, "{name}: {released} released, {least} at least");
+            mixed_ran += 1;
         }
         assert_eq!(e.free_blocks(), e.total_blocks(), "{name}: blocks leaked");
         ran += usize::from(all_windowed && exceeded);
     }
     assert!(ran >= 2, "Mistral's and Phi-3's windowed fixtures ran");
+    assert!(mixed_ran >= 3, "Gemma 2's, Gemma 3's and gpt-oss's mixed fixtures ran ({mixed_ran})");
 }

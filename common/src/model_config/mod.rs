@@ -17,11 +17,13 @@ use crate::error::{Error, Result};
 mod deepseek;
 mod gemma;
 mod gpt_oss;
+mod kv_groups;
 mod moe;
 mod quant;
 mod rope;
 
 pub use deepseek::{GroupedRouting, Latent};
+pub use kv_groups::KvGroups;
 pub use moe::{ExpertNames, Moe};
 pub use rope::RopeScaling;
 use rope::{parse_rope, yarn_mscale};
@@ -348,6 +350,11 @@ impl ModelConfig {
             Some(l) => (l.cached_width(), true),
             None => (kv_heads * self.head_dim, false),
         }
+    }
+
+    /// Whether layer `layer` attends within the sliding window.
+    pub fn layer_windowed(&self, layer: usize) -> bool {
+        self.sliding_window.is_some() && self.windowed_layers.get(layer) == Some(&true)
     }
 
     /// Number of query heads per KV head (1 for MHA, `num_heads` for MQA).

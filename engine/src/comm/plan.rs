@@ -13,10 +13,10 @@ use strata_common::trace::{TraceContext, MAX_TRACESTATE};
 use strata_common::{Error, Result};
 
 use crate::logits::{Draw, LogitsWanted, DRAW_PARAMS};
-use crate::step::{BatchLayout, SeqSlice, Step};
+use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
 /// Bumped whenever the layout below changes; ranks of one replica must agree.
-pub const PLAN_VERSION: u8 = 3;
+pub const PLAN_VERSION: u8 = 4;
 
 const KIND_STEP: u8 = 1;
 const KIND_SHUTDOWN: u8 = 2;
@@ -32,10 +32,7 @@ const MAX_TRACEPARENT: usize = 64;
 #[derive(Debug, Clone)]
 pub enum LeaderMessage {
     /// Allocate this many KV blocks of `block_size` positions (the first message).
-    Init {
-        num_blocks: usize,
-        block_size: usize,
-    },
+    Init(KvBlocks),
     Step(Step),
     Shutdown,
 }
@@ -43,8 +40,9 @@ pub enum LeaderMessage {
 /// What a follower checks a plan against.
 #[derive(Debug, Clone, Copy)]
 pub struct PlanBounds {
-    pub num_blocks: usize,
-    pub block_size: usize,
+    pub kv: KvBlocks,
+    /// KV groups of the model's layers: a step has a layout for each.
+    pub kv_groups: usize,
     pub vocab_size: usize,
 }
 
@@ -66,10 +64,10 @@ fn put_all(out: &mut Vec<u8>, v: impl ExactSizeIterator<Item = usize>) {
 impl LeaderMessage {
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            LeaderMessage::Init { num_blocks, block_size } => {
+            LeaderMessage::Init(kv) => {
                 let mut out = vec![KIND_INIT, PLAN_VERSION];
-                put(&mut out, *num_blocks);
-                put(&mut out, *block_size);
+                put(&mut out, kv.num_blocks);
+                put(&mut out, kv.block_size);
                 out
             }
             LeaderMessage::Shutdown => vec![KIND_SHUTDOWN, PLAN_VERSION],
@@ -92,7 +90,7 @@ impl LeaderMessage {
                 if block_size == 0 || block_size > MAX_BLOCK_SIZE {
                     return Err(bad(format!("block size {block_size}")));
                 }
-                LeaderMessage::Init { num_blocks, block_size }
+                LeaderMessage::Init(KvBlocks { num_blocks, block_size })
             }
             (KIND_SHUTDOWN, _) => LeaderMessage::Shutdown,
             (KIND_STEP, Some(bounds)) => {
@@ -141,6 +139,15 @@ pub fn encode_step(step: &Step) -> Vec<u8> {
     for text in [parent, state] {
         put(&mut out, text.len());
         out.extend_from_slice(text.as_bytes());
+    }
+    // The other KV groups' slots and block tables (their positions and rows are the
+    // step's).
+    put(&mut out, layout.groups.len());
+    for g in &layout.groups {
+        put_all(&mut out, g.slots.iter().map(|&x| x as usize));
+        for s in &g.seqs {
+            put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
+        }
     }
     out
 }
@@ -223,32 +230,54 @@ fn decode_step(r: &mut Reader<'_>) -> Result<Step> {
     // A context that is not W3C's form is dropped: tracing is never a reason to fail a step.
     let trace =
         (!parent.is_empty()).then(|| TraceContext::from_headers(Some(&parent), Some(state))).flatten();
-    let layout = BatchLayout { positions, slots, seqs, block_size };
+    let mut layout = BatchLayout { positions, slots, seqs, block_size, groups: Vec::new() };
+    // A group is at least its slots' count and a table count per sequence.
+    let groups = r.count(4 * (1 + layout.seqs.len()))?;
+    for _ in 0..groups {
+        let mut g = BatchLayout { slots: r.vec()?, ..layout.clone() };
+        for s in &mut g.seqs {
+            s.block_table = r.vec()?;
+        }
+        layout.groups.push(g);
+    }
     Ok(Step { ids, layout, logit_rows, wanted, draws, trace })
+}
+
+/// Every slot and block of `l` inside a cache of `num_blocks` blocks, every table long
+/// enough for its sequence.
+fn in_cache(l: &BatchLayout, num_blocks: usize) -> Result<()> {
+    let cache_slots = num_blocks * l.block_size;
+    if let Some(s) = l.slots.iter().find(|&&s| s as usize >= cache_slots) {
+        return Err(bad(format!("KV slot {s} outside a cache of {cache_slots}")));
+    }
+    for s in &l.seqs {
+        let context = s.context_before + s.num_tokens;
+        if s.block_table.len() * l.block_size < context {
+            return Err(bad(format!("{} blocks for {context} positions", s.block_table.len())));
+        }
+        if let Some(blk) = s.block_table.iter().find(|&&x| x as usize >= num_blocks) {
+            return Err(bad(format!("block {blk} outside a cache of {num_blocks}")));
+        }
+    }
+    Ok(())
 }
 
 /// Every index in `p` stays inside the KV cache, the vocabulary and the step's own rows.
 fn check(p: &Step, b: PlanBounds) -> Result<()> {
     p.check_shape().map_err(|e| bad(e.to_string()))?;
     let l = &p.layout;
-    if l.block_size != b.block_size {
-        return Err(bad(format!("block size {} in a cache of {}", l.block_size, b.block_size)));
+    if l.block_size != b.kv.block_size {
+        return Err(bad(format!("block size {} in a cache of {}", l.block_size, b.kv.block_size)));
     }
     if let Some(id) = p.ids.iter().find(|&&t| t as usize >= b.vocab_size) {
         return Err(bad(format!("token id {id} outside a vocabulary of {}", b.vocab_size)));
     }
-    let cache_slots = b.num_blocks * b.block_size;
-    if let Some(s) = l.slots.iter().find(|&&s| s as usize >= cache_slots) {
-        return Err(bad(format!("KV slot {s} outside a cache of {cache_slots}")));
+    // A layout for every KV group of the model's layers, no more.
+    if 1 + l.groups.len() != b.kv_groups {
+        return Err(bad(format!("layouts for {} KV groups of {}", 1 + l.groups.len(), b.kv_groups)));
     }
-    for s in &l.seqs {
-        let context = s.context_before + s.num_tokens;
-        if s.block_table.len() * b.block_size < context {
-            return Err(bad(format!("{} blocks for {context} positions", s.block_table.len())));
-        }
-        if let Some(blk) = s.block_table.iter().find(|&&x| x as usize >= b.num_blocks) {
-            return Err(bad(format!("block {blk} outside a cache of {}", b.num_blocks)));
-        }
+    for l in std::iter::once(l).chain(&l.groups) {
+        in_cache(l, b.kv.num_blocks)?;
     }
     let valid = |d: &Draw| {
         d.temperature.is_finite()
@@ -279,6 +308,7 @@ mod tests {
                     SeqSlice { token_start: 2, num_tokens: 1, context_before: 7, block_table: vec![4] },
                 ],
                 block_size: 16,
+                groups: Vec::new(),
             },
             logit_rows: vec![1, 2],
             wanted: LogitsWanted::Greedy,
@@ -290,7 +320,20 @@ mod tests {
         }
     }
 
-    const BOUNDS: PlanBounds = PlanBounds { num_blocks: 8, block_size: 16, vocab_size: 100 };
+    const KV: KvBlocks = KvBlocks { num_blocks: 8, block_size: 16 };
+    const BOUNDS: PlanBounds = PlanBounds { kv: KV, kv_groups: 1, vocab_size: 100 };
+    const GROUPED: PlanBounds = PlanBounds { kv: KV, kv_groups: 2, vocab_size: 100 };
+
+    /// `plan()` with a second KV group's layout.
+    fn grouped() -> Step {
+        let mut p = plan();
+        let mut g = p.layout.clone();
+        g.slots = vec![0, 1, 87];
+        g.seqs[0].block_table = vec![0];
+        g.seqs[1].block_table = vec![5];
+        p.layout.groups = vec![g];
+        p
+    }
 
     fn step(msg: &[u8]) -> Result<Step> {
         match LeaderMessage::decode(msg, Some(BOUNDS))? {
@@ -322,11 +365,27 @@ mod tests {
             step(&LeaderMessage::Step(too_many).encode()).is_err(),
             "more candidates than a step returns"
         );
-        let init = LeaderMessage::Init { num_blocks: 8, block_size: 16 }.encode();
-        assert!(matches!(
-            LeaderMessage::decode(&init, None).unwrap(),
-            LeaderMessage::Init { num_blocks: 8, block_size: 16 }
-        ));
+        let init = LeaderMessage::Init(KV).encode();
+        assert!(matches!(LeaderMessage::decode(&init, None).unwrap(), LeaderMessage::Init(k) if k == KV));
+    }
+
+    #[test]
+    fn every_kv_groups_layout_round_trips_and_is_checked_against_the_cache() {
+        let p = grouped();
+        let back = LeaderMessage::decode(&LeaderMessage::Step(p.clone()).encode(), Some(GROUPED)).unwrap();
+        let LeaderMessage::Step(back) = back else { panic!("{back:?}") };
+        assert_eq!(back.layout, p.layout);
+        let refused = |p: Step, b: PlanBounds| {
+            LeaderMessage::decode(&LeaderMessage::Step(p).encode(), Some(b)).unwrap_err().to_string()
+        };
+        assert!(refused(plan(), GROUPED).contains("layouts for 1 KV groups of 2"));
+        assert!(refused(grouped(), BOUNDS).contains("layouts for 2 KV groups of 1"));
+        let mut outside = grouped();
+        outside.layout.groups[0].seqs[1].block_table = vec![8];
+        assert!(refused(outside, GROUPED).contains("block 8 outside a cache of 8"));
+        let mut slot = grouped();
+        slot.layout.groups[0].slots[2] = 8 * 16;
+        assert!(refused(slot, GROUPED).contains("KV slot 128"));
     }
 
     #[test]

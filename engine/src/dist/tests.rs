@@ -33,6 +33,7 @@ fn prefill(ids: &[u32]) -> Step {
             block_table: (0..n.div_ceil(4) as u32).collect(),
         }],
         block_size: 4,
+        groups: Vec::new(),
     };
     Step::full_logits(ids.to_vec(), layout, (0..n).collect())
 }
@@ -70,13 +71,13 @@ fn replica(
 fn a_one_rank_step_is_the_many_rank_step_with_solo_collectives() {
     let dir = tiny();
     let mut solo = LeaderExecutor::solo(Model::load(dir.path(), CpuBackend::new()).unwrap());
-    solo.alloc_kv(16, 4).unwrap();
+    solo.alloc_kv(KvBlocks { num_blocks: 16, block_size: 4 }).unwrap();
     let step = prefill(&[1, 7, 300, 42, 5]);
     let want = solo.execute(&step).unwrap().logits.into_full().unwrap();
     assert_eq!(solo.comm_stats().map(|c| c.bytes_sent), None, "one rank: nothing to count");
     for par in [Parallelism::new(2, 1), Parallelism::new(1, 2), Parallelism::new(2, 2)] {
         let (mut leader, followers) = replica(dir.path(), par);
-        leader.alloc_kv(16, 4).unwrap();
+        leader.alloc_kv(KvBlocks { num_blocks: 16, block_size: 4 }).unwrap();
         let got = leader.execute(&step).unwrap().logits.into_full().unwrap();
         assert_eq!(got.len(), want.len());
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
@@ -97,7 +98,7 @@ fn a_one_rank_step_is_the_many_rank_step_with_solo_collectives() {
 fn steps_out_of_their_own_rows_or_asking_to_draw_are_refused() {
     let dir = tiny();
     let mut solo = LeaderExecutor::solo(Model::load(dir.path(), CpuBackend::new()).unwrap());
-    solo.alloc_kv(16, 4).unwrap();
+    solo.alloc_kv(KvBlocks { num_blocks: 16, block_size: 4 }).unwrap();
     let mut bad = prefill(&[1, 2, 3]);
     bad.logit_rows.push(3);
     assert!(solo.execute(&bad).unwrap_err().to_string().contains("logit row 3"));
@@ -121,7 +122,7 @@ fn a_follower_refuses_malformed_messages_and_a_leader_sees_a_lost_follower() {
         follower_loop(model, staged(mesh), Some(rank_pool(1, 2)?))
     });
     use crate::comm::StepChannel;
-    leader.send(1, &LeaderMessage::Init { num_blocks: 4, block_size: 4 }.encode()).unwrap();
+    leader.send(1, &LeaderMessage::Init(KvBlocks { num_blocks: 4, block_size: 4 }).encode()).unwrap();
     // A step whose KV slot lies outside the cache the follower allocated.
     let mut step = prefill(&[1, 2]);
     step.layout.slots[1] = 4 * 4;
@@ -131,7 +132,7 @@ fn a_follower_refuses_malformed_messages_and_a_leader_sees_a_lost_follower() {
 
     // A leader whose follower is gone fails the step, as a lost rank.
     let (mut exec, followers) = replica(dir.path(), par);
-    exec.alloc_kv(16, 4).unwrap();
+    exec.alloc_kv(KvBlocks { num_blocks: 16, block_size: 4 }).unwrap();
     drop(exec.rank.comm.host().send(1, &LeaderMessage::Shutdown.encode()));
     for f in followers {
         f.join().unwrap().unwrap();
@@ -151,16 +152,31 @@ fn latent_attention_budgets_the_latent_per_position() {
     let latent = config.latent.unwrap();
     let (bytes, block) = (1 << 20, 16);
     let per_position = config.num_layers * latent.cached_width() * 2;
-    assert_eq!(
-        kv_blocks(&config, Parallelism::NONE, bytes, block, 2).unwrap(),
-        bytes / (per_position * block)
-    );
+    let want = bytes / (per_position * block);
+    assert_eq!(kv_blocks(&config, Parallelism::NONE, bytes, block, 2).unwrap(), want);
     // Under TP every rank caches the whole latent (it is shared by the heads).
     let tp2 = Parallelism::new(2, 1);
-    assert_eq!(kv_blocks(&config, tp2, bytes, block, 2).unwrap(), bytes / (per_position * block));
+    assert_eq!(kv_blocks(&config, tp2, bytes, block, 2).unwrap(), want);
     let expanded = config.num_layers
         * config.num_heads
         * (latent.qk_nope_head_dim + latent.qk_rope_head_dim + latent.v_head_dim)
         * 2;
     assert!(expanded > 4 * per_position, "{expanded} vs {per_position}");
+}
+
+/// A model mixing windowed and global layers (Gemma 3's fixture: windowed, global,
+/// windowed): three KV groups of one layer, sharing one storage — every block the budget
+/// buys is a block any group's table can take, three times as many as a storage a layer.
+#[test]
+fn kv_groups_of_a_mixed_model_share_their_storage() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/gemma3_window");
+    let config = strata_common::ModelConfig::from_dir(&dir).unwrap();
+    let groups = config.kv_groups();
+    assert_eq!(groups.windows, [None, Some(8), Some(8)]);
+    let (bytes, block, element) = (1 << 20, 16, 2);
+    let layer_block = 2 * config.num_kv_heads * config.head_dim * element * block;
+    assert_eq!(kv_blocks(&config, Parallelism::NONE, bytes, block, element).unwrap(), bytes / layer_block);
+    // Split in two stages, each rank still holds one storage.
+    let pp2 = Parallelism::new(1, 2);
+    assert_eq!(kv_blocks(&config, pp2, bytes, block, element).unwrap(), bytes / layer_block);
 }

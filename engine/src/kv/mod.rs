@@ -94,6 +94,19 @@ impl BlockTable {
     pub fn released(&self) -> usize {
         self.released
     }
+
+    /// Lets go of the entries from `len` on, keeping the first `len`.
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.blocks.len() {
+            return;
+        }
+        let mut gone = self.blocks.split_off(len.max(self.released));
+        if let Some(pool) = &self.pool {
+            lock(pool).release(&mut gone);
+        }
+        self.blocks.truncate(len);
+        self.released = self.released.min(len);
+    }
 }
 
 impl std::ops::Deref for BlockTable {
@@ -241,6 +254,31 @@ impl BlockPool {
         table
     }
 
+    /// A table holding the cached blocks of `hashes[from..]` at their places, the entries
+    /// before `from` given back already (a windowed layer never reads them): None unless
+    /// every one of those blocks is cached. With `from == hashes.len()`, an empty tail.
+    pub fn acquire_tail(&self, hashes: &[BlockHash], from: usize) -> Option<BlockTable> {
+        let from = from.min(hashes.len());
+        let mut table = BlockTable { blocks: vec![0; from], pool: Some(self.state.clone()), released: from };
+        if from < hashes.len() && !self.prefix_caching {
+            return None;
+        }
+        let mut state = lock(&self.state);
+        for h in &hashes[from..] {
+            let Some(&b) = state.cached.get(h) else {
+                drop(state);
+                return None; // the table drops, giving back what it took
+            };
+            if state.refs[b as usize] == 0 {
+                let tick = state.last_use[b as usize];
+                state.evictable.remove(&tick);
+            }
+            state.refs[b as usize] += 1;
+            table.blocks.push(b);
+        }
+        Some(table)
+    }
+
     /// Records that `block` now holds the full block with hash `hash`.
     pub fn register(&self, block: u32, hash: BlockHash) {
         if !self.prefix_caching {
@@ -351,6 +389,38 @@ mod tests {
         assert!(pool.acquire_prefix(&hashes).is_empty(), "evicted blocks are not found");
         drop(c);
         assert_eq!(pool.num_free(), 3);
+    }
+
+    /// A windowed layer's tail of a cached prefix: all of it or nothing, the entries before
+    /// it stand-ins already given back; truncating gives back what is cut.
+    #[test]
+    fn tails_of_cached_prefixes_are_acquired_whole() {
+        let pool = BlockPool::with_prefix_caching(4, 2, true);
+        let hashes = pool.block_hashes(&[1, 2, 3, 4, 5, 6]);
+        let mut a = BlockTable::default();
+        pool.grow(&mut a, 6).unwrap();
+        for (b, h) in a.iter().zip(&hashes) {
+            pool.register(*b, *h);
+        }
+        let blocks = a.to_vec();
+        a.release_front(1); // the window moved past block 0: it stays cached
+        drop(a);
+        let tail = pool.acquire_tail(&hashes, 1).unwrap();
+        assert_eq!((tail.released(), &tail[1..]), (1, &blocks[1..]));
+        assert_eq!(pool.num_cached_idle(), 1, "only block 0 is idle");
+        drop(tail);
+        let mut other = BlockTable::default();
+        pool.grow(&mut other, 4).unwrap(); // takes the free block, then evicts the oldest
+        let evicted = [blocks[0], blocks[1], blocks[2]].iter().filter(|b| other.contains(b)).count();
+        assert_eq!(evicted, 1);
+        let before = pool.num_free();
+        let whole = pool.acquire_tail(&hashes, 0);
+        assert!(whole.is_none(), "an evicted block: nothing");
+        assert_eq!(pool.num_free(), before, "a failed tail takes nothing");
+        assert!(pool.acquire_tail(&hashes, 3).is_some_and(|t| t.len() == 3 && t.released() == 3));
+        let mut t = pool.acquire_tail(&hashes, 2).unwrap();
+        t.truncate(2);
+        assert_eq!((t.len(), t.released(), pool.num_free()), (2, 2, before));
     }
 
     #[test]

@@ -83,7 +83,7 @@ impl<B: Backend> LatentAttention<B> {
             }
         };
         let latent = b.concat_columns(&[&c, &k_rope])?;
-        b.write_kv(cache, &latent, &latent, cx.layout)?;
+        b.write_kv(cache, &latent, &latent, cx.layout.for_group(cx.kv_group))?;
         let mut parts = Vec::with_capacity(2 * self.heads);
         for h in 0..self.heads {
             let qn = b.columns(&q_nope, h * nope..(h + 1) * nope)?;
@@ -91,7 +91,7 @@ impl<B: Backend> LatentAttention<B> {
             parts.push(b.columns(&q_rope, h * r..(h + 1) * r)?);
         }
         let q = b.concat_columns(&parts.iter().collect::<Vec<_>>())?;
-        let attn = b.attention(&q, cache, cx.layout, self.shape, None)?;
+        let attn = b.attention(&q, cache, cx.layout.for_group(cx.kv_group), self.shape, None)?;
         let width = l + r;
         let mut outs = Vec::with_capacity(self.heads);
         for h in 0..self.heads {

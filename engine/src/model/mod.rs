@@ -32,10 +32,10 @@ use crate::backend::{Backend, BatchLayout, GraphOutput, Pointwise, RopeTable};
 use crate::comm::DeviceCollectives;
 use crate::logits::{LogitsWanted, StepLogits, StepOutput};
 use crate::metrics::{RankMetrics, ReplicaLabels};
-use crate::step::Step;
+use crate::step::{KvBlocks, Step};
 use crate::tensor::DType;
 use loader::ShardLoader;
-use parts::{Layer, LayerSpec, Norm, NormKind, PartCx};
+use parts::{KvPlace, Layer, LayerSpec, Norm, NormKind, PartCx};
 use weights::Checkpoint;
 
 /// What part of the model this instance holds (everything, for a single rank).
@@ -77,6 +77,11 @@ pub struct Model<B: Backend> {
     /// transformers rounds it before multiplying.
     embed_scale: Option<f32>,
     layers: Vec<Layer<B>>,
+    /// Each of this rank's layers' KV group and the storage it reads (see
+    /// [`strata_common::KvGroups`]).
+    kv_map: Vec<KvPlace>,
+    /// Storages this rank allocates.
+    kv_storages: usize,
     norm: Norm<B>,
     /// This rank's vocabulary rows of the LM head (last stage); None when tied.
     lm_head: Option<B::Weight>,
@@ -138,6 +143,16 @@ impl<B: Backend> Model<B> {
         }
         let norm = load.norm("model.norm.weight", final_norm(&specs, c))?;
         let (bytes, idle_expert_bytes) = (load.bytes, load.idle_expert_bytes);
+        let groups = c.kv_groups();
+        let slots = groups.slots_of(s.layers.clone());
+        let kv_map = s
+            .layers
+            .clone()
+            .map(|l| KvPlace {
+                group: groups.group_of[l],
+                storage: slots.binary_search(&groups.slot_of[l]).expect("a layer's slot is among the rank's"),
+            })
+            .collect();
         info!(
             backend = backend.name(),
             rank = s.rank,
@@ -156,6 +171,8 @@ impl<B: Backend> Model<B> {
             embed,
             embed_scale,
             layers,
+            kv_map,
+            kv_storages: slots.len(),
             norm,
             lm_head,
             weight_bytes: bytes,
@@ -192,13 +209,14 @@ impl<B: Backend> Model<B> {
         read - self.idle_expert_bytes
     }
 
-    /// Allocates this shard's paged KV cache: one storage per local layer.
-    pub fn alloc_kv(&self, num_blocks: usize, block_size: usize) -> Result<Vec<B::KvLayer>> {
+    /// Allocates this shard's paged KV cache: one storage per local layer, or per slot
+    /// its layers share where they form several KV groups.
+    pub fn alloc_kv(&self, kv: KvBlocks) -> Result<Vec<B::KvLayer>> {
         let (width, shared) = self.config.kv_layer_width(self.shard.shard.kv_heads.len());
-        (0..self.layers.len())
+        (0..self.kv_storages)
             .map(|_| match shared {
-                true => self.backend.alloc_kv_shared(num_blocks, block_size, width),
-                false => self.backend.alloc_kv(num_blocks, block_size, width),
+                true => self.backend.alloc_kv_shared(kv.num_blocks, kv.block_size, width),
+                false => self.backend.alloc_kv(kv.num_blocks, kv.block_size, width),
             })
             .collect()
     }
@@ -335,9 +353,17 @@ impl<B: Backend> Model<B> {
                 (false, false) => {}
             }
         }
-        let mut cx =
-            PartCx { b: &self.backend, layout, ropes, mixed_ropes, comm, group, metrics: &self.metrics };
-        parts::run(&mut cx, &self.layers, kv, x)
+        let mut cx = PartCx {
+            b: &self.backend,
+            layout,
+            kv_group: 0,
+            ropes,
+            mixed_ropes,
+            comm,
+            group,
+            metrics: &self.metrics,
+        };
+        parts::run(&mut cx, &self.layers, &self.kv_map, kv, x)
     }
 
     /// Sums `x` (`rows` hidden states) across the TP group, timed on this rank. On a

@@ -219,7 +219,10 @@ impl<B: Backend> Norm<B> {
 /// What a part needs of the step around it.
 pub(super) struct PartCx<'a, B: Backend> {
     pub b: &'a B,
+    /// The step's layout (KV group 0's; the others' inside it).
     pub layout: &'a BatchLayout,
+    /// The KV group of the layer running now.
+    pub kv_group: usize,
     pub ropes: &'a [RopeTable],
     /// LongRoPE with sequences on both sides of the original context in one step: the
     /// long tables and, per row, whether its sequence takes them (`ropes` holds the short).
@@ -308,6 +311,8 @@ impl<B: Backend> Attention<B> {
             AttentionKind::Latent(_) => Err(Error::Internal("latent attention loaded as grouped".into())),
             AttentionKind::Grouped => {
                 let rope = rope_table(cx.ropes, self.spec.rope)?;
+                // The layer's KV group's slots and block tables.
+                let layout = cx.layout.for_group(cx.kv_group);
                 let [mut q, mut k, v] = Linear::apply_many(b, normed, [&self.q, &self.k, &self.v])?;
                 if let Some([q_norm, k_norm]) = &self.qk_norm {
                     q = q_norm.apply_per_head(b, q, self.shape.head_dim)?;
@@ -316,11 +321,11 @@ impl<B: Backend> Attention<B> {
                 if cx.mixed_ropes.is_some() {
                     q = cx.rope(q, self.shape.head_dim, self.spec.rope)?;
                     k = cx.rope(k, self.shape.head_dim, self.spec.rope)?;
-                    b.write_kv(cache, &k, &v, cx.layout)?;
+                    b.write_kv(cache, &k, &v, layout)?;
                 } else {
-                    b.rope_write_kv(&mut q, &mut k, &v, cache, cx.layout, self.shape.head_dim, rope)?;
+                    b.rope_write_kv(&mut q, &mut k, &v, cache, layout, self.shape.head_dim, rope)?;
                 }
-                let attn = b.attention(&q, cache, cx.layout, self.shape, self.sinks.as_ref())?;
+                let attn = b.attention(&q, cache, layout, self.shape, self.sinks.as_ref())?;
                 let mut o = self.o.apply(b, &attn)?;
                 cx.reduce(&mut o)?;
                 Ok(o)
@@ -371,6 +376,14 @@ impl<B: Backend> Mlp<B> {
     }
 }
 
+/// Where a layer's K and V live: its KV group (whose layout it reads) and the storage
+/// (its own, or its slot's, shared with other groups' layers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct KvPlace {
+    pub group: usize,
+    pub storage: usize,
+}
+
 /// One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual —
 /// in a sandwich, each output normed again before the add.
 pub(super) struct Layer<B: Backend> {
@@ -396,16 +409,20 @@ fn out_norm<B: Backend>(b: &B, norm: &Option<Norm<B>>, y: B::Tensor) -> Result<B
 pub(super) fn run<B: Backend>(
     cx: &mut PartCx<'_, B>,
     layers: &[Layer<B>],
+    kv_map: &[KvPlace],
     kv: &mut [B::KvLayer],
     mut x: B::Tensor,
 ) -> Result<B::Tensor> {
     let Some(first) = layers.first() else { return Ok(x) };
-    if kv.len() != layers.len() {
-        return Err(Error::Internal(format!("{} KV layers for {} layers", kv.len(), layers.len())));
+    let storages = kv_map.iter().map(|p| p.storage + 1).max().unwrap_or(0);
+    if kv.len() != storages || kv_map.len() != layers.len() {
+        return Err(Error::Internal(format!("{} KV storages for {} layers", kv.len(), layers.len())));
     }
     let b = cx.b;
     let mut normed = first.input_norm.apply(b, &x)?;
-    for (i, (layer, cache)) in layers.iter().zip(kv.iter_mut()).enumerate() {
+    for (i, (layer, place)) in layers.iter().zip(kv_map).enumerate() {
+        cx.kv_group = place.group;
+        let cache = &mut kv[place.storage];
         let attn = out_norm(b, &layer.attention_out_norm, layer.attention.forward(cx, &normed, cache)?)?;
         let post = layer.post_norm.add_apply(b, &mut x, &attn)?;
         let mlp = out_norm(b, &layer.mlp_out_norm, layer.mlp.forward(cx, &post)?)?;

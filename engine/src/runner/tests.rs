@@ -33,8 +33,8 @@ impl StepExecutor for Faulty {
     fn config(&self) -> &ModelConfig {
         self.inner.config()
     }
-    fn alloc_kv(&mut self, num_blocks: usize, block_size: usize) -> Result<()> {
-        self.inner.alloc_kv(num_blocks, block_size)
+    fn alloc_kv(&mut self, kv: crate::step::KvBlocks) -> Result<()> {
+        self.inner.alloc_kv(kv)
     }
     fn execute(&mut self, step: &Step) -> Result<StepOutput> {
         self.steps.fetch_add(1, Ordering::SeqCst);

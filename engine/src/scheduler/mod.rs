@@ -18,6 +18,14 @@
 //! Blocks come from the [`BlockPool`] in a [`BlockTable`] that gives them back when
 //! dropped, so every path that ends a sequence (finish, cancel, abort) frees its cache
 //! by dropping it; preemption clears the table and keeps the sequence.
+//!
+//! **Windows.** Where every layer attends within a sliding window, a sequence's blocks go
+//! back as they fall behind it. Where a model mixes windowed and global layers (Gemma 2/3,
+//! gpt-oss), its layers form KV groups ([`strata_common::KvGroups`]): a sequence has a
+//! table per group, all from the one pool, a windowed group's released behind the window
+//! while a global group's keeps every block — KV memory is what the windows need, and
+//! goes wherever the running sequences need it. A cached prefix is reused only as far as
+//! every group still holds what its next position reads.
 
 use std::collections::VecDeque;
 
@@ -51,6 +59,8 @@ pub struct SeqData {
     pub computed: usize,
     /// Its KV blocks; given back to the pool when the sequence is dropped.
     pub blocks: BlockTable,
+    /// Its tables of KV groups 1, 2, … (`blocks` is group 0's), where the model has them.
+    pub group_blocks: Vec<BlockTable>,
     /// Hashes of this sequence's full blocks registered so far.
     hashes: Vec<BlockHash>,
     /// Online sequences are admitted before batch ones and preempted after them.
@@ -64,6 +74,7 @@ impl SeqData {
             tokens: prompt,
             computed: 0,
             blocks: BlockTable::default(),
+            group_blocks: Vec::new(),
             hashes: Vec::new(),
             priority: Priority::Online,
         }
@@ -73,6 +84,37 @@ impl SeqData {
         self.priority = priority;
         self
     }
+
+    /// Lets go of its blocks (it starts again from nothing).
+    fn clear_blocks(&mut self) {
+        self.blocks.clear();
+        self.group_blocks.iter_mut().for_each(BlockTable::clear);
+        self.computed = 0;
+        self.hashes.clear();
+    }
+}
+
+/// The first block the position after `computed` reads under `window` (0: every block).
+fn first_needed(window: Option<usize>, computed: usize, block_size: usize) -> usize {
+    window.map_or(0, |w| (computed + 1).saturating_sub(w) / block_size)
+}
+
+/// KV group `group`'s hash of a block whose chained hash is `hash`: group 0's is the
+/// chain's, the others' salted, so the one pool's cache never hands a group's block to
+/// another group.
+fn group_hash(hash: BlockHash, group: usize) -> BlockHash {
+    if group == 0 {
+        return hash;
+    }
+    chain_hash(hash, &[u32::MAX, group as u32])
+}
+
+/// Grows `seq`'s tables (one per KV group, `groups` beyond group 0's) to hold
+/// `positions` positions; all or nothing in each.
+fn grow(pool: &BlockPool, groups: usize, seq: &mut SeqData, positions: usize) -> bool {
+    seq.group_blocks.resize_with(groups, BlockTable::default);
+    pool.grow(&mut seq.blocks, positions).is_ok()
+        && seq.group_blocks.iter_mut().all(|t| pool.grow(t, positions).is_ok())
 }
 
 /// One sequence's share of a step: compute tokens `start..end`.
@@ -120,6 +162,8 @@ pub struct Scheduler {
     config: SchedulerConfig,
     /// Every layer attends within this many positions: blocks behind it are released.
     window: Option<usize>,
+    /// The windows of KV groups 1, 2, … (None: a global group), where there are several.
+    groups: Vec<Option<usize>>,
     pool: BlockPool,
     waiting: VecDeque<SeqData>,
     /// Oldest first.
@@ -136,22 +180,40 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             config,
             window: None,
+            groups: Vec::new(),
             pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
         }
     }
 
-    /// Releases a running sequence's blocks once they fall behind `window` positions (a
-    /// model whose every layer attends within that window): its KV memory is then what
-    /// the window needs, not its length.
-    pub fn with_window(mut self, window: Option<usize>) -> Self {
-        self.window = window;
+    /// Gives each sequence a block table per KV group, each group's `windows` entry its
+    /// window: blocks behind it are released, so a windowed group's KV memory is what the
+    /// window needs, not the sequence's length. One entry: every layer alike.
+    pub fn with_kv_groups(mut self, windows: &[Option<usize>]) -> Self {
+        self.window = windows.first().copied().flatten();
+        self.groups = windows.get(1..).unwrap_or_default().to_vec();
         self
     }
 
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    /// KV groups: a block table each per sequence.
+    pub fn num_kv_groups(&self) -> usize {
+        1 + self.groups.len()
+    }
+
+    /// The longest sequence the cache can ever hold: every block less what the windowed
+    /// KV groups hold at most (a window, its ends and a chunk each), over the tables that
+    /// keep every position.
+    pub fn max_positions(&self) -> usize {
+        let bs = self.pool.block_size();
+        let chunk = self.config.max_batched_tokens.div_ceil(bs);
+        let windowed: usize = self.groups.iter().flatten().map(|w| w.div_ceil(bs) + 3 + chunk).sum();
+        let keeping = 1 + self.groups.iter().filter(|w| w.is_none()).count();
+        self.pool.num_blocks().saturating_sub(windowed) / keeping * bs
     }
 
     pub fn num_running(&self) -> usize {
@@ -225,15 +287,14 @@ impl Scheduler {
     /// sequences as needed. False when `i` had to go itself.
     fn grow_running(&mut self, i: usize, positions: usize, plan: &mut Schedule) -> bool {
         loop {
-            let seq = &mut self.running[i];
-            if self.pool.grow(&mut seq.blocks, positions).is_ok() {
+            if grow(&self.pool, self.groups.len(), &mut self.running[i], positions) {
                 return true;
             }
             let newest = self.running.len() - 1;
             if newest == i && plan.seqs.is_empty() && i == 0 {
                 // Alone and still too big: the cache can never hold it.
                 let seq = self.running.remove(i); // dropped below: its blocks go back
-                let capacity = self.pool.num_blocks() * self.pool.block_size();
+                let capacity = self.max_positions();
                 plan.aborted.push((
                     seq.id,
                     Error::Overloaded(format!(
@@ -254,9 +315,7 @@ impl Scheduler {
     /// Sends a running sequence back to the head of its priority's waiting line.
     fn preempt(&mut self, mut seq: SeqData) {
         self.stats.preemptions += 1;
-        seq.blocks.clear();
-        seq.computed = 0;
-        seq.hashes.clear();
+        seq.clear_blocks();
         let at = self.waiting.iter().position(|w| w.priority >= seq.priority).unwrap_or(self.waiting.len());
         self.waiting.insert(at, seq);
     }
@@ -265,21 +324,12 @@ impl Scheduler {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
             if seq.blocks.is_empty() && self.pool.prefix_caching() {
-                // Reuse cached full blocks, but always leave the last token to compute:
-                // its logits choose the next token.
-                let bs = self.pool.block_size();
-                let usable = (seq.tokens.len() - 1) / bs;
-                let hashes = self.pool.block_hashes(&seq.tokens[..usable * bs]);
-                seq.blocks = self.pool.acquire_prefix(&hashes);
-                seq.computed = seq.blocks.len() * bs;
-                seq.hashes = hashes[..seq.blocks.len()].to_vec();
+                reuse_prefix(&self.pool, &self.groups, seq);
             }
             let want = (seq.tokens.len() - seq.computed).min(budget);
-            if self.pool.grow(&mut seq.blocks, seq.computed + want).is_err() {
+            if !grow(&self.pool, self.groups.len(), seq, seq.computed + want) {
                 // FIFO: nobody overtakes the head. Its cached prefix stays findable.
-                seq.blocks.clear();
-                seq.computed = 0;
-                seq.hashes.clear();
+                seq.clear_blocks();
                 break;
             }
             plan.seqs.push(Scheduled {
@@ -316,12 +366,16 @@ impl Scheduler {
                 let h = chain_hash(parent, &seq.tokens[b * bs..(b + 1) * bs]);
                 seq.hashes.push(h);
                 self.pool.register(seq.blocks[b], h);
+                for (g, table) in seq.group_blocks.iter().enumerate().filter(|(_, t)| b >= t.released()) {
+                    self.pool.register(table[b], group_hash(h, g + 1));
+                }
             }
             // The next position attends back to `computed + 1 - window`: whole blocks
             // before that are never read again.
-            if let Some(w) = self.window {
-                let keep_from = (seq.computed + 1).saturating_sub(w) / bs;
-                self.stats.window_released_blocks += seq.blocks.release_front(keep_from) as u64;
+            let tables = std::iter::once((self.window, &mut seq.blocks));
+            for (window, table) in tables.chain(self.groups.iter().copied().zip(&mut seq.group_blocks)) {
+                let keep_from = first_needed(window, seq.computed, bs);
+                self.stats.window_released_blocks += table.release_front(keep_from) as u64;
             }
         }
         for &(id, token) in sampled {
@@ -330,6 +384,37 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// Takes the longest cached prefix of `seq`'s prompt that every KV group still holds —
+/// group 0's blocks from its start, each other group's from where the next position reads
+/// back to — leaving the last token to compute: its logits choose the next token.
+fn reuse_prefix(pool: &BlockPool, groups: &[Option<usize>], seq: &mut SeqData) {
+    let bs = pool.block_size();
+    let usable = (seq.tokens.len() - 1) / bs;
+    let hashes = pool.block_hashes(&seq.tokens[..usable * bs]);
+    seq.blocks = pool.acquire_prefix(&hashes);
+    let mut n = seq.blocks.len();
+    if !groups.is_empty() {
+        let salted: Vec<Vec<BlockHash>> =
+            (1..=groups.len()).map(|g| hashes.iter().map(|&h| group_hash(h, g)).collect()).collect();
+        // With no blocks reused every tail is empty and found. A group that misses drops
+        // what the others took.
+        seq.group_blocks = loop {
+            let tails: Option<Vec<BlockTable>> = groups
+                .iter()
+                .zip(&salted)
+                .map(|(&w, s)| pool.acquire_tail(&s[..n], first_needed(w, n * bs, bs)))
+                .collect();
+            if let Some(t) = tails {
+                break t;
+            }
+            n -= 1;
+        };
+        seq.blocks.truncate(n);
+    }
+    seq.computed = n * bs;
+    seq.hashes = hashes[..n].to_vec();
 }
 
 #[cfg(test)]

@@ -192,3 +192,73 @@ fn every_block_returns_after_finish_cancel_and_preemption() {
     assert!(!s.has_work());
     assert_eq!(s.pool().num_free(), 8, "all blocks free or evictable");
 }
+
+/// A model mixing windowed and global layers: the windowed group's table holds only what
+/// the window needs (blocks behind it go back, and are counted), the global group's every
+/// block, both from the one pool; everything goes back at the end.
+#[test]
+fn a_windowed_kv_group_keeps_only_its_window() {
+    let (bs, window) = (4, 6);
+    let mut s = sched(2, 8, 32, bs, false).with_kv_groups(&[None, Some(window)]);
+    assert_eq!(s.num_kv_groups(), 2);
+    s.add(SeqData::new(SeqId(1), prompt(20, 0)));
+    let mut most_held = 0;
+    for _ in 0..12 {
+        step(&mut s);
+        let seq = s.seq(SeqId(1)).unwrap();
+        assert_eq!(seq.blocks.len(), seq.computed.div_ceil(bs), "the global group keeps every block");
+        let windowed = &seq.group_blocks[0];
+        most_held = most_held.max(windowed.len() - windowed.released());
+        // The next position reads back `window - 1` positions: whole blocks before go.
+        assert_eq!(windowed.released(), (seq.computed + 1 - window) / bs);
+    }
+    let seq = s.seq(SeqId(1)).unwrap();
+    assert_eq!(seq.computed, 20 + 9, "the prompt in chunks of 8, then a token a step");
+    let held = 8 + (seq.group_blocks[0].len() - seq.group_blocks[0].released());
+    assert!(most_held <= window.div_ceil(bs) + 3 + 8 / bs, "held {most_held}");
+    assert!(s.stats.window_released_blocks >= 5, "{:?}", s.stats);
+    assert_eq!(s.pool().num_free(), 32 - held, "29 positions: 8 global blocks and the window's");
+    // Room for a sequence: every block less what a windowed group holds at most.
+    assert_eq!(s.max_positions(), (32 - (2 + 3 + 2)) * bs);
+    s.remove(SeqId(1));
+    assert_eq!(s.pool().num_free(), 32);
+}
+
+/// A cached prefix is reused only as far as every KV group still holds what its next
+/// position reads; groups never take each other's cached blocks.
+#[test]
+fn a_cached_prefix_is_reused_as_far_as_every_group_holds_it() {
+    let bs = 4;
+    let mut s = sched(4, 64, 16, bs, true).with_kv_groups(&[None, Some(6), Some(6)]);
+    let shared = prompt(16, 0);
+    let with = |tail: u32| {
+        let mut p = shared.clone();
+        p.push(tail);
+        p
+    };
+    s.add(SeqData::new(SeqId(1), with(90)));
+    step(&mut s);
+    s.remove(SeqId(1));
+    s.add(SeqData::new(SeqId(2), with(80)));
+    let p = step(&mut s);
+    assert_eq!((p.seqs[0].start, p.seqs[0].end), (16, 17), "all four blocks reused");
+    let seq = s.seq(SeqId(2)).unwrap();
+    let tables = std::iter::once(&seq.blocks).chain(&seq.group_blocks);
+    let mut all: Vec<u32> = tables.flat_map(|t| t[t.released()..].to_vec()).collect();
+    let n = all.len();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), n, "no block in two groups' tables");
+    s.remove(SeqId(2));
+    // Another prompt fills the pool: the least recently used blocks — the windowed
+    // groups' tails among them — are evicted, and the prefix is computed again.
+    s.add(SeqData::new(SeqId(3), prompt(15, 500)));
+    step(&mut s);
+    s.remove(SeqId(3));
+    s.add(SeqData::new(SeqId(4), with(70)));
+    let p = step(&mut s);
+    let start = p.seqs[0].start;
+    assert!(start < 16 && start % bs == 0, "recomputed from {start}");
+    let seq = s.seq(SeqId(4)).unwrap();
+    assert_eq!(seq.blocks.len(), 17usize.div_ceil(bs));
+}

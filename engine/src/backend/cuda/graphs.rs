@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 use super::device::Gpu;
 use super::layout::DeviceLayout;
 use super::{i32_bytes, to_i32, CudaBackend, GpuTensor};
-use crate::backend::{GraphOutput, SeqSlice, StepBody as Body};
+use crate::backend::{BatchLayout, GraphOutput, SeqSlice, StepBody as Body};
 use crate::logits::draw::draws_to_f32s;
 use crate::logits::{Draw, LogitsWanted};
 use crate::step::Step;
@@ -60,6 +60,8 @@ struct Key {
 struct Captured<G: Gpu> {
     graph: G::Graph,
     layout: Arc<DeviceLayout<G::Buf>>,
+    /// The layouts of KV groups 1, 2, …, where the model has them.
+    groups: Vec<Arc<DeviceLayout<G::Buf>>>,
     ids: Arc<G::Buf>,
     _rows: Arc<G::Buf>,
     table_stride: usize,
@@ -118,6 +120,21 @@ fn decode_rows(step: &Step) -> Option<usize> {
         .then_some(n)
 }
 
+/// `layout` padded to `rows` sequences with dummies that write and read `scratch_block`.
+fn pad_layout(layout: &mut BatchLayout, rows: usize, scratch_block: u32) {
+    let scratch_slot = scratch_block * layout.block_size as u32;
+    for i in layout.positions.len()..rows {
+        layout.positions.push(0);
+        layout.slots.push(scratch_slot);
+        layout.seqs.push(SeqSlice {
+            token_start: i,
+            num_tokens: 1,
+            context_before: 0,
+            block_table: vec![scratch_block],
+        });
+    }
+}
+
 /// `step` padded to `rows` sequences, drawing (`draw`) or not.
 fn pad(step: &Step, draw: bool, rows: usize, scratch_block: u32) -> Padded {
     let mut draws = if draw { step.draws.clone() } else { Vec::new() };
@@ -136,17 +153,10 @@ fn pad(step: &Step, draw: bool, rows: usize, scratch_block: u32) -> Padded {
         },
         draws: params,
     };
-    let scratch_slot = scratch_block * step.layout.block_size as u32;
-    for i in step.ids.len()..rows {
-        p.step.ids.push(0);
-        p.step.layout.positions.push(0);
-        p.step.layout.slots.push(scratch_slot);
-        p.step.layout.seqs.push(SeqSlice {
-            token_start: i,
-            num_tokens: 1,
-            context_before: 0,
-            block_table: vec![scratch_block],
-        });
+    p.step.ids.resize(rows, 0);
+    pad_layout(&mut p.step.layout, rows, scratch_block);
+    for g in &mut p.step.layout.groups {
+        pad_layout(g, rows, scratch_block);
     }
     p
 }
@@ -178,7 +188,8 @@ impl<G: Gpu> CudaBackend<G> {
             return Ok(None);
         }
         let padded = pad(step, drawn, rows, scratch);
-        let longest = padded.step.layout.seqs.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let layouts = std::iter::once(&padded.step.layout).chain(&padded.step.layout.groups);
+        let longest = layouts.flat_map(|l| l.seqs.iter().map(|s| s.block_table.len())).max().unwrap_or(0);
         if let Some(c) = graphs.captured.get_mut(&key).filter(|c| c.table_stride >= longest) {
             match self.replay(c, &padded, n) {
                 Ok(out) => return Ok(Some(out)),
@@ -227,6 +238,12 @@ impl<G: Gpu> CudaBackend<G> {
         let gpu = &*self.gpu;
         let p = &padded.step;
         let layout = Arc::new(DeviceLayout::upload(gpu, &p.layout, Some(table_stride))?);
+        let groups = p
+            .layout
+            .groups
+            .iter()
+            .map(|g| DeviceLayout::upload(gpu, g, Some(table_stride)).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
         let ids_i = to_i32(p.ids.iter().map(|&i| i as usize))?;
         let rows_i = to_i32(p.logit_rows.iter().copied())?;
         let ids = Arc::new(gpu.upload(i32_bytes(&ids_i))?);
@@ -241,7 +258,8 @@ impl<G: Gpu> CudaBackend<G> {
             draw = Some((gpu.upload(bytemuck::cast_slice(&padded.draws))?, gpu.alloc(rows * 3 * 4)?));
         }
         // The ops of the captured step find these instead of uploading their own.
-        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout.clone());
+        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) =
+            std::iter::once(layout.clone()).chain(groups.iter().cloned()).collect();
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = Some(Pinned {
             ids: Indices { values: ids_i, buf: ids.clone() },
             rows: Indices { values: rows_i, buf: row_buf.clone() },
@@ -261,9 +279,9 @@ impl<G: Gpu> CudaBackend<G> {
         })();
         let graph = gpu.end_capture();
         *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.layout.lock().unwrap_or_else(|p| p.into_inner()).clear();
         recorded?;
-        Ok(Captured { graph: graph?, layout, ids, _rows: row_buf, table_stride, out, out_cols, draw })
+        Ok(Captured { graph: graph?, layout, groups, ids, _rows: row_buf, table_stride, out, out_cols, draw })
     }
 
     /// The step's logits reduced as `wanted` says, on the device.
@@ -286,6 +304,12 @@ impl<G: Gpu> CudaBackend<G> {
         let gpu = &*self.gpu;
         let stale = || Error::Internal("a graph's inputs are still shared".into());
         Arc::get_mut(&mut c.layout).ok_or_else(stale)?.refill(gpu, &padded.step.layout, c.table_stride)?;
+        if c.groups.len() != padded.step.layout.groups.len() {
+            return Err(Error::Internal("a graph replayed with another number of KV groups".into()));
+        }
+        for (d, g) in c.groups.iter_mut().zip(&padded.step.layout.groups) {
+            Arc::get_mut(d).ok_or_else(stale)?.refill(gpu, g, c.table_stride)?;
+        }
         let ids = to_i32(padded.step.ids.iter().map(|&i| i as usize))?;
         gpu.write(Arc::get_mut(&mut c.ids).ok_or_else(stale)?, i32_bytes(&ids))?;
         if let Some((params, _)) = c.draw.as_mut() {

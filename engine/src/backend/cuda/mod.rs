@@ -109,9 +109,15 @@ impl<B> GpuKv<B> {
 /// and global layers). Uploaded once, so a captured step finds them on the device.
 type RopeCache<B> = Mutex<Vec<(Vec<f32>, Arc<B>)>>;
 
+/// Layouts kept on the device: a step uploads one for each KV group of the model's
+/// layers (Gemma 3's shapes have up to 7).
+const LAYOUTS_KEPT: usize = 16;
+
 pub struct CudaBackend<G: Gpu> {
     gpu: Arc<G>,
-    layout: Mutex<Option<Arc<DeviceLayout<G::Buf>>>>,
+    /// The step's layouts on the device, the latest first: one for each KV group of the
+    /// model's layers (at most [`LAYOUTS_KEPT`]).
+    layout: Mutex<Vec<Arc<DeviceLayout<G::Buf>>>>,
     rope: RopeCache<G::Buf>,
     graphs: Mutex<graphs::Graphs<G>>,
     /// A captured step's token ids and logit rows, while it is captured.
@@ -146,7 +152,7 @@ impl<G: Gpu> CudaBackend<G> {
     pub fn with_graphs(gpu: Arc<G>, graphs: bool) -> Self {
         CudaBackend {
             gpu,
-            layout: Mutex::new(None),
+            layout: Mutex::new(Vec::new()),
             rope: Mutex::new(Vec::new()),
             graphs: Mutex::new(graphs::Graphs::new(graphs)),
             pinned: Mutex::new(None),
@@ -222,13 +228,12 @@ impl<G: Gpu> CudaBackend<G> {
     fn device_layout(&self, layout: &BatchLayout) -> Result<Arc<DeviceLayout<G::Buf>>> {
         let key = LayoutArrays::of(layout, None)?;
         let mut cached = self.layout.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(l) = cached.as_ref() {
-            if l.key == key {
-                return Ok(l.clone());
-            }
+        if let Some(l) = cached.iter().find(|l| l.key == key) {
+            return Ok(l.clone());
         }
         let l = Arc::new(DeviceLayout::upload(&*self.gpu, layout, None)?);
-        *cached = Some(l.clone());
+        cached.insert(0, l.clone());
+        cached.truncate(LAYOUTS_KEPT);
         Ok(l)
     }
 
@@ -584,7 +589,7 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
         }
         // The step's layout (uploaded by the previous layer, or by write_kv) usually holds
         // these positions already.
-        let cached = self.layout.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let cached = self.layout.lock().unwrap_or_else(|p| p.into_inner()).first().cloned();
         let pos = to_i32(positions.iter().map(|&p| p as usize))?;
         let fresh;
         let pos_buf = match cached.as_ref().filter(|l| l.key.positions == pos) {

@@ -50,7 +50,13 @@ fn a_step_that_cannot_be_captured_runs_eagerly_from_then_on() {
     let b = CudaBackend::with_graphs(gpu.clone(), true);
     b.alloc_kv(4, 2, 8).unwrap();
     let seq = SeqSlice { token_start: 0, num_tokens: 1, context_before: 3, block_table: vec![0, 1] };
-    let layout = BatchLayout { positions: vec![3], slots: vec![3], seqs: vec![seq], block_size: 2 };
+    let layout = BatchLayout {
+        positions: vec![3],
+        slots: vec![3],
+        seqs: vec![seq],
+        block_size: 2,
+        groups: Vec::new(),
+    };
     let step = Step::full_logits(vec![1], layout, vec![0]);
     let output = GraphOutput { wanted: LogitsWanted::Full, draw: false, vocab: 4, first_id: 0 };
     let mut calls = 0;
@@ -99,6 +105,7 @@ fn a_graph_replays_new_inputs_and_a_failing_one_leaves_its_batch_size_eager() {
             slots: (0..ids.len() as u32).collect(),
             seqs,
             block_size: 2,
+            groups: Vec::new(),
         }
     };
     let run = |ids: &[u32]| {
