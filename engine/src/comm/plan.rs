@@ -234,11 +234,13 @@ fn decode_step(r: &mut Reader<'_>) -> Result<Step> {
     // A group is at least its slots' count and a table count per sequence.
     let groups = r.count(4 * (1 + layout.seqs.len()))?;
     for _ in 0..groups {
-        let mut g = BatchLayout { slots: r.vec()?, ..layout.clone() };
-        for s in &mut g.seqs {
+        let slots = r.vec()?;
+        let mut seqs = layout.seqs.clone();
+        for s in &mut seqs {
             s.block_table = r.vec()?;
         }
-        layout.groups.push(g);
+        let (positions, block_size) = (layout.positions.clone(), layout.block_size);
+        layout.groups.push(BatchLayout { positions, slots, seqs, block_size, groups: Vec::new() });
     }
     Ok(Step { ids, layout, logit_rows, wanted, draws, trace })
 }
@@ -322,7 +324,7 @@ mod tests {
 
     const KV: KvBlocks = KvBlocks { num_blocks: 8, block_size: 16 };
     const BOUNDS: PlanBounds = PlanBounds { kv: KV, kv_groups: 1, vocab_size: 100 };
-    const GROUPED: PlanBounds = PlanBounds { kv: KV, kv_groups: 2, vocab_size: 100 };
+    const GROUPED: PlanBounds = PlanBounds { kv: KV, kv_groups: 3, vocab_size: 100 };
 
     /// `plan()` with a second KV group's layout.
     fn grouped() -> Step {
@@ -331,7 +333,11 @@ mod tests {
         g.slots = vec![0, 1, 87];
         g.seqs[0].block_table = vec![0];
         g.seqs[1].block_table = vec![5];
-        p.layout.groups = vec![g];
+        let mut third = g.clone();
+        third.slots = vec![48, 49, 103];
+        third.seqs[0].block_table = vec![3];
+        third.seqs[1].block_table = vec![6];
+        p.layout.groups = vec![g, third];
         p
     }
 
@@ -378,8 +384,8 @@ mod tests {
         let refused = |p: Step, b: PlanBounds| {
             LeaderMessage::decode(&LeaderMessage::Step(p).encode(), Some(b)).unwrap_err().to_string()
         };
-        assert!(refused(plan(), GROUPED).contains("layouts for 1 KV groups of 2"));
-        assert!(refused(grouped(), BOUNDS).contains("layouts for 2 KV groups of 1"));
+        assert!(refused(plan(), GROUPED).contains("layouts for 1 KV groups of 3"));
+        assert!(refused(grouped(), BOUNDS).contains("layouts for 3 KV groups of 1"));
         let mut outside = grouped();
         outside.layout.groups[0].seqs[1].block_table = vec![8];
         assert!(refused(outside, GROUPED).contains("block 8 outside a cache of 8"));
