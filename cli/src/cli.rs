@@ -291,6 +291,8 @@ pub enum ArchArg {
     Mixtral,
     #[value(name = "qwen3-moe")]
     Qwen3Moe,
+    /// Gemma 3's text model: five local layers to a global one.
+    Gemma3,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -303,6 +305,9 @@ pub enum PresetArg {
     /// Qwen3-MoE's shape at about 0.9B parameters, 0.15B active (32 experts, 4 a token).
     #[value(name = "qwen3-moe-1b")]
     Qwen3Moe1b,
+    /// Gemma-3-1B's shape: 26 layers, five local (512-position window) to a global one.
+    #[value(name = "gemma3-1b")]
+    Gemma31b,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -492,6 +497,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         ArchArg::Qwen3 => Architecture::Qwen3,
         ArchArg::Mixtral => Architecture::Mixtral,
         ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
+        ArchArg::Gemma3 => Architecture::Gemma3,
     });
     // Each preset names its architecture; --arch replaces it.
     let spec = match args.preset {
@@ -499,6 +505,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         PresetArg::Llama1b => RandomModelSpec::llama_1b(),
         PresetArg::Llama8b => RandomModelSpec::llama_8b(),
         PresetArg::Qwen3Moe1b => RandomModelSpec::qwen3_moe_1b(),
+        PresetArg::Gemma31b => RandomModelSpec::gemma3_1b(),
     };
     let mut spec = match arch {
         Some(arch) => RandomModelSpec { arch, ..spec },

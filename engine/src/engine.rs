@@ -13,7 +13,7 @@
 use std::collections::{HashMap, HashSet};
 
 use strata_common::{Error, FinishReason, Result, SamplingParams};
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::backend::Backend;
 use crate::dist::{kv_blocks, LeaderExecutor, StepExecutor};
@@ -139,10 +139,18 @@ impl Engine {
         exec.alloc_kv(KvBlocks { num_blocks, block_size: bs })?;
         // A table per KV group, each released behind its window (a global group's never).
         let groups = exec.config().kv_groups();
-        debug!(num_blocks, block_size = bs, kv_groups = groups.num_groups(), "KV cache allocated");
         let pool = BlockPool::with_prefix_caching(num_blocks, bs, config.prefix_caching);
         let eos = exec.config().eos_token_ids.iter().copied().collect();
         let scheduler = Scheduler::new(config.scheduler.clone(), pool).with_kv_groups(&groups.windows);
+        info!(
+            num_blocks,
+            block_size = bs,
+            kv_groups = groups.num_groups(),
+            max_sequence = scheduler.max_positions(),
+            "KV cache allocated: {} positions in blocks, a sequence of up to {} positions",
+            num_blocks * bs,
+            scheduler.max_positions()
+        );
         Ok(Engine {
             exec,
             scheduler,

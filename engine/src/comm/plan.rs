@@ -30,6 +30,7 @@ const MAX_TRACEPARENT: usize = 64;
 
 /// A message from the leader rank.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant, reason = "one message a step, decoded and moved once")]
 pub enum LeaderMessage {
     /// Allocate this many KV blocks of `block_size` positions (the first message).
     Init(KvBlocks),

@@ -456,6 +456,30 @@ mod tests {
         }
     }
 
+    /// A random Gemma 3 (six layers: five local, one global) loads as Gemma 3 — sandwich
+    /// norms, q/k norms, GELU (tanh), explicit head width — and its layers form a global
+    /// KV group and five windowed ones sharing one storage slot.
+    #[test]
+    fn a_random_gemma3_is_gemma3() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = RandomModelSpec { layers: 6, head_dim: 32, ..RandomModelSpec::tiny(Architecture::Gemma3) };
+        spec.write(dir.path(), |_, _| {}).unwrap();
+        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!((config.architecture, config.head_dim), (Architecture::Gemma3, 32));
+        assert!(config.sandwich_norms && config.qk_norm && config.tie_word_embeddings);
+        assert_eq!(config.windowed_layers, [true, true, true, true, true, false]);
+        let groups = config.kv_groups();
+        assert_eq!(groups.windows, [None, Some(16), Some(16), Some(16), Some(16), Some(16)]);
+        assert_eq!(groups.slots_of(0..6), [0]);
+        let mut engine = crate::Engine::new(
+            crate::model::Model::load(dir.path(), crate::backend::cpu::CpuBackend::new()).unwrap(),
+            &Default::default(),
+        )
+        .unwrap();
+        let logits = engine.prompt_logits(&(1..40).collect::<Vec<u32>>()).unwrap();
+        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+
     #[test]
     fn heads_that_cannot_share_kv_heads_are_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -467,4 +491,5 @@ mod tests {
     }
 
     use crate::model::random::RandomModelSpec;
+    use strata_common::Architecture;
 }

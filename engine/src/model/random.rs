@@ -41,6 +41,10 @@ pub struct RandomModelSpec {
     pub top_k: usize,
     /// Intermediate size of one expert.
     pub expert_intermediate: usize,
+    /// Width of a head (0: hidden / heads).
+    pub head_dim: usize,
+    /// Gemma 3: its local layers' window (every sixth layer is global).
+    pub sliding_window: usize,
 }
 
 impl RandomModelSpec {
@@ -57,12 +61,45 @@ impl RandomModelSpec {
             max_position_embeddings: 2048,
             rope_theta: 10000.0,
             llama3_rope: false,
-            tie_word_embeddings: matches!(arch, Architecture::Qwen2 | Architecture::Qwen3),
+            tie_word_embeddings: matches!(
+                arch,
+                Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Gemma3
+            ),
             dtype: DType::F32,
             seed: 0,
             experts: if matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe) { 4 } else { 0 },
             top_k: 2,
             expert_intermediate: 64,
+            head_dim: 0,
+            sliding_window: 16,
+        }
+    }
+
+    /// Gemma-3-1B's shape: 26 layers, five local (512-position window) to one global, one
+    /// KV head of 256 (the benchmark shape of windowed KV memory).
+    pub fn gemma3_1b() -> Self {
+        RandomModelSpec {
+            arch: Architecture::Gemma3,
+            hidden: 1152,
+            layers: 26,
+            heads: 4,
+            kv_heads: 1,
+            intermediate: 6912,
+            vocab: 262144,
+            max_position_embeddings: 32768,
+            rope_theta: 1_000_000.0,
+            tie_word_embeddings: true,
+            head_dim: 256,
+            sliding_window: 512,
+            ..Self::llama_1b()
+        }
+    }
+
+    fn head_width(&self) -> usize {
+        if self.head_dim > 0 {
+            self.head_dim
+        } else {
+            self.hidden / self.heads
         }
     }
 
@@ -86,6 +123,8 @@ impl RandomModelSpec {
             experts: 32,
             top_k: 4,
             expert_intermediate: 512,
+            head_dim: 0,
+            sliding_window: 0,
         }
     }
 
@@ -108,6 +147,8 @@ impl RandomModelSpec {
             experts: 0,
             top_k: 2,
             expert_intermediate: 0,
+            head_dim: 0,
+            sliding_window: 0,
         }
     }
 
@@ -141,7 +182,8 @@ impl RandomModelSpec {
                 return Err(Error::invalid(name, "must be positive"));
             }
         }
-        if !self.hidden.is_multiple_of(self.heads) || !(self.hidden / self.heads).is_multiple_of(2) {
+        let derived = self.head_dim == 0 && !self.hidden.is_multiple_of(self.heads);
+        if derived || !self.head_width().is_multiple_of(2) {
             return Err(Error::invalid(
                 "heads",
                 format!("hidden ({}) / heads ({}) must be an even integer", self.hidden, self.heads),
@@ -176,7 +218,7 @@ impl RandomModelSpec {
             "num_hidden_layers": self.layers,
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
-            "head_dim": self.hidden / self.heads,
+            "head_dim": self.head_width(),
             "vocab_size": self.vocab,
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": 1e-5,
@@ -205,6 +247,19 @@ impl RandomModelSpec {
             c["sliding_window"] = serde_json::Value::Null;
         }
         match self.arch {
+            Architecture::Gemma3 => {
+                let types: Vec<&str> = (0..self.layers)
+                    .map(|l| if (l + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" })
+                    .collect();
+                c["hidden_activation"] = json!("gelu_pytorch_tanh");
+                c["rms_norm_eps"] = json!(1e-6);
+                c["sliding_window"] = json!(self.sliding_window);
+                c["layer_types"] = json!(types);
+                c["rope_local_base_freq"] = json!(10000.0);
+                c["query_pre_attn_scalar"] = json!(self.head_width());
+                c["final_logit_softcapping"] = serde_json::Value::Null;
+                c["attn_logit_softcapping"] = serde_json::Value::Null;
+            }
             Architecture::Mixtral => {
                 c["num_local_experts"] = json!(self.experts);
                 c["num_experts_per_tok"] = json!(self.top_k);
@@ -226,7 +281,7 @@ impl RandomModelSpec {
     /// Every tensor's name and shape, in the order they are written.
     fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let h = self.hidden;
-        let hd = h / self.heads;
+        let hd = self.head_width();
         let q = self.heads * hd;
         let kv = self.kv_heads * hd;
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
@@ -240,12 +295,16 @@ impl RandomModelSpec {
                     t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
                 }
             }
-            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe) {
+            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3) {
                 t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
                 t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
             }
             t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
             t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            if self.arch == Architecture::Gemma3 {
+                t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+                t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+            }
             let (block, [gate, up, down]) = match self.arch {
                 Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
                 Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
@@ -329,7 +388,8 @@ impl RandomModelSpec {
     fn values(&self, index: u64, name: &str, shape: &[usize]) -> Vec<f32> {
         let n: usize = shape.iter().product();
         if name.ends_with("norm.weight") {
-            return vec![1.0; n];
+            // Gemma's norms scale by (1 + w).
+            return vec![if self.arch == Architecture::Gemma3 { 0.0 } else { 1.0 }; n];
         }
         // Uniform with std 1/sqrt(fan_in) (embeddings: std 1), in parallel chunks with
         // their own seeds so the output does not depend on the thread count.
