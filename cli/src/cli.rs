@@ -293,6 +293,10 @@ pub enum ArchArg {
     Qwen3Moe,
     /// Gemma 3's text model: five local layers to a global one.
     Gemma3,
+    /// gpt-oss: attention with sinks, alternating windowed and global layers, stacked
+    /// experts with biases.
+    #[value(name = "gpt-oss")]
+    GptOss,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -308,6 +312,9 @@ pub enum PresetArg {
     /// Gemma-3-1B's shape: 26 layers, five local (512-position window) to a global one.
     #[value(name = "gemma3-1b")]
     Gemma31b,
+    /// gpt-oss's shape at about 1B parameters, 0.2B active (32 experts, 4 a token).
+    #[value(name = "gpt-oss-1b")]
+    GptOss1b,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -498,6 +505,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         ArchArg::Mixtral => Architecture::Mixtral,
         ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
         ArchArg::Gemma3 => Architecture::Gemma3,
+        ArchArg::GptOss => Architecture::GptOss,
     });
     // Each preset names its architecture; --arch replaces it.
     let spec = match args.preset {
@@ -506,6 +514,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         PresetArg::Llama8b => RandomModelSpec::llama_8b(),
         PresetArg::Qwen3Moe1b => RandomModelSpec::qwen3_moe_1b(),
         PresetArg::Gemma31b => RandomModelSpec::gemma3_1b(),
+        PresetArg::GptOss1b => RandomModelSpec::gpt_oss_1b(),
     };
     let mut spec = match arch {
         Some(arch) => RandomModelSpec { arch, ..spec },

@@ -299,7 +299,10 @@ fn bad_requests_get_clear_errors() {
 #[test]
 fn random_models_load_and_generate() {
     let tmp = tempfile::tempdir().unwrap();
-    for (arch, dtype) in [("llama", "f32"), ("mistral", "bf16"), ("qwen2", "f32")] {
+    // Six layers: Gemma 3's five local and one global, gpt-oss's alternating.
+    let archs =
+        [("llama", "f32"), ("mistral", "bf16"), ("qwen2", "f32"), ("gemma3", "bf16"), ("gpt-oss", "f32")];
+    for (arch, dtype) in archs {
         let out = tmp.path().join(arch);
         let o = strata(&[
             "model",
@@ -309,7 +312,7 @@ fn random_models_load_and_generate() {
             "--dtype",
             dtype,
             "--layers",
-            "3",
+            "6",
             "--out",
             &out.to_string_lossy(),
         ]);
@@ -335,7 +338,7 @@ fn random_models_load_and_generate() {
         assert_eq!(ids(&v["token_ids"]).len(), 8, "{arch}");
         let cfg: Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
-        assert_eq!(cfg["num_hidden_layers"], 3);
+        assert_eq!(cfg["num_hidden_layers"], 6);
     }
     let e = failure(&["model", "random", "--heads", "5", "--out", &tmp.path().join("bad").to_string_lossy()]);
     assert!(e.contains("heads"), "{e}");

@@ -456,9 +456,10 @@ mod tests {
         }
     }
 
-    /// A random Gemma 3 (six layers: five local, one global) loads as Gemma 3 — sandwich
+    /// A random Gemma 3 (six layers: five local, one global) reads as Gemma 3 — sandwich
     /// norms, q/k norms, GELU (tanh), explicit head width — and its layers form a global
-    /// KV group and five windowed ones sharing one storage slot.
+    /// KV group and five windowed ones sharing one storage slot (it generates in
+    /// `cli_generate::random_models_load_and_generate`).
     #[test]
     fn a_random_gemma3_is_gemma3() {
         let dir = tempfile::tempdir().unwrap();
@@ -471,13 +472,23 @@ mod tests {
         let groups = config.kv_groups();
         assert_eq!(groups.windows, [None, Some(16), Some(16), Some(16), Some(16), Some(16)]);
         assert_eq!(groups.slots_of(0..6), [0]);
-        let mut engine = crate::Engine::new(
-            crate::model::Model::load(dir.path(), crate::backend::cpu::CpuBackend::new()).unwrap(),
-            &Default::default(),
-        )
-        .unwrap();
-        let logits = engine.prompt_logits(&(1..40).collect::<Vec<u32>>()).unwrap();
-        assert!(logits.iter().all(|x| x.is_finite()));
+    }
+
+    /// A random gpt-oss reads as gpt-oss — sinks, biased attention, alternating windows,
+    /// stacked experts; `model random` refuses what it cannot write.
+    #[test]
+    fn a_random_gpt_oss_is_gpt_oss() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = RandomModelSpec { layers: 4, ..RandomModelSpec::tiny(Architecture::GptOss) };
+        spec.write(dir.path(), |_, _| {}).unwrap();
+        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        assert_eq!(config.architecture, Architecture::GptOss);
+        assert_eq!(config.windowed_layers, [true, false, true, false]);
+        let specs = LayerSpec::of(&config).unwrap();
+        assert!(specs[0].attention.sinks && specs[0].attention.qkv_bias, "{:?}", specs[0].attention);
+        assert_eq!(config.kv_groups().windows, [None, Some(16)]);
+        let deepseek = RandomModelSpec::tiny(Architecture::DeepseekV3).write(dir.path(), |_, _| {});
+        assert!(deepseek.unwrap_err().to_string().contains("not one `model random` writes"));
     }
 
     #[test]

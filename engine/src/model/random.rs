@@ -18,6 +18,11 @@ use strata_common::{Architecture, Error, Result};
 
 use crate::tensor::DType;
 
+/// Whether `arch`'s MLPs are mixtures of experts (of those `model random` writes).
+fn has_experts(arch: Architecture) -> bool {
+    matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe | Architecture::GptOss)
+}
+
 /// The shape of a random model.
 #[derive(Debug, Clone)]
 pub struct RandomModelSpec {
@@ -67,11 +72,28 @@ impl RandomModelSpec {
             ),
             dtype: DType::F32,
             seed: 0,
-            experts: if matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe) { 4 } else { 0 },
+            experts: if has_experts(arch) { 4 } else { 0 },
             top_k: 2,
             expert_intermediate: 64,
             head_dim: 0,
             sliding_window: 16,
+        }
+    }
+
+    /// gpt-oss's shape at about 1B parameters, 0.2B active: 16 layers alternating a
+    /// 128-position window and global attention, 16 heads of 64 with sinks, 32 experts
+    /// of 512 columns, 4 a token.
+    pub fn gpt_oss_1b() -> Self {
+        RandomModelSpec {
+            arch: Architecture::GptOss,
+            hidden: 1024,
+            heads: 16,
+            head_dim: 64,
+            rope_theta: 150_000.0,
+            max_position_embeddings: 131072,
+            tie_word_embeddings: false,
+            sliding_window: 128,
+            ..Self::qwen3_moe_1b()
         }
     }
 
@@ -189,7 +211,13 @@ impl RandomModelSpec {
                 format!("hidden ({}) / heads ({}) must be an even integer", self.hidden, self.heads),
             ));
         }
-        if matches!(self.arch, Architecture::Mixtral | Architecture::Qwen3Moe)
+        if matches!(self.arch, Architecture::Phi3 | Architecture::Gemma2 | Architecture::DeepseekV3) {
+            return Err(Error::invalid(
+                "arch",
+                format!("{} is not one `model random` writes", self.arch.hf_class()),
+            ));
+        }
+        if has_experts(self.arch)
             && (self.top_k == 0 || self.top_k > self.experts || self.expert_intermediate == 0)
         {
             return Err(Error::invalid(
@@ -260,6 +288,22 @@ impl RandomModelSpec {
                 c["final_logit_softcapping"] = serde_json::Value::Null;
                 c["attn_logit_softcapping"] = serde_json::Value::Null;
             }
+            Architecture::GptOss => {
+                let types: Vec<&str> = (0..self.layers)
+                    .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                    .collect();
+                c["attention_bias"] = json!(true);
+                c["layer_types"] = json!(types);
+                c["sliding_window"] = json!(self.sliding_window);
+                c["num_local_experts"] = json!(self.experts);
+                c["num_experts_per_tok"] = json!(self.top_k);
+                c["intermediate_size"] = json!(self.expert_intermediate);
+                c["swiglu_limit"] = json!(7.0);
+                c["rope_scaling"] = json!({
+                    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "original_max_position_embeddings": 4096, "truncate": false
+                });
+            }
             Architecture::Mixtral => {
                 c["num_local_experts"] = json!(self.experts);
                 c["num_experts_per_tok"] = json!(self.top_k);
@@ -281,54 +325,76 @@ impl RandomModelSpec {
     /// Every tensor's name and shape, in the order they are written.
     fn tensors(&self) -> Vec<(String, Vec<usize>)> {
         let h = self.hidden;
-        let hd = self.head_width();
-        let q = self.heads * hd;
-        let kv = self.kv_heads * hd;
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
-        let bias = matches!(self.arch, Architecture::Qwen2);
         for i in 0..self.layers {
-            let p = format!("model.layers.{i}");
-            t.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
-                t.push((format!("{p}.self_attn.{name}.weight"), vec![out, h]));
-                if bias {
-                    t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
-                }
-            }
-            if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3) {
-                t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-                t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
-            }
-            t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            if self.arch == Architecture::Gemma3 {
-                t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
-                t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
-            }
-            let (block, [gate, up, down]) = match self.arch {
-                Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-                Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-                _ => {
-                    t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
-                    t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
-                    t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
-                    continue;
-                }
-            };
-            let ei = self.expert_intermediate;
-            t.push((format!("{p}.{block}.gate.weight"), vec![self.experts, h]));
-            for e in 0..self.experts {
-                let x = format!("{p}.{block}.experts.{e}");
-                t.push((format!("{x}.{gate}.weight"), vec![ei, h]));
-                t.push((format!("{x}.{up}.weight"), vec![ei, h]));
-                t.push((format!("{x}.{down}.weight"), vec![h, ei]));
-            }
+            self.layer_tensors(&format!("model.layers.{i}"), &mut t);
         }
         t.push(("model.norm.weight".to_string(), vec![h]));
         if !self.tie_word_embeddings {
             t.push(("lm_head.weight".to_string(), vec![self.vocab, h]));
         }
         t
+    }
+
+    /// The tensors of the layer whose names start with `p`.
+    fn layer_tensors(&self, p: &str, t: &mut Vec<(String, Vec<usize>)>) {
+        let (h, hd) = (self.hidden, self.head_width());
+        let (q, kv) = (self.heads * hd, self.kv_heads * hd);
+        let bias = matches!(self.arch, Architecture::Qwen2 | Architecture::GptOss);
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            t.push((format!("{p}.self_attn.{name}.weight"), vec![out, h]));
+            if bias {
+                t.push((format!("{p}.self_attn.{name}.bias"), vec![out]));
+            }
+        }
+        if matches!(self.arch, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3) {
+            t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        if self.arch == Architecture::GptOss {
+            t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+            t.push((format!("{p}.self_attn.sinks"), vec![self.heads]));
+        }
+        t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        if self.arch == Architecture::Gemma3 {
+            t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
+            t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
+        }
+        self.mlp_tensors(p, t);
+    }
+
+    /// The MLP's tensors (or the experts' and their router's) of the layer `p`.
+    fn mlp_tensors(&self, p: &str, t: &mut Vec<(String, Vec<usize>)>) {
+        let (h, e, ei) = (self.hidden, self.experts, self.expert_intermediate);
+        let (block, [gate, up, down]) = match self.arch {
+            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            Architecture::GptOss => {
+                // Stacked experts, gate and up interleaved in one projection, with biases.
+                t.push((format!("{p}.mlp.router.weight"), vec![e, h]));
+                t.push((format!("{p}.mlp.router.bias"), vec![e]));
+                t.push((format!("{p}.mlp.experts.gate_up_proj"), vec![e, h, 2 * ei]));
+                t.push((format!("{p}.mlp.experts.gate_up_proj_bias"), vec![e, 2 * ei]));
+                t.push((format!("{p}.mlp.experts.down_proj"), vec![e, ei, h]));
+                t.push((format!("{p}.mlp.experts.down_proj_bias"), vec![e, h]));
+                return;
+            }
+            _ => {
+                t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
+                t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
+                t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
+                return;
+            }
+        };
+        t.push((format!("{p}.{block}.gate.weight"), vec![e, h]));
+        for x in 0..e {
+            let x = format!("{p}.{block}.experts.{x}");
+            t.push((format!("{x}.{gate}.weight"), vec![ei, h]));
+            t.push((format!("{x}.{up}.weight"), vec![ei, h]));
+            t.push((format!("{x}.{down}.weight"), vec![h, ei]));
+        }
     }
 
     /// Writes config.json, generation_config.json and model.safetensors into `dir`.
@@ -393,9 +459,15 @@ impl RandomModelSpec {
         }
         // Uniform with std 1/sqrt(fan_in) (embeddings: std 1), in parallel chunks with
         // their own seeds so the output does not depend on the thread count.
-        let fan_in = if name.contains("embed_tokens") { 1 } else { *shape.last().unwrap_or(&1) };
+        // Stacked experts (gpt-oss) are `[experts, in, out]`: their fan-in is the middle.
+        let stacked = name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj");
+        let fan_in = match shape {
+            _ if name.contains("embed_tokens") => 1,
+            [_, fan_in, _] if stacked => *fan_in,
+            _ => *shape.last().unwrap_or(&1),
+        };
         let amp = (3.0 / fan_in as f32).sqrt();
-        let amp = if name.ends_with(".bias") { amp * 0.1 } else { amp };
+        let amp = if name.ends_with("bias") { amp * 0.1 } else { amp };
         const CHUNK: usize = 1 << 16;
         let mut v = vec![0f32; n];
         v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
