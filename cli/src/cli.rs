@@ -297,6 +297,9 @@ pub enum ArchArg {
     /// experts with biases.
     #[value(name = "gpt-oss")]
     GptOss,
+    /// DeepSeek-V3's architecture: latent attention, grouped routing, a shared expert.
+    #[value(name = "deepseek-v3")]
+    DeepseekV3,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -315,6 +318,9 @@ pub enum PresetArg {
     /// gpt-oss's shape at about 1B parameters, 0.2B active (32 experts, 4 a token).
     #[value(name = "gpt-oss-1b")]
     GptOss1b,
+    /// DeepSeek-V3's architecture at about 1B parameters, 0.2B active.
+    #[value(name = "deepseek-1b")]
+    Deepseek1b,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -506,6 +512,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         ArchArg::Qwen3Moe => Architecture::Qwen3Moe,
         ArchArg::Gemma3 => Architecture::Gemma3,
         ArchArg::GptOss => Architecture::GptOss,
+        ArchArg::DeepseekV3 => Architecture::DeepseekV3,
     });
     // Each preset names its architecture; --arch replaces it.
     let spec = match args.preset {
@@ -515,6 +522,7 @@ fn random_model(args: RandomArgs) -> anyhow::Result<()> {
         PresetArg::Qwen3Moe1b => RandomModelSpec::qwen3_moe_1b(),
         PresetArg::Gemma31b => RandomModelSpec::gemma3_1b(),
         PresetArg::GptOss1b => RandomModelSpec::gpt_oss_1b(),
+        PresetArg::Deepseek1b => RandomModelSpec::deepseek_1b(),
     };
     let mut spec = match arch {
         Some(arch) => RandomModelSpec { arch, ..spec },

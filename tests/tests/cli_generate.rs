@@ -299,9 +299,16 @@ fn bad_requests_get_clear_errors() {
 #[test]
 fn random_models_load_and_generate() {
     let tmp = tempfile::tempdir().unwrap();
-    // Six layers: Gemma 3's five local and one global, gpt-oss's alternating.
-    let archs =
-        [("llama", "f32"), ("mistral", "bf16"), ("qwen2", "f32"), ("gemma3", "bf16"), ("gpt-oss", "f32")];
+    // Six layers: Gemma 3's five local and one global, gpt-oss's alternating, DeepSeek's
+    // dense first layer and five of experts.
+    let archs = [
+        ("llama", "f32"),
+        ("mistral", "bf16"),
+        ("qwen2", "f32"),
+        ("gemma3", "bf16"),
+        ("gpt-oss", "f32"),
+        ("deepseek-v3", "f32"),
+    ];
     for (arch, dtype) in archs {
         let out = tmp.path().join(arch);
         let o = strata(&[

@@ -456,16 +456,24 @@ mod tests {
         }
     }
 
+    /// The config `model random` writes for `spec`, read back.
+    fn random_config(spec: RandomModelSpec) -> ModelConfig {
+        let dir = tempfile::tempdir().unwrap();
+        spec.write(dir.path(), |_, _| {}).unwrap();
+        ModelConfig::from_dir(dir.path()).unwrap()
+    }
+
     /// A random Gemma 3 (six layers: five local, one global) reads as Gemma 3 — sandwich
     /// norms, q/k norms, GELU (tanh), explicit head width — and its layers form a global
     /// KV group and five windowed ones sharing one storage slot (it generates in
     /// `cli_generate::random_models_load_and_generate`).
     #[test]
     fn a_random_gemma3_is_gemma3() {
-        let dir = tempfile::tempdir().unwrap();
-        let spec = RandomModelSpec { layers: 6, head_dim: 32, ..RandomModelSpec::tiny(Architecture::Gemma3) };
-        spec.write(dir.path(), |_, _| {}).unwrap();
-        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        let config = random_config(RandomModelSpec {
+            layers: 6,
+            head_dim: 32,
+            ..RandomModelSpec::tiny(Architecture::Gemma3)
+        });
         assert_eq!((config.architecture, config.head_dim), (Architecture::Gemma3, 32));
         assert!(config.sandwich_norms && config.qk_norm && config.tie_word_embeddings);
         assert_eq!(config.windowed_layers, [true, true, true, true, true, false]);
@@ -478,17 +486,31 @@ mod tests {
     /// stacked experts; `model random` refuses what it cannot write.
     #[test]
     fn a_random_gpt_oss_is_gpt_oss() {
-        let dir = tempfile::tempdir().unwrap();
-        let spec = RandomModelSpec { layers: 4, ..RandomModelSpec::tiny(Architecture::GptOss) };
-        spec.write(dir.path(), |_, _| {}).unwrap();
-        let config = ModelConfig::from_dir(dir.path()).unwrap();
+        let config =
+            random_config(RandomModelSpec { layers: 4, ..RandomModelSpec::tiny(Architecture::GptOss) });
         assert_eq!(config.architecture, Architecture::GptOss);
         assert_eq!(config.windowed_layers, [true, false, true, false]);
         let specs = LayerSpec::of(&config).unwrap();
         assert!(specs[0].attention.sinks && specs[0].attention.qkv_bias, "{:?}", specs[0].attention);
         assert_eq!(config.kv_groups().windows, [None, Some(16)]);
-        let deepseek = RandomModelSpec::tiny(Architecture::DeepseekV3).write(dir.path(), |_, _| {});
-        assert!(deepseek.unwrap_err().to_string().contains("not one `model random` writes"));
+        let dir = tempfile::tempdir().unwrap();
+        let phi3 = RandomModelSpec::tiny(Architecture::Phi3).write(dir.path(), |_, _| {});
+        assert!(phi3.unwrap_err().to_string().contains("not one `model random` writes"));
+    }
+
+    /// A random DeepSeek-V3 reads as DeepSeek-V3: latent attention sized from its head
+    /// width, a dense first layer, then experts with grouped routing.
+    #[test]
+    fn a_random_deepseek_v3_is_deepseek_v3() {
+        let config =
+            random_config(RandomModelSpec { layers: 3, ..RandomModelSpec::tiny(Architecture::DeepseekV3) });
+        assert_eq!(config.architecture, Architecture::DeepseekV3);
+        let latent = config.latent.unwrap();
+        assert_eq!((latent.kv_lora_rank, latent.qk_rope_head_dim, latent.v_head_dim), (64, 8, 16));
+        let specs = LayerSpec::of(&config).unwrap();
+        assert!(matches!(specs[0].attention.kind, AttentionKind::Latent(_)));
+        assert!(matches!(specs[0].mlp.kind, MlpKind::Gated(_)), "the first layer is dense");
+        assert!(matches!(specs[1].mlp.kind, MlpKind::Experts { experts: 4, top_k: 2, .. }));
     }
 
     #[test]

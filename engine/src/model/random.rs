@@ -20,7 +20,25 @@ use crate::tensor::DType;
 
 /// Whether `arch`'s MLPs are mixtures of experts (of those `model random` writes).
 fn has_experts(arch: Architecture) -> bool {
-    matches!(arch, Architecture::Mixtral | Architecture::Qwen3Moe | Architecture::GptOss)
+    matches!(
+        arch,
+        Architecture::Mixtral | Architecture::Qwen3Moe | Architecture::GptOss | Architecture::DeepseekV3
+    )
+}
+
+/// DeepSeek-V3's latent attention sized from a head width `hd` as the published model is
+/// from 128: the latent 4·hd, query/key heads of hd plus hd/2 rope dims, values hd.
+struct Mla {
+    kv_lora: usize,
+    nope: usize,
+    rope: usize,
+    v: usize,
+}
+
+impl Mla {
+    fn of(hd: usize) -> Mla {
+        Mla { kv_lora: 4 * hd, nope: hd, rope: hd / 2, v: hd }
+    }
 }
 
 /// The shape of a random model.
@@ -78,6 +96,13 @@ impl RandomModelSpec {
             head_dim: 0,
             sliding_window: 16,
         }
+    }
+
+    /// DeepSeek-V3's architecture at about 1B parameters, 0.2B active: latent attention
+    /// (a 256-wide latent, heads of 64 + 32 rope dims), one dense layer, then 32 routed
+    /// experts of 512 columns in 4 groups (2 chosen, 4 experts a token) and a shared one.
+    pub fn deepseek_1b() -> Self {
+        RandomModelSpec { arch: Architecture::DeepseekV3, heads: 16, head_dim: 64, ..Self::qwen3_moe_1b() }
     }
 
     /// gpt-oss's shape at about 1B parameters, 0.2B active: 16 layers alternating a
@@ -211,7 +236,7 @@ impl RandomModelSpec {
                 format!("hidden ({}) / heads ({}) must be an even integer", self.hidden, self.heads),
             ));
         }
-        if matches!(self.arch, Architecture::Phi3 | Architecture::Gemma2 | Architecture::DeepseekV3) {
+        if matches!(self.arch, Architecture::Phi3 | Architecture::Gemma2) {
             return Err(Error::invalid(
                 "arch",
                 format!("{} is not one `model random` writes", self.arch.hf_class()),
@@ -288,6 +313,29 @@ impl RandomModelSpec {
                 c["final_logit_softcapping"] = serde_json::Value::Null;
                 c["attn_logit_softcapping"] = serde_json::Value::Null;
             }
+            Architecture::DeepseekV3 => {
+                let m = Mla::of(self.head_width());
+                // Groups of two experts or more (each group scores by its top two).
+                let groups: usize = if self.experts.is_multiple_of(4) && self.experts >= 8 { 4 } else { 1 };
+                c["q_lora_rank"] = serde_json::Value::Null;
+                c["kv_lora_rank"] = json!(m.kv_lora);
+                c["qk_nope_head_dim"] = json!(m.nope);
+                c["qk_rope_head_dim"] = json!(m.rope);
+                c["qk_head_dim"] = json!(m.nope + m.rope);
+                c["v_head_dim"] = json!(m.v);
+                c["head_dim"] = json!(m.rope);
+                c["num_key_value_heads"] = json!(self.heads);
+                c["n_routed_experts"] = json!(self.experts);
+                c["num_experts_per_tok"] = json!(self.top_k);
+                c["moe_intermediate_size"] = json!(self.expert_intermediate);
+                c["n_shared_experts"] = json!(1);
+                c["n_group"] = json!(groups);
+                c["topk_group"] = json!(groups.div_ceil(2));
+                c["first_k_dense_replace"] = json!(usize::from(self.layers > 1));
+                c["norm_topk_prob"] = json!(true);
+                c["routed_scaling_factor"] = json!(2.5);
+                c["rope_interleave"] = json!(false);
+            }
             Architecture::GptOss => {
                 let types: Vec<&str> = (0..self.layers)
                     .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
@@ -327,7 +375,7 @@ impl RandomModelSpec {
         let h = self.hidden;
         let mut t = vec![("model.embed_tokens.weight".to_string(), vec![self.vocab, h])];
         for i in 0..self.layers {
-            self.layer_tensors(&format!("model.layers.{i}"), &mut t);
+            self.layer_tensors(i, &mut t);
         }
         t.push(("model.norm.weight".to_string(), vec![h]));
         if !self.tie_word_embeddings {
@@ -336,12 +384,18 @@ impl RandomModelSpec {
         t
     }
 
-    /// The tensors of the layer whose names start with `p`.
-    fn layer_tensors(&self, p: &str, t: &mut Vec<(String, Vec<usize>)>) {
+    /// The tensors of layer `i`.
+    fn layer_tensors(&self, i: usize, t: &mut Vec<(String, Vec<usize>)>) {
+        let p = &format!("model.layers.{i}");
         let (h, hd) = (self.hidden, self.head_width());
+        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        if self.arch == Architecture::DeepseekV3 {
+            self.latent_tensors(p, t);
+            t.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+            return self.mlp_tensors(p, i, t);
+        }
         let (q, kv) = (self.heads * hd, self.kv_heads * hd);
         let bias = matches!(self.arch, Architecture::Qwen2 | Architecture::GptOss);
-        t.push((format!("{p}.input_layernorm.weight"), vec![h]));
         for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
             t.push((format!("{p}.self_attn.{name}.weight"), vec![out, h]));
             if bias {
@@ -362,13 +416,28 @@ impl RandomModelSpec {
             t.push((format!("{p}.pre_feedforward_layernorm.weight"), vec![h]));
             t.push((format!("{p}.post_feedforward_layernorm.weight"), vec![h]));
         }
-        self.mlp_tensors(p, t);
+        self.mlp_tensors(p, i, t);
     }
 
-    /// The MLP's tensors (or the experts' and their router's) of the layer `p`.
-    fn mlp_tensors(&self, p: &str, t: &mut Vec<(String, Vec<usize>)>) {
+    /// DeepSeek-V3's latent attention of layer `p` (no query compression).
+    fn latent_tensors(&self, p: &str, t: &mut Vec<(String, Vec<usize>)>) {
+        let (h, m) = (self.hidden, Mla::of(self.head_width()));
+        let a = format!("{p}.self_attn");
+        t.push((format!("{a}.q_proj.weight"), vec![self.heads * (m.nope + m.rope), h]));
+        t.push((format!("{a}.kv_a_proj_with_mqa.weight"), vec![m.kv_lora + m.rope, h]));
+        t.push((format!("{a}.kv_a_layernorm.weight"), vec![m.kv_lora]));
+        t.push((format!("{a}.kv_b_proj.weight"), vec![self.heads * (m.nope + m.v), m.kv_lora]));
+        t.push((format!("{a}.o_proj.weight"), vec![h, self.heads * m.v]));
+    }
+
+    /// The MLP's tensors (or the experts' and their router's) of layer `i`, named `p`.
+    fn mlp_tensors(&self, p: &str, i: usize, t: &mut Vec<(String, Vec<usize>)>) {
         let (h, e, ei) = (self.hidden, self.experts, self.expert_intermediate);
+        // DeepSeek's first layer is dense (`first_k_dense_replace`).
+        let dense_first = self.arch == Architecture::DeepseekV3 && i == 0 && self.layers > 1;
         let (block, [gate, up, down]) = match self.arch {
+            _ if dense_first => ("", ["", "", ""]),
+            Architecture::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
             Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
             Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
             Architecture::GptOss => {
@@ -381,14 +450,22 @@ impl RandomModelSpec {
                 t.push((format!("{p}.mlp.experts.down_proj_bias"), vec![e, h]));
                 return;
             }
-            _ => {
-                t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
-                t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
-                t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
-                return;
-            }
+            _ => ("", ["", "", ""]),
         };
+        if block.is_empty() {
+            t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
+            t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
+            t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
+            return;
+        }
         t.push((format!("{p}.{block}.gate.weight"), vec![e, h]));
+        if self.arch == Architecture::DeepseekV3 {
+            t.push((format!("{p}.mlp.gate.e_score_correction_bias"), vec![e]));
+            let x = format!("{p}.mlp.shared_experts");
+            t.push((format!("{x}.gate_proj.weight"), vec![ei, h]));
+            t.push((format!("{x}.up_proj.weight"), vec![ei, h]));
+            t.push((format!("{x}.down_proj.weight"), vec![h, ei]));
+        }
         for x in 0..e {
             let x = format!("{p}.{block}.experts.{x}");
             t.push((format!("{x}.{gate}.weight"), vec![ei, h]));
