@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use strata_common::conn_limits::ConnLimits;
 use strata_common::ready::announce;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
@@ -66,9 +67,11 @@ async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> a
     let listener = TcpListener::bind(addr).await.with_context(|| format!("--health-listen {addr}"))?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
-        let served = tonic::transport::Server::builder().add_service(health).serve_with_incoming(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-        );
+        // The same caps and opening deadline as every other listener: the probe port must
+        // keep answering however many idle connections arrive.
+        let incoming =
+            strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc()).incoming();
+        let served = tonic::transport::Server::builder().add_service(health).serve_with_incoming(incoming);
         if let Err(e) = served.await {
             warn!(error = %e, "the health endpoint stopped");
         }
@@ -152,11 +155,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         .add_service(health)
         .add_service(worker_server(agent.clone()))
         .serve_with_incoming_shutdown(
-            strata_common::conn_limits::LimitedListener::new(
-                listener,
-                strata_common::conn_limits::ConnLimits::grpc(),
-            )
-            .incoming(),
+            strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc()).incoming(),
             async {
                 let _ = stop_rx.await;
             },
