@@ -142,14 +142,14 @@ impl Engine {
         let pool = BlockPool::with_prefix_caching(num_blocks, bs, config.prefix_caching);
         let eos = exec.config().eos_token_ids.iter().copied().collect();
         let scheduler = Scheduler::new(config.scheduler.clone(), pool).with_kv_groups(&groups.windows);
+        let max_sequence = scheduler.max_positions();
         info!(
             num_blocks,
             block_size = bs,
             kv_groups = groups.num_groups(),
-            max_sequence = scheduler.max_positions(),
-            "KV cache allocated: {} positions in blocks, a sequence of up to {} positions",
+            max_sequence,
+            "KV cache allocated: {} positions in blocks, a sequence of up to {max_sequence} positions",
             num_blocks * bs,
-            scheduler.max_positions()
         );
         Ok(Engine {
             exec,

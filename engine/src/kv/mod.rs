@@ -145,6 +145,18 @@ impl PoolState {
         Some(block)
     }
 
+    /// Another reference to the cached block holding `hash`, if one does (an idle one
+    /// stops being evictable).
+    fn take_cached(&mut self, hash: &BlockHash) -> Option<u32> {
+        let b = *self.cached.get(hash)?;
+        if self.refs[b as usize] == 0 {
+            let tick = self.last_use[b as usize];
+            self.evictable.remove(&tick);
+        }
+        self.refs[b as usize] += 1;
+        Some(b)
+    }
+
     fn release(&mut self, table: &mut Vec<u32>) {
         for b in table.drain(..) {
             let r = &mut self.refs[b as usize];
@@ -242,15 +254,7 @@ impl BlockPool {
             return table;
         }
         let mut state = lock(&self.state);
-        for h in hashes {
-            let Some(&b) = state.cached.get(h) else { break };
-            if state.refs[b as usize] == 0 {
-                let tick = state.last_use[b as usize];
-                state.evictable.remove(&tick);
-            }
-            state.refs[b as usize] += 1;
-            table.blocks.push(b);
-        }
+        table.blocks.extend(hashes.iter().map_while(|h| state.take_cached(h)));
         table
     }
 
@@ -260,23 +264,12 @@ impl BlockPool {
     pub fn acquire_tail(&self, hashes: &[BlockHash], from: usize) -> Option<BlockTable> {
         let from = from.min(hashes.len());
         let mut table = BlockTable { blocks: vec![0; from], pool: Some(self.state.clone()), released: from };
-        if from < hashes.len() && !self.prefix_caching {
-            return None;
-        }
+        // Without prefix caching nothing is cached: only an empty tail is found.
         let mut state = lock(&self.state);
-        for h in &hashes[from..] {
-            let Some(&b) = state.cached.get(h) else {
-                drop(state);
-                return None; // the table drops, giving back what it took
-            };
-            if state.refs[b as usize] == 0 {
-                let tick = state.last_use[b as usize];
-                state.evictable.remove(&tick);
-            }
-            state.refs[b as usize] += 1;
-            table.blocks.push(b);
-        }
-        Some(table)
+        table.blocks.extend(hashes[from..].iter().map_while(|h| state.take_cached(h)));
+        drop(state);
+        // Short of the end, the table drops, giving back what it took.
+        (table.blocks.len() == hashes.len()).then_some(table)
     }
 
     /// Records that `block` now holds the full block with hash `hash`.

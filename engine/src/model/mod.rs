@@ -80,8 +80,6 @@ pub struct Model<B: Backend> {
     /// Each of this rank's layers' KV group and the storage it reads (see
     /// [`strata_common::KvGroups`]).
     kv_map: Vec<KvPlace>,
-    /// Storages this rank allocates.
-    kv_storages: usize,
     norm: Norm<B>,
     /// This rank's vocabulary rows of the LM head (last stage); None when tied.
     lm_head: Option<B::Weight>,
@@ -172,7 +170,6 @@ impl<B: Backend> Model<B> {
             embed_scale,
             layers,
             kv_map,
-            kv_storages: slots.len(),
             norm,
             lm_head,
             weight_bytes: bytes,
@@ -213,7 +210,7 @@ impl<B: Backend> Model<B> {
     /// its layers share where they form several KV groups.
     pub fn alloc_kv(&self, kv: KvBlocks) -> Result<Vec<B::KvLayer>> {
         let (width, shared) = self.config.kv_layer_width(self.shard.shard.kv_heads.len());
-        (0..self.kv_storages)
+        (0..KvPlace::storages(&self.kv_map))
             .map(|_| match shared {
                 true => self.backend.alloc_kv_shared(kv.num_blocks, kv.block_size, width),
                 false => self.backend.alloc_kv(kv.num_blocks, kv.block_size, width),

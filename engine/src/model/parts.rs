@@ -384,6 +384,13 @@ pub(super) struct KvPlace {
     pub storage: usize,
 }
 
+impl KvPlace {
+    /// The storages the layers placed at `places` read.
+    pub fn storages(places: &[KvPlace]) -> usize {
+        places.iter().map(|p| p.storage + 1).max().unwrap_or(0)
+    }
+}
+
 /// One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual —
 /// in a sandwich, each output normed again before the add.
 pub(super) struct Layer<B: Backend> {
@@ -414,8 +421,7 @@ pub(super) fn run<B: Backend>(
     mut x: B::Tensor,
 ) -> Result<B::Tensor> {
     let Some(first) = layers.first() else { return Ok(x) };
-    let storages = kv_map.iter().map(|p| p.storage + 1).max().unwrap_or(0);
-    if kv.len() != storages || kv_map.len() != layers.len() {
+    if kv.len() != KvPlace::storages(kv_map) || kv_map.len() != layers.len() {
         return Err(Error::Internal(format!("{} KV storages for {} layers", kv.len(), layers.len())));
     }
     let b = cx.b;

@@ -435,11 +435,12 @@ impl RandomModelSpec {
         let (h, e, ei) = (self.hidden, self.experts, self.expert_intermediate);
         // DeepSeek's first layer is dense (`first_k_dense_replace`).
         let dense_first = self.arch == Architecture::DeepseekV3 && i == 0 && self.layers > 1;
-        let (block, [gate, up, down]) = match self.arch {
-            _ if dense_first => ("", ["", "", ""]),
-            Architecture::DeepseekV3 => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-            Architecture::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-            Architecture::Qwen3Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        let experts = match self.arch {
+            _ if dense_first => None,
+            Architecture::DeepseekV3 | Architecture::Qwen3Moe => {
+                Some(("mlp", ["gate_proj", "up_proj", "down_proj"]))
+            }
+            Architecture::Mixtral => Some(("block_sparse_moe", ["w1", "w3", "w2"])),
             Architecture::GptOss => {
                 // Stacked experts, gate and up interleaved in one projection, with biases.
                 t.push((format!("{p}.mlp.router.weight"), vec![e, h]));
@@ -450,14 +451,14 @@ impl RandomModelSpec {
                 t.push((format!("{p}.mlp.experts.down_proj_bias"), vec![e, h]));
                 return;
             }
-            _ => ("", ["", "", ""]),
+            _ => None,
         };
-        if block.is_empty() {
+        let Some((block, [gate, up, down])) = experts else {
             t.push((format!("{p}.mlp.gate_proj.weight"), vec![self.intermediate, h]));
             t.push((format!("{p}.mlp.up_proj.weight"), vec![self.intermediate, h]));
             t.push((format!("{p}.mlp.down_proj.weight"), vec![h, self.intermediate]));
             return;
-        }
+        };
         t.push((format!("{p}.{block}.gate.weight"), vec![e, h]));
         if self.arch == Architecture::DeepseekV3 {
             t.push((format!("{p}.mlp.gate.e_score_correction_bias"), vec![e]));

@@ -160,10 +160,9 @@ pub struct SchedulerStats {
 pub struct Scheduler {
     pub stats: SchedulerStats,
     config: SchedulerConfig,
-    /// Every layer attends within this many positions: blocks behind it are released.
-    window: Option<usize>,
-    /// The windows of KV groups 1, 2, … (None: a global group), where there are several.
-    groups: Vec<Option<usize>>,
+    /// Each KV group's window (None: a global group): blocks behind it are released.
+    /// Group 0's table is a sequence's `blocks`, the others' its `group_blocks`.
+    windows: Vec<Option<usize>>,
     pool: BlockPool,
     waiting: VecDeque<SeqData>,
     /// Oldest first.
@@ -179,8 +178,7 @@ impl Scheduler {
         Scheduler {
             stats: SchedulerStats::default(),
             config,
-            window: None,
-            groups: Vec::new(),
+            windows: vec![None],
             pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -191,8 +189,9 @@ impl Scheduler {
     /// window: blocks behind it are released, so a windowed group's KV memory is what the
     /// window needs, not the sequence's length. One entry: every layer alike.
     pub fn with_kv_groups(mut self, windows: &[Option<usize>]) -> Self {
-        self.window = windows.first().copied().flatten();
-        self.groups = windows.get(1..).unwrap_or_default().to_vec();
+        if !windows.is_empty() {
+            self.windows = windows.to_vec();
+        }
         self
     }
 
@@ -202,7 +201,12 @@ impl Scheduler {
 
     /// KV groups: a block table each per sequence.
     pub fn num_kv_groups(&self) -> usize {
-        1 + self.groups.len()
+        self.windows.len()
+    }
+
+    /// The windows of KV groups 1, 2, … (group 0's table is handled apart).
+    fn other_groups(&self) -> &[Option<usize>] {
+        &self.windows[1..]
     }
 
     /// The longest sequence the cache can ever hold: every block less what the windowed
@@ -211,8 +215,9 @@ impl Scheduler {
     pub fn max_positions(&self) -> usize {
         let bs = self.pool.block_size();
         let chunk = self.config.max_batched_tokens.div_ceil(bs);
-        let windowed: usize = self.groups.iter().flatten().map(|w| w.div_ceil(bs) + 3 + chunk).sum();
-        let keeping = 1 + self.groups.iter().filter(|w| w.is_none()).count();
+        let others = self.other_groups();
+        let windowed: usize = others.iter().flatten().map(|w| w.div_ceil(bs) + 3 + chunk).sum();
+        let keeping = 1 + others.iter().filter(|w| w.is_none()).count();
         self.pool.num_blocks().saturating_sub(windowed) / keeping * bs
     }
 
@@ -287,7 +292,7 @@ impl Scheduler {
     /// sequences as needed. False when `i` had to go itself.
     fn grow_running(&mut self, i: usize, positions: usize, plan: &mut Schedule) -> bool {
         loop {
-            if grow(&self.pool, self.groups.len(), &mut self.running[i], positions) {
+            if grow(&self.pool, self.windows.len() - 1, &mut self.running[i], positions) {
                 return true;
             }
             let newest = self.running.len() - 1;
@@ -324,10 +329,10 @@ impl Scheduler {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
             if seq.blocks.is_empty() && self.pool.prefix_caching() {
-                reuse_prefix(&self.pool, &self.groups, seq);
+                reuse_prefix(&self.pool, &self.windows[1..], seq);
             }
             let want = (seq.tokens.len() - seq.computed).min(budget);
-            if !grow(&self.pool, self.groups.len(), seq, seq.computed + want) {
+            if !grow(&self.pool, self.windows.len() - 1, seq, seq.computed + want) {
                 // FIFO: nobody overtakes the head. Its cached prefix stays findable.
                 seq.clear_blocks();
                 break;
@@ -372,8 +377,8 @@ impl Scheduler {
             }
             // The next position attends back to `computed + 1 - window`: whole blocks
             // before that are never read again.
-            let tables = std::iter::once((self.window, &mut seq.blocks));
-            for (window, table) in tables.chain(self.groups.iter().copied().zip(&mut seq.group_blocks)) {
+            let tables = std::iter::once(&mut seq.blocks).chain(&mut seq.group_blocks);
+            for (&window, table) in self.windows.iter().zip(tables) {
                 let keep_from = first_needed(window, seq.computed, bs);
                 self.stats.window_released_blocks += table.release_front(keep_from) as u64;
             }
