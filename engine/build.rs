@@ -1,4 +1,4 @@
-//! With feature `cuda-emulator`, compiles the CUDA kernels (kernels.cu) as C++ against a
+//! With feature `cuda-emulator`, compiles the CUDA kernels (kernels.cu, moe.cu) as C++ against a
 //! CPU emulation of the CUDA execution model (emulator.cpp), for the CUDA backend's tests.
 
 fn main() {
@@ -6,6 +6,7 @@ fn main() {
     #[cfg(feature = "cuda-emulator")]
     {
         println!("cargo:rerun-if-changed=src/backend/cuda/kernels.cu");
+        println!("cargo:rerun-if-changed=src/backend/cuda/moe.cu");
         println!("cargo:rerun-if-changed=src/backend/cuda/emulator.cpp");
         cc::Build::new()
             .cpp(true)

@@ -3,7 +3,8 @@
 #   1. which CUDA libraries were found (from the python3 environment's `nvidia` packages
 #      and the driver), and whether the carried binary starts at all;
 #   2. every op on the GPU against the CPU backend on fresh random inputs, small shapes
-#      and Llama-8B-sized ones;
+#      and Llama-8B-sized ones (a MoE layer's routed experts among them: routing,
+#      grouping and the grouped GEMM on the device);
 #   3. greedy tokens of every fixture model on the GPU against the CPU backend and HF's
 #      reference (a difference is reported as a bf16 near-tie or a mismatch);
 #   4. the device-collectives contract over NCCL (all-reduce, all-gather, all-to-all with
@@ -11,8 +12,9 @@
 #      the GPUs allow (one GPU: groups of one, NCCL's own path still), and NCCL's
 #      all-reduce of device buffers (the CUDA backend's tensor-parallel path) with its bus
 #      bandwidth;
-#   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models
-#      against the HBM roofline (weight bytes per token ÷ the device-to-device copy
+#   5. batch-1 decode tokens/s of random Llama-3.2-1B- and Llama-8B-shaped bf16 models and
+#      of a Qwen3-MoE-shaped one (32 experts, 4 a token) against the HBM roofline (weight
+#      bytes a token reads — a MoE model's active experts — ÷ the device-to-device copy
 #      bandwidth measured here), decode tokens/s at 8, 32 and 128 sequences, and prefill
 #      tokens/s of a 512-token prompt; decode steps replay CUDA graphs, and the smaller
 #      model's batch-1 and 8-sequence decode run again op by op (--enforce-eager) beside.
@@ -30,7 +32,7 @@ OUT=${OUT:-target/gpu-check-out}
 MODELS=${MODELS_DIR:-/tmp/strata-gpu-models}
 # DEVICE=cpu runs the same checks on the CPU backend (a dry run of this script).
 DEVICE=${DEVICE:-cuda:0}
-PRESETS=${PRESETS:-"llama-1b llama-8b"}
+PRESETS=${PRESETS:-"llama-1b llama-8b qwen3-moe-1b"}
 mkdir -p "$OUT" "$MODELS"
 LOG="$OUT/gpu-check.log"
 : > "$LOG"

@@ -170,8 +170,8 @@ fn gemma3_runs_on_the_device_and_its_graphs_replay_eager_steps() {
 }
 
 /// A mixture of experts on the device (Mixtral: 4 experts, 2 a token): within bf16 of the
-/// CPU backend, the same greedy tokens with graphs asked for and without — a step that
-/// routes on the host cannot be captured, so it runs op by op either way.
+/// CPU backend; routed on the device, so its decode steps are captured and replayed like
+/// a dense model's, with the tokens of eager steps.
 #[test]
 fn mixtral_runs_on_the_device() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/mixtral_moe");
@@ -181,16 +181,19 @@ fn mixtral_runs_on_the_device() {
     let prompt: Vec<u32> = vec![1, 17, 300, 42, 9, 211, 3, 77];
     let want = cpu.prompt_logits(&prompt).unwrap();
     let run = |graphs: bool| {
-        let backend = CudaBackend::with_graphs(Arc::new(EmulatedGpu::new()), graphs);
+        let gpu = Arc::new(EmulatedGpu::new());
+        let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
         let mut e = Engine::new(Model::load(&dir, backend).unwrap(), &config).unwrap();
-        (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 6))
+        (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 6), gpu)
     };
-    let (got, eager) = run(false);
+    let (got, eager, _) = run(false);
     let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
     let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
     eprintln!("mixtral prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
     assert!(diff <= 0.03 * scale, "logits differ by {diff} (scale {scale})");
-    assert_eq!(run(true).1, eager, "tokens with graphs asked for");
+    let (_, graphed, gpu) = run(true);
+    assert_eq!(graphed, eager, "tokens with graphs");
+    assert!(gpu.captures() > 0 && gpu.replays() > 0, "decode steps with experts are captured and replayed");
     // Expert parallelism on two emulated devices: the all-to-alls and the gather are the
     // emulated NCCL's device work; one device's tokens.
     let par = strata_common::Parallelism { tp: 2, pp: 1, ep: 2 };
@@ -204,8 +207,8 @@ fn mixtral_runs_on_the_device() {
 /// Gemma 2 (soft-capped attention scores, the windows of alternate layers), gpt-oss
 /// (per-head sinks, biased attention, YaRN, a window, biased experts with the clamped
 /// SwiGLU) and DeepSeek-V3 (latent attention over a cache of latents, grouped routing,
-/// a shared expert) on the device: within bf16 of the CPU backend, and graphs asked for
-/// give the tokens of eager steps.
+/// a shared expert) on the device: within bf16 of the CPU backend, and their decode steps,
+/// experts and all, replayed from graphs with the tokens of eager steps.
 #[test]
 fn gemma2_gpt_oss_and_deepseek_run_on_the_device() {
     for case in ["gemma2_softcap", "gpt_oss_moe", "deepseek_v3_mla"] {
@@ -217,16 +220,19 @@ fn gemma2_gpt_oss_and_deepseek_run_on_the_device() {
         let prompt: Vec<u32> = (0..14).map(|i| 3 + i * 29 % 380).collect();
         let want = cpu.prompt_logits(&prompt).unwrap();
         let run = |graphs: bool| {
-            let backend = CudaBackend::with_graphs(Arc::new(EmulatedGpu::new()), graphs);
+            let gpu = Arc::new(EmulatedGpu::new());
+            let backend = CudaBackend::with_graphs(gpu.clone(), graphs);
             let mut e = Engine::new(Model::load(&dir, backend).unwrap(), &config).unwrap();
-            (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 8))
+            (e.prompt_logits(&prompt).unwrap(), greedy(&mut e, &prompt, 8), gpu)
         };
-        let (got, eager) = run(false);
+        let (got, eager, _) = run(false);
         let scale = want.iter().fold(0f32, |a, b| a.max(b.abs()));
         let diff = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         eprintln!("{case} prompt logits: max |Δ| {diff:.4} at scale {scale:.3}");
         assert!(diff <= 0.03 * scale, "{case}: logits differ by {diff} (scale {scale})");
-        assert_eq!(run(true).1, eager, "{case}: tokens with graphs asked for");
+        let (_, graphed, gpu) = run(true);
+        assert_eq!(graphed, eager, "{case}: tokens with graphs");
+        assert!(gpu.replays() > 0, "{case}: decode steps are replayed from graphs");
     }
 }
 

@@ -15,7 +15,10 @@ use strata_common::Result;
 
 use super::cpu::CpuBackend;
 use super::prelude::*;
-use super::{Activation, AttentionShape, BatchLayout, Pointwise, RopeTable, SeqSlice};
+use super::routing::Routing;
+use super::{
+    Activation, AttentionShape, BatchLayout, ExpertLayer, ExpertProjection, Pointwise, RopeTable, SeqSlice,
+};
 use crate::logits::{Candidates, Draw, MAX_TOP};
 use crate::tensor::{DType, HostTensor};
 
@@ -137,6 +140,7 @@ pub fn check_ops<B: Backend>(dev: &B, s: &CheckSizes, seed: u64) -> Result<Vec<O
     check_rope_and_picks(&mut run, &mut rng, s)?;
     check_attention(&mut run, &mut rng, s)?;
     check_rope_write_kv(&mut run, &mut rng, s)?;
+    check_experts(&mut run, &mut rng, s)?;
     Ok(run.out)
 }
 
@@ -505,5 +509,160 @@ fn check_rope_write_kv<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s
     let got = dev.to_host(&dev.attention(&qd, &cd, &layout, shape, None)?)?;
     let want = run.cpu.to_host(&run.cpu.attention(&qc, &cc, &layout, shape, None)?)?;
     run.record("attention after rope_write_kv", what, &got, &want, BF16_TOL);
+    Ok(())
+}
+
+/// Per projection (gate, up, down), per expert: a weight and its bias.
+type Projections<W, T> = [Vec<(W, Option<T>)>; 3];
+
+/// One random MoE layer's routed experts, on both backends.
+struct RandomExperts<B: Backend> {
+    router: Vec<f32>,
+    router_bias: Option<Vec<f32>>,
+    /// Per projection (gate, up, down), per expert: device and reference weights and biases.
+    dev: Projections<B::Weight, B::Tensor>,
+    cpu: Projections<super::cpu::CpuWeight, super::cpu::CpuTensor>,
+}
+
+impl<B: Backend> RandomExperts<B> {
+    fn new(
+        run: &Run<'_, B>,
+        rng: &mut ChaCha8Rng,
+        experts: usize,
+        h: usize,
+        inter: usize,
+        biased: bool,
+    ) -> Result<Self> {
+        let mut dev: [Vec<_>; 3] = Default::default();
+        let mut cpu: [Vec<_>; 3] = Default::default();
+        for (p, (out, inp)) in [(inter, h), (inter, h), (h, inter)].into_iter().enumerate() {
+            for _ in 0..experts {
+                let host = HostTensor::from_f32("w", &[out, inp], &random(rng, out * inp, 0.2));
+                let bias = biased.then(|| random(rng, out, 0.5));
+                let (bd, bc) = match &bias {
+                    Some(b) => {
+                        let (d, c) = run.pair(b, 1, out)?;
+                        (Some(d), Some(c))
+                    }
+                    None => (None, None),
+                };
+                dev[p].push((run.dev.load_weight(&host)?, bd));
+                cpu[p].push((run.cpu.load_weight(&host)?, bc));
+            }
+        }
+        let router = random(rng, experts * h, 0.5);
+        let router_bias = biased.then(|| random(rng, experts, 0.5));
+        Ok(RandomExperts { router, router_bias, dev, cpu })
+    }
+
+    /// The host's way on the reference backend: route, each chosen expert over its rows,
+    /// weighted outputs added back in expert order.
+    fn reference(
+        &self,
+        cpu: &CpuBackend,
+        x: &[f32],
+        h: usize,
+        routing: &Routing,
+        k: usize,
+        act: Activation,
+    ) -> Result<Vec<f32>> {
+        let experts = self.router.len() / h;
+        let logits: Vec<f32> = x
+            .chunks_exact(h)
+            .flat_map(|t| {
+                self.router.chunks_exact(h).enumerate().map(move |(e, r)| {
+                    t.iter().zip(r).map(|(a, b)| a * b).sum::<f32>()
+                        + self.router_bias.as_ref().map_or(0.0, |b| b[e])
+                })
+            })
+            .collect();
+        let routes = routing.route(&logits, experts, k);
+        let n = x.len() / h;
+        let xc = cpu.upload(x.to_vec(), n, h)?;
+        let mut out = cpu.upload(vec![0.0; n * h], n, h)?;
+        let apply = |p: &(super::cpu::CpuWeight, Option<super::cpu::CpuTensor>),
+                     x: &super::cpu::CpuTensor| {
+            let mut y = cpu.matmul(x, &p.0)?;
+            if let Some(b) = &p.1 {
+                cpu.add_bias(&mut y, b)?;
+            }
+            Ok::<_, strata_common::Error>(y)
+        };
+        for e in 0..experts {
+            if routes.rows[e].is_empty() {
+                continue;
+            }
+            let xe = cpu.gather_rows(&xc, &routes.rows[e])?;
+            let g = apply(&self.cpu[0][e], &xe)?;
+            let u = apply(&self.cpu[1][e], &xe)?;
+            let y = apply(&self.cpu[2][e], &cpu.gated(act, &g, &u)?)?;
+            cpu.scatter_add_rows(&mut out, &y, &routes.rows[e], &routes.weights[e])?;
+        }
+        cpu.to_host(&out)
+    }
+
+    fn layer<'a>(&'a self, routing: &'a Routing, top_k: usize, act: Activation) -> ExpertLayer<'a, B> {
+        let projection = |p: usize| ExpertProjection {
+            weights: self.dev[p].iter().map(|(w, _)| w).collect(),
+            biases: self.dev[p].iter().map(|(_, b)| b.as_ref()).collect(),
+        };
+        ExpertLayer {
+            router: &self.router,
+            router_bias: self.router_bias.as_deref(),
+            routing,
+            top_k,
+            act,
+            gate: projection(0),
+            up: projection(1),
+            down: projection(2),
+        }
+    }
+}
+
+/// A layer's routed experts on the device ([`ExpertOps::run_experts`]) against the host's
+/// routing and the reference's matmuls: softmax routing, DeepSeek's grouped routing, and
+/// gpt-oss's biased experts with the clamped SwiGLU; one token (a decode step), a few, and
+/// enough that an expert's rows fill more than one tile. Skipped where the device routes
+/// on the host.
+fn check_experts<B: Backend>(run: &mut Run<'_, B>, rng: &mut ChaCha8Rng, s: &CheckSizes) -> Result<()> {
+    // Experts are narrow (a MoE model's are an eighth of a dense MLP of its width, or less).
+    let (h, inter, experts) = (s.hidden, (s.intermediate / 8).max(24), 8);
+    let groups = strata_common::GroupedRouting { n_group: 4, topk_group: 2, routed_scaling_factor: 2.5 };
+    let cases = [
+        ("softmax, top-2", Routing::Softmax { norm: true }, 2, Activation::Silu, false),
+        (
+            "grouped, top-3",
+            Routing::Grouped { norm: true, groups, correction: random(rng, experts, 0.3) },
+            3,
+            Activation::Silu,
+            false,
+        ),
+        (
+            "biased, clamped",
+            Routing::Softmax { norm: false },
+            2,
+            Activation::ClampedSwiglu { alpha: 1.702, limit: 7.0 },
+            true,
+        ),
+    ];
+    for (name, routing, k, act, biased) in cases {
+        let layer = RandomExperts::new(run, rng, experts, h, inter, biased)?;
+        let Some(device) = run.dev.device_experts(layer.layer(&routing, k, act))? else {
+            return Ok(());
+        };
+        // 70 tokens: some expert gets more than one tile (16 rows) of pairs.
+        for n in [1, 70] {
+            let x = random(rng, n * h, 1.0);
+            let got = run.dev.to_host(&run.dev.run_experts(&run.dev.upload(x.clone(), n, h)?, &device)?)?;
+            let want = layer.reference(&run.cpu, &x, h, &routing, k, act)?;
+            run.record(
+                &format!("experts ({name})"),
+                format!("[{n}, {h}], {experts} experts × [{inter}, {h}]"),
+                &got,
+                &want,
+                BF16_TOL,
+            );
+        }
+    }
     Ok(())
 }

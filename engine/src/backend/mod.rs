@@ -26,6 +26,7 @@ pub mod check;
 pub mod cpu;
 pub mod cuda;
 pub mod host_logits;
+pub mod routing;
 
 use std::ops::Range;
 
@@ -340,9 +341,51 @@ pub trait LogitsOps: Tensors {
     }
 }
 
+/// One projection of every routed expert of a layer, in expert id order: weights and their
+/// biases (all or none).
+pub struct ExpertProjection<'a, T: Tensors + ?Sized> {
+    pub weights: Vec<&'a T::Weight>,
+    pub biases: Option<Vec<&'a T::Tensor>>,
+}
+
+/// A layer's routed experts, for a backend that runs them on its device
+/// ([`ExpertOps::device_experts`]).
+pub struct ExpertLayer<'a, T: Tensors + ?Sized> {
+    /// `[experts, hidden]`, f32, and the bias added to its logits.
+    pub router: &'a [f32],
+    pub router_bias: Option<&'a [f32]>,
+    pub routing: &'a routing::Routing,
+    pub top_k: usize,
+    pub act: Activation,
+    pub gate: ExpertProjection<'a, T>,
+    pub up: ExpertProjection<'a, T>,
+    pub down: ExpertProjection<'a, T>,
+}
+
 /// What a mixture of experts needs besides the dense ops: an expert's outputs, weighted,
-/// added back to the rows of the tokens that chose it.
+/// added back to the rows of the tokens that chose it; or, where the backend can, a
+/// layer's routed experts run whole on the device.
 pub trait ExpertOps: Tensors {
+    /// A layer's routed experts as [`ExpertOps::run_experts`] takes them
+    /// (`std::convert::Infallible` for a backend that routes on the host).
+    type DeviceExperts: Send + Sync;
+
+    /// Prepares `layer` to run on the device; None: the model routes on the host and runs
+    /// the experts one by one. The prepared value refers to the layer's weights, which must
+    /// outlive it (the model keeps both in the same layer).
+    fn device_experts(&self, _layer: ExpertLayer<'_, Self>) -> Result<Option<Self::DeviceExperts>> {
+        Ok(None)
+    }
+
+    /// The routed experts' combined output for `x` (`[tokens, hidden]`), as the host's
+    /// routing and [`ExpertOps::scatter_add_rows`] compute it, without leaving the device.
+    fn run_experts(&self, x: &Self::Tensor, experts: &Self::DeviceExperts) -> Result<Self::Tensor>;
+
+    /// Tokens routed to each expert since the counts were last returned, or None when
+    /// now is not the time (a backend reads them at most about once a second, and never
+    /// while it captures a graph).
+    fn routed_counts(&self, experts: &Self::DeviceExperts) -> Result<Option<Vec<u64>>>;
+
     /// `out[rows[i]] += weights[i] · y[i]` for every row `i` of `y` (each row of `out` at
     /// most once a call), in place.
     fn scatter_add_rows(

@@ -2,6 +2,11 @@
 //! that a step's tokens chose runs once over all of them, and its outputs, weighted, are
 //! added back to their tokens.
 //!
+//! A backend that can ([`crate::backend::ExpertOps::device_experts`]: CUDA) runs a layer's routed
+//! experts whole on its device — routing, grouping, grouped matmuls, combine — with the
+//! same choices and the same order of additions; what follows is the host's way, which
+//! every backend has and expert parallelism uses.
+//!
 //! Routing is computed on the host: the router's logits are `[tokens, experts]` — a few
 //! floats a token — and the top-k choice, its softmax and the grouping of tokens by expert
 //! are plain Rust, the same on every rank (every TP rank holds the same hidden states and
@@ -21,7 +26,7 @@
 //!   expert order, weighted: exactly what one rank computes) and an all-gather gives every
 //!   rank every token's output again for the attention that follows.
 
-use strata_common::{Error, GroupedRouting, Result};
+use strata_common::{Error, Result};
 
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -29,7 +34,8 @@ use std::time::Instant;
 use rayon::prelude::*;
 
 use super::parts::{Activation, Linear, PartCx};
-use crate::backend::Backend;
+use crate::backend::routing::{Routes, Routing};
+use crate::backend::{Backend, ExpertLayer, ExpertProjection};
 use crate::comm::Exchange;
 use crate::metrics::ExpertMetrics;
 
@@ -48,8 +54,9 @@ pub(super) struct Experts<B: Backend> {
     pub router: Vec<f32>,
     /// Added to the router's logits (gpt-oss).
     pub router_bias: Option<Vec<f32>>,
-    /// DeepSeek-V3's grouped sigmoid routing and its correction bias (one per expert).
-    pub grouped: Option<(GroupedRouting, Vec<f32>)>,
+    /// How the router's logits choose (DeepSeek-V3's grouped sigmoid routing carries its
+    /// correction bias).
+    pub routing: Routing,
     /// The shared experts every token runs (DeepSeek-V3), as one gated MLP: split by
     /// columns across the TP group like a dense MLP (its partial sums ride the routed
     /// experts' all-reduce), or whole on every rank under expert parallelism (added after
@@ -59,7 +66,10 @@ pub(super) struct Experts<B: Backend> {
     pub experts: Vec<Expert<B>>,
     pub first: usize,
     pub top_k: usize,
-    pub norm_topk_prob: bool,
+    /// The routed experts prepared to run on the device, where the backend can and the
+    /// experts are split by columns (expert parallelism routes on the host: its exchange
+    /// needs the counts there).
+    pub device: Option<B::DeviceExperts>,
     /// Experts are split by experts (each rank holds whole ones), not by columns.
     pub parallel: bool,
     /// This rank's place in its TP group.
@@ -70,87 +80,13 @@ pub(super) struct Experts<B: Backend> {
     pub metrics: OnceLock<ExpertMetrics>,
 }
 
-/// Which tokens each expert serves, and with what weight.
-#[derive(Debug, Default, PartialEq)]
-pub(super) struct Routes {
-    /// Per expert: the rows (tokens) that chose it, ascending, and each one's weight.
-    pub rows: Vec<Vec<usize>>,
-    pub weights: Vec<Vec<f32>>,
-}
-
-/// Each token's top `k` experts by the softmax of its router logits (`logits`, `[tokens,
-/// experts]`), the softmax taken in f32 as transformers takes it; the chosen
-/// probabilities renormalised to sum to 1 when `norm` says. Ties go to the lower id.
-pub(super) fn route(logits: &[f32], experts: usize, k: usize, norm: bool) -> Routes {
-    let mut routes = Routes { rows: vec![Vec::new(); experts], weights: vec![Vec::new(); experts] };
-    for (t, row) in logits.chunks_exact(experts).enumerate() {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let exp: Vec<f32> = row.iter().map(|&l| (l - max).exp()).collect();
-        let sum: f32 = exp.iter().sum();
-        let mut order: Vec<usize> = (0..experts).collect();
-        order.sort_by(|&a, &b| exp[b].total_cmp(&exp[a]).then(a.cmp(&b)));
-        let chosen = &order[..k];
-        let probs: Vec<f32> = chosen.iter().map(|&e| exp[e] / sum).collect();
-        let total: f32 = probs.iter().sum();
-        for (&e, &p) in chosen.iter().zip(&probs) {
-            routes.rows[e].push(t);
-            routes.weights[e].push(if norm { p / total } else { p });
-        }
-    }
-    routes
-}
-
-/// DeepSeek-V3's choice: sigmoid scores, plus the correction bias, rank the experts; the
-/// `topk_group` groups whose two best biased scores sum highest are kept and the `k` best
-/// experts among them chosen; their unbiased scores are the weights, renormalised when
-/// `norm` says, times the routed scaling factor. Ties go to the lower id.
-pub(super) fn route_grouped(
-    logits: &[f32],
-    experts: usize,
-    k: usize,
-    norm: bool,
-    g: GroupedRouting,
-    bias: &[f32],
-) -> Routes {
-    let mut routes = Routes { rows: vec![Vec::new(); experts], weights: vec![Vec::new(); experts] };
-    let per = experts / g.n_group.max(1);
-    let best = |v: &[f32], idx: &mut Vec<usize>, n: usize| {
-        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-        idx.truncate(n);
-    };
-    for (t, row) in logits.chunks_exact(experts).enumerate() {
-        let scores: Vec<f32> = row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
-        let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-        let group_scores: Vec<f32> = choice
-            .chunks_exact(per)
-            .map(|grp| {
-                let mut idx: Vec<usize> = (0..per).collect();
-                best(grp, &mut idx, 2);
-                idx.iter().map(|&i| grp[i]).sum()
-            })
-            .collect();
-        let mut groups: Vec<usize> = (0..g.n_group).collect();
-        best(&group_scores, &mut groups, g.topk_group);
-        let mut masked = vec![f32::NEG_INFINITY; experts];
-        for grp in groups {
-            masked[grp * per..(grp + 1) * per].copy_from_slice(&choice[grp * per..(grp + 1) * per]);
-        }
-        let mut chosen: Vec<usize> = (0..experts).collect();
-        best(&masked, &mut chosen, k);
-        let total: f32 = chosen.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
-        for &e in &chosen {
-            let w = if norm { scores[e] / total } else { scores[e] };
-            routes.rows[e].push(t);
-            routes.weights[e].push(w * g.routed_scaling_factor);
-        }
-    }
-    routes
-}
-
 impl<B: Backend> Experts<B> {
     /// The experts' combined output for `x` (`[tokens, hidden]`), the same on every rank
     /// of the TP group.
     pub fn forward(&self, cx: &mut PartCx<'_, B>, x: &B::Tensor) -> Result<B::Tensor> {
+        if let Some(device) = &self.device {
+            return self.forward_on_device(cx, x, device);
+        }
         let routes = self.route(cx.b, x)?;
         if self.counts_routes {
             let counts: Vec<usize> = routes.rows.iter().map(Vec::len).collect();
@@ -214,10 +150,66 @@ impl<B: Backend> Experts<B> {
             .chunks_exact(hidden)
             .flat_map(|t| self.router.chunks_exact(hidden).enumerate().map(move |(e, r)| dot(t, r) + bias(e)))
             .collect();
-        Ok(match &self.grouped {
-            Some((g, bias)) => route_grouped(&logits, total, self.top_k, self.norm_topk_prob, *g, bias),
-            None => route(&logits, total, self.top_k, self.norm_topk_prob),
-        })
+        Ok(self.routing.route(&logits, total, self.top_k))
+    }
+
+    /// The backend's device path (see the module): the same output as the host's.
+    fn forward_on_device(
+        &self,
+        cx: &mut PartCx<'_, B>,
+        x: &B::Tensor,
+        device: &B::DeviceExperts,
+    ) -> Result<B::Tensor> {
+        let b = cx.b;
+        let mut out = b.run_experts(x, device)?;
+        if self.counts_routes {
+            if let Some(counts) = b.routed_counts(device)? {
+                let counts: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+                cx.metrics.expert_pairs(counts.iter().sum());
+                self.metrics.get_or_init(|| cx.metrics.experts(self.layer, counts.len())).routed(&counts);
+            }
+        }
+        if let Some(shared) = &self.shared {
+            b.add_assign(&mut out, &self.run(b, shared, x)?)?;
+        }
+        cx.reduce(&mut out)?;
+        Ok(out)
+    }
+
+    /// Offers the layer's routed experts to the backend to run on its device (not under
+    /// expert parallelism); keeps the host's way where the backend declines.
+    pub fn prepare_device(&mut self, b: &B) -> Result<()> {
+        if self.parallel {
+            return Ok(());
+        }
+        let projection = |f: fn(&Expert<B>) -> &Linear<B>| -> Result<ExpertProjection<'_, B>> {
+            let biases: Vec<&B::Tensor> = self.experts.iter().filter_map(|e| f(e).bias.as_ref()).collect();
+            Ok(ExpertProjection {
+                weights: self.experts.iter().map(|e| &f(e).weight).collect(),
+                biases: match biases.len() {
+                    0 => None,
+                    n if n == self.experts.len() => Some(biases),
+                    n => {
+                        return Err(Error::Internal(format!(
+                            "{n} of {} experts have biases",
+                            self.experts.len()
+                        )))
+                    }
+                },
+            })
+        };
+        let layer = ExpertLayer {
+            router: &self.router,
+            router_bias: self.router_bias.as_deref(),
+            routing: &self.routing,
+            top_k: self.top_k,
+            act: self.act,
+            gate: projection(|e| &e.gate)?,
+            up: projection(|e| &e.up)?,
+            down: projection(|e| &e.down)?,
+        };
+        self.device = b.device_experts(layer)?;
+        Ok(())
     }
 
     /// One expert's gated MLP over its tokens' rows.
@@ -339,44 +331,6 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Groups are ranked by their two best biased scores and only the best groups'
-    /// experts compete: expert 0 scores above expert 7 but its group is dropped. Weights
-    /// are the unbiased sigmoid scores, renormalised and scaled.
-    #[test]
-    fn grouped_routing_keeps_the_best_groups_and_weighs_by_unbiased_scores() {
-        let logits = [6.0, -3.0, 0.0, 0.1, 2.5, 2.4, -1.0, 5.0];
-        let mut bias = [0.0; 8];
-        bias[6] = 2.0;
-        let g = GroupedRouting { n_group: 4, topk_group: 2, routed_scaling_factor: 2.5 };
-        let routes = route_grouped(&logits, 8, 2, true, g, &bias);
-        let chosen: Vec<usize> = (0..8).filter(|&e| !routes.rows[e].is_empty()).collect();
-        assert_eq!(chosen, [6, 7]);
-        let s = |l: f32| 1.0 / (1.0 + (-l).exp());
-        let total = s(-1.0) + s(5.0);
-        assert!((routes.weights[6][0] - 2.5 * s(-1.0) / total).abs() < 1e-6);
-        assert!((routes.weights[7][0] - 2.5 * s(5.0) / total).abs() < 1e-6);
-        let plain = route_grouped(&logits, 8, 2, false, GroupedRouting { topk_group: 4, ..g }, &bias);
-        let chosen: Vec<usize> = (0..8).filter(|&e| !plain.rows[e].is_empty()).collect();
-        assert_eq!(chosen, [0, 6], "every group kept: expert 0 wins");
-        assert!((plain.weights[0][0] - 2.5 * s(6.0)).abs() < 1e-6, "not renormalised");
-    }
-
-    #[test]
-    fn each_token_goes_to_its_top_experts_with_softmax_weights() {
-        // Two tokens, four experts, top 2.
-        let logits = [1.0, 3.0, 2.0, 0.0, 0.5, 0.5, -1.0, 4.0];
-        let r = route(&logits, 4, 2, true);
-        assert_eq!(r.rows, [vec![1], vec![0], vec![0], vec![1]], "token 1's tie goes to expert 0");
-        let (e1, e2) = (3f32.exp(), 2f32.exp());
-        assert!((r.weights[1][0] - e1 / (e1 + e2)).abs() < 1e-6);
-        assert!((r.weights[1][0] + r.weights[2][0] - 1.0).abs() < 1e-6, "renormalised");
-        // Without renormalising, the weights are the softmax over every expert.
-        let raw = route(&logits, 4, 2, false);
-        let z: f32 = [1.0f32, 3.0, 2.0, 0.0].iter().map(|l| l.exp()).sum();
-        assert!((raw.weights[1][0] - e1 / z).abs() < 1e-6);
-        assert!(raw.weights[1][0] + raw.weights[2][0] < 1.0);
-    }
 
     #[test]
     fn an_exchange_plan_sends_each_pair_to_its_experts_rank_and_back() {

@@ -15,6 +15,7 @@ use super::parts::{
     Norm, NormKind,
 };
 use super::weights::Checkpoint;
+use crate::backend::routing::Routing;
 use crate::backend::{AttentionShape, Backend};
 use crate::tensor::HostTensor;
 
@@ -237,12 +238,13 @@ impl<B: Backend> ShardLoader<'_, B> {
                 self.idle_expert_bytes += held - held * top_k.min(local.len()) / local.len().max(1);
                 // Split by experts when this rank holds only some of them.
                 let parallel = local.len() < experts;
-                let grouped = match moe.grouped {
-                    Some(g) => {
+                let routing = match moe.grouped {
+                    Some(groups) => {
                         let bias = format!("{block}.{}.e_score_correction_bias", names.router);
-                        Some((g, self.ckpt.get(&bias, &[experts])?.to_f32_vec()))
+                        let correction = self.ckpt.get(&bias, &[experts])?.to_f32_vec();
+                        Routing::Grouped { norm: norm_topk_prob, groups, correction }
                     }
-                    None => None,
+                    None => Routing::Softmax { norm: norm_topk_prob },
                 };
                 // The shared experts: the same share of their columns as of each routed
                 // expert's (all of them under expert parallelism).
@@ -258,22 +260,24 @@ impl<B: Backend> ShardLoader<'_, B> {
                         })
                     }
                 };
-                Ok(Mlp::Experts(Experts {
+                let mut layer = Experts {
                     layer,
                     act,
                     router: router.to_f32_vec(),
                     router_bias,
-                    grouped,
+                    routing,
                     shared,
                     experts: loaded,
                     first: local.start,
                     top_k,
-                    norm_topk_prob,
+                    device: None,
                     parallel,
                     group_rank: self.shard.tp_rank,
                     counts_routes: parallel || self.shard.tp_rank == 0,
                     metrics: Default::default(),
-                }))
+                };
+                layer.prepare_device(self.backend)?;
+                Ok(Mlp::Experts(Box::new(layer)))
             }
         }
     }

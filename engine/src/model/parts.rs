@@ -357,7 +357,7 @@ impl<B: Backend> AttentionPart<B> {
 /// A layer's MLP, this rank's intermediate rows of it.
 pub(super) enum Mlp<B: Backend> {
     Gated { act: Activation, gate: Linear<B>, up: Linear<B>, down: Linear<B> },
-    Experts(Experts<B>),
+    Experts(Box<Experts<B>>),
 }
 
 impl<B: Backend> Mlp<B> {

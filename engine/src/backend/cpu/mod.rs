@@ -442,6 +442,17 @@ impl LogitsOps for CpuBackend {
 }
 
 impl ExpertOps for CpuBackend {
+    /// The CPU routes on the host (its experts run as matmuls already).
+    type DeviceExperts = std::convert::Infallible;
+
+    fn run_experts(&self, _x: &CpuTensor, experts: &Self::DeviceExperts) -> Result<CpuTensor> {
+        match *experts {}
+    }
+
+    fn routed_counts(&self, experts: &Self::DeviceExperts) -> Result<Option<Vec<u64>>> {
+        match *experts {}
+    }
+
     fn scatter_add_rows(
         &self,
         out: &mut CpuTensor,

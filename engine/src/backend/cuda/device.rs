@@ -73,6 +73,10 @@ pub trait Gpu: Send + Sync + 'static {
         b: &Self::Buf,
         c: &mut Self::Buf,
     ) -> Result<()>;
+    /// A device array of the device addresses of `bufs`, 8 bytes each: how a kernel reads
+    /// many buffers through one argument (a grouped GEMM's experts). The addresses stay
+    /// valid while the buffers live; the caller keeps them alive as long as the table.
+    fn pointer_table(&self, bufs: &[&Self::Buf]) -> Result<Self::Buf>;
     /// Copies the first `bytes` of `src` into `dst`, on the device, in stream order.
     fn copy(&self, src: &Self::Buf, dst: &mut Self::Buf, bytes: usize) -> Result<()>;
     /// Free and total device memory, bytes.

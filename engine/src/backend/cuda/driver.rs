@@ -351,6 +351,17 @@ impl Gpu for CudaGpu {
         .map_err(|e| Error::Unavailable(format!("cuBLAS GemmEx: {e:?}")))
     }
 
+    fn pointer_table(&self, bufs: &[&CudaSlice<u8>]) -> Result<CudaSlice<u8>> {
+        let addrs: Vec<u8> = bufs
+            .iter()
+            .flat_map(|b| {
+                let (ptr, _guard) = b.device_ptr(&self.stream);
+                ptr.to_ne_bytes()
+            })
+            .collect();
+        self.upload(&addrs)
+    }
+
     fn copy(&self, src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, bytes: usize) -> Result<()> {
         if bytes > src.len() || bytes > dst.len() {
             return Err(Error::Internal(format!(

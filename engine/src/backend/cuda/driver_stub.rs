@@ -83,6 +83,9 @@ impl Gpu for CudaGpu {
     ) -> Result<()> {
         match self.never {}
     }
+    fn pointer_table(&self, _bufs: &[&NoDevice]) -> Result<NoDevice> {
+        match self.never {}
+    }
     fn copy(&self, _src: &NoDevice, _dst: &mut NoDevice, _bytes: usize) -> Result<()> {
         match self.never {}
     }

@@ -44,6 +44,7 @@ static inline int __float_as_int(float f) {
 #define SYNC() emu_block_barrier->arrive_and_wait()
 
 #include "kernels.cu"
+#include "moe.cu"
 
 template <typename... A, size_t... I>
 static void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
@@ -113,5 +114,9 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(draw_tokens)
     EMU_KERNEL(paged_attention)
     EMU_KERNEL(tiled_attention)
+    EMU_KERNEL(moe_route)
+    EMU_KERNEL(moe_align)
+    EMU_KERNEL(moe_gemm)
+    EMU_KERNEL(moe_combine)
     return -1;
 }

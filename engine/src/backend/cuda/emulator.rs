@@ -321,6 +321,11 @@ impl Gpu for EmulatedGpu {
         self.submit(Recorded::Gemm { m, n, k, a, b, c })
     }
 
+    fn pointer_table(&self, bufs: &[&EmuBuf]) -> Result<EmuBuf> {
+        let addrs: Vec<u8> = bufs.iter().flat_map(|b| (b.ptr() as u64).to_ne_bytes()).collect();
+        self.upload(&addrs)
+    }
+
     fn copy(&self, src: &EmuBuf, dst: &mut EmuBuf, bytes: usize) -> Result<()> {
         if bytes > src.bytes || bytes > dst.bytes {
             return Err(Error::Internal(format!(

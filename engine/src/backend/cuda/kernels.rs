@@ -1,13 +1,13 @@
 //! The kernel sources and their names.
 //!
-//! `kernels.cu` is one CUDA C source for every kernel; [`Kernel`] names them (no string
+//! `kernels.cu` and `moe.cu` are the CUDA C source of every kernel; [`Kernel`] names them (no string
 //! look-ups at call sites). The source is compiled at start-up by NVRTC for the device's
 //! architecture after [`NVRTC_PRELUDE`], which maps the portability macros the source
 //! uses onto CUDA; the CPU emulator maps the same macros onto C++ threads (see
 //! `emulator.cpp`).
 
-/// The CUDA C source of every kernel.
-pub const SOURCE: &str = include_str!("kernels.cu");
+/// The CUDA C source of every kernel: the dense model's, then the mixture of experts'.
+pub const SOURCE: &str = concat!(include_str!("kernels.cu"), "\n", include_str!("moe.cu"));
 
 /// Macro definitions that make [`SOURCE`] CUDA C for NVRTC.
 pub const NVRTC_PRELUDE: &str = r#"
@@ -51,10 +51,14 @@ pub enum Kernel {
     DrawTokens,
     PagedAttention,
     TiledAttention,
+    MoeRoute,
+    MoeAlign,
+    MoeGemm,
+    MoeCombine,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 22] = [
+    pub const ALL: [Kernel; 26] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -77,6 +81,10 @@ impl Kernel {
         Kernel::DrawTokens,
         Kernel::PagedAttention,
         Kernel::TiledAttention,
+        Kernel::MoeRoute,
+        Kernel::MoeAlign,
+        Kernel::MoeGemm,
+        Kernel::MoeCombine,
     ];
 
     /// The `extern "C"` name in the source.
@@ -104,6 +112,10 @@ impl Kernel {
             Kernel::DrawTokens => "draw_tokens",
             Kernel::PagedAttention => "paged_attention",
             Kernel::TiledAttention => "tiled_attention",
+            Kernel::MoeRoute => "moe_route",
+            Kernel::MoeAlign => "moe_align",
+            Kernel::MoeGemm => "moe_gemm",
+            Kernel::MoeCombine => "moe_combine",
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The CUDA backend: bf16 weights and a paged bf16 KV cache in device memory, f32
 //! activations, GEMMs through cuBLAS (bf16 × bf16, f32 accumulation and output), every
-//! other op a kernel of `kernels.cu` compiled by NVRTC at start-up.
+//! other op a kernel of `kernels.cu` compiled by NVRTC at start-up; a mixture of experts'
+//! routed experts run whole on the device (`moe.cu`, [`experts`]).
 //!
 //! [`CudaBackend`] is the host side — buffer shapes, launch shapes, argument order — and is
 //! written once against the [`Gpu`] seam: [`driver::CudaGpu`] runs it on an NVIDIA GPU
@@ -26,6 +27,7 @@ pub mod driver;
 pub mod driver;
 #[cfg(feature = "cuda-emulator")]
 pub mod emulator;
+mod experts;
 mod graphs;
 pub mod kernels;
 mod layout;
@@ -40,8 +42,8 @@ use self::device::{Arg, Gpu, Launch};
 use self::kernels::Kernel;
 use self::layout::{DeviceLayout, LayoutArrays};
 use super::{
-    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertOps, GraphOutput, Pointwise,
-    RopeTable, StepBody, StepGraphs, TensorOps, Tensors,
+    check_scatter, Activation, AttentionOps, AttentionShape, BatchLayout, ExpertLayer, ExpertOps,
+    GraphOutput, Pointwise, RopeTable, StepBody, StepGraphs, TensorOps, Tensors,
 };
 use crate::step::Step;
 use crate::tensor::{DType, HostTensor};
@@ -746,6 +748,20 @@ impl<G: Gpu> AttentionOps for CudaBackend<G> {
 }
 
 impl<G: Gpu> ExpertOps for CudaBackend<G> {
+    type DeviceExperts = experts::DeviceExperts<G::Buf>;
+
+    fn device_experts(&self, layer: ExpertLayer<'_, Self>) -> Result<Option<Self::DeviceExperts>> {
+        self.prepare_device_experts(layer)
+    }
+
+    fn run_experts(&self, x: &Self::Tensor, experts: &Self::DeviceExperts) -> Result<Self::Tensor> {
+        self.run_device_experts(x, experts)
+    }
+
+    fn routed_counts(&self, experts: &Self::DeviceExperts) -> Result<Option<Vec<u64>>> {
+        self.device_routed_counts(experts)
+    }
+
     fn scatter_add_rows(
         &self,
         out: &mut Self::Tensor,
