@@ -6,7 +6,7 @@ STRATA_RELEASE := target/release/strata
 
 .PHONY: test demo build lint fmt bench-engine prerequisites image image-cuda
 
-## Everything CI checks: formatting, lints, the whole test suite (the CPU kernels and the
+## Everything CI checks: formatting, the crate map (which crate may link which), lints, the whole test suite (the CPU kernels and the
 ## HF comparisons again with the AVX2 and portable kernels), and that the `cuda`
 ## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
 ## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
@@ -17,6 +17,7 @@ STRATA_RELEASE := target/release/strata
 test: export CARGO_INCREMENTAL ?= 0
 test: prerequisites
 	$(CARGO) fmt --all -- --check
+	scripts/check_crate_map.sh
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --lib backend::cpu \

@@ -11,7 +11,6 @@ use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
 use strata_coordinator::control::leader::LeaderConfig;
 use strata_coordinator::control::tasks::Timings;
 use strata_coordinator::node::{run_coordinator, CoordinatorOptions};
-use strata_coordinator::request::generation::RouteLimits;
 use strata_worker::agent::AgentConfig;
 use strata_worker::process::{run_worker, WorkerOptions};
 
@@ -125,12 +124,11 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
     });
     let (lease_ttl, keepalive) = lease_timings(&cfg.registry)?;
     let tls = cluster_tls(&cfg.security, c.listen, Role::Coordinator)?;
-    crate::security_args::response_cache(c)?;
     let opts = CoordinatorOptions {
         keys: Keys::new(&cfg.registry.prefix),
         listen: c.listen,
         leader: LeaderConfig { id, lease_ttl, keepalive, timings, tick: Duration::from_millis(250) },
-        route: RouteLimits { wait: secs(c.route_wait_s), ..Default::default() },
+        front: crate::security_args::front_options(c)?,
         client_auth,
         admin_auth,
         drain_timeout: secs(c.drain_timeout_s),

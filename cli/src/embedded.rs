@@ -30,6 +30,7 @@ use strata_coordinator::api::server::{serve, ServeOptions};
 use strata_coordinator::control::leader::{Election, LeaderConfig};
 use strata_coordinator::control::tasks::Timings;
 use strata_coordinator::control::view::Watcher;
+use strata_coordinator::frontend::{FrontEnd, FrontEndOptions};
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_coordinator::routing::catalog::ClusterCatalog;
 use strata_coordinator::routing::clients::WorkerClients;
@@ -55,6 +56,8 @@ pub struct EmbeddedOptions {
     pub agent: AgentConfig,
     pub limits: EngineLimits,
     pub serve: ServeOptions,
+    /// Route limits and the response cache's size.
+    pub front: FrontEndOptions,
     /// Who may call the admin API.
     pub admin_auth: AdminAuth,
     pub timings: Timings,
@@ -171,8 +174,8 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
     let tenants = opts.serve.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());
-    let ledger = strata_coordinator::tenant::usage::ledger();
-    let flushing = ledger.attach(registry.clone(), keys.clone(), "serve");
+    let front = FrontEnd::new(catalog.clone(), opts.front);
+    let flushing = front.ledger().attach(registry.clone(), keys.clone(), "serve");
     let leader = LeaderConfig {
         id: "serve".into(),
         lease_ttl: LEASE_TTL,
@@ -193,12 +196,13 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         opts.admin_auth.clone(),
     )
     .with_model_roots(opts.model_roots.clone())
-    .with_tenants(tenants);
-    let served = serve(catalog as Arc<dyn Catalog>, admin, opts.serve).await;
+    .with_tenants(tenants)
+    .with_ledger(front.ledger().clone());
+    let served = serve(front.clone(), admin, opts.serve).await;
     election.resign().await;
     following.abort();
     flushing.abort();
-    let _ = ledger.flush().await;
+    let _ = front.ledger().flush().await;
     for w in workers {
         w.membership.leave().await;
     }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use strata_common::worker_api::{EventStream, Job};
 use strata_common::{EngineStats, ModelConfig, Parallelism, Result, ShardPlan};
 use strata_coordinator::api::server::{serve, ServeOptions};
+use strata_coordinator::frontend::{FrontEnd, FrontEndOptions};
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_coordinator::routing::{not_found, Catalog, ModelEntry, Replica, Routes};
 use strata_engine::metrics::ReplicaLabels;
@@ -48,12 +49,15 @@ pub struct StaticReplica<'a> {
 /// Loads the replica (waiting for every rank to join), then serves until SIGTERM.
 pub fn run(
     replica: StaticReplica<'_>,
+    front: FrontEndOptions,
     opts: ServeOptions,
     rt: tokio::runtime::Runtime,
 ) -> anyhow::Result<()> {
     let name = replica.name;
     let entry = load(replica).map_err(|e| anyhow::anyhow!("loading model {name:?}: {e}"))?;
-    rt.block_on(serve(Arc::new(OneModel(Arc::new(entry))), EmbeddedAdmin, opts))
+    let _runtime = rt.enter();
+    let front = FrontEnd::new(Arc::new(OneModel(Arc::new(entry))), front);
+    rt.block_on(serve(front, EmbeddedAdmin, opts))
 }
 
 fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {

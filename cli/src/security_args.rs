@@ -11,6 +11,8 @@ use strata_common::config::{CoordinatorSettings, SecuritySettings};
 use strata_common::ready::{announce, Announcement};
 use strata_common::tls::{ClusterCredentials, ClusterTls, Role};
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
+use strata_coordinator::frontend::FrontEndOptions;
+use strata_coordinator::request::generation::RouteLimits;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 #[derive(Args, Debug, Clone, Default)]
@@ -141,12 +143,17 @@ impl CallerArgs {
     }
 }
 
-/// Sizes the process's response cache from `coordinator.response_cache_memory`.
-pub fn response_cache(c: &CoordinatorSettings) -> anyhow::Result<()> {
+/// The front end's settings: how long a request waits for a replica
+/// (`coordinator.route_wait_s`) and the response cache's size
+/// (`coordinator.response_cache_memory`).
+pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions> {
     let bytes = strata_common::config::parse_memory_or_zero(&c.response_cache_memory)
         .context("--response-cache-memory (coordinator.response_cache_memory)")?;
-    strata_coordinator::request::cache::ResponseCache::configure(bytes);
-    Ok(())
+    // `route_wait_s` is finite and not negative: the settings were validated.
+    Ok(FrontEndOptions {
+        route: RouteLimits { wait: std::time::Duration::from_secs_f64(c.route_wait_s), ..Default::default() },
+        response_cache_bytes: bytes,
+    })
 }
 
 /// Largest key file read.

@@ -16,7 +16,6 @@ use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
 use strata_coordinator::api::server::{Role, ServeOptions};
 use strata_coordinator::control::tasks::Timings;
-use strata_coordinator::request::generation::RouteLimits;
 use strata_worker::agent::AgentConfig;
 
 use crate::config_args::{engine_config, set, ConfigArg, EngineArgs};
@@ -163,7 +162,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let par = Parallelism::with_ep(s.tp, s.pp, s.ep).context("serve.ep")?;
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
-    crate::security_args::response_cache(&cfg.coordinator)?;
+    let front = crate::security_args::front_options(&cfg.coordinator)?;
     let client_auth =
         ClientAuth::with_tenants(client_keys(&cfg.coordinator)?, cfg.coordinator.tenants.clone())
             .context("--api-key, coordinator.tenants")?;
@@ -173,10 +172,6 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let opts = ServeOptions {
         listen: s.listen,
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
-        route: RouteLimits {
-            wait: Duration::from_secs_f64(cfg.coordinator.route_wait_s),
-            ..Default::default()
-        },
         client_auth,
         role: Role::Serve,
         id: "serve".into(),
@@ -209,7 +204,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             engine: &engine,
             limits: &limits,
         };
-        return crate::rendezvous::run(replica, opts, rt);
+        return crate::rendezvous::run(replica, front, opts, rt);
     }
     // Absolute, so every worker reads the same directory whatever its working directory.
     let mut roots = ModelRoots::new(cfg.security.model_roots.clone());
@@ -239,6 +234,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             ..Default::default()
         },
         serve: opts,
+        front,
         admin_auth,
         model_roots: roots,
         timings: Timings::default(),

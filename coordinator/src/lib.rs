@@ -2,9 +2,11 @@
 //! (this crate does not link the engine).
 //!
 //! - [`api`]: inference.v1 and admin.v1 over gRPC, auth, the server's lifecycle;
-//! - [`request`]: admission (a domain request in, token ids and sampling out), the
-//!   tokenizer, the incremental detokenizer with stop strings, the generation path with
-//!   failover;
+//! - [`frontend`]: the request path one process owns — admission (a domain request in,
+//!   token ids and sampling out), tenant limits, the response cache, fair admission, usage
+//!   — shared by gRPC, HTTP and batch jobs;
+//! - [`request`]: the tokenizer and chat templates, the incremental detokenizer with stop
+//!   strings, the generation path with failover;
 //! - [`routing`]: the Catalog/Routes/Replica seam, routing policy, the `WorkerApi` clients;
 //! - [`control`]: the registry view, leader election and the reconciler;
 //! - [`tenant`]: who a key belongs to, the tenant's limits, usage accounting;
@@ -13,6 +15,7 @@
 pub mod api;
 pub mod batch;
 pub mod control;
+pub mod frontend;
 pub mod node;
 pub mod request;
 pub mod routing;

@@ -16,7 +16,7 @@ use crate::api::auth::{AdminAuth, ClientAuth};
 use crate::api::server::{serve, Role, ServeOptions};
 use crate::control::leader::{Election, LeaderConfig};
 use crate::control::view::Watcher;
-use crate::request::generation::RouteLimits;
+use crate::frontend::{FrontEnd, FrontEndOptions};
 use crate::routing::catalog::ClusterCatalog;
 use crate::routing::clients::WorkerClients;
 
@@ -25,7 +25,8 @@ pub struct CoordinatorOptions {
     pub keys: Keys,
     pub listen: SocketAddr,
     pub leader: LeaderConfig,
-    pub route: RouteLimits,
+    /// Route limits and the response cache's size.
+    pub front: FrontEndOptions,
     pub client_auth: ClientAuth,
     pub admin_auth: AdminAuth,
     /// SIGTERM: how long in-flight calls get to finish.
@@ -49,10 +50,10 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
     let gauges = tokio::spawn(crate::control::metrics::follow(watcher.subscribe(), opts.leader.id.clone()));
     let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let front = FrontEnd::new(catalog.clone(), opts.front);
     let tenants = opts.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());
-    let flushing =
-        crate::tenant::usage::ledger().attach(registry.clone(), opts.keys.clone(), &opts.leader.id);
+    let flushing = front.ledger().attach(registry.clone(), opts.keys.clone(), &opts.leader.id);
     let election = Election::start(
         registry.clone(),
         opts.keys.clone(),
@@ -70,7 +71,8 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     )
     .with_model_roots(opts.model_roots.clone())
     .with_default_device(&opts.default_device)
-    .with_tenants(tenants);
+    .with_tenants(tenants)
+    .with_ledger(front.ledger().clone());
     if opts.model_roots.is_open() {
         tracing::warn!(
             "no --model-root: deployments may load models from any absolute path the workers can read"
@@ -78,12 +80,11 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     }
     info!(id = %opts.leader.id, registry = registry.kind(), prefix = opts.keys.prefix(), "coordinator starting");
     let served = serve(
-        catalog,
+        front.clone(),
         admin,
         ServeOptions {
             listen: opts.listen,
             drain_timeout: opts.drain_timeout,
-            route: opts.route,
             client_auth: opts.client_auth,
             role: Role::Coordinator,
             id: opts.leader.id.clone(),
@@ -96,7 +97,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     gauges.abort();
     following.abort();
     flushing.abort();
-    if let Err(e) = crate::tenant::usage::ledger().flush().await {
+    if let Err(e) = front.ledger().flush().await {
         tracing::warn!(error = %e, "the last usage records were not written");
     }
     drop(watcher);

@@ -27,6 +27,7 @@ use super::audit::{caller, AuditLog};
 use super::auth::AdminAuth;
 use crate::control::view::ClusterView;
 use crate::routing::catalog::ClusterCatalog;
+use crate::tenant::usage::Ledger;
 use crate::tenant::Tenants;
 use strata_common::status::to_status;
 
@@ -45,6 +46,9 @@ pub struct ClusterAdmin {
     audit: AuditLog,
     /// The tenant directory this coordinator authenticates inference calls with.
     tenants: Tenants,
+    /// The usage its front end counts (usage queries add this process's fresh counts to
+    /// every process's stored records).
+    ledger: Arc<Ledger>,
 }
 
 impl ClusterAdmin {
@@ -58,8 +62,20 @@ impl ClusterAdmin {
     ) -> Self {
         let audit = AuditLog::new(registry.clone(), keys.clone(), id.clone());
         let (model_roots, default_device) = (ModelRoots::default(), "cpu".into());
-        let tenants = Tenants::default();
-        ClusterAdmin { id, registry, keys, view, catalog, auth, model_roots, default_device, audit, tenants }
+        let (tenants, ledger) = (Tenants::default(), Arc::default());
+        ClusterAdmin {
+            id,
+            registry,
+            keys,
+            view,
+            catalog,
+            auth,
+            model_roots,
+            default_device,
+            audit,
+            tenants,
+            ledger,
+        }
     }
 
     /// The directory inference calls are checked against (tenants made here join it).
@@ -70,6 +86,16 @@ impl ClusterAdmin {
 
     pub(super) fn tenants(&self) -> &Tenants {
         &self.tenants
+    }
+
+    /// Answers usage queries from `ledger` (the front end's).
+    pub fn with_ledger(mut self, ledger: Arc<Ledger>) -> Self {
+        self.ledger = ledger;
+        self
+    }
+
+    pub(super) fn ledger(&self) -> &Ledger {
+        &self.ledger
     }
 
     pub(super) fn keys(&self) -> &Keys {

@@ -16,7 +16,7 @@ use strata_proto::admin::v1 as pb;
 use tonic::{Request, Response, Status};
 
 use super::admin::ClusterAdmin;
-use crate::tenant::usage::{ledger, UsageRow};
+use crate::tenant::usage::UsageRow;
 use crate::tenant::{digest, hex, Source};
 use strata_common::status::to_status;
 
@@ -249,7 +249,8 @@ impl ClusterAdmin {
         }
         let (tenant, model) =
             ((!r.tenant.is_empty()).then_some(r.tenant), (!r.model.is_empty()).then_some(r.model));
-        let rows = ledger()
+        let rows = self
+            .ledger()
             .query(tenant.as_deref(), model.as_deref(), r.since_unix_s, until)
             .await
             .map_err(to_status)?;

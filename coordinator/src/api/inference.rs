@@ -1,9 +1,8 @@
 //! `strata.inference.v1.Inference`: the public API, served by every coordinator.
 //!
 //! This file only translates: a `GenerateRequest` message becomes the domain request that
-//! [`admit`] validates and tokenizes; the generation itself is [`generation::start`],
-//! shared by the unary and the streaming call, so their texts are the same by
-//! construction.
+//! the process's [`FrontEnd`] admits and runs, shared by the unary and the streaming
+//! call (and the HTTP API), so their texts are the same by construction.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,9 +23,9 @@ use strata_common::status::to_status;
 use strata_common::{wire, Error, SamplingParams};
 
 use super::auth::ClientAuth;
-use crate::request::admission::{GenerateRequest, Priority, Prompt};
-use crate::request::generation::{self, RouteLimits};
-use crate::routing::Catalog;
+use crate::frontend::admission::{GenerateRequest, Priority, Prompt};
+use crate::frontend::FrontEnd;
+use crate::request::generation;
 use crate::tenant::Caller;
 
 /// The domain request of an inference.v1 message.
@@ -68,9 +67,8 @@ fn api_field_names(e: Error) -> Error {
 }
 
 pub struct InferenceService {
-    models: Arc<dyn Catalog>,
+    front: Arc<FrontEnd>,
     next_request: AtomicU64,
-    limits: RouteLimits,
     auth: ClientAuth,
 }
 
@@ -96,8 +94,8 @@ pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
 }
 
 impl InferenceService {
-    pub fn new(models: Arc<dyn Catalog>, limits: RouteLimits, auth: ClientAuth) -> Self {
-        InferenceService { models, next_request: AtomicU64::new(1), limits, auth }
+    pub fn new(front: Arc<FrontEnd>, auth: ClientAuth) -> Self {
+        InferenceService { front, next_request: AtomicU64::new(1), auth }
     }
 
     fn request_id(&self, given: &str) -> String {
@@ -117,7 +115,9 @@ impl InferenceService {
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
         let request = request_from_pb(req);
         let id = request_id.to_string();
-        let started = generation::begin(&*self.models, request, id, deadline, self.limits, caller)
+        let started = self
+            .front
+            .begin(request, id, deadline, caller)
             .await
             .map_err(|e| to_status(api_field_names(e)))?;
         Ok((started.prompt_ids, started.rx))
@@ -201,7 +201,7 @@ impl Inference for InferenceService {
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
         self.auth.check(&request)?;
         let req = request.into_inner();
-        let model = self.models.get(&req.model).map_err(to_status)?;
+        let model = self.front.models().get(&req.model).map_err(to_status)?;
         let text = req.text;
         let token_ids = tokio::task::spawn_blocking(move || {
             model.tokenizer.encode(&text, model.config.max_position_embeddings.max(1 << 20))
@@ -218,7 +218,7 @@ impl Inference for InferenceService {
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
         self.auth.check(&request)?;
         let mut models = Vec::new();
-        for m in self.models.all() {
+        for m in self.front.models().all() {
             let s = m.routes.stats().await;
             models.push(pb::ModelInfo {
                 name: m.name.clone(),

@@ -21,8 +21,7 @@ use tracing::{info, warn};
 use super::auth::ClientAuth;
 use super::http::{HttpOptions, RunningHttp};
 use super::inference::InferenceService;
-use crate::request::generation::RouteLimits;
-use crate::routing::Catalog;
+use crate::frontend::FrontEnd;
 
 /// Most concurrent calls a client may have open on one connection (advertised in the
 /// HTTP/2 settings); admission limits bound the work behind them.
@@ -31,7 +30,6 @@ pub const MAX_CONCURRENT_STREAMS: u32 = 1024;
 pub struct ServeOptions {
     pub listen: SocketAddr,
     pub drain_timeout: Duration,
-    pub route: RouteLimits,
     pub client_auth: ClientAuth,
     pub role: Role,
     /// This process's id in the cluster (in the ready announcement).
@@ -67,12 +65,13 @@ impl Role {
     }
 }
 
-/// Serves inference.v1 over `models` and admin.v1 through `admin` until SIGTERM.
-pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOptions) -> anyhow::Result<()> {
+/// Serves inference.v1 (and the HTTP API) through `front` and admin.v1 through `admin`
+/// until SIGTERM.
+pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions) -> anyhow::Result<()> {
     let listener =
         TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
     let addr = listener.local_addr()?;
-    let names: Vec<String> = models.all().iter().map(|m| m.name.clone()).collect();
+    let names: Vec<String> = front.models().all().iter().map(|m| m.name.clone()).collect();
 
     let (health_reporter, health) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<InferenceServer<InferenceService>>().await;
@@ -91,7 +90,7 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
     let http = match &opts.http {
         Some(h) => {
             let auth = opts.client_auth.clone();
-            Some(RunningHttp::start(h, models.clone(), auth, opts.route, opts.role.name(), &opts.id).await?)
+            Some(RunningHttp::start(h, front.clone(), auth, opts.role.name(), &opts.id).await?)
         }
         None => None,
     };
@@ -107,11 +106,7 @@ pub async fn serve<A: Admin>(models: Arc<dyn Catalog>, admin: A, opts: ServeOpti
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
-        .add_service(InferenceServer::new(InferenceService::new(
-            models.clone(),
-            opts.route,
-            opts.client_auth,
-        )))
+        .add_service(InferenceServer::new(InferenceService::new(front.clone(), opts.client_auth)))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(
             strata_common::conn_limits::LimitedListener::new(

@@ -25,8 +25,7 @@ use strata_common::{Error, Result};
 use tracing::warn;
 
 use self::store::{new_id, now, BatchObject, Counts, FileObject, Store};
-use crate::request::generation::RouteLimits;
-use crate::routing::Catalog;
+use crate::frontend::FrontEnd;
 use crate::tenant::{Caller, Owner, Tenants};
 
 /// Largest file one upload may be.
@@ -78,8 +77,7 @@ impl Job {
 /// The batch service of one coordinator.
 pub struct Batches {
     store: Store,
-    models: Arc<dyn Catalog>,
-    limits: RouteLimits,
+    front: Arc<FrontEnd>,
     /// Batch requests in flight at once, all batches together (`--batch-concurrency`).
     concurrency: usize,
     /// Batch requests in flight now, all batches together.
@@ -92,8 +90,7 @@ impl Batches {
     /// Opens the data directory and resumes every unfinished batch in it.
     pub fn start(
         dir: &std::path::Path,
-        models: Arc<dyn Catalog>,
-        limits: RouteLimits,
+        front: Arc<FrontEnd>,
         concurrency: usize,
         tenants: Tenants,
     ) -> Result<Arc<Self>> {
@@ -107,8 +104,7 @@ impl Batches {
         }
         let batches = Arc::new(Batches {
             store,
-            models,
-            limits,
+            front,
             concurrency,
             running: Default::default(),
             jobs: Mutex::new(jobs),

@@ -31,7 +31,7 @@ use crate::api::http::completions::{self, Api};
 use crate::api::http::error::ApiError;
 use crate::api::http::params::Fields;
 use crate::api::http::respond;
-use crate::request::admission::Priority;
+use crate::frontend::admission::Priority;
 
 /// Most requests in one batch (OpenAI's limit).
 pub const MAX_REQUESTS: usize = 50_000;
@@ -125,7 +125,7 @@ async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input:
     let Head { batch_id, owner, index } = head;
     let request_id = format!("{batch_id}-{index}");
     // Off the async runtime: a line's chat template may run long on its data.
-    let (models, at) = (batches.models.clone(), line.clone());
+    let (models, at) = (batches.front.models().clone(), line.clone());
     let parsed = tokio::task::spawn_blocking(move || {
         let body = at.body(&input).map_err(|e| ApiError::invalid("body", e))?;
         match api {
@@ -209,7 +209,7 @@ async fn answer_within_rates(
     who: &crate::tenant::Caller,
 ) -> std::result::Result<Json, ApiError> {
     loop {
-        match respond::answer(&*batches.models, batches.limits, job, request_id.to_string(), who).await {
+        match respond::answer(&batches.front, job, request_id.to_string(), who).await {
             Err(e)
                 if e.status == axum::http::StatusCode::TOO_MANY_REQUESTS
                     && e.code == Some("rate_limit_exceeded") =>
@@ -358,8 +358,7 @@ async fn dispatch(
         }
         // One budget for every batch, each taking what the others leave; one request at
         // least in flight whatever the online load, so batches always move.
-        let allowed =
-            batches.concurrency.saturating_sub(crate::request::generation::online_in_flight()).max(1);
+        let allowed = batches.concurrency.saturating_sub(batches.front.online_in_flight()).max(1);
         while let Some((index, line)) = todo.next_if(|_| counted.try_start(allowed)) {
             let head = Head { batch_id: id.clone(), owner: owner.clone(), index };
             running.spawn(execute(batches.clone(), api, head, line, input.clone()));

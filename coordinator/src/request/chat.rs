@@ -11,7 +11,7 @@
 //! `unk_token`, `pad_token`), plus whatever extra variables the caller passes.
 //!
 //! A rendered prompt already holds the special tokens it needs: it is tokenized without
-//! the tokenizer's own (see [`Prompt::Chat`](crate::request::admission::Prompt::Chat)).
+//! the tokenizer's own (see [`Prompt::Chat`](crate::frontend::admission::Prompt::Chat)).
 //!
 //! **Bounds.** A caller's messages and tools are data a template may multiply (`tojson`
 //! with `indent` writes a deeply nested value hundreds of times its size): a rendering

@@ -2,8 +2,9 @@
 //! tokens that come back into text deltas, apply stop strings — and survive replicas
 //! dying under it.
 //!
-//! Unary and streaming calls share this path: both read [`Chunk`]s from the channel
-//! [`start`] returns. When the receiver is dropped (the caller cancelled or
+//! [`crate::frontend::FrontEnd::begin`] brings every request here once it is
+//! admitted and holds a slot. Unary and streaming calls share this path: both read
+//! [`Chunk`]s from the channel [`start`] returns. When the receiver is dropped (the caller cancelled or
 //! disconnected), the task ends and drops its replica stream, which cancels the sequence
 //! on the replica and frees its KV blocks.
 //!
@@ -28,16 +29,13 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::{debug, info, warn, Instrument, Span};
 
-use crate::request::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
-use crate::request::cache::{Key, Response, ResponseCache};
-use crate::request::fair::{Gate, Slot, Ticket};
-use crate::request::metrics::{failed, served_by, RequestTimer};
+use crate::frontend::admission::{Admitted, Priority};
+use crate::frontend::cache::{Key, ResponseCache};
+use crate::request::metrics::{served_by, RequestTimer};
 use crate::request::span;
 use crate::request::text::TextStream;
-use crate::routing::{Catalog, EventStream, Job, ModelEntry};
-use crate::tenant::limits::Ask;
-use crate::tenant::usage::{refused, Account};
-use crate::tenant::Caller;
+use crate::routing::{EventStream, Job, ModelEntry};
+use crate::tenant::usage::Account;
 
 /// What one generated token adds to a response.
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -68,186 +66,32 @@ impl Default for RouteLimits {
     }
 }
 
-/// Online requests in flight in this process (batch jobs yield to them).
-static ONLINE: AtomicUsize = AtomicUsize::new(0);
-
-/// How many online requests this process is generating now.
-pub fn online_in_flight() -> usize {
-    ONLINE.load(Ordering::Relaxed)
-}
-
-/// Counts an online request while it lives.
-struct OnlineGuard;
+/// Counts an online request while it lives (in its front end's count, which batch jobs
+/// yield to).
+pub struct OnlineGuard(Arc<AtomicUsize>);
 
 impl OnlineGuard {
-    fn new(p: Priority) -> Option<Self> {
+    pub fn new(p: Priority, count: &Arc<AtomicUsize>) -> Option<Self> {
         (p == Priority::Online).then(|| {
-            ONLINE.fetch_add(1, Ordering::Relaxed);
-            OnlineGuard
+            count.fetch_add(1, Ordering::Relaxed);
+            OnlineGuard(count.clone())
         })
     }
 }
 
 impl Drop for OnlineGuard {
     fn drop(&mut self) {
-        ONLINE.fetch_sub(1, Ordering::Relaxed);
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// A request on its way: the prompt's ids and the chunks to come.
-pub struct Started {
-    pub model: Arc<ModelEntry>,
-    pub prompt_ids: Vec<u32>,
-    pub rx: ChunkRx,
-}
-
-/// Every front end's way in: finds the model, admits the request (tokenizing text off the
-/// async runtime: a long prompt takes milliseconds to seconds) and starts it. Failures are
-/// counted in the request metrics; their field names are admission's (a front end renames
-/// them as its API spells them).
-pub async fn begin(
-    models: &dyn Catalog,
-    request: GenerateRequest,
-    request_id: String,
-    deadline: Option<Instant>,
-    limits: RouteLimits,
-    caller: &Caller,
-) -> Result<Started> {
-    Span::current().record("strata.tenant", caller.tenant());
-    // Unknown names share one label, so a caller cannot grow the metrics without bound.
-    let model = models.get(&request.model).inspect_err(|e| refuse(caller, "(unknown)", e))?;
-    let cache_wanted = request.cache;
-    let (admitted, mut account) =
-        admit_for(&model, request, caller).await.inspect_err(|e| refuse(caller, &model.name, e))?;
-    let prompt_ids = admitted.prompt_ids.clone();
-    let revision = model.routes.revision_for(&prompt_ids);
-    let key = Key::of(caller.tenant(), &model.name, revision, &prompt_ids, &admitted.params, cache_wanted);
-    if let Some(response) = key.as_ref().and_then(|k| ResponseCache::global().get(k)) {
-        account.cached();
-        let rx = replay(&model, &admitted, response, account);
-        return Ok(Started { model, prompt_ids, rx });
-    }
-    let slot = take_slot(&model, &admitted, caller, &request_id, deadline, limits).await;
-    match slot {
-        Ok(slot) => account.hold(slot),
-        Err(e) => {
-            failed(&model.name, &e);
-            account.failed();
-            return Err(e);
-        }
-    }
-    let target = Target { revision, cache: key };
-    let rx = start(model.clone(), admitted, request_id, deadline, limits, target, account).await?;
-    Ok(Started { model, prompt_ids, rx })
-}
-
-/// Waits for one of the model's fair-admission slots (see [`crate::request::fair`]), no
-/// longer than the route wait and the caller's deadline.
-async fn take_slot(
-    model: &ModelEntry,
-    admitted: &Admitted,
-    caller: &Caller,
-    request_id: &str,
-    deadline: Option<Instant>,
-    limits: RouteLimits,
-) -> Result<Slot> {
-    let ticket = Ticket {
-        tenant: caller.tenant().to_string(),
-        weight: caller.weight(),
-        priority: admitted.params.priority,
-        cost: (admitted.prompt_ids.len() + admitted.params.max_new_tokens as usize) as u64,
-    };
-    let give_up = Instant::now() + limits.wait;
-    let give_up = deadline.map_or(give_up, |d| d.min(give_up));
-    let entered = Gate::of(&model.name).enter(&ticket, model.routes.gate_size(), give_up).await;
-    entered.map_err(|e| match deadline {
-        Some(d) if Instant::now() >= d => Error::DeadlineExceeded(format!(
-            "request {request_id} waited past its deadline for a replica slot"
-        )),
-        _ => e,
-    })
-}
-
-/// A request refused before admission: counted in the request metrics and the tenant's
-/// usage.
-fn refuse(caller: &Caller, model: &str, e: &Error) {
-    failed(model, e);
-    refused(caller, model, e);
-}
-
-/// Admits the request for `caller`: its model, its `max_tokens` cap, the request's own
-/// checks, then the tenant's limits.
-async fn admit_for(
-    model: &Arc<ModelEntry>,
-    request: GenerateRequest,
-    caller: &Caller,
-) -> Result<(Admitted, Account)> {
-    caller.may_use(&model.name)?;
-    let cap = caller.max_tokens_cap();
-    if let (Some(n), Some(cap)) = (request.max_tokens, cap) {
-        if n > cap {
-            return Err(Error::invalid(
-                "max_tokens",
-                format!("{n} exceeds tenant {:?}'s max_tokens_per_request of {cap}", caller.tenant()),
-            ));
-        }
-    }
-    let admitted = match request.prompt {
-        Some(Prompt::Text(_) | Prompt::Chat(_)) => {
-            let entry = model.clone();
-            tokio::task::spawn_blocking(move || admit(&request, &entry))
-                .await
-                .map_err(|e| Error::Internal(format!("admission: {e}")))?
-        }
-        _ => admit(&request, model),
-    };
-    let mut admitted = admitted?;
-    if let Some(cap) = cap {
-        // A request that named no max_tokens gets the tenant's cap.
-        admitted.params.max_new_tokens = admitted.params.max_new_tokens.min(cap);
-    }
-    let prompt_tokens = admitted.prompt_ids.len();
-    let ask = Ask { prompt_tokens: prompt_tokens as u32, max_tokens: admitted.params.max_new_tokens };
-    let permit = caller.admit(ask)?;
-    let account = Account::open(caller, &model.name, prompt_tokens, permit);
-    Ok((admitted, account))
-}
-
-/// A cached response, streamed as it was the first time (counted as a request, served by
-/// no replica).
-fn replay(model: &ModelEntry, admitted: &Admitted, response: Response, mut account: Account) -> ChunkRx {
-    let span = Span::current();
-    span::admitted(&span, &model.name, &admitted.params, admitted.prompt_ids.len());
-    let mut timer = RequestTimer::start(&model.name, admitted.prompt_ids.len());
-    served_by(&model.name, response.first().map_or(0, |c| c.revision));
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(
-        async move {
-            for (i, c) in response.iter().enumerate() {
-                if tx.send(Ok(c.clone())).await.is_err() {
-                    return;
-                }
-                timer.token();
-                account.delivered(c.token_ids.len());
-                if let Some(reason) = c.finish {
-                    timer.finished(reason);
-                    span::finished(&Span::current(), CACHE_REPLICA, 0, 0, i + 1, Ok(reason));
-                }
-            }
-        }
-        .instrument(span),
-    );
-    rx
-}
-
-/// What responses replayed from the cache name as their replica (spans, logs).
-const CACHE_REPLICA: &str = "response-cache";
-
-/// Where a request goes: the revision the split chose when it began, and its response
-/// cache key when it is cacheable.
+/// Where a request goes: the revision the split chose when it began, its response cache
+/// key when it is cacheable (and the cache that keeps the response), and the count of
+/// online requests it belongs to.
 pub struct Target {
     pub revision: u64,
-    pub cache: Option<Key>,
+    pub cache: Option<(Key, Arc<ResponseCache>)>,
+    pub online: Arc<AtomicUsize>,
 }
 
 /// Submits the request and streams its chunks. Errors that happen before the first
@@ -262,7 +106,7 @@ pub async fn start(
     target: Target,
     account: Account,
 ) -> Result<ChunkRx> {
-    let online = OnlineGuard::new(admitted.params.priority);
+    let online = OnlineGuard::new(admitted.params.priority, &target.online);
     let stop = admitted.params.stop.clone();
     let mut params = admitted.params;
     if !params.is_greedy() && params.seed.is_none() {
@@ -284,7 +128,7 @@ pub async fn start(
         span: span.clone(),
         attempt: Attempt::default(),
         revision: target.revision,
-        record: target.cache.map(|k| (k, Vec::new())),
+        record: target.cache.map(|(k, cache)| (k, cache, Vec::new())),
         account,
         _online: online,
     };
@@ -315,8 +159,8 @@ struct Run {
     attempt: Attempt,
     /// The revision it is bound for.
     revision: u64,
-    /// A cacheable request: its key and the chunks streamed so far.
-    record: Option<(Key, Vec<Chunk>)>,
+    /// A cacheable request: its key, the cache and the chunks streamed so far.
+    record: Option<(Key, Arc<ResponseCache>, Vec<Chunk>)>,
     /// The tenant's usage record and its hold on the tenant's limits.
     account: Account,
     _online: Option<OnlineGuard>,
@@ -503,16 +347,16 @@ impl Run {
 
     /// Keeps a copy of `chunk` for the response cache (cacheable requests only).
     fn keep(&mut self, chunk: &Chunk) {
-        if let Some((_, chunks)) = &mut self.record {
+        if let Some((_, _, chunks)) = &mut self.record {
             chunks.push(chunk.clone());
         }
     }
 
     /// Stores the finished response when one replica of the key's revision made all of it.
     fn store(&mut self, replica: &str) {
-        let Some((key, chunks)) = self.record.take() else { return };
+        let Some((key, cache, chunks)) = self.record.take() else { return };
         if self.failovers == 0 && self.model.routes.replica_revision(replica) == Some(key.revision()) {
-            ResponseCache::global().put(key, chunks);
+            cache.put(key, chunks);
         }
     }
 

@@ -1,13 +1,11 @@
-//! One request's way through the coordinator: [`admission`] checks a domain request
-//! against the model, [`tokenizer`] turns text into ids, [`generation`] runs it on a
-//! replica (failing over when one dies) and [`text`] turns ids back into text, applying
-//! stop strings; [`cache`] answers repeated deterministic requests without a replica.
-//! Nothing here knows which API the request came in on.
+//! One request's tokens and text, whichever API it came in on: [`tokenizer`] turns text
+//! into ids and [`chat`] renders chat templates, [`generation`] runs an admitted request
+//! on a replica (failing over when one dies) and [`text`] turns ids back into text,
+//! applying stop strings. What a request passes before it gets here — admission, tenant
+//! limits, the response cache, the fair gate — is the process's
+//! [`crate::frontend::FrontEnd`].
 
-pub mod admission;
-pub mod cache;
 pub mod chat;
-pub mod fair;
 pub mod generation;
 pub mod metrics;
 pub mod span;

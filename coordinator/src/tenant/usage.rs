@@ -97,18 +97,13 @@ struct Store {
     instance: String,
 }
 
-/// This process's usage: totals per tenant, model and hour, and where they are kept.
+/// A front end's usage (see [`crate::frontend::FrontEnd::ledger`]): totals per
+/// tenant, model and hour, and where they are kept.
 #[derive(Default)]
 pub struct Ledger {
     /// Totals, and whether they changed since the last flush.
     buckets: Mutex<BTreeMap<Bucket, (UsageCounts, bool)>>,
     store: Mutex<Option<Arc<Store>>>,
-}
-
-/// The process's ledger.
-pub fn ledger() -> &'static Ledger {
-    static LEDGER: OnceLock<Ledger> = OnceLock::new();
-    LEDGER.get_or_init(Ledger::default)
 }
 
 fn hour_of(unix_s: u64) -> u64 {
@@ -119,7 +114,7 @@ impl Ledger {
     /// Keeps this process's records in `registry` as coordinator `id`, and writes them
     /// every [`FLUSH_EVERY`] until the task is aborted (call [`Ledger::flush`] at shutdown).
     pub fn attach(
-        &'static self,
+        self: &Arc<Self>,
         registry: Arc<dyn Registry>,
         keys: Keys,
         id: &str,
@@ -127,10 +122,11 @@ impl Ledger {
         let instance = format!("{id}-{}-{:04x}", now_ms(), rand::random::<u16>());
         *self.store.lock().unwrap_or_else(|p| p.into_inner()) =
             Some(Arc::new(Store { registry, keys, instance }));
+        let ledger = self.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(FLUSH_EVERY).await;
-                if let Err(e) = self.flush().await {
+                if let Err(e) = ledger.flush().await {
                     warn!(error = %e, "usage records not written; retrying");
                 }
             }
@@ -232,22 +228,30 @@ impl Ledger {
 /// cancelled alike); it also holds what the request holds while it lives: its tenant's
 /// [`Permit`] and its slot of the model's fair-admission gate.
 pub struct Account {
+    ledger: Arc<Ledger>,
     tenant: String,
     model: String,
     counts: UsageCounts,
     permit: Permit,
-    slot: Option<crate::request::fair::Slot>,
+    slot: Option<crate::frontend::fair::Slot>,
 }
 
 impl Account {
-    pub fn open(caller: &Caller, model: &str, prompt_tokens: usize, mut permit: Permit) -> Account {
+    pub fn open(
+        ledger: Arc<Ledger>,
+        caller: &Caller,
+        model: &str,
+        prompt_tokens: usize,
+        mut permit: Permit,
+    ) -> Account {
         permit.consumed(prompt_tokens as u64);
         let counts = UsageCounts { requests: 1, prompt_tokens: prompt_tokens as u64, ..Default::default() };
-        Account { tenant: caller.tenant().to_string(), model: model.to_string(), counts, permit, slot: None }
+        let (tenant, model) = (caller.tenant().to_string(), model.to_string());
+        Account { ledger, tenant, model, counts, permit, slot: None }
     }
 
     /// The request got a slot of the model's gate: held until the request ends.
-    pub fn hold(&mut self, slot: crate::request::fair::Slot) {
+    pub fn hold(&mut self, slot: crate::frontend::fair::Slot) {
         self.slot = Some(slot);
     }
 
@@ -269,15 +273,17 @@ impl Account {
 
 impl Drop for Account {
     fn drop(&mut self) {
-        ledger().record(&self.tenant, &self.model, &self.counts);
+        self.ledger.record(&self.tenant, &self.model, &self.counts);
     }
 }
 
-/// A request of `caller` for `model` refused before admission.
-pub fn refused(caller: &Caller, model: &str, e: &Error) {
-    let limited = matches!(e, Error::RateLimited { .. }) as u64;
-    let counts = UsageCounts { errors: 1, rate_limited: limited, ..Default::default() };
-    ledger().record(caller.tenant(), model, &counts);
+impl Ledger {
+    /// A request of `caller` for `model` refused before admission.
+    pub fn refused(&self, caller: &Caller, model: &str, e: &Error) {
+        let limited = matches!(e, Error::RateLimited { .. }) as u64;
+        let counts = UsageCounts { errors: 1, rate_limited: limited, ..Default::default() };
+        self.record(caller.tenant(), model, &counts);
+    }
 }
 
 #[cfg(test)]
@@ -294,7 +300,7 @@ mod tests {
         let old = UsageCounts { requests: 2, prompt_tokens: 10, generated_tokens: 7, ..Default::default() };
         registry.put(&keys.usage("t", "m", hour_of(now), "c-1"), encode(&old), None).await.unwrap();
         registry.put(&keys.usage("t", "m", hour_of(now) - 7200, "c-1"), encode(&old), None).await.unwrap();
-        let ledger: &'static Ledger = Box::leak(Box::default());
+        let ledger: Arc<Ledger> = Arc::default();
         let flusher = ledger.attach(registry.clone(), keys.clone(), "c");
         ledger.record(
             "t",
@@ -313,7 +319,7 @@ mod tests {
         ledger.flush().await.unwrap();
         flusher.abort();
         // A new process reads what this one wrote.
-        let next: &'static Ledger = Box::leak(Box::default());
+        let next: Arc<Ledger> = Arc::default();
         let _f = next.attach(registry, keys, "c");
         let rows = next.query(None, Some("m"), now - 60, now + 60).await.unwrap();
         let t = rows.iter().find(|r| r.tenant == "t").unwrap();

@@ -11,7 +11,7 @@ use strata_common::Error;
 
 use super::error::ApiError;
 use super::params::{self, Common, Fields, MAX_CHOICES};
-use crate::request::admission::{self, GenerateRequest, Priority, Prompt};
+use crate::frontend::admission::{self, GenerateRequest, Priority, Prompt};
 use crate::request::chat::ChatInput;
 use crate::routing::Catalog;
 

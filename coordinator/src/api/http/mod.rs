@@ -33,7 +33,7 @@ use serde_json::json;
 
 use self::error::ApiError;
 use super::auth::{bearer_token, ClientAuth};
-use crate::request::generation::RouteLimits;
+use crate::frontend::FrontEnd;
 use crate::routing::Catalog;
 use crate::tenant::Caller;
 use strata_common::conn_limits::LimitedListener;
@@ -56,9 +56,8 @@ pub struct HttpOptions {
 
 /// What every handler shares.
 pub struct HttpState {
-    pub models: Arc<dyn Catalog>,
+    pub front: Arc<FrontEnd>,
     pub auth: ClientAuth,
-    pub limits: RouteLimits,
     /// Set when the server drains: `/ready` answers 503 so balancers stop sending.
     pub draining: AtomicBool,
     next: AtomicU64,
@@ -73,11 +72,10 @@ pub struct HttpState {
 }
 
 impl HttpState {
-    pub fn new(models: Arc<dyn Catalog>, auth: ClientAuth, limits: RouteLimits) -> Self {
+    pub fn new(front: Arc<FrontEnd>, auth: ClientAuth) -> Self {
         HttpState {
-            models,
+            front,
             auth,
-            limits,
             draining: AtomicBool::new(false),
             next: AtomicU64::new(1),
             prefix: format!("{:08x}", rand::random::<u32>()),
@@ -144,7 +142,7 @@ async fn build_job(
 ) -> Result<completions::Job, ApiError> {
     let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
     let permit = state.builds.acquire_many(weight).await;
-    let models = state.models.clone();
+    let models = state.front.models().clone();
     let built =
         tokio::task::spawn_blocking(move || params::object(&body).and_then(|f| build(&*models, f))).await;
     drop(permit);
@@ -188,8 +186,14 @@ fn model_json(m: &crate::routing::ModelEntry) -> serde_json::Value {
 
 /// The models the caller may use (a tenant limited to some models sees only those).
 async fn list_models(State(state): State<Arc<HttpState>>, Extension(who): Extension<Caller>) -> Response {
-    let data: Vec<_> =
-        state.models.all().iter().filter(|m| who.may_use(&m.name).is_ok()).map(|m| model_json(m)).collect();
+    let data: Vec<_> = state
+        .front
+        .models()
+        .all()
+        .iter()
+        .filter(|m| who.may_use(&m.name).is_ok())
+        .map(|m| model_json(m))
+        .collect();
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
@@ -199,7 +203,7 @@ async fn get_model(
     Extension(who): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Response {
-    match state.models.get(&id) {
+    match state.front.models().get(&id) {
         Ok(m) if who.may_use(&m.name).is_ok() => axum::Json(model_json(&m)).into_response(),
         Ok(m) => ApiError::not_found(format!("model {:?}", m.name)).into_response(),
         Err(e) => ApiError::from(e).into_response(),
@@ -212,7 +216,7 @@ async fn ready(State(state): State<Arc<HttpState>>) -> Response {
     if state.draining.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
     }
-    if state.models.all().iter().any(|m| m.routes.ready() > 0) {
+    if state.front.models().all().iter().any(|m| m.routes.ready() > 0) {
         (StatusCode::OK, "ready").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "no model has a ready replica").into_response()
@@ -231,17 +235,16 @@ impl RunningHttp {
     /// (`{"event":"http",…}`) and serves in the background.
     pub async fn start(
         opts: &HttpOptions,
-        models: Arc<dyn Catalog>,
+        front: Arc<FrontEnd>,
         auth: ClientAuth,
-        limits: RouteLimits,
         role: &str,
         id: &str,
     ) -> anyhow::Result<Self> {
         use anyhow::Context;
         let tenants = auth.tenants().clone();
-        let mut state = HttpState::new(models.clone(), auth, limits);
+        let mut state = HttpState::new(front.clone(), auth);
         if let Some(dir) = &opts.data_dir {
-            let batches = crate::batch::Batches::start(dir, models, limits, opts.batch_concurrency, tenants)
+            let batches = crate::batch::Batches::start(dir, front, opts.batch_concurrency, tenants)
                 .with_context(|| format!("--data-dir {}", dir.display()))?;
             state.batches = Some(batches);
         }

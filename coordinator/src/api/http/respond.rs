@@ -21,10 +21,10 @@ use tracing::Instrument;
 use super::completions::{rename, Api, Job};
 use super::error::ApiError;
 use super::HttpState;
-use crate::request::generation::{self, Chunk, RouteLimits, Started};
+use crate::frontend::{FrontEnd, Started};
+use crate::request::generation::{self, Chunk};
 use crate::request::span::request_span;
 use crate::request::tokenizer::Tokenizer;
-use crate::routing::Catalog;
 use crate::tenant::Caller;
 use strata_common::trace::TraceContext;
 
@@ -62,8 +62,7 @@ fn finish_str(f: FinishReason) -> &'static str {
 /// Starts every choice of `job`; the first that cannot start fails the request (and
 /// dropping the others cancels them).
 async fn start_all(
-    models: &dyn Catalog,
-    limits: RouteLimits,
+    front: &FrontEnd,
     job: &Job,
     head: &Head,
     who: &Caller,
@@ -72,7 +71,7 @@ async fn start_all(
     // Choices start together and each holds a slot: more than can ever run at once would
     // hold every slot while waiting for the rest, starving other callers, then fail.
     let n = job.choices.len();
-    let slots = models.get(&job.common.model).map_err(ApiError::from)?.routes.gate_size().slots;
+    let slots = front.models().get(&job.common.model).map_err(ApiError::from)?.routes.gate_size().slots;
     for (most, whose) in [
         (slots, "the model's slots on this coordinator"),
         (who.max_concurrent().map_or(usize::MAX, |m| m as usize), "the tenant's max_concurrent"),
@@ -87,7 +86,7 @@ async fn start_all(
     let starts = job.choices.iter().map(|c| {
         let request_id = format!("{}-{}", head.id, c.index);
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
-        generation::begin(models, c.request.clone(), request_id, None, limits, who).instrument(span)
+        front.begin(c.request.clone(), request_id, None, who).instrument(span)
     });
     futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job)))
 }
@@ -108,7 +107,7 @@ impl Head {
 
 pub async fn run(state: Arc<HttpState>, job: Job, who: Caller, caller: Option<TraceContext>) -> Response {
     let head = Head::new(&job, state.next_id());
-    let started = match start_all(&*state.models, state.limits, &job, &head, &who, caller.as_ref()).await {
+    let started = match start_all(&state.front, &job, &head, &who, caller.as_ref()).await {
         Ok(s) => s,
         Err(e) => return e.into_response(),
     };
@@ -124,15 +123,9 @@ pub async fn run(state: Arc<HttpState>, job: Job, who: Caller, caller: Option<Tr
 
 /// The whole (non-streamed) response body of `job`, `id` naming it: what a batch job's
 /// request gets.
-pub async fn answer(
-    models: &dyn Catalog,
-    limits: RouteLimits,
-    job: &Job,
-    id: String,
-    who: &Caller,
-) -> Result<Json, ApiError> {
+pub async fn answer(front: &FrontEnd, job: &Job, id: String, who: &Caller) -> Result<Json, ApiError> {
     let head = Head::new(job, id);
-    let started = start_all(models, limits, job, &head, who, None).await?;
+    let started = start_all(front, job, &head, who, None).await?;
     unary(job, &head, started).await
 }
 

@@ -26,8 +26,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use strata_common::metrics::register;
 use strata_common::{SamplingParams, TokenLogprobs};
 
-use super::generation::Chunk;
-use super::metrics::ModelLabel;
+use crate::request::generation::Chunk;
+use crate::request::metrics::ModelLabel;
 
 /// What identifies a response.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -103,16 +103,6 @@ impl ResponseCache {
         ResponseCache { capacity, inner: Mutex::new(Inner { entries: LruCache::unbounded(), bytes: 0 }) }
     }
 
-    /// The process's cache (64 MiB until [`ResponseCache::configure`] says otherwise).
-    pub fn global() -> &'static ResponseCache {
-        GLOBAL.get_or_init(|| ResponseCache::new(DEFAULT_CAPACITY))
-    }
-
-    /// Sizes the process's cache; only before its first use (false after).
-    pub fn configure(capacity: usize) -> bool {
-        GLOBAL.set(ResponseCache::new(capacity)).is_ok()
-    }
-
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -166,10 +156,6 @@ impl ResponseCache {
         self.lock().bytes
     }
 }
-
-const DEFAULT_CAPACITY: usize = 64 << 20;
-
-static GLOBAL: OnceLock<ResponseCache> = OnceLock::new();
 
 struct CacheMetrics {
     hits: Family<ModelLabel, Counter>,

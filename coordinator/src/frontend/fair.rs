@@ -146,7 +146,7 @@ pub struct Gate {
 }
 
 fn gauges(model: &str) -> (Gauge, Gauge) {
-    type Gauges = Family<super::metrics::ModelLabel, Gauge>;
+    type Gauges = Family<crate::request::metrics::ModelLabel, Gauge>;
     static G: OnceLock<(Gauges, Gauges)> = OnceLock::new();
     let (waiting, in_flight) = G.get_or_init(|| {
         let (w, f) = (Gauges::default(), Gauges::default());
@@ -159,7 +159,7 @@ fn gauges(model: &str) -> (Gauge, Gauge) {
         register("admission_in_flight", "Requests holding a replica slot of this coordinator", f.clone());
         (w, f)
     });
-    let label = super::metrics::ModelLabel { model: model.to_string() };
+    let label = crate::request::metrics::ModelLabel { model: model.to_string() };
     (waiting.get_or_create(&label).clone(), in_flight.get_or_create(&label).clone())
 }
 
@@ -180,14 +180,9 @@ impl Drop for Slot {
 }
 
 impl Gate {
-    /// The gate of `model` on this coordinator.
-    pub fn of(model: &str) -> Arc<Gate> {
-        static GATES: OnceLock<Mutex<HashMap<String, Arc<Gate>>>> = OnceLock::new();
-        let gates = GATES.get_or_init(Default::default);
-        let mut gates = gates.lock().unwrap_or_else(|p| p.into_inner());
-        let gate = gates.entry(model.to_string());
-        gate.or_insert_with(|| Arc::new(Gate { state: Mutex::default(), gauges: Some(gauges(model)) }))
-            .clone()
+    /// A gate for `model`, publishing its gauges (a front end keeps one per model).
+    pub fn for_model(model: &str) -> Gate {
+        Gate { state: Mutex::default(), gauges: Some(gauges(model)) }
     }
 
     /// Publishes the queue's length and the slots in use.
