@@ -129,6 +129,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         listen: c.listen,
         leader: LeaderConfig { id, lease_ttl, keepalive, timings, tick: Duration::from_millis(250) },
         front: crate::security_args::front_options(c)?,
+        routing_policy: crate::security_args::routing_policy(c)?,
         client_auth,
         admin_auth,
         drain_timeout: secs(c.drain_timeout_s),

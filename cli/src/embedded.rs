@@ -34,6 +34,7 @@ use strata_coordinator::frontend::{FrontEnd, FrontEndOptions};
 use strata_coordinator::request::tokenizer::Tokenizer;
 use strata_coordinator::routing::catalog::ClusterCatalog;
 use strata_coordinator::routing::clients::WorkerClients;
+use strata_coordinator::routing::policy::PolicyKind;
 use strata_coordinator::routing::Catalog;
 use strata_worker::agent::{AgentConfig, WorkerAgent};
 use strata_worker::in_process::InProcessWorker;
@@ -58,6 +59,8 @@ pub struct EmbeddedOptions {
     pub serve: ServeOptions,
     /// Route limits and the response cache's size.
     pub front: FrontEndOptions,
+    /// How each model's router picks a replica.
+    pub routing_policy: PolicyKind,
     /// Who may call the admin API.
     pub admin_auth: AdminAuth,
     pub timings: Timings,
@@ -171,7 +174,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         workers.push(start_worker(i, &opts.agent, &registry, &keys, &clients).await?);
     }
     let watcher = Watcher::start(registry.clone(), keys.clone());
-    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone(), opts.routing_policy)?;
     let tenants = opts.serve.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());
     let front = FrontEnd::new(catalog.clone(), opts.front);

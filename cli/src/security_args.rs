@@ -13,6 +13,7 @@ use strata_common::tls::{ClusterCredentials, ClusterTls, Role};
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
 use strata_coordinator::frontend::FrontEndOptions;
 use strata_coordinator::request::generation::RouteLimits;
+use strata_coordinator::routing::policy::PolicyKind;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 #[derive(Args, Debug, Clone, Default)]
@@ -116,6 +117,11 @@ pub struct CallerArgs {
     /// (coordinator.response_cache_memory).
     #[arg(long, env = "STRATA_RESPONSE_CACHE_MEMORY", value_name = "SIZE")]
     pub response_cache_memory: Option<String>,
+    /// How a model's router picks among its ready replicas: prefix-affinity (where the
+    /// prompt's prefix went before, unless that replica is much busier) or
+    /// least-outstanding [default: prefix-affinity] (coordinator.routing_policy).
+    #[arg(long, env = "STRATA_ROUTING_POLICY", value_name = "POLICY")]
+    pub routing_policy: Option<String>,
 }
 
 impl CallerArgs {
@@ -140,7 +146,15 @@ impl CallerArgs {
         if let Some(m) = &self.response_cache_memory {
             c.response_cache_memory = m.clone();
         }
+        if let Some(p) = &self.routing_policy {
+            c.routing_policy = p.clone();
+        }
     }
+}
+
+/// The routing policy `coordinator.routing_policy` names.
+pub fn routing_policy(c: &CoordinatorSettings) -> anyhow::Result<PolicyKind> {
+    PolicyKind::parse(&c.routing_policy).context("--routing-policy (coordinator.routing_policy)")
 }
 
 /// The front end's settings: how long a request waits for a replica

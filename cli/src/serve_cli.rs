@@ -163,6 +163,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let names = model_names(&s.models)?;
     let (engine, limits) = engine_config(&cfg.engine)?;
     let front = crate::security_args::front_options(&cfg.coordinator)?;
+    let routing_policy = crate::security_args::routing_policy(&cfg.coordinator)?;
     let client_auth =
         ClientAuth::with_tenants(client_keys(&cfg.coordinator)?, cfg.coordinator.tenants.clone())
             .context("--api-key, coordinator.tenants")?;
@@ -235,6 +236,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         },
         serve: opts,
         front,
+        routing_policy,
         admin_auth,
         model_roots: roots,
         timings: Timings::default(),

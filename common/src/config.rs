@@ -278,6 +278,9 @@ pub struct CoordinatorSettings {
     /// Memory for responses to deterministic requests, replayed when an identical
     /// request comes again (a size: "64MiB"; "0": off).
     pub response_cache_memory: String,
+    /// How a model's router picks among its ready replicas: "prefix-affinity" (where the
+    /// prompt's prefix went before, unless much busier) or "least-outstanding".
+    pub routing_policy: String,
     /// Tenants: their API keys and limits (`[[coordinator.tenants]]`; more can be made
     /// through the admin API). See docs/TENANTS.md.
     pub tenants: Vec<crate::tenant::TenantConfig>,
@@ -306,6 +309,7 @@ impl Default for CoordinatorSettings {
             drain_timeout_s: 30.0,
             default_device: "cpu".into(),
             response_cache_memory: "64MiB".into(),
+            routing_policy: "prefix-affinity".into(),
             tenants: Vec::new(),
         }
     }

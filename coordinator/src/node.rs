@@ -19,6 +19,7 @@ use crate::control::view::Watcher;
 use crate::frontend::{FrontEnd, FrontEndOptions};
 use crate::routing::catalog::ClusterCatalog;
 use crate::routing::clients::WorkerClients;
+use crate::routing::policy::PolicyKind;
 
 /// Everything `strata coordinator` runs with.
 pub struct CoordinatorOptions {
@@ -27,6 +28,8 @@ pub struct CoordinatorOptions {
     pub leader: LeaderConfig,
     /// Route limits and the response cache's size.
     pub front: FrontEndOptions,
+    /// How each model's router picks a replica.
+    pub routing_policy: PolicyKind,
     pub client_auth: ClientAuth,
     pub admin_auth: AdminAuth,
     /// SIGTERM: how long in-flight calls get to finish.
@@ -49,7 +52,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     let watcher = Watcher::start(registry.clone(), opts.keys.clone());
     let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
     let gauges = tokio::spawn(crate::control::metrics::follow(watcher.subscribe(), opts.leader.id.clone()));
-    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone())?;
+    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone(), opts.routing_policy)?;
     let front = FrontEnd::new(catalog.clone(), opts.front);
     let tenants = opts.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());

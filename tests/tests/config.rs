@@ -52,6 +52,13 @@ fn bad_keys_and_values_are_named_with_their_flag() {
     let e = fails(&["serve", "--model", &model(), "--kv-cache-memory", "100000GiB"], &[]);
     assert!(e.contains("engine.kv_cache_memory") && e.contains("available"), "{e}");
 
+    // An unknown routing policy is named with the flag and the known ones, before anything starts.
+    let e = fails(&["serve", "--model", &model(), "--routing-policy", "round-robin"], &[]);
+    assert!(
+        e.contains("--routing-policy") && e.contains("round-robin") && e.contains("least-outstanding"),
+        "{e}"
+    );
+
     let e = fails(&["serve", "--config", "/nonexistent/strata.toml", "--model", &model()], &[]);
     assert!(e.contains("/nonexistent/strata.toml"), "{e}");
 

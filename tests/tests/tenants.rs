@@ -187,6 +187,24 @@ async fn quotas_and_caps(ep: &str) {
     unnamed.max_tokens = None;
     let capped = c.generate(keyed(unnamed, "narrow-key")).await.unwrap().into_inner();
     assert_eq!(capped.token_ids.len(), 4, "a request naming no max_tokens gets the tenant's cap");
+    // Over gRPC as over HTTP, a tenant sees only its models and tokenizes with no other.
+    use strata_proto::inference::v1 as pb;
+    let listed = |key: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let r = c.list_models(keyed(pb::ListModelsRequest {}, key)).await.unwrap().into_inner();
+            r.models.into_iter().map(|m| m.name).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed("narrow-key").await, ["m"]);
+    assert!(listed("elsewhere-key").await.is_empty());
+    let tokenize = |key| keyed(pb::TokenizeRequest { model: "m".into(), text: "hello".into() }, key);
+    assert!(!c.tokenize(tokenize("narrow-key")).await.unwrap().into_inner().token_ids.is_empty());
+    let e = c.tokenize(tokenize("elsewhere-key")).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // A call without a key is refused by the auth layer before any handler.
+    let e = c.list_models(pb::ListModelsRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
 }
 
 /// The admin API's usage of the steady tenant equals what its streams delivered.

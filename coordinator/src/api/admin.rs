@@ -24,6 +24,7 @@ use tracing::info;
 
 use super::admin_rollouts::{limits_from_pb, limits_to_pb};
 use super::audit::{caller, AuditLog};
+use super::audited::Audited;
 use super::auth::AdminAuth;
 use crate::control::view::ClusterView;
 use crate::routing::catalog::ClusterCatalog;
@@ -235,18 +236,26 @@ impl ClusterAdmin {
         caller(request, self.auth.token_valid(request))
     }
 
-    /// Runs one admin action and records it, whatever its outcome.
-    async fn audited<R>(
+    /// Checks the admin credential, runs one admin action and records it in the audit log
+    /// and the admin metrics, whatever its outcome: allowed, refused or failed. The one
+    /// place every cluster-changing call goes through; the request says what it audits
+    /// ([`Audited`]).
+    async fn audited<R: Audited, T, F>(
         &self,
-        action: &str,
-        caller: String,
-        target: &str,
-        detail: String,
-        action_result: impl std::future::Future<Output = Result<R, Status>>,
-    ) -> Result<R, Status> {
-        let result = action_result.await;
-        crate::control::metrics::admin_action(action, result.is_ok());
-        self.audit.record(action, caller, target, detail, &result).await;
+        request: Request<R>,
+        run: impl FnOnce(Request<R>) -> F,
+    ) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<Response<T>, Status>>,
+    {
+        let caller = self.caller(&request);
+        let (target, detail) = (request.get_ref().target(), request.get_ref().detail());
+        let result = match self.auth.check(&request) {
+            Ok(()) => run(request).await,
+            Err(refused) => Err(refused),
+        };
+        crate::control::metrics::admin_action(R::ACTION, result.is_ok());
+        self.audit.record(R::ACTION, caller, &target, detail, &result).await;
         result
     }
 
@@ -254,7 +263,6 @@ impl ClusterAdmin {
         &self,
         request: Request<pb::DeployModelRequest>,
     ) -> Result<Response<pb::DeployModelResponse>, Status> {
-        self.auth.check(&request)?;
         let r = request.into_inner();
         self.model_roots.check(&r.model_dir).map_err(to_status)?;
         let limits = r.scheduler.unwrap_or_default();
@@ -298,7 +306,6 @@ impl ClusterAdmin {
         &self,
         request: Request<pb::UndeployModelRequest>,
     ) -> Result<Response<pb::UndeployModelResponse>, Status> {
-        self.auth.check(&request)?;
         let name = request.into_inner().name;
         self.spec(&name).await.map_err(to_status)?;
         self.registry.delete(&self.keys.model(&name)).await.map_err(to_status)?;
@@ -310,7 +317,6 @@ impl ClusterAdmin {
         &self,
         request: Request<pb::ScaleReplicasRequest>,
     ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
-        self.auth.check(&request)?;
         let r = request.into_inner();
         let spec = self
             .change_spec(&r.name, |spec| {
@@ -327,7 +333,6 @@ impl ClusterAdmin {
         &self,
         request: Request<pb::DrainWorkerRequest>,
     ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
-        self.auth.check(&request)?;
         let r = request.into_inner();
         if r.worker_id.is_empty() {
             return Err(to_status(Error::invalid("worker_id", "must name a worker")));
@@ -356,61 +361,42 @@ impl Admin for ClusterAdmin {
         &self,
         request: Request<pb::DeployModelRequest>,
     ) -> Result<Response<pb::DeployModelResponse>, Status> {
-        let r = request.get_ref();
-        let target = r.name.clone();
-        let detail = format!(
-            "model_dir={} tp={} pp={} replicas={} dtype={} device={}",
-            r.model_dir, r.tp, r.pp, r.replicas, r.dtype, r.device
-        );
-        let caller = self.caller(&request);
-        self.audited("DeployModel", caller, &target, detail, self.do_deploy_model(request)).await
+        self.audited(request, |r| self.do_deploy_model(r)).await
     }
 
     async fn undeploy_model(
         &self,
         request: Request<pb::UndeployModelRequest>,
     ) -> Result<Response<pb::UndeployModelResponse>, Status> {
-        let target = request.get_ref().name.clone();
-        let caller = self.caller(&request);
-        self.audited("UndeployModel", caller, &target, String::new(), self.do_undeploy_model(request)).await
+        self.audited(request, |r| self.do_undeploy_model(r)).await
     }
 
     async fn scale_replicas(
         &self,
         request: Request<pb::ScaleReplicasRequest>,
     ) -> Result<Response<pb::ScaleReplicasResponse>, Status> {
-        let (target, detail) =
-            (request.get_ref().name.clone(), format!("replicas={}", request.get_ref().replicas));
-        let caller = self.caller(&request);
-        self.audited("ScaleReplicas", caller, &target, detail, self.do_scale_replicas(request)).await
+        self.audited(request, |r| self.do_scale_replicas(r)).await
     }
 
     async fn drain_worker(
         &self,
         request: Request<pb::DrainWorkerRequest>,
     ) -> Result<Response<pb::DrainWorkerResponse>, Status> {
-        let (target, detail) =
-            (request.get_ref().worker_id.clone(), format!("undrain={}", request.get_ref().undrain));
-        let caller = self.caller(&request);
-        self.audited("DrainWorker", caller, &target, detail, self.do_drain_worker(request)).await
+        self.audited(request, |r| self.do_drain_worker(r)).await
     }
 
     async fn set_tenant(
         &self,
         request: Request<pb::SetTenantRequest>,
     ) -> Result<Response<pb::SetTenantResponse>, Status> {
-        let r = request.get_ref();
-        let detail = format!("weight={:?} limits={:?}", r.weight, r.limits);
-        let (target, caller) = (r.name.clone(), self.caller(&request));
-        self.audited("SetTenant", caller, &target, detail, self.do_set_tenant(request)).await
+        self.audited(request, |r| self.do_set_tenant(r)).await
     }
 
     async fn delete_tenant(
         &self,
         request: Request<pb::DeleteTenantRequest>,
     ) -> Result<Response<pb::DeleteTenantResponse>, Status> {
-        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
-        self.audited("DeleteTenant", caller, &target, String::new(), self.do_delete_tenant(request)).await
+        self.audited(request, |r| self.do_delete_tenant(r)).await
     }
 
     async fn list_tenants(
@@ -424,18 +410,14 @@ impl Admin for ClusterAdmin {
         &self,
         request: Request<pb::CreateApiKeyRequest>,
     ) -> Result<Response<pb::CreateApiKeyResponse>, Status> {
-        let (target, caller) = (request.get_ref().tenant.clone(), self.caller(&request));
-        self.audited("CreateApiKey", caller, &target, String::new(), self.do_create_api_key(request)).await
+        self.audited(request, |r| self.do_create_api_key(r)).await
     }
 
     async fn revoke_api_key(
         &self,
         request: Request<pb::RevokeApiKeyRequest>,
     ) -> Result<Response<pb::RevokeApiKeyResponse>, Status> {
-        let r = request.get_ref();
-        let (target, detail, caller) =
-            (r.tenant.clone(), format!("key_id={}", r.key_id), self.caller(&request));
-        self.audited("RevokeApiKey", caller, &target, detail, self.do_revoke_api_key(request)).await
+        self.audited(request, |r| self.do_revoke_api_key(r)).await
     }
 
     async fn get_usage(
@@ -449,40 +431,28 @@ impl Admin for ClusterAdmin {
         &self,
         request: Request<pb::StartRolloutRequest>,
     ) -> Result<Response<pb::RolloutResponse>, Status> {
-        let r = request.get_ref();
-        let detail = format!(
-            "model_dir={} dtype={} tp={} pp={} device={} canary_percent={} canary_replicas={}",
-            r.model_dir, r.dtype, r.tp, r.pp, r.device, r.canary_percent, r.canary_replicas
-        );
-        let (target, caller) = (r.name.clone(), self.caller(&request));
-        self.audited("StartRollout", caller, &target, detail, self.do_start_rollout(request)).await
+        self.audited(request, |r| self.do_start_rollout(r)).await
     }
 
     async fn set_rollout_weight(
         &self,
         request: Request<pb::SetRolloutWeightRequest>,
     ) -> Result<Response<pb::RolloutResponse>, Status> {
-        let r = request.get_ref();
-        let (target, detail) = (r.name.clone(), format!("canary_percent={}", r.canary_percent));
-        let caller = self.caller(&request);
-        self.audited("SetRolloutWeight", caller, &target, detail, self.do_set_rollout_weight(request)).await
+        self.audited(request, |r| self.do_set_rollout_weight(r)).await
     }
 
     async fn promote_rollout(
         &self,
         request: Request<pb::PromoteRolloutRequest>,
     ) -> Result<Response<pb::RolloutResponse>, Status> {
-        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
-        self.audited("PromoteRollout", caller, &target, String::new(), self.do_promote_rollout(request)).await
+        self.audited(request, |r| self.do_promote_rollout(r)).await
     }
 
     async fn rollback_rollout(
         &self,
         request: Request<pb::RollbackRolloutRequest>,
     ) -> Result<Response<pb::RolloutResponse>, Status> {
-        let (target, caller) = (request.get_ref().name.clone(), self.caller(&request));
-        self.audited("RollbackRollout", caller, &target, String::new(), self.do_rollback_rollout(request))
-            .await
+        self.audited(request, |r| self.do_rollback_rollout(r)).await
     }
 
     async fn get_rollout(

@@ -130,6 +130,30 @@ impl ClientAuth {
     }
 }
 
+/// inference.v1's auth as a layer (a tonic interceptor on the service): every call's
+/// caller, named by its bearer token, goes into the request's extensions — as the HTTP
+/// API's layer puts it in its requests' — and a call without a valid key never reaches a
+/// handler. Handlers read it with [`caller_of`].
+#[derive(Clone)]
+pub struct CallerLayer(pub ClientAuth);
+
+impl tonic::service::Interceptor for CallerLayer {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let caller = self.0.check(&request)?;
+        request.extensions_mut().insert(caller);
+        Ok(request)
+    }
+}
+
+/// The caller [`CallerLayer`] named for `request`.
+pub fn caller_of<T>(request: &Request<T>) -> Result<Caller, Status> {
+    request
+        .extensions()
+        .get::<Caller>()
+        .cloned()
+        .ok_or_else(|| Status::internal("no caller: the auth layer did not run"))
+}
+
 /// Admin-call credentials.
 #[derive(Debug, Clone, Default)]
 pub struct AdminAuth {

@@ -22,7 +22,7 @@ use crate::request::span::request_span;
 use strata_common::status::to_status;
 use strata_common::{wire, Error, SamplingParams};
 
-use super::auth::ClientAuth;
+use super::auth::caller_of;
 use crate::frontend::admission::{GenerateRequest, Priority, Prompt};
 use crate::frontend::FrontEnd;
 use crate::request::generation;
@@ -66,10 +66,10 @@ fn api_field_names(e: Error) -> Error {
     }
 }
 
+/// Served behind [`super::auth::CallerLayer`], which names each call's caller.
 pub struct InferenceService {
     front: Arc<FrontEnd>,
     next_request: AtomicU64,
-    auth: ClientAuth,
 }
 
 /// The caller's deadline from the `grpc-timeout` header, a little early so that our
@@ -94,8 +94,8 @@ pub fn deadline<T>(request: &Request<T>) -> Option<tokio::time::Instant> {
 }
 
 impl InferenceService {
-    pub fn new(front: Arc<FrontEnd>, auth: ClientAuth) -> Self {
-        InferenceService { front, next_request: AtomicU64::new(1), auth }
+    pub fn new(front: Arc<FrontEnd>) -> Self {
+        InferenceService { front, next_request: AtomicU64::new(1) }
     }
 
     fn request_id(&self, given: &str) -> String {
@@ -132,7 +132,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<pb::GenerateResponse>, Status> {
-        let who = self.auth.check(&request)?;
+        let who = caller_of(&request)?;
         let deadline = deadline(&request);
         let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
@@ -169,7 +169,7 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
-        let who = self.auth.check(&request)?;
+        let who = caller_of(&request)?;
         let deadline = deadline(&request);
         let caller = strata_common::trace::from_metadata(request.metadata());
         let req = request.into_inner();
@@ -199,9 +199,10 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
-        self.auth.check(&request)?;
+        let who = caller_of(&request)?;
         let req = request.into_inner();
         let model = self.front.models().get(&req.model).map_err(to_status)?;
+        who.may_use(&model.name).map_err(to_status)?;
         let text = req.text;
         let token_ids = tokio::task::spawn_blocking(move || {
             model.tokenizer.encode(&text, model.config.max_position_embeddings.max(1 << 20))
@@ -216,9 +217,10 @@ impl Inference for InferenceService {
         &self,
         request: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        self.auth.check(&request)?;
+        let who = caller_of(&request)?;
         let mut models = Vec::new();
-        for m in self.front.models().all() {
+        // A tenant sees the models it may use, as on the HTTP API.
+        for m in self.front.models().all().into_iter().filter(|m| who.may_use(&m.name).is_ok()) {
             let s = m.routes.stats().await;
             models.push(pb::ModelInfo {
                 name: m.name.clone(),

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod admin_rollouts;
 pub mod admin_tenants;
 pub mod audit;
+pub mod audited;
 pub mod auth;
 pub mod http;
 pub mod inference;

@@ -18,7 +18,7 @@ use strata_proto::inference::v1::inference_server::InferenceServer;
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use super::auth::ClientAuth;
+use super::auth::{CallerLayer, ClientAuth};
 use super::http::{HttpOptions, RunningHttp};
 use super::inference::InferenceService;
 use crate::frontend::FrontEnd;
@@ -106,7 +106,10 @@ pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
-        .add_service(InferenceServer::new(InferenceService::new(front.clone(), opts.client_auth)))
+        .add_service(InferenceServer::with_interceptor(
+            InferenceService::new(front.clone()),
+            CallerLayer(opts.client_auth),
+        ))
         .add_service(AdminServer::new(admin))
         .serve_with_incoming_shutdown(
             strata_common::conn_limits::LimitedListener::new(

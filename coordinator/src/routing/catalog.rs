@@ -18,6 +18,7 @@ use tracing::{info, warn};
 
 use super::clients::WorkerClients;
 use super::cluster::ClusterRoutes;
+use super::policy::PolicyKind;
 use crate::control::view::ClusterView;
 use crate::request::tokenizer::Tokenizer;
 use crate::routing::{not_found, Catalog, ModelEntry};
@@ -93,11 +94,18 @@ pub struct ClusterCatalog {
     entries: Mutex<HashMap<String, Loaded>>,
     /// Why a deployed model has no entry yet.
     errors: Mutex<HashMap<String, String>>,
+    /// How each model's router picks a replica.
+    policy: PolicyKind,
 }
 
 impl ClusterCatalog {
     /// Starts loading entries as models appear in the view.
-    pub fn start(view: watch::Receiver<Arc<ClusterView>>, clients: Arc<WorkerClients>) -> Result<Arc<Self>> {
+    /// Each model's router picks replicas by `policy`.
+    pub fn start(
+        view: watch::Receiver<Arc<ClusterView>>,
+        clients: Arc<WorkerClients>,
+        policy: PolicyKind,
+    ) -> Result<Arc<Self>> {
         let files = ModelFileCache::new(clients.clone())?;
         let catalog = Arc::new(ClusterCatalog {
             view,
@@ -105,6 +113,7 @@ impl ClusterCatalog {
             files,
             entries: Mutex::new(HashMap::new()),
             errors: Mutex::new(HashMap::new()),
+            policy,
         });
         let weak = Arc::downgrade(&catalog);
         let mut view = catalog.view.clone();
@@ -191,8 +200,9 @@ impl ClusterCatalog {
         })
         .await
         .map_err(|e| Error::Internal(format!("loading model files: {e}")))??;
-        let routes = routes
-            .unwrap_or_else(|| Arc::new(ClusterRoutes::new(name, self.view.clone(), self.clients.clone())));
+        let routes = routes.unwrap_or_else(|| {
+            Arc::new(ClusterRoutes::new(name, self.view.clone(), self.clients.clone(), self.policy))
+        });
         let entry =
             Arc::new(ModelEntry { name: name.to_string(), config, tokenizer, routes: routes.clone() });
         Ok(Loaded { model_dir: model_dir.to_string(), entry, routes })

@@ -17,9 +17,9 @@ use strata_common::{EngineStats, ReplicaId, Result};
 use tokio::sync::watch;
 
 use super::clients::WorkerClients;
-use strata_common::prefix::{block_hashes, DEFAULT_BLOCK_SIZE};
+use strata_common::prefix::DEFAULT_BLOCK_SIZE;
 
-use super::prefix::{prompt_key, select, Candidate, PrefixIndex};
+use super::policy::{Candidate, Policy, PolicyKind};
 use super::split::{to_canary, SplitIndex};
 use super::suspects::Suspects;
 use super::{EventStream, GateSize, Job, Replica, Routes};
@@ -44,7 +44,8 @@ pub struct ClusterRoutes {
     view: watch::Receiver<Arc<ClusterView>>,
     clients: Arc<WorkerClients>,
     loads: Mutex<HashMap<String, Arc<ReplicaLoad>>>,
-    index: Mutex<PrefixIndex>,
+    /// Which of the usable replicas a request goes to.
+    policy: Box<dyn Policy>,
     suspects: Mutex<Suspects>,
     /// Where prompts part ways, for the split between revisions while a canary runs.
     split: Mutex<SplitIndex>,
@@ -53,13 +54,18 @@ pub struct ClusterRoutes {
 }
 
 impl ClusterRoutes {
-    pub fn new(model: &str, view: watch::Receiver<Arc<ClusterView>>, clients: Arc<WorkerClients>) -> Self {
+    pub fn new(
+        model: &str,
+        view: watch::Receiver<Arc<ClusterView>>,
+        clients: Arc<WorkerClients>,
+        policy: PolicyKind,
+    ) -> Self {
         ClusterRoutes {
             model: model.to_string(),
             view,
             clients,
             loads: Mutex::new(HashMap::new()),
-            index: Mutex::new(PrefixIndex::new(1 << 16)),
+            policy: policy.build(),
             suspects: Mutex::new(Suspects::default()),
             split: Mutex::new(SplitIndex::new(1 << 15)),
             block_size: AtomicUsize::new(0),
@@ -150,7 +156,7 @@ impl ClusterRoutes {
         for g in gone {
             if loads.get(&g).is_some_and(|l| l.outstanding.load(Ordering::Relaxed) == 0) {
                 loads.remove(&g);
-                self.index.lock().unwrap_or_else(|p| p.into_inner()).forget(&g);
+                self.policy.forget(&g);
             }
         }
     }
@@ -216,11 +222,7 @@ impl Routes for ClusterRoutes {
             .collect();
         let candidates: Vec<Candidate<'_>> =
             ready.iter().zip(&outstanding).map(|((id, _), &o)| Candidate { id, outstanding: o }).collect();
-        let block_size = self.block_size();
-        let hashes = block_hashes(prompt, block_size);
-        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        let i = select(&candidates, index.best(&hashes, &candidates), prompt_key(prompt, block_size));
-        index.record(&hashes, &ready[i].0);
+        let i = self.policy.pick(prompt, self.block_size(), &candidates);
         Some(Arc::new(RemoteReplica {
             ranks: chosen[i].workers.len().max(1),
             id: ReplicaId::new(ready[i].0.as_str()),

@@ -9,7 +9,8 @@
 //!
 //! - [`cluster`]: one model's routes from the registry view; replicas reached through the
 //!   `WorkerApi` seam ([`clients`]: gRPC or in-process, [`grpc_worker`]: the gRPC one);
-//! - [`prefix`]: the routing policy (prefix affinity, then least outstanding), pure;
+//! - [`policy`]: which usable replica a request goes to — one file per policy (prefix
+//!   affinity, least outstanding), built by name, each passing the same contract tests;
 //! - [`split`]: which revision takes a request while a canary runs (sticky per prefix);
 //! - [`catalog`]: the served models as the registry view says, with their tokenizers.
 
@@ -24,7 +25,7 @@ pub mod catalog;
 pub mod clients;
 pub mod cluster;
 pub mod grpc_worker;
-pub mod prefix;
+pub mod policy;
 pub mod split;
 pub mod suspects;
 

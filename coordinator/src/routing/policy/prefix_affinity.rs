@@ -1,38 +1,50 @@
-//! The routing policy: prefix affinity balanced with least outstanding work.
+//! Prefix affinity balanced with least outstanding work.
 //!
 //! A replica that already holds a prompt's prefix in its KV cache skips that prefill, so
 //! requests sharing a prefix should go where the prefix went before — unless that replica
 //! is much busier than the others. [`PrefixIndex`] remembers, per block of prompt tokens
 //! (`strata_common::prefix`: the chained hashes the engine's prefix cache keys its blocks
-//! by, at the replicas' block size), which replica the
-//! prefix was last sent to: an approximate radix tree, bounded and evicted least recently
-//! used (SGLang's cache-aware router does the same with a real tree). [`select`] is the
-//! pure decision: the longest-matching replica if its load is within the slack of the
-//! least loaded, otherwise the least loaded, ties broken by a rendezvous hash of the
-//! prompt so that identical prompts from different coordinators agree.
+//! by, at the replicas' block size), which replica the prefix was last sent to: an
+//! approximate radix tree, bounded and evicted least recently used (SGLang's cache-aware
+//! router does the same with a real tree). [`select`] is the pure decision: the
+//! longest-matching replica if its load is within the slack of the least loaded,
+//! otherwise the least loaded.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::sync::Mutex;
 
-use strata_common::prefix::chain_hash;
+use strata_common::prefix::block_hashes;
 
-/// A ready replica and its outstanding requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Candidate<'a> {
-    pub id: &'a str,
-    pub outstanding: usize,
+use super::{least_loaded, prompt_key, Candidate, Policy};
+
+/// The policy: a [`PrefixIndex`] of the model's prompts.
+pub struct PrefixAffinity {
+    index: Mutex<PrefixIndex>,
 }
 
-fn hash64(v: impl Hash) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    v.hash(&mut h);
-    h.finish()
+impl PrefixAffinity {
+    /// Remembers at most `blocks` prompt blocks.
+    pub fn new(blocks: usize) -> Self {
+        PrefixAffinity { index: Mutex::new(PrefixIndex::new(blocks)) }
+    }
+
+    fn index(&self) -> std::sync::MutexGuard<'_, PrefixIndex> {
+        self.index.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
-/// What identical prompts agree on when no replica holds their prefix: the hash of their
-/// first block (or of the whole prompt when shorter).
-pub fn prompt_key(prompt: &[u32], block_size: usize) -> u64 {
-    chain_hash(0, &prompt[..prompt.len().min(block_size.max(1))])
+impl Policy for PrefixAffinity {
+    fn pick(&self, prompt: &[u32], block_size: usize, candidates: &[Candidate<'_>]) -> usize {
+        let hashes = block_hashes(prompt, block_size);
+        let mut index = self.index();
+        let i = select(candidates, index.best(&hashes, candidates), prompt_key(prompt, block_size));
+        index.record(&hashes, candidates[i].id);
+        i
+    }
+
+    fn forget(&self, replica: &str) {
+        self.index().forget(replica);
+    }
 }
 
 /// How much busier than the least loaded replica the affine one may be and still win.
@@ -49,13 +61,7 @@ pub fn select(candidates: &[Candidate<'_>], affinity: Option<(usize, usize)>, ke
             return i;
         }
     }
-    candidates
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.outstanding == min)
-        .max_by_key(|(_, c)| hash64((key, c.id)))
-        .map(|(i, _)| i)
-        .unwrap_or(0)
+    least_loaded(candidates, key)
 }
 
 /// Which replica each prompt prefix was last routed to.
@@ -119,7 +125,7 @@ mod tests {
 
     const BLOCK: usize = 16;
 
-    fn block_hashes(p: &[u32]) -> Vec<u64> {
+    fn hashes(p: &[u32]) -> Vec<u64> {
         strata_common::prefix::block_hashes(p, BLOCK)
     }
 
@@ -140,17 +146,17 @@ mod tests {
         p1.extend([900, 901]);
         let mut p2 = system.clone();
         p2.extend([700]);
-        index.record(&block_hashes(&p1), "b");
+        index.record(&hashes(&p1), "b");
         let c = cands(&ids, &[0, 1, 0]);
-        let aff = index.best(&block_hashes(&p2), &c);
+        let aff = index.best(&hashes(&p2), &c);
         assert_eq!(aff, Some((1, 4)), "four full blocks shared");
         assert_eq!(select(&c, aff, key(&p2)), 1, "affinity beats a slightly lower load");
         let c = cands(&ids, &[0, 9, 0]);
-        let aff = index.best(&block_hashes(&p2), &c);
+        let aff = index.best(&hashes(&p2), &c);
         assert_ne!(select(&c, aff, key(&p2)), 1, "a much busier replica loses its affinity");
         // A replica that is no longer a candidate cannot match.
         let c = cands(&["a", "c"], &[0, 0]);
-        assert_eq!(index.best(&block_hashes(&p2), &c), None);
+        assert_eq!(index.best(&hashes(&p2), &c), None);
     }
 
     #[test]
@@ -174,13 +180,13 @@ mod tests {
         let mut index = PrefixIndex::new(100);
         for i in 0..1000u32 {
             let p: Vec<u32> = (0..BLOCK as u32).map(|t| t + i * 1000).collect();
-            index.record(&block_hashes(&p), if i % 2 == 0 { "a" } else { "b" });
+            index.record(&hashes(&p), if i % 2 == 0 { "a" } else { "b" });
         }
         assert!(index.len() <= 100);
         let last: Vec<u32> = (0..BLOCK as u32).map(|t| t + 999 * 1000).collect();
         let c = cands(&["a", "b"], &[0, 0]);
-        assert_eq!(index.best(&block_hashes(&last), &c), Some((1, 1)));
+        assert_eq!(index.best(&hashes(&last), &c), Some((1, 1)));
         index.forget("b");
-        assert_eq!(index.best(&block_hashes(&last), &c), None);
+        assert_eq!(index.best(&hashes(&last), &c), None);
     }
 }
