@@ -7,14 +7,16 @@
 //! `APIError`. A client that goes away drops the body; that drops the choices' chunk
 //! receivers, which cancels their sequences on the replicas.
 
+use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use futures::StreamExt;
+use futures::stream::BoxStream;
+use futures::{Stream, StreamExt};
 use serde_json::{json, Map, Value as Json};
 use strata_common::{FinishReason, TokenLogprobs};
-use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
@@ -25,6 +27,7 @@ use crate::frontend::{FrontEnd, Started};
 use crate::request::generation::{self, Chunk};
 use crate::request::span::request_span;
 use crate::request::tokenizer::Tokenizer;
+use crate::routing::ModelEntry;
 use crate::tenant::Caller;
 use strata_common::trace::TraceContext;
 
@@ -265,77 +268,120 @@ fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> Json {
 /// One event of a stream: a choice's chunk, or the end of a choice's stream.
 type Tagged = (usize, Option<strata_common::Result<Chunk>>);
 
-fn stream(
+/// The SSE body of `job`, a stream the server polls itself: no task or channel between
+/// the choices' chunks and the connection.
+fn stream(job: Job, head: Head, started: Vec<Started>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let events = SseEvents::new(job, head, started);
+    Sse::new(futures::stream::unfold(events, |mut e| async move { e.next().await.map(|ev| (Ok(ev), e)) }))
+}
+
+fn data(json: &Json) -> Event {
+    Event::default().data(json.to_string())
+}
+
+/// A stream's events: its first chunks (the assistant role, or the echoed prompt), an
+/// event per chunk of every choice as they come, the usage when asked for, `[DONE]`. A
+/// choice that fails ends the stream with the error's body (no `[DONE]`).
+struct SseEvents {
     job: Job,
     head: Head,
-    started: Vec<Started>,
-) -> Sse<ReceiverStream<Result<Event, std::convert::Infallible>>> {
-    let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(async move {
-        // Ends when the client goes away (a send fails): dropping the receivers cancels.
-        let _ = pump(job, head, started, tx).await;
-    });
-    Sse::new(ReceiverStream::new(rx))
+    models: Vec<Arc<ModelEntry>>,
+    merged: futures::stream::SelectAll<BoxStream<'static, Tagged>>,
+    /// Events ready to go before the next chunk is awaited.
+    ready: VecDeque<Event>,
+    want_logprobs: bool,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    /// Per choice: the text's length so far (completions' logprob offsets).
+    offsets: Vec<usize>,
+    ended: bool,
 }
 
-type EventTx = mpsc::Sender<Result<Event, std::convert::Infallible>>;
-
-async fn send(tx: &EventTx, data: &Json) -> Result<(), ()> {
-    tx.send(Ok(Event::default().data(data.to_string()))).await.map_err(|_| ())
-}
-
-async fn pump(job: Job, head: Head, started: Vec<Started>, tx: EventTx) -> Result<(), ()> {
-    let prompt_tokens = prompt_tokens(&job, &started);
-    let models: Vec<_> = started.iter().map(|s| s.model.clone()).collect();
-    let streams = started.into_iter().enumerate().map(|(i, s)| {
-        ReceiverStream::new(s.rx).map(move |c| (i, Some(c))).chain(futures::stream::iter([(i, None)]))
-    });
-    let mut merged = futures::stream::select_all(streams);
-    let want_logprobs = job.choices.first().and_then(|c| c.request.params.logprobs).is_some();
-    let mut completion_tokens = 0;
-    let mut offsets = vec![0usize; job.choices.len()];
-    // First chunks: the assistant role (chat) or the echoed prompt (completions).
-    for (i, choice) in job.choices.iter().enumerate() {
-        let first = match (job.api, &job.echo) {
-            (Api::Chat, _) => Some(json!({"role": "assistant", "content": ""})),
-            (Api::Completion, Some(echo)) => Some(json!(echo[choice.prompt])),
-            (Api::Completion, None) => None,
+impl SseEvents {
+    fn new(job: Job, head: Head, started: Vec<Started>) -> Self {
+        let prompt_tokens = prompt_tokens(&job, &started);
+        let models: Vec<_> = started.iter().map(|s| s.model.clone()).collect();
+        let streams = started.into_iter().enumerate().map(|(i, s)| {
+            ReceiverStream::new(s.rx)
+                .map(move |c| (i, Some(c)))
+                .chain(futures::stream::iter([(i, None)]))
+                .boxed()
+        });
+        let want_logprobs = job.choices.first().and_then(|c| c.request.params.logprobs).is_some();
+        let mut events = SseEvents {
+            offsets: vec![0; job.choices.len()],
+            merged: futures::stream::select_all(streams),
+            ready: VecDeque::new(),
+            want_logprobs,
+            prompt_tokens,
+            completion_tokens: 0,
+            models,
+            head,
+            job,
+            ended: false,
         };
-        if let Some(first) = first {
-            offsets[i] = first.as_str().map_or(0, str::len);
-            send(&tx, &chunk_event(&job, &head, choice.index, first, Json::Null, None)).await?;
+        for i in 0..events.job.choices.len() {
+            let choice = &events.job.choices[i];
+            let first = match (events.job.api, &events.job.echo) {
+                (Api::Chat, _) => Some(json!({"role": "assistant", "content": ""})),
+                (Api::Completion, Some(echo)) => Some(json!(echo[choice.prompt])),
+                (Api::Completion, None) => None,
+            };
+            if let Some(first) = first {
+                events.offsets[i] = first.as_str().map_or(0, str::len);
+                let event = chunk_event(&events.job, &events.head, choice.index, first, Json::Null, None);
+                events.ready.push_back(data(&event));
+            }
         }
+        events
     }
-    while let Some((i, item)) = merged.next().await as Option<Tagged> {
-        let Some(chunk) = item else { continue };
-        let chunk = match chunk {
-            Ok(c) => c,
-            Err(e) => return send(&tx, &ApiError::from_domain(e, rename(&job)).body()).await,
-        };
-        completion_tokens += chunk.token_ids.len();
-        let tok = &models[i].tokenizer;
-        let logprobs = match (want_logprobs, job.api) {
+
+    async fn next(&mut self) -> Option<Event> {
+        if let Some(e) = self.ready.pop_front() {
+            return Some(e);
+        }
+        while !self.ended {
+            match self.merged.next().await {
+                Some((_, None)) => continue,
+                Some((i, Some(Ok(chunk)))) => return Some(data(&self.chunk(i, chunk))),
+                Some((_, Some(Err(e)))) => {
+                    self.ended = true;
+                    return Some(data(&ApiError::from_domain(e, rename(&self.job)).body()));
+                }
+                None => {
+                    self.ended = true;
+                    if self.job.common.include_usage {
+                        let mut last = self.head.object(self.job.api, true);
+                        last.insert("choices".into(), json!([]));
+                        last.insert("usage".into(), usage(self.prompt_tokens, self.completion_tokens));
+                        self.ready.push_back(data(&Json::Object(last)));
+                    }
+                    self.ready.push_back(Event::default().data("[DONE]"));
+                }
+            }
+        }
+        self.ready.pop_front()
+    }
+
+    /// Choice `i`'s chunk as an event's JSON.
+    fn chunk(&mut self, i: usize, chunk: Chunk) -> Json {
+        self.completion_tokens += chunk.token_ids.len();
+        let tok = &self.models[i].tokenizer;
+        let logprobs = match (self.want_logprobs, self.job.api) {
             (false, _) => Json::Null,
-            (true, Api::Completion) => completion_logprobs(tok, &chunk.logprobs, offsets[i]),
+            (true, Api::Completion) => completion_logprobs(tok, &chunk.logprobs, self.offsets[i]),
             (true, Api::Chat) => chat_logprobs(tok, &chunk.logprobs),
         };
-        offsets[i] += chunk.text.len();
-        let content = match job.api {
+        self.offsets[i] += chunk.text.len();
+        let content = match self.job.api {
             Api::Chat => json!({"content": chunk.text}),
             Api::Completion => json!(chunk.text),
         };
-        let index = job.choices[i].index;
-        let mut event = chunk_event(&job, &head, index, content, logprobs, chunk.finish);
+        let index = self.job.choices[i].index;
+        let mut event = chunk_event(&self.job, &self.head, index, content, logprobs, chunk.finish);
         event["system_fingerprint"] = fingerprint(chunk.revision);
-        send(&tx, &event).await?;
+        event
     }
-    if job.common.include_usage {
-        let mut last = head.object(job.api, true);
-        last.insert("choices".into(), json!([]));
-        last.insert("usage".into(), usage(prompt_tokens, completion_tokens));
-        send(&tx, &Json::Object(last)).await?;
-    }
-    tx.send(Ok(Event::default().data("[DONE]"))).await.map_err(|_| ())
 }
 
 /// One chunk of one choice: `delta` for chat, `text` for completions.
