@@ -302,3 +302,7 @@ impl Replica for RemoteReplica {
         .boxed())
     }
 }
+
+#[cfg(test)]
+#[path = "cluster_tests.rs"]
+mod tests;
