@@ -8,6 +8,8 @@ use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 
+use crate::build_args::{BuildArgs, Shown};
+
 #[derive(Args, Debug)]
 pub struct AdminArgs {
     /// A coordinator's address, e.g. http://127.0.0.1:50051.
@@ -83,59 +85,18 @@ pub struct DeployArgs {
     #[arg(long)]
     pub model: String,
     #[arg(long, default_value_t = 1)]
-    pub tp: u32,
-    #[arg(long, default_value_t = 1)]
-    pub pp: u32,
-    /// Expert parallelism for a mixture of experts: each MoE layer's experts split across
-    /// this many ranks of a stage (with --tp left out, it sets --tp).
-    #[arg(long, default_value_t = 1)]
-    pub ep: u32,
-    #[arg(long, default_value_t = 1)]
     pub replicas: u32,
-    /// bf16, f16 or f32 (default: the checkpoint's).
-    #[arg(long, default_value = "")]
-    pub dtype: String,
-    /// cpu or cuda: ranks go only to workers of this kind with room for their shard and
-    /// KV cache (default: the coordinator's default_device).
-    #[arg(long, value_parser = ["cpu", "cuda"])]
-    pub device: Option<String>,
-    /// Most sequences per engine step (0: the worker's default).
-    #[arg(long, default_value_t = 0)]
-    pub max_num_seqs: u32,
-    /// Most tokens per engine step (0: the worker's default).
-    #[arg(long, default_value_t = 0)]
-    pub max_batched_tokens: u32,
-    /// KV cache per rank, e.g. 512MiB (default: the worker's).
-    #[arg(long)]
-    pub kv_cache_memory: Option<String>,
-    /// Requests that may wait per replica, in the coordinators' fair-admission queues
-    /// (0: 256).
-    #[arg(long, default_value_t = 0)]
-    pub max_waiting: u32,
+    #[command(flatten)]
+    pub build: BuildArgs,
 }
 
 impl DeployArgs {
     fn request(self) -> anyhow::Result<pb::DeployModelRequest> {
-        let kv_cache_bytes = match &self.kv_cache_memory {
-            Some(m) => strata_common::config::parse_memory(m).context("--kv-cache-memory")? as u64,
-            None => 0,
-        };
-        let scheduler = pb::SchedulerLimits {
-            max_num_seqs: self.max_num_seqs,
-            max_batched_tokens: self.max_batched_tokens,
-            kv_cache_bytes,
-            max_waiting: self.max_waiting,
-        };
         Ok(pb::DeployModelRequest {
             name: self.name,
-            model_dir: self.model,
-            dtype: self.dtype,
-            device: self.device.unwrap_or_default(),
-            tp: self.tp,
-            pp: self.pp,
-            ep: self.ep,
+            build: Some(self.build.to_pb(Some(self.model))?),
             replicas: self.replicas,
-            scheduler: Some(scheduler),
+            ..Default::default()
         })
     }
 }
@@ -167,13 +128,14 @@ fn state_name(v: i32) -> &'static str {
 }
 
 fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
-    let s = m.scheduler.unwrap_or_default();
+    let b = Shown::model(m);
+    let s = b.scheduler;
     json!({
-        "name": m.name, "model_dir": m.model_dir, "dtype": m.dtype, "tp": m.tp, "pp": m.pp, "ep": m.ep,
+        "name": m.name, "model_dir": b.model_dir, "dtype": b.dtype, "tp": b.tp, "pp": b.pp, "ep": b.ep,
         "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
         "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
         "kv_cache_bytes": s.kv_cache_bytes, "max_waiting": s.max_waiting,
-        "generation": m.generation, "device": m.device,
+        "generation": m.generation, "device": b.device,
         "weight_bytes_per_rank": m.weight_bytes_per_rank,
         "canary_revision": m.canary_revision, "canary_percent": m.canary_percent,
     })
@@ -190,6 +152,7 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
     );
     let dash = |s: &str| if s.is_empty() { "-".to_string() } else { s.to_string() };
     for m in models {
+        let b = Shown::model(m);
         let per_rank = match m.weight_bytes_per_rank {
             0 => "-".to_string(),
             b => format!("{:.2}", b as f64 / (1u64 << 30) as f64),
@@ -201,16 +164,16 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
         println!(
             "{:<24} {:<6} {:>5} {:>3} {:>3} {:>8} {:>5} {:>9} {:>8} {:>12}  {}",
             m.name,
-            dash(&m.device),
-            dash(&m.dtype),
-            m.tp,
-            m.pp,
+            dash(&b.device),
+            dash(&b.dtype),
+            b.tp,
+            b.pp,
             m.desired_replicas,
             m.ready_replicas,
             per_rank,
             format!("r{}", m.generation),
             canary,
-            m.model_dir
+            b.model_dir
         );
     }
 }

@@ -135,7 +135,8 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         drain_timeout: secs(c.drain_timeout_s),
         tls,
         model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
-        default_device: c.default_device.clone(),
+        default_device: strata_common::DeviceKind::parse(&c.default_device)
+            .context("coordinator.default_device")?,
         caller_tls: caller_tls(c)?,
         http: http_options(c)?,
     };

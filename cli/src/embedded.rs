@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use strata_common::cluster::{encode, EngineLimits, ModelSpec, ReplicaState};
+use strata_common::cluster::{encode, Build, EngineLimits, ModelSpec, ReplicaState};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::memory::MemoryRegistry;
 use strata_common::registry::Registry;
@@ -108,17 +108,19 @@ async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Key
     for m in &opts.models {
         let spec = ModelSpec {
             name: m.name.as_str().into(),
-            model_dir: m.dir.to_string_lossy().into_owned(),
-            dtype: String::new(),
-            // The in-process workers are all of the command line's device; they were
-            // started for this model, so placement checks neither kind nor memory.
-            device: String::new(),
+            build: Build {
+                model_dir: m.dir.to_string_lossy().into_owned(),
+                dtype: None,
+                // The in-process workers are all of the command line's device; they were
+                // started for this model, so placement checks neither kind nor memory.
+                device: None,
+                tp: m.par.tp as u32,
+                pp: m.par.pp as u32,
+                ep: m.par.ep as u32,
+                limits: opts.limits.clone(),
+            },
             weight_bytes_per_rank: 0,
-            tp: m.par.tp as u32,
-            pp: m.par.pp as u32,
-            ep: m.par.ep as u32,
             replicas: m.replicas as u32,
-            limits: opts.limits.clone(),
             generation: 1,
             created_ms: strata_common::cluster::now_ms(),
             rollout: Default::default(),

@@ -1,13 +1,14 @@
 //! `strata admin rollout`: a new revision beside the serving one, its share of requests,
 //! promote and rollback (docs/ROLLOUTS.md).
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde_json::json;
 use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_client::AdminClient;
 use tonic::transport::Channel;
 
 use crate::admin_cli::{request, status_error};
+use crate::build_args::{BuildArgs, Shown};
 
 /// Start a rollout (`--model` or any build flag: a new revision in canary), change the
 /// canary's share (`--canary` alone), or act on a running one.
@@ -29,24 +30,9 @@ pub struct RolloutArgs {
     /// Replicas of the new revision (default: its share of the deployment's, at least 1).
     #[arg(long)]
     pub canary_replicas: Option<u32>,
-    /// bf16, f16 or f32 (default: the serving revision's).
-    #[arg(long)]
-    pub dtype: Option<String>,
-    #[arg(long)]
-    pub tp: Option<u32>,
-    #[arg(long)]
-    pub pp: Option<u32>,
-    #[arg(long, value_parser = ["cpu", "cuda"])]
-    pub device: Option<String>,
-    /// Most sequences per engine step (default: the serving revision's).
-    #[arg(long)]
-    pub max_num_seqs: Option<u32>,
-    /// Most tokens per engine step (default: the serving revision's).
-    #[arg(long)]
-    pub max_batched_tokens: Option<u32>,
-    /// KV cache per rank, e.g. 512MiB (default: the serving revision's).
-    #[arg(long)]
-    pub kv_cache_memory: Option<String>,
+    /// The new revision's build (each flag left out: the serving revision's).
+    #[command(flatten)]
+    pub build: BuildArgs,
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -71,37 +57,16 @@ pub enum RolloutStep {
 impl RolloutArgs {
     /// Whether any flag describes a new revision (otherwise `--canary` reweights).
     fn builds(&self) -> bool {
-        self.model.is_some()
-            || self.dtype.is_some()
-            || self.tp.is_some()
-            || self.pp.is_some()
-            || self.device.is_some()
-            || self.max_num_seqs.is_some()
-            || self.max_batched_tokens.is_some()
-            || self.kv_cache_memory.is_some()
-            || self.canary_replicas.is_some()
+        self.model.is_some() || self.build.any() || self.canary_replicas.is_some()
     }
 
     fn start(&self, name: String, percent: f64) -> anyhow::Result<pb::StartRolloutRequest> {
-        let kv_cache_bytes = match &self.kv_cache_memory {
-            Some(m) => strata_common::config::parse_memory(m).context("--kv-cache-memory")? as u64,
-            None => 0,
-        };
         Ok(pb::StartRolloutRequest {
             name,
-            model_dir: self.model.clone().unwrap_or_default(),
-            dtype: self.dtype.clone().unwrap_or_default(),
-            tp: self.tp.unwrap_or(0),
-            pp: self.pp.unwrap_or(0),
-            device: self.device.clone().unwrap_or_default(),
-            scheduler: Some(pb::SchedulerLimits {
-                max_num_seqs: self.max_num_seqs.unwrap_or(0),
-                max_batched_tokens: self.max_batched_tokens.unwrap_or(0),
-                kv_cache_bytes,
-                max_waiting: 0,
-            }),
+            build: Some(self.build.to_pb(self.model.clone())?),
             canary_percent: percent,
             canary_replicas: self.canary_replicas.unwrap_or(0),
+            ..Default::default()
         })
     }
 }
@@ -155,9 +120,10 @@ fn print(r: &pb::RolloutResponse, j: bool) {
             .revisions
             .iter()
             .map(|v| {
+                let b = Shown::revision(v);
                 json!({
-                    "revision": v.revision, "state": v.state, "model_dir": v.model_dir, "dtype": v.dtype,
-                    "device": v.device, "tp": v.tp, "pp": v.pp, "traffic_percent": v.traffic_percent,
+                    "revision": v.revision, "state": v.state, "model_dir": b.model_dir, "dtype": b.dtype,
+                    "device": b.device, "tp": b.tp, "pp": b.pp, "ep": b.ep, "traffic_percent": v.traffic_percent,
                     "desired_replicas": v.desired_replicas, "ready_replicas": v.ready_replicas,
                     "created_ms": v.created_ms, "ended_ms": v.ended_ms,
                 })
@@ -172,9 +138,10 @@ fn print(r: &pb::RolloutResponse, j: bool) {
     );
     for v in &r.revisions {
         let replicas = if v.desired_replicas == 0 { "-".to_string() } else { v.desired_replicas.to_string() };
+        let b = Shown::revision(v);
         println!(
             "{:<8} {:<12} {:>7}% {:>8} {:>5} {:>3} {:>3}  {}",
-            v.revision, v.state, v.traffic_percent, replicas, v.ready_replicas, v.tp, v.pp, v.model_dir
+            v.revision, v.state, v.traffic_percent, replicas, v.ready_replicas, b.tp, b.pp, b.model_dir
         );
     }
 }

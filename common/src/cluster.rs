@@ -15,12 +15,13 @@ use crate::error::{Error, Result};
 use crate::rollout::Rollout;
 use crate::shard::Parallelism;
 
+pub use crate::build::{Build, DeviceKind, EngineLimits};
+
 /// What a worker offers. A worker process drives one device (a machine with several GPUs
 /// runs one worker per GPU), so each placement slot is one registration.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Capacity {
-    /// "cpu" or "cuda".
-    pub device_kind: String,
+    pub device_kind: DeviceKind,
     /// Devices the worker drives (1).
     pub device_count: u32,
     /// Device memory free for weights and KV cache when the worker registered, bytes
@@ -76,54 +77,20 @@ pub struct WorkerRecord {
     pub started_ms: u64,
 }
 
-/// Engine limits a deployment sets (0 = the worker's default).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EngineLimits {
-    #[serde(default)]
-    pub max_num_seqs: u32,
-    #[serde(default)]
-    pub max_batched_tokens: u32,
-    /// KV cache bytes per rank (0: the worker's default).
-    #[serde(default)]
-    pub kv_cache_bytes: u64,
-    /// Requests that may wait for a replica's sequence slots (0: the default, 256); they
-    /// wait in the coordinators' fair-admission queues.
-    #[serde(default)]
-    pub max_waiting: u32,
-}
-
-/// What `ep` means where a record written before expert parallelism has none.
-pub(crate) fn one() -> u32 {
-    1
-}
-
 /// `<prefix>/models/<name>`: what an operator asked for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
     pub name: ModelName,
-    /// HF model directory, as the workers see it.
-    pub model_dir: String,
-    /// "bf16", "f16", "f32", or empty for the checkpoint's own dtype.
-    #[serde(default)]
-    pub dtype: String,
-    /// The device kind its ranks run on: "cpu" or "cuda" (empty: any, as specs written
-    /// before deployments named a device).
-    #[serde(default)]
-    pub device: String,
+    /// What the serving revision's replicas are built from (flat fields in the record).
+    #[serde(flatten)]
+    pub build: Build,
     /// Estimated weight bytes of the largest rank (0: unknown, the model's files could not
     /// be read when it was deployed); placement adds the KV cache to it.
     #[serde(default)]
     pub weight_bytes_per_rank: u64,
-    pub tp: u32,
-    pub pp: u32,
-    /// Expert parallelism: 1, or `tp` (each rank of a stage holds whole experts).
-    #[serde(default = "one")]
-    pub ep: u32,
     pub replicas: u32,
-    #[serde(default)]
-    pub limits: EngineLimits,
-    /// The serving revision's number: changes with every change of the fields above
-    /// (not the replica count), so replicas know which revision they were built from.
+    /// The serving revision's number: changes with every change of its build (not the
+    /// replica count), so replicas know which revision they were built from.
     #[serde(default)]
     pub generation: u64,
     /// Unix milliseconds when the serving revision was created (0: unknown).
@@ -136,11 +103,11 @@ pub struct ModelSpec {
 
 impl ModelSpec {
     pub fn parallelism(&self) -> Parallelism {
-        Parallelism { tp: self.tp as usize, pp: self.pp as usize, ep: self.ep.max(1) as usize }
+        self.build.parallelism()
     }
 
     pub fn world(&self) -> usize {
-        self.parallelism().world()
+        self.build.world()
     }
 
     /// Checks the fields a deployment must get right; names the bad one.
@@ -151,37 +118,11 @@ impl ModelSpec {
                 format!("{:?}: use 1-128 letters, digits, '-', '_', '.' or ':'", self.name),
             ));
         }
-        self.validate_build()?;
+        self.build.validate()?;
         if self.replicas > 1024 {
             return Err(Error::invalid("replicas", format!("{} is more than 1024", self.replicas)));
         }
         self.validate_rollout()
-    }
-
-    /// Checks what its replicas are built from.
-    pub(crate) fn validate_build(&self) -> Result<()> {
-        if self.model_dir.is_empty() {
-            return Err(Error::invalid("model_dir", "must name the model directory the workers load"));
-        }
-        if !matches!(self.dtype.as_str(), "" | "bf16" | "f16" | "f32") {
-            return Err(Error::invalid(
-                "dtype",
-                format!("{:?}: expected bf16, f16, f32 or empty", self.dtype),
-            ));
-        }
-        if !matches!(self.device.as_str(), "" | "cpu" | "cuda") {
-            return Err(Error::invalid("device", format!("{:?}: expected cpu or cuda", self.device)));
-        }
-        if self.tp == 0 || self.pp == 0 {
-            return Err(Error::invalid(if self.tp == 0 { "tp" } else { "pp" }, "must be at least 1"));
-        }
-        if self.ep > 1 && self.ep != self.tp {
-            return Err(Error::invalid("ep", format!("{} with tp {}: ep is 1 or tp", self.ep, self.tp)));
-        }
-        if self.world() > 1024 {
-            return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
-        }
-        Ok(())
     }
 }
 
@@ -345,15 +286,17 @@ mod tests {
     fn spec() -> ModelSpec {
         ModelSpec {
             name: "m".into(),
-            model_dir: "/models/m".into(),
-            dtype: String::new(),
-            device: "cpu".into(),
+            build: Build {
+                model_dir: "/models/m".into(),
+                dtype: None,
+                device: Some(DeviceKind::Cpu),
+                tp: 1,
+                pp: 1,
+                ep: 1,
+                limits: EngineLimits::default(),
+            },
             weight_bytes_per_rank: 0,
-            tp: 1,
-            pp: 1,
-            ep: 1,
             replicas: 1,
-            limits: EngineLimits::default(),
             generation: 1,
             created_ms: 0,
             rollout: Rollout::default(),
@@ -372,16 +315,15 @@ mod tests {
         bad(|s| s.name = "a/b".into(), "name");
         bad(
             |s| {
-                s.tp = 2;
-                s.ep = 4
+                s.build.tp = 2;
+                s.build.ep = 4
             },
             "ep",
         );
-        bad(|s| s.model_dir.clear(), "model_dir");
-        bad(|s| s.dtype = "int4".into(), "dtype");
-        bad(|s| s.device = "tpu".into(), "device");
-        bad(|s| s.tp = 0, "tp");
-        bad(|s| s.pp = 0, "pp");
+        bad(|s| s.build.model_dir.clear(), "model_dir");
+        bad(|s| s.build.dtype = Some(crate::DType::I8), "dtype");
+        bad(|s| s.build.tp = 0, "tp");
+        bad(|s| s.build.pp = 0, "pp");
         bad(|s| s.replicas = 5000, "replicas");
     }
 
@@ -391,7 +333,7 @@ mod tests {
             id: "w1".into(),
             address: "127.0.0.1:1".into(),
             capacity: Capacity {
-                device_kind: "cpu".into(),
+                device_kind: DeviceKind::Cpu,
                 device_count: 1,
                 memory_bytes: 1 << 30,
                 node: "host-a".into(),

@@ -73,6 +73,16 @@ impl DType {
         }
     }
 
+    /// The name configs and flags use ("bf16").
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I8 => "i8",
+        }
+    }
+
     /// The name safetensors uses ("BF16").
     pub fn name(self) -> &'static str {
         match self {

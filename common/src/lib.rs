@@ -7,6 +7,7 @@
 //! knows tensors. Two features add edges the engine never enables: `etcd` (the etcd
 //! registry) and `grpc` (status codes and proto conversions in [`status`] and [`wire`]).
 
+pub mod build;
 pub mod cluster;
 pub mod config;
 #[cfg(feature = "grpc")]
@@ -42,6 +43,7 @@ pub mod trace;
 pub mod wire;
 pub mod worker_api;
 
+pub use build::{Build, BuildChange, DeviceKind, EngineLimits};
 pub use device::{DType, Device};
 pub use error::{Error, ErrorClass, Result};
 pub use events::{EngineStats, SeqEvent, TokenLogprobs};

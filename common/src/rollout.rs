@@ -15,7 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::cluster::{now_ms, EngineLimits, ModelSpec};
+use crate::build::Build;
+use crate::cluster::{now_ms, ModelSpec};
 use crate::error::{Error, Result};
 
 /// Most past revisions a deployment keeps.
@@ -23,34 +24,26 @@ pub const MAX_HISTORY: usize = 32;
 /// A canary's whole share of traffic, in basis points (100%).
 pub const FULL_WEIGHT: u32 = 10_000;
 
-/// What a revision's replicas are built from.
+/// A revision: what its replicas are built from, numbered.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Revision {
     /// The revision's number (the spec generation its replicas carry).
     pub generation: u64,
-    pub model_dir: String,
-    #[serde(default)]
-    pub dtype: String,
-    #[serde(default)]
-    pub device: String,
+    /// Flat fields in the record, as a spec's.
+    #[serde(flatten)]
+    pub build: Build,
+    /// Derived from the build when it was made; never makes a revision of its own.
     #[serde(default)]
     pub weight_bytes_per_rank: u64,
-    pub tp: u32,
-    pub pp: u32,
-    #[serde(default = "crate::cluster::one")]
-    pub ep: u32,
-    #[serde(default)]
-    pub limits: EngineLimits,
     /// Unix milliseconds when it was created (0: before revisions were recorded).
     #[serde(default)]
     pub created_ms: u64,
 }
 
 impl Revision {
-    /// The fields that make replicas differ: two revisions equal here serve the same model.
-    pub fn same_build(&self, other: &Revision) -> bool {
-        (&self.model_dir, &self.dtype, &self.device, self.tp, self.pp, self.ep, &self.limits)
-            == (&other.model_dir, &other.dtype, &other.device, other.tp, other.pp, other.ep, &other.limits)
+    /// A revision of `build` not yet numbered (the spec numbers it when it takes it).
+    pub fn of(build: Build, weight_bytes_per_rank: u64) -> Revision {
+        Revision { generation: 0, build, weight_bytes_per_rank, created_ms: 0 }
     }
 }
 
@@ -121,14 +114,8 @@ impl ModelSpec {
     pub fn revision(&self) -> Revision {
         Revision {
             generation: self.generation,
-            model_dir: self.model_dir.clone(),
-            dtype: self.dtype.clone(),
-            device: self.device.clone(),
+            build: self.build.clone(),
             weight_bytes_per_rank: self.weight_bytes_per_rank,
-            tp: self.tp,
-            pp: self.pp,
-            ep: self.ep,
-            limits: self.limits.clone(),
             created_ms: self.created_ms,
         }
     }
@@ -136,14 +123,8 @@ impl ModelSpec {
     /// Makes `r` the revision it serves (replica count and rollout state unchanged).
     fn serve(&mut self, r: Revision) {
         self.generation = r.generation;
-        self.model_dir = r.model_dir;
-        self.dtype = r.dtype;
-        self.device = r.device;
+        self.build = r.build;
         self.weight_bytes_per_rank = r.weight_bytes_per_rank;
-        self.tp = r.tp;
-        self.pp = r.pp;
-        self.ep = r.ep;
-        self.limits = r.limits;
         self.created_ms = r.created_ms;
     }
 
@@ -192,7 +173,7 @@ impl ModelSpec {
     /// unless it builds the same replicas. Refused while a canary runs.
     pub fn redeploy(&mut self, mut next: Revision) -> Result<()> {
         self.no_canary()?;
-        if next.same_build(&self.revision()) {
+        if next.build == self.build {
             // Derived fields (the weight estimate) may change without a new revision.
             self.weight_bytes_per_rank = next.weight_bytes_per_rank;
             return Ok(());
@@ -209,7 +190,7 @@ impl ModelSpec {
     /// the traffic on `replicas` replicas.
     pub fn start_canary(&mut self, mut next: Revision, weight_bp: u32, replicas: u32) -> Result<u64> {
         self.no_canary()?;
-        if next.same_build(&self.revision()) {
+        if next.build == self.build {
             return Err(Error::invalid(
                 "model_dir",
                 format!("revision {} already serves this model, dtype, tp/pp and limits", self.generation),
@@ -276,7 +257,7 @@ impl ModelSpec {
             if c.revision.generation == self.generation {
                 return Err(Error::invalid("canary", "has the serving revision's number"));
             }
-            self.build_spec(c.revision.generation).map_or(Ok(()), |s| s.validate_build())?;
+            self.build_spec(c.revision.generation).map_or(Ok(()), |s| s.build.validate())?;
         }
         if self.rollout.history.len() > 4 * MAX_HISTORY {
             return Err(Error::invalid("history", format!("{} entries", self.rollout.history.len())));

@@ -16,6 +16,7 @@
 
 use std::ops::Range;
 
+use crate::device::DType;
 use crate::error::{Error, Result};
 use crate::model_config::ModelConfig;
 
@@ -206,17 +207,16 @@ pub struct WeightBytes {
 
 impl WeightBytes {
     /// How a model's weights sit in memory: int8 for a `strata model quantize` checkpoint,
-    /// else the requested dtype (`dtype`: "bf16", "f16", "f32"; empty: the checkpoint's)
-    /// where it is narrower than the checkpoint's (a wider one is widened inside the
-    /// matmuls, not stored).
-    pub fn of(config: &ModelConfig, dtype: &str) -> Self {
+    /// else the requested dtype (None: the checkpoint's) where it is narrower than the
+    /// checkpoint's (a wider one is widened inside the matmuls, not stored).
+    pub fn of(config: &ModelConfig, dtype: Option<DType>) -> Self {
         let size = |d: &str| match d.to_ascii_lowercase().as_str() {
             "bf16" | "bfloat16" | "f16" | "fp16" | "float16" => Some(2),
             "f32" | "fp32" | "float32" => Some(4),
             _ => None,
         };
         let stored = config.dtype.as_deref().and_then(size).unwrap_or(4);
-        let vector = size(dtype).map_or(stored, |d| d.min(stored));
+        let vector = dtype.map_or(stored, |d| (d.size() as u64).min(stored));
         let int8 = config.quantization.as_deref() == Some("strata-int8");
         WeightBytes { matrix: if int8 { 1 } else { vector }, vector }
     }
@@ -381,12 +381,12 @@ mod tests {
         // Llama-3.2-1B has 1,235,814,400 parameters (tied embeddings), 2 bytes each in bf16.
         let c = llama_1b("");
         let one = ShardPlan::new(&c, Parallelism::NONE).unwrap();
-        assert_eq!(one.max_weight_bytes(&c, WeightBytes::of(&c, "")), 1_235_814_400 * 2);
+        assert_eq!(one.max_weight_bytes(&c, WeightBytes::of(&c, None)), 1_235_814_400 * 2);
         // f32 on a bf16 checkpoint is widened in the matmuls, not stored.
-        assert_eq!(WeightBytes::of(&c, "f32"), WeightBytes { matrix: 2, vector: 2 });
+        assert_eq!(WeightBytes::of(&c, Some(DType::F32)), WeightBytes { matrix: 2, vector: 2 });
         // Two stages: each holds half the layers; the last also the (tied) LM head.
         let pp = ShardPlan::new(&c, Parallelism::new(1, 2)).unwrap();
-        let b = WeightBytes::of(&c, "");
+        let b = WeightBytes::of(&c, None);
         let per: Vec<u64> = pp.ranks.iter().map(|r| r.weight_bytes(&c, b, r.stage == 1)).collect();
         let (layer, vocab) = (60_821_504 * 2, 128_256 * 2048 * 2);
         assert_eq!(per, vec![8 * layer + vocab, 8 * layer + vocab + 2048 * 2]);
@@ -399,7 +399,7 @@ mod tests {
     #[test]
     fn int8_checkpoints_count_a_byte_and_a_row_scale() {
         let c = llama_1b(r#","quantization_config":{"quant_method":"strata-int8"}"#);
-        let b = WeightBytes::of(&c, "");
+        let b = WeightBytes::of(&c, None);
         assert_eq!(b, WeightBytes { matrix: 1, vector: 2 });
         let one = ShardPlan::new(&c, Parallelism::NONE).unwrap().max_weight_bytes(&c, b);
         let rows = 128_256 + 16 * (2048 + 2 * 512 + 2048 + 2 * 8192 + 2048);

@@ -10,7 +10,10 @@
 //! - [`routing`]: the Catalog/Routes/Replica seam, routing policy, the `WorkerApi` clients;
 //! - [`control`]: the registry view, leader election and the reconciler;
 //! - [`tenant`]: who a key belongs to, the tenant's limits, usage accounting;
-//! - [`node`]: `strata coordinator` wired from those parts.
+//! - [`node`]: `strata coordinator` wired from those parts;
+//! - `testkit` (tests only): an in-process cluster — in-memory registry, scripted workers
+//!   that can be killed or made to misbehave, coordinators built from the parts above —
+//!   on which the control plane is tested without processes.
 
 pub mod api;
 pub mod batch;
@@ -20,3 +23,5 @@ pub mod node;
 pub mod request;
 pub mod routing;
 pub mod tenant;
+#[cfg(test)]
+pub mod testkit;

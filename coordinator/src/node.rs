@@ -38,8 +38,8 @@ pub struct CoordinatorOptions {
     pub tls: Option<ClusterTls>,
     /// Where deployments may load models from.
     pub model_roots: ModelRoots,
-    /// The device kind ("cpu" or "cuda") of a deployment that names none.
-    pub default_device: String,
+    /// The device kind of a deployment that names none.
+    pub default_device: strata_common::DeviceKind,
     /// TLS for callers of inference.v1 and admin.v1.
     pub caller_tls: Option<tonic::transport::ServerTlsConfig>,
     /// The OpenAI-style HTTP API.
@@ -73,7 +73,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
         opts.admin_auth,
     )
     .with_model_roots(opts.model_roots.clone())
-    .with_default_device(&opts.default_device)
+    .with_default_device(opts.default_device)
     .with_tenants(tenants)
     .with_ledger(front.ledger().clone());
     if opts.model_roots.is_open() {

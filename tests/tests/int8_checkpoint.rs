@@ -89,7 +89,13 @@ fn an_int8_checkpoint_equals_quantizing_at_load() {
 fn weight_estimate(dir: &Path, dtype: &str) -> u64 {
     let config = strata_common::ModelConfig::from_dir(dir).unwrap();
     let plan = strata_common::ShardPlan::new(&config, Parallelism::NONE).unwrap();
-    plan.max_weight_bytes(&config, strata_common::WeightBytes::of(&config, dtype))
+    plan.max_weight_bytes(
+        &config,
+        strata_common::WeightBytes::of(
+            &config,
+            (!dtype.is_empty()).then(|| strata_common::DType::parse(dtype).unwrap()),
+        ),
+    )
 }
 
 /// Placement reserves a rank's weights from config.json alone (the coordinator need not

@@ -3,7 +3,8 @@
 //! prompts, sticky per prefix; responses (gRPC and HTTP) and metrics name the revision;
 //! promote under load moves every request to the new revision with none failing; rolling
 //! back a canary under load takes effect at once, and a rollback after a promote returns
-//! to the old revision.
+//! to the old revision. The admin CLI deploys and rolls out typed builds that clients
+//! old and new read alike.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -315,4 +316,63 @@ async fn rolling_back_a_canary_under_load_takes_effect_at_once() {
     assert_eq!(after.keys().copied().collect::<Vec<_>>(), [1], "every request after the call: {after:?}");
     assert!(gone < Duration::from_secs(5), "the canary took {gone:?} to go");
     eprintln!("rollback: call {:?}, canary gone after {gone:?}", returned - called);
+}
+
+/// `strata admin deploy` and `rollout` send a typed build; statuses carry it typed and as
+/// the flat fields older clients read, and both forms of a request deploy the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_admin_cli_deploys_typed_builds_that_old_and_new_clients_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let v2 = second_revision(dir.path());
+    let (server, _metrics, _http) = serve(dir.path());
+    let ep = server.endpoint();
+    let mut admin = AdminClient::connect(ep.clone()).await.unwrap();
+    let out = admin_cli(
+        &ep,
+        &["--json", "deploy", "--name", "t", "--model", &v2, "--dtype", "F32", "--max-waiting", "7"],
+    );
+    let shown: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let shown = &shown[0];
+    assert_eq!((shown["dtype"].as_str(), shown["device"].as_str()), (Some("f32"), Some("cpu")), "{shown}");
+    let models = admin.list_models(apb::ListModelsRequest {}).await.unwrap().into_inner().models;
+    let t = models.iter().find(|m| m.name == "t").expect("t is deployed");
+    let b = t.build.clone().expect("a typed build");
+    assert_eq!(
+        (b.dtype(), b.device(), b.tp, b.pp, b.ep),
+        (apb::DataType::F32, apb::DeviceKind::Cpu, 1, 1, 1)
+    );
+    assert_eq!((t.dtype.as_str(), t.device.as_str(), t.model_dir.as_str()), ("f32", "cpu", v2.as_str()));
+    assert_eq!(t.scheduler.unwrap().max_waiting, 7);
+    // The same deployment in an old client's flat fields changes nothing.
+    let flat = apb::DeployModelRequest {
+        name: "t".into(),
+        model_dir: v2.clone(),
+        dtype: "f32".into(),
+        device: "cpu".into(),
+        tp: 1,
+        pp: 1,
+        replicas: 1,
+        scheduler: Some(apb::SchedulerLimits { max_waiting: 7, ..Default::default() }),
+        ..Default::default()
+    };
+    let again = admin.deploy_model(flat).await.unwrap().into_inner().model.unwrap();
+    assert_eq!(again.generation, t.generation, "the same build is the same revision");
+    let bad = apb::DeployModelRequest {
+        name: "u".into(),
+        model_dir: v2.clone(),
+        dtype: "int4".into(),
+        ..Default::default()
+    };
+    let e = admin.deploy_model(bad).await.unwrap_err();
+    assert!(e.code() == tonic::Code::InvalidArgument && e.message().contains("dtype"), "{e:?}");
+    // A rollout changes only what it names.
+    let out = admin_cli(&ep, &["--json", "rollout", "--name", "t", "--dtype", "bf16", "--canary", "50%"]);
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let canary = &r["revisions"][1];
+    assert_eq!((canary["state"].as_str(), canary["dtype"].as_str()), (Some("canary"), Some("bf16")), "{r}");
+    assert_eq!(
+        (canary["device"].as_str(), canary["model_dir"].as_str()),
+        (Some("cpu"), Some(v2.as_str())),
+        "{r}"
+    );
 }

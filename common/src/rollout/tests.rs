@@ -1,18 +1,21 @@
 use super::*;
-use crate::cluster::{EngineLimits, ModelSpec};
+use crate::build::{Build, DeviceKind, EngineLimits};
+use crate::cluster::ModelSpec;
 
 fn spec() -> ModelSpec {
     ModelSpec {
         name: "m".into(),
-        model_dir: "/models/v1".into(),
-        dtype: String::new(),
-        device: "cpu".into(),
+        build: Build {
+            model_dir: "/models/v1".into(),
+            dtype: None,
+            device: Some(DeviceKind::Cpu),
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            limits: EngineLimits::default(),
+        },
         weight_bytes_per_rank: 0,
-        tp: 1,
-        pp: 1,
-        ep: 1,
         replicas: 2,
-        limits: EngineLimits::default(),
         generation: 1,
         created_ms: 0,
         rollout: Rollout::default(),
@@ -20,7 +23,7 @@ fn spec() -> ModelSpec {
 }
 
 fn rev(dir: &str) -> Revision {
-    Revision { model_dir: dir.into(), generation: 0, ..spec().revision() }
+    Revision::of(Build { model_dir: dir.into(), ..spec().build }, 0)
 }
 
 #[test]
@@ -30,8 +33,8 @@ fn a_canary_gets_a_new_number_and_its_own_build_spec() {
     assert_eq!(g, 2);
     assert!(s.validate().is_ok());
     let c = s.canary_spec().unwrap();
-    assert_eq!((c.model_dir.as_str(), c.generation, c.replicas), ("/models/v2", 2, 1));
-    assert_eq!(s.build_spec(1).unwrap().model_dir, "/models/v1");
+    assert_eq!((c.build.model_dir.as_str(), c.generation, c.replicas), ("/models/v2", 2, 1));
+    assert_eq!(s.build_spec(1).unwrap().build.model_dir, "/models/v1");
     assert!(s.build_spec(7).is_none());
     let e = s.start_canary(rev("/models/v3"), 1000, 1).unwrap_err().to_string();
     assert!(e.contains("revision 2 in canary"), "{e}");
@@ -48,14 +51,14 @@ fn promote_serves_the_canary_and_keeps_the_old_revision_in_history() {
     let mut s = spec();
     s.start_canary(rev("/models/v2"), 1000, 1).unwrap();
     assert_eq!(s.promote().unwrap(), (1, 2));
-    assert_eq!((s.model_dir.as_str(), s.generation, s.replicas), ("/models/v2", 2, 2));
+    assert_eq!((s.build.model_dir.as_str(), s.generation, s.replicas), ("/models/v2", 2, 2));
     assert!(s.rollout.canary.is_none());
     assert_eq!(s.rollout.history.len(), 1);
     assert_eq!(s.rollout.history[0].outcome, Outcome::Replaced);
     assert!(s.promote().is_err(), "nothing left to promote");
     // Rolling back now returns to revision 1, under its own number.
     assert_eq!(s.rollback().unwrap(), RolledBack::Serving { from: 2, to: 1 });
-    assert_eq!((s.model_dir.as_str(), s.generation), ("/models/v1", 1));
+    assert_eq!((s.build.model_dir.as_str(), s.generation), ("/models/v1", 1));
     assert_eq!(s.rollout.history.last().unwrap().outcome, Outcome::RolledBack);
     // Revision 2 was rolled back, not replaced: there is nothing further to return to.
     assert!(s.rollback().is_err());
@@ -91,7 +94,7 @@ fn redeploys_make_revisions_only_when_the_build_changes() {
 fn stored_rollouts_are_checked() {
     let mut s = spec();
     s.start_canary(rev("/models/v2"), 1000, 1).unwrap();
-    s.rollout.canary.as_mut().unwrap().revision.tp = 0;
+    s.rollout.canary.as_mut().unwrap().revision.build.tp = 0;
     assert!(s.validate().unwrap_err().to_string().contains("tp"));
     let mut s = spec();
     s.start_canary(rev("/models/v2"), 1000, 1).unwrap();

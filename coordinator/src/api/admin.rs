@@ -15,17 +15,19 @@ use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
 use strata_common::registry::{Entry, Guard, Op};
-use strata_common::{Error, ErrorClass, ModelConfig, Result, ShardPlan, WeightBytes, WorkerId};
+use strata_common::{
+    Build, DeviceKind, Error, ErrorClass, ModelConfig, Result, ShardPlan, WeightBytes, WorkerId,
+};
 use strata_proto::admin::v1 as pb;
 use strata_proto::admin::v1::admin_server::Admin;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
-use super::admin_rollouts::{limits_from_pb, limits_to_pb};
 use super::audit::{caller, AuditLog};
 use super::audited::Audited;
 use super::auth::AdminAuth;
+use super::build_pb::{self, build_to_pb, flat_status};
 use crate::control::view::ClusterView;
 use crate::routing::catalog::ClusterCatalog;
 use crate::tenant::usage::Ledger;
@@ -43,7 +45,7 @@ pub struct ClusterAdmin {
     /// Where deployments may load models from.
     model_roots: ModelRoots,
     /// The device kind of a deployment that names none.
-    default_device: String,
+    default_device: DeviceKind,
     audit: AuditLog,
     /// The tenant directory this coordinator authenticates inference calls with.
     tenants: Tenants,
@@ -62,7 +64,7 @@ impl ClusterAdmin {
         auth: AdminAuth,
     ) -> Self {
         let audit = AuditLog::new(registry.clone(), keys.clone(), id.clone());
-        let (model_roots, default_device) = (ModelRoots::default(), "cpu".into());
+        let (model_roots, default_device) = (ModelRoots::default(), DeviceKind::Cpu);
         let (tenants, ledger) = (Tenants::default(), Arc::default());
         ClusterAdmin {
             id,
@@ -119,9 +121,9 @@ impl ClusterAdmin {
         self.view.clone()
     }
 
-    /// The device kind ("cpu" or "cuda") of a deployment that names none.
-    pub fn with_default_device(mut self, device: &str) -> Self {
-        self.default_device = device.to_string();
+    /// The device kind of a deployment that names none.
+    pub fn with_default_device(mut self, device: DeviceKind) -> Self {
+        self.default_device = device;
         self
     }
 
@@ -148,18 +150,20 @@ impl ClusterAdmin {
 
     fn status(&self, spec: &ModelSpec) -> pb::ModelStatus {
         let ready = self.view().ready_replicas(&spec.name).count();
+        let (b, flat) = (&spec.build, flat_status(&spec.build));
         pb::ModelStatus {
             name: spec.name.to_string(),
-            model_dir: spec.model_dir.clone(),
-            dtype: spec.dtype.clone(),
-            tp: spec.tp,
-            pp: spec.pp,
-            ep: spec.ep,
+            build: Some(build_to_pb(b)),
+            model_dir: flat.model_dir,
+            dtype: flat.dtype,
+            tp: b.tp,
+            pp: b.pp,
+            ep: b.ep,
             desired_replicas: spec.replicas,
             ready_replicas: ready as u32,
-            scheduler: Some(limits_to_pb(&spec.limits)),
+            scheduler: flat.scheduler,
             generation: spec.generation,
-            device: spec.device.clone(),
+            device: flat.device,
             weight_bytes_per_rank: spec.weight_bytes_per_rank,
             canary_revision: spec.rollout.canary.as_ref().map_or(0, |c| c.revision.generation),
             canary_percent: spec.rollout.canary.as_ref().map_or(0.0, |c| c.weight_bp as f64 / 100.0),
@@ -170,7 +174,7 @@ impl ClusterAdmin {
     /// returns the weight bytes of the largest rank (0 when they cannot be reached).
     pub(super) async fn check_model(&self, spec: &ModelSpec) -> Result<u64> {
         let view = self.view();
-        let dir = match self.catalog.files().locate(&spec.model_dir, &view).await {
+        let dir = match self.catalog.files().locate(&spec.build.model_dir, &view).await {
             Ok(d) => d,
             // Nobody can read it right now: the workers check it when they load.
             Err(e) if e.class() == ErrorClass::Unavailable => {
@@ -189,7 +193,7 @@ impl ClusterAdmin {
                 other => other,
             })?;
         let plan = ShardPlan::new(&config, spec.parallelism())?;
-        Ok(plan.max_weight_bytes(&config, WeightBytes::of(&config, &spec.dtype)))
+        Ok(plan.max_weight_bytes(&config, WeightBytes::of(&config, spec.build.dtype)))
     }
 }
 
@@ -264,21 +268,14 @@ impl ClusterAdmin {
         request: Request<pb::DeployModelRequest>,
     ) -> Result<Response<pb::DeployModelResponse>, Status> {
         let r = request.into_inner();
-        self.model_roots.check(&r.model_dir).map_err(to_status)?;
-        let limits = r.scheduler.unwrap_or_default();
-        let device =
-            if r.device.is_empty() { self.default_device.clone() } else { r.device.to_ascii_lowercase() };
+        let change = build_pb::requested(r.build.as_ref(), build_pb::deploy_flat(&r)).map_err(to_status)?;
+        let build = Build::requested(change, Some(self.default_device));
+        self.model_roots.check(&build.model_dir).map_err(to_status)?;
         let mut spec = ModelSpec {
             name: r.name.into(),
-            model_dir: r.model_dir,
-            dtype: r.dtype.to_ascii_lowercase(),
-            device,
+            build,
             weight_bytes_per_rank: 0,
-            tp: if r.tp <= 1 && r.ep > 1 { r.ep } else { r.tp.max(1) },
-            pp: r.pp.max(1),
-            ep: r.ep.max(1),
             replicas: if r.replicas == 0 { 1 } else { r.replicas },
-            limits: limits_from_pb(limits),
             generation: 1,
             created_ms: now_ms(),
             rollout: Default::default(),
@@ -298,7 +295,8 @@ impl ClusterAdmin {
             })
             .await
             .map_err(to_status)?;
-        info!(model = %spec.name, dir = %spec.model_dir, device = %spec.device, tp = spec.tp, pp = spec.pp, replicas = spec.replicas, weight_bytes_per_rank = spec.weight_bytes_per_rank, generation = spec.generation, "model deployed");
+        let b = &spec.build;
+        info!(model = %spec.name, dir = %b.model_dir, device = ?b.device, dtype = ?b.dtype, tp = b.tp, pp = b.pp, ep = b.ep, replicas = spec.replicas, weight_bytes_per_rank = spec.weight_bytes_per_rank, generation = spec.generation, "model deployed");
         Ok(Response::new(pb::DeployModelResponse { model: Some(self.status(&spec)) }))
     }
 
@@ -543,7 +541,7 @@ impl Admin for ClusterAdmin {
             .map(|w| pb::WorkerStatus {
                 id: w.id.to_string(),
                 address: w.address.clone(),
-                device_kind: w.capacity.device_kind.clone(),
+                device_kind: w.capacity.device_kind.to_string(),
                 device_count: w.capacity.device_count,
                 memory_bytes: w.capacity.memory_bytes,
                 replica: w.assignment.as_ref().map(|a| a.replica.to_string()).unwrap_or_default(),

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use strata_common::cluster::{EngineLimits, ModelSpec};
+use strata_common::cluster::ModelSpec;
 use strata_common::rollout::{percent_to_weight, Revision, FULL_WEIGHT};
 use strata_common::status::to_status;
 use strata_common::{Error, ErrorClass, ModelConfig, Result};
@@ -17,51 +17,7 @@ use tonic::{Request, Response, Status};
 use tracing::info;
 
 use super::admin::ClusterAdmin;
-
-pub(super) fn limits_from_pb(l: pb::SchedulerLimits) -> EngineLimits {
-    EngineLimits {
-        max_num_seqs: l.max_num_seqs,
-        max_batched_tokens: l.max_batched_tokens,
-        kv_cache_bytes: l.kv_cache_bytes,
-        max_waiting: l.max_waiting,
-    }
-}
-
-pub(super) fn limits_to_pb(l: &EngineLimits) -> pb::SchedulerLimits {
-    pb::SchedulerLimits {
-        max_num_seqs: l.max_num_seqs,
-        max_batched_tokens: l.max_batched_tokens,
-        kv_cache_bytes: l.kv_cache_bytes,
-        max_waiting: l.max_waiting,
-    }
-}
-
-/// The revision a rollout request asks for: the serving one's fields, overridden by each
-/// one the request sets.
-fn requested(serving: &Revision, r: &pb::StartRolloutRequest) -> Revision {
-    let or = |v: &str, old: &str| if v.is_empty() { old.to_string() } else { v.to_ascii_lowercase() };
-    let nonzero = |v: u32, old: u32| if v == 0 { old } else { v };
-    let s = r.scheduler.unwrap_or_default();
-    let l = &serving.limits;
-    Revision {
-        generation: 0,
-        model_dir: if r.model_dir.is_empty() { serving.model_dir.clone() } else { r.model_dir.clone() },
-        dtype: or(&r.dtype, &serving.dtype),
-        device: or(&r.device, &serving.device),
-        weight_bytes_per_rank: 0,
-        tp: nonzero(r.tp, serving.tp),
-        pp: nonzero(r.pp, serving.pp),
-        // A rollout keeps the serving revision's expert parallelism.
-        ep: serving.ep,
-        limits: EngineLimits {
-            max_num_seqs: nonzero(s.max_num_seqs, l.max_num_seqs),
-            max_batched_tokens: nonzero(s.max_batched_tokens, l.max_batched_tokens),
-            kv_cache_bytes: if s.kv_cache_bytes == 0 { l.kv_cache_bytes } else { s.kv_cache_bytes },
-            max_waiting: nonzero(s.max_waiting, l.max_waiting),
-        },
-        created_ms: 0,
-    }
-}
+use super::build_pb::{self, build_to_pb, flat_status};
 
 impl ClusterAdmin {
     /// Applies `change` to the model's spec (None: not deployed) by compare-and-set,
@@ -118,14 +74,14 @@ impl ClusterAdmin {
     /// Refuses a canary that would tokenize differently from the serving revision (when
     /// both directories can be read here or fetched from a worker).
     async fn check_compatible(&self, serving: &ModelSpec, canary: &ModelSpec) -> Result<()> {
-        if serving.model_dir == canary.model_dir {
+        if serving.build.model_dir == canary.build.model_dir {
             return Ok(());
         }
         let view = self.view_rx().borrow().clone();
         let files = self.catalog().files();
         let (a, b) = match (
-            files.locate(&serving.model_dir, &view).await,
-            files.locate(&canary.model_dir, &view).await,
+            files.locate(&serving.build.model_dir, &view).await,
+            files.locate(&canary.build.model_dir, &view).await,
         ) {
             (Ok(a), Ok(b)) => (a, b),
             (Err(e), _) | (_, Err(e)) if e.class() == ErrorClass::Unavailable => return Ok(()),
@@ -154,11 +110,12 @@ impl ClusterAdmin {
         let r = request.into_inner();
         let bp = percent_to_weight(r.canary_percent).map_err(to_status)?;
         let serving = self.spec(&r.name).await.map_err(to_status)?;
-        if !r.model_dir.is_empty() {
-            self.model_roots().check(&r.model_dir).map_err(to_status)?;
+        let change = build_pb::requested(r.build.as_ref(), build_pb::rollout_flat(&r)).map_err(to_status)?;
+        if let Some(dir) = &change.model_dir {
+            self.model_roots().check(dir).map_err(to_status)?;
         }
         // Check the new revision as a deployment of its own before writing anything.
-        let mut next = requested(&serving.revision(), &r);
+        let mut next = Revision::of(serving.build.changed(change), 0);
         let probe = {
             let mut s = serving.clone();
             s.rollout = Default::default();
@@ -177,7 +134,7 @@ impl ClusterAdmin {
             .await
             .map_err(to_status)?;
         let canary = spec.rollout.canary.as_ref().map_or(0, |c| c.revision.generation);
-        info!(model = %spec.name, revision = canary, serving = spec.generation, percent = bp as f64 / 100.0, replicas, dir = %next.model_dir, "rollout started");
+        info!(model = %spec.name, revision = canary, serving = spec.generation, percent = bp as f64 / 100.0, replicas, dir = %next.build.model_dir, "rollout started");
         Ok(Response::new(self.rollout(&spec)))
     }
 
@@ -226,23 +183,26 @@ impl ClusterAdmin {
     fn rollout(&self, spec: &ModelSpec) -> pb::RolloutResponse {
         let view = self.view_rx().borrow().clone();
         let ready = |g: u64| view.ready_replicas(&spec.name).filter(|r| r.generation == g).count() as u32;
-        let status =
-            |r: &Revision, state: &str, percent: f64, desired: u32, ended_ms: u64| pb::RevisionStatus {
+        let status = |r: &Revision, state: &str, percent: f64, desired: u32, ended_ms: u64| {
+            let (b, flat) = (&r.build, flat_status(&r.build));
+            pb::RevisionStatus {
                 revision: r.generation,
                 state: state.to_string(),
-                model_dir: r.model_dir.clone(),
-                dtype: r.dtype.clone(),
-                device: r.device.clone(),
-                tp: r.tp,
-                pp: r.pp,
-                ep: r.ep,
-                scheduler: Some(limits_to_pb(&r.limits)),
+                build: Some(build_to_pb(b)),
+                model_dir: flat.model_dir,
+                dtype: flat.dtype,
+                device: flat.device,
+                tp: b.tp,
+                pp: b.pp,
+                ep: b.ep,
+                scheduler: flat.scheduler,
                 traffic_percent: percent,
                 desired_replicas: desired,
                 ready_replicas: ready(r.generation),
                 created_ms: r.created_ms,
                 ended_ms,
-            };
+            }
+        };
         let canary_bp = spec.rollout.canary.as_ref().map_or(0, |c| c.weight_bp);
         let pct = |bp: u32| bp as f64 / 100.0;
         let mut revisions =

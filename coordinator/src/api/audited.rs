@@ -5,6 +5,8 @@
 
 use strata_proto::admin::v1 as pb;
 
+use super::build_pb;
+
 /// An admin request that changes the cluster.
 pub trait Audited {
     /// The action's name in the log (the RPC's).
@@ -23,10 +25,8 @@ impl Audited for pb::DeployModelRequest {
         self.name.clone()
     }
     fn detail(&self) -> String {
-        format!(
-            "model_dir={} tp={} pp={} replicas={} dtype={} device={}",
-            self.model_dir, self.tp, self.pp, self.replicas, self.dtype, self.device
-        )
+        let build = build_pb::describe(self.build.as_ref(), build_pb::deploy_flat(self));
+        format!("{build} replicas={}", self.replicas)
     }
 }
 
@@ -97,16 +97,8 @@ impl Audited for pb::StartRolloutRequest {
         self.name.clone()
     }
     fn detail(&self) -> String {
-        format!(
-            "model_dir={} dtype={} tp={} pp={} device={} canary_percent={} canary_replicas={}",
-            self.model_dir,
-            self.dtype,
-            self.tp,
-            self.pp,
-            self.device,
-            self.canary_percent,
-            self.canary_replicas
-        )
+        let build = build_pb::describe(self.build.as_ref(), build_pb::rollout_flat(self));
+        format!("{build} canary_percent={} canary_replicas={}", self.canary_percent, self.canary_replicas)
     }
 }
 

@@ -8,6 +8,7 @@ pub mod admin_tenants;
 pub mod audit;
 pub mod audited;
 pub mod auth;
+mod build_pb;
 pub mod http;
 pub mod inference;
 pub mod server;

@@ -69,6 +69,13 @@ impl Election {
         Election { task, lease, registry, leading }
     }
 
+    /// Stops campaigning without giving anything up, as a coordinator that dies: its lease
+    /// lapses after its TTL (tests of a leader's death).
+    #[cfg(test)]
+    pub fn crash(self) {
+        self.task.abort();
+    }
+
     /// Stops campaigning and gives leadership up at once (revokes the lease).
     pub async fn resign(self) {
         self.task.abort();
@@ -103,7 +110,8 @@ async fn campaign(
             warn!(error = %e, "cannot announce this coordinator; retrying with the next lease");
         }
         let lapsed = Arc::new(AtomicBool::new(false));
-        let keeper = tokio::spawn(keep_alive(registry.clone(), lease, retry, lapsed.clone()));
+        // Ends with the campaign, however it ends (a lapse, a resignation, an abort).
+        let keeper = AbortOnDrop(tokio::spawn(keep_alive(registry.clone(), lease, retry, lapsed.clone())));
         while !lapsed.load(Ordering::SeqCst) {
             let won = match registry.create(&keys.leader(), cfg.id.as_bytes().to_vec(), Some(lease)).await {
                 Ok(true) => true,
@@ -144,8 +152,17 @@ async fn campaign(
             })
             .await;
         }
-        keeper.abort();
+        drop(keeper);
         warn!(coordinator = %cfg.id, "election lease lapsed; campaigning again");
+    }
+}
+
+/// A task that is aborted when its handle is dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use strata_common::cluster::{ModelSpec, WorkerRecord};
-use strata_common::WorkerId;
+use strata_common::{DeviceKind, WorkerId};
 
 /// The workers free in one reconcile pass, and the host memory the pass has promised on
 /// each machine to ranks on CPU workers (the CPU workers of one machine share its memory;
@@ -55,7 +55,7 @@ impl<'v> Free<'v> {
 /// The machine whose memory `w` shares with other CPU workers, if it does.
 fn shared_machine(w: &WorkerRecord) -> Option<&str> {
     let c = &w.capacity;
-    (c.device_kind == "cpu" && !c.node.is_empty() && c.memory_bytes > 0).then_some(c.node.as_str())
+    (c.device_kind == DeviceKind::Cpu && !c.node.is_empty() && c.memory_bytes > 0).then_some(c.node.as_str())
 }
 
 /// Memory `w` has left after what this pass promised on its machine.
@@ -77,10 +77,10 @@ fn choose(
     if fitting < world {
         return Err(waiting_reason(spec, free, fitting));
     }
-    let tp = spec.tp as usize;
+    let tp = spec.build.tp as usize;
     let mut left = candidates;
     let mut chosen = Vec::with_capacity(world);
-    for _ in 0..spec.pp {
+    for _ in 0..spec.build.pp {
         let Some(group) = tp_group(spec, &left, tp, promised) else {
             return Err(format!(
                 "{} ({} free, {fitting} fit one rank each, but their machines' shared memory holds fewer than {world})",
@@ -101,14 +101,14 @@ fn choose(
 
 /// Whether worker `w` can hold a rank of `spec`.
 fn fits(spec: &ModelSpec, w: &WorkerRecord, promised: &Promised) -> bool {
-    let kind_ok = spec.device.is_empty() || spec.device == w.capacity.device_kind;
+    let kind_ok = spec.build.runs_on(w.capacity.device_kind);
     let memory_ok = w.capacity.memory_bytes == 0 || needed(spec, w) <= available(w, promised);
     kind_ok && memory_ok
 }
 
 /// Bytes a rank of `spec` needs on worker `w`: weights and KV cache.
 fn needed(spec: &ModelSpec, w: &WorkerRecord) -> u64 {
-    let kv = match spec.limits.kv_cache_bytes {
+    let kv = match spec.build.limits.kv_cache_bytes {
         0 => w.capacity.kv_cache_bytes,
         kv => kv,
     };
@@ -175,12 +175,12 @@ fn tp_group(
 fn wanted(spec: &ModelSpec) -> String {
     let world = spec.world();
     let plural = if world == 1 { "" } else { "s" };
-    let kind = if spec.device.is_empty() { String::new() } else { format!("{} ", spec.device) };
+    let kind = spec.build.device.map_or(String::new(), |d| format!("{d} "));
     let gib = |b: u64| match b {
         b if b >= 1 << 30 => format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64),
         b => format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64),
     };
-    let memory = match (spec.weight_bytes_per_rank, spec.limits.kv_cache_bytes) {
+    let memory = match (spec.weight_bytes_per_rank, spec.build.limits.kv_cache_bytes) {
         (0, 0) => String::new(),
         (w, 0) => format!(" with ≥ {} free besides their KV cache", gib(w)),
         (w, kv) => format!(" with ≥ {} free", gib(w.saturating_add(kv))),
@@ -198,8 +198,9 @@ fn waiting_reason(spec: &ModelSpec, free: &[&WorkerRecord], fitting: usize) -> S
     }
     let mut other_kinds: Vec<&str> = free
         .iter()
-        .map(|w| w.capacity.device_kind.as_str())
-        .filter(|k| !spec.device.is_empty() && *k != spec.device)
+        .map(|w| w.capacity.device_kind)
+        .filter(|k| !spec.build.runs_on(*k))
+        .map(DeviceKind::as_str)
         .collect();
     let other = other_kinds.len();
     other_kinds.sort_unstable();

@@ -15,7 +15,7 @@ use strata_common::cluster::{encode, now_ms, ReplicaRecord, ReplicaState, ShardS
 use strata_common::registry::keys::Keys;
 use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
-use strata_common::{DType, Error, ModelName, ReplicaId, Result, WorkerId};
+use strata_common::{Error, ModelName, ReplicaId, Result, WorkerId};
 use tokio::sync::watch;
 use tracing::{info, info_span, warn, Instrument};
 
@@ -299,7 +299,6 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
         })?;
     let workers: Vec<WorkerRecord> = rec.workers.iter().map(|w| ctx.worker(w)).collect::<Result<_>>()?;
     let started = Instant::now();
-    let dtype = if spec.dtype.is_empty() { None } else { Some(DType::parse(&spec.dtype)?) };
     // A fresh group secret per load: only the ranks assigned here can join its rendezvous.
     let mut group_secret = vec![0u8; 32];
     rand::TryRngCore::try_fill_bytes(&mut rand::rngs::OsRng, &mut group_secret)
@@ -308,12 +307,12 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
         group_secret: group_secret.clone(),
         replica: rec.id.clone(),
         model: rec.model.clone(),
-        model_dir: spec.model_dir.clone(),
-        dtype,
+        model_dir: spec.build.model_dir.clone(),
+        dtype: spec.build.dtype,
         par: spec.parallelism(),
         rank,
         rendezvous,
-        limits: spec.limits.clone(),
+        limits: spec.build.limits.clone(),
     };
     let load = |w: &WorkerRecord, req: ShardLoad| {
         let worker = ctx.clients.get(&w.address);

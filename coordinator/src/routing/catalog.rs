@@ -156,7 +156,7 @@ impl ClusterCatalog {
     async fn refresh(&self) {
         let view = self.view.borrow().clone();
         let wanted: Vec<(String, String)> =
-            view.models.values().map(|m| (m.name.to_string(), m.model_dir.clone())).collect();
+            view.models.values().map(|m| (m.name.to_string(), m.build.model_dir.clone())).collect();
         self.entries
             .lock()
             .unwrap_or_else(|p| p.into_inner())

@@ -172,7 +172,8 @@ impl Routes for ClusterRoutes {
 
     fn gate_size(&self) -> GateSize {
         let view = self.view.borrow();
-        let limits = view.models.get(self.model.as_str()).map(|spec| spec.limits.clone()).unwrap_or_default();
+        let limits =
+            view.models.get(self.model.as_str()).map(|spec| spec.build.limits.clone()).unwrap_or_default();
         let or = |v: u32, default: usize| if v == 0 { default } else { v as usize };
         let (replicas, coordinators) =
             (view.ready_replicas(&self.model).count(), view.coordinators.len().max(1));

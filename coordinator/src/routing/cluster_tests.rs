@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use strata_common::cluster::{EngineLimits, ModelSpec, ReplicaRecord, ReplicaState};
+use strata_common::cluster::{Build, DeviceKind, EngineLimits, ModelSpec, ReplicaRecord, ReplicaState};
 use strata_common::rollout::Canary;
 use strata_common::ReplicaId;
 use tokio::sync::watch;
@@ -17,15 +17,17 @@ use crate::routing::policy::PolicyKind;
 fn spec(generation: u64, replicas: u32) -> ModelSpec {
     ModelSpec {
         name: "m".into(),
-        model_dir: "/models/m".into(),
-        dtype: String::new(),
-        device: "cpu".into(),
+        build: Build {
+            model_dir: "/models/m".into(),
+            dtype: None,
+            device: Some(DeviceKind::Cpu),
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            limits: EngineLimits { max_num_seqs: 8, max_waiting: 20, ..Default::default() },
+        },
         weight_bytes_per_rank: 0,
-        tp: 1,
-        pp: 1,
-        ep: 1,
         replicas,
-        limits: EngineLimits { max_num_seqs: 8, max_waiting: 20, ..Default::default() },
         generation,
         created_ms: 0,
         rollout: Default::default(),

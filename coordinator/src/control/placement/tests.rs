@@ -1,6 +1,6 @@
 //! Placement on hand-built worker lists: kinds, memory, nodes.
 
-use strata_common::cluster::{Capacity, EngineLimits, ModelSpec, WorkerRecord};
+use strata_common::cluster::{Build, Capacity, DeviceKind, EngineLimits, ModelSpec, WorkerRecord};
 use strata_common::WorkerId;
 
 use super::Free;
@@ -12,7 +12,7 @@ fn worker(id: &str, kind: &str, free_gib: u64, node: &str) -> WorkerRecord {
         id: id.into(),
         address: format!("{id}:1"),
         capacity: Capacity {
-            device_kind: kind.into(),
+            device_kind: DeviceKind::parse(kind).unwrap(),
             device_count: 1,
             memory_bytes: free_gib * GIB,
             memory_total_bytes: 80 * GIB,
@@ -27,15 +27,17 @@ fn worker(id: &str, kind: &str, free_gib: u64, node: &str) -> WorkerRecord {
 fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
     ModelSpec {
         name: "m".into(),
-        model_dir: "/m".into(),
-        dtype: String::new(),
-        device: device.into(),
+        build: Build {
+            model_dir: "/m".into(),
+            dtype: None,
+            device: (!device.is_empty()).then(|| DeviceKind::parse(device).unwrap()),
+            tp,
+            pp,
+            ep: 1,
+            limits: EngineLimits::default(),
+        },
         weight_bytes_per_rank: weight_gib * GIB,
-        tp,
-        pp,
-        ep: 1,
         replicas: 1,
-        limits: EngineLimits::default(),
         generation: 1,
         created_ms: 0,
         rollout: Default::default(),
@@ -73,7 +75,7 @@ fn a_rank_needs_its_weights_and_kv_cache_free() {
     assert!(why.contains("(3 free: 2 fit, 1 with too little memory)"), "{why}");
     // The deployment's own KV cache replaces the worker's default.
     let mut big_kv = spec("cuda", 2, 1, 16);
-    big_kv.limits.kv_cache_bytes = 8 * GIB;
+    big_kv.build.limits.kv_cache_bytes = 8 * GIB;
     let why = pick(&big_kv, &ws).unwrap_err();
     assert_eq!(
         why,

@@ -1,6 +1,6 @@
 //! The reconciler's policies on hand-built views (no network, no registry).
 
-use strata_common::cluster::{Assignment, Capacity, EngineLimits, ModelSpec};
+use strata_common::cluster::{Assignment, Build, Capacity, DeviceKind, EngineLimits, ModelSpec};
 
 use super::*;
 
@@ -9,7 +9,7 @@ fn worker(id: &str) -> WorkerRecord {
         id: id.into(),
         address: format!("{id}:1"),
         capacity: Capacity {
-            device_kind: "cpu".into(),
+            device_kind: DeviceKind::Cpu,
             device_count: 1,
             memory_bytes: 1 << 30,
             ..Capacity::default()
@@ -22,15 +22,17 @@ fn worker(id: &str) -> WorkerRecord {
 pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
     ModelSpec {
         name: name.into(),
-        model_dir: "/m".into(),
-        dtype: String::new(),
-        device: String::new(),
+        build: Build {
+            model_dir: "/m".into(),
+            dtype: None,
+            device: None,
+            tp,
+            pp: 1,
+            ep: 1,
+            limits: EngineLimits::default(),
+        },
         weight_bytes_per_rank: 0,
-        tp,
-        pp: 1,
-        ep: 1,
         replicas,
-        limits: EngineLimits::default(),
         generation: 1,
         created_ms: 0,
         rollout: Default::default(),
@@ -319,7 +321,7 @@ fn failing_models_back_off() {
 /// replica; w3 and w4 free.
 fn rollout() -> (ModelSpec, V) {
     let mut s = spec("m", 1, 2);
-    let next = strata_common::rollout::Revision { model_dir: "/m2".into(), ..s.revision() };
+    let next = strata_common::rollout::Revision::of(Build { model_dir: "/m2".into(), ..s.build.clone() }, 0);
     s.start_canary(next, 1000, 1).unwrap();
     let v = V::new()
         .workers(&["w1", "w2", "w3", "w4"])

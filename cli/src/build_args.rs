@@ -1,0 +1,203 @@
+//! What a revision is built from, as `strata admin deploy` and `strata admin rollout`
+//! take it (one set of flags for both) and show it.
+
+use anyhow::Context;
+use strata_common::{DType, DeviceKind};
+use strata_proto::admin::v1 as pb;
+
+/// The build flags: each one left out is the default (deploy) or the serving revision's
+/// (rollout).
+#[derive(clap::Args, Debug, Default)]
+pub struct BuildArgs {
+    /// Tensor-parallel ranks per pipeline stage [deploy: 1].
+    #[arg(long)]
+    pub tp: Option<u32>,
+    /// Pipeline stages [deploy: 1].
+    #[arg(long)]
+    pub pp: Option<u32>,
+    /// Expert parallelism for a mixture of experts: each MoE layer's experts split across
+    /// this many ranks of a stage (with --tp left out, it sets --tp).
+    #[arg(long)]
+    pub ep: Option<u32>,
+    /// Weights in memory: bf16, f16 or f32 [deploy: auto, the checkpoint's].
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<pb::DataType>,
+    /// cpu or cuda: ranks go only to workers of this kind with room for their shard and
+    /// KV cache [deploy: the coordinator's default_device].
+    #[arg(long, value_parser = parse_device)]
+    pub device: Option<pb::DeviceKind>,
+    /// Most sequences per engine step [deploy: the worker's default].
+    #[arg(long)]
+    pub max_num_seqs: Option<u32>,
+    /// Most tokens per engine step [deploy: the worker's default].
+    #[arg(long)]
+    pub max_batched_tokens: Option<u32>,
+    /// KV cache per rank, e.g. 512MiB [deploy: the worker's].
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    /// Requests that may wait per replica, in the coordinators' fair-admission queues
+    /// [deploy: 256].
+    #[arg(long)]
+    pub max_waiting: Option<u32>,
+}
+
+fn parse_dtype(s: &str) -> Result<pb::DataType, String> {
+    if s.is_empty() || s.eq_ignore_ascii_case("auto") {
+        return Ok(pb::DataType::Unspecified);
+    }
+    match DType::parse(s).map_err(|e| e.to_string())? {
+        DType::BF16 => Ok(pb::DataType::Bf16),
+        DType::F16 => Ok(pb::DataType::F16),
+        DType::F32 => Ok(pb::DataType::F32),
+        DType::I8 => Err("i8 is a checkpoint format (strata model quantize), not a dtype".into()),
+    }
+}
+
+fn parse_device(s: &str) -> Result<pb::DeviceKind, String> {
+    match DeviceKind::parse(s).map_err(|e| e.to_string())? {
+        DeviceKind::Cpu => Ok(pb::DeviceKind::Cpu),
+        DeviceKind::Cuda => Ok(pb::DeviceKind::Cuda),
+    }
+}
+
+impl BuildArgs {
+    /// Whether any flag is given.
+    pub fn any(&self) -> bool {
+        let Self {
+            tp,
+            pp,
+            ep,
+            dtype,
+            device,
+            max_num_seqs,
+            max_batched_tokens,
+            kv_cache_memory,
+            max_waiting,
+        } = self;
+        [tp, pp, ep, max_num_seqs, max_batched_tokens, max_waiting].iter().any(|v| v.is_some())
+            || dtype.is_some()
+            || device.is_some()
+            || kv_cache_memory.is_some()
+    }
+
+    /// The request's `Build` of `model_dir` (empty: unchanged); unset fields are 0.
+    pub fn to_pb(&self, model_dir: Option<String>) -> anyhow::Result<pb::Build> {
+        let kv_cache_bytes = match &self.kv_cache_memory {
+            Some(m) => strata_common::config::parse_memory(m).context("--kv-cache-memory")? as u64,
+            None => 0,
+        };
+        Ok(pb::Build {
+            model_dir: model_dir.unwrap_or_default(),
+            dtype: self.dtype.unwrap_or_default().into(),
+            device: self.device.unwrap_or_default().into(),
+            tp: self.tp.unwrap_or(0),
+            pp: self.pp.unwrap_or(0),
+            ep: self.ep.unwrap_or(0),
+            scheduler: Some(pb::SchedulerLimits {
+                max_num_seqs: self.max_num_seqs.unwrap_or(0),
+                max_batched_tokens: self.max_batched_tokens.unwrap_or(0),
+                kv_cache_bytes,
+                max_waiting: self.max_waiting.unwrap_or(0),
+            }),
+        })
+    }
+}
+
+/// A build as a status shows it: dtype and device as text ("" for unspecified).
+pub struct Shown {
+    pub model_dir: String,
+    pub dtype: String,
+    pub device: String,
+    pub tp: u32,
+    pub pp: u32,
+    pub ep: u32,
+    pub scheduler: pb::SchedulerLimits,
+}
+
+impl Shown {
+    /// A status's `build`, or (from a coordinator that predates it) its flat fields.
+    fn of(b: Option<&pb::Build>, flat: Shown) -> Shown {
+        let Some(b) = b else { return flat };
+        let dtype = match pb::DataType::try_from(b.dtype) {
+            Ok(pb::DataType::Unspecified) => "",
+            Ok(pb::DataType::Bf16) => "bf16",
+            Ok(pb::DataType::F16) => "f16",
+            Ok(pb::DataType::F32) => "f32",
+            Err(_) => "?",
+        };
+        let device = match pb::DeviceKind::try_from(b.device) {
+            Ok(pb::DeviceKind::Unspecified) => "",
+            Ok(pb::DeviceKind::Cpu) => "cpu",
+            Ok(pb::DeviceKind::Cuda) => "cuda",
+            Err(_) => "?",
+        };
+        Shown {
+            model_dir: b.model_dir.clone(),
+            dtype: dtype.into(),
+            device: device.into(),
+            tp: b.tp,
+            pp: b.pp,
+            ep: b.ep,
+            scheduler: b.scheduler.unwrap_or_default(),
+        }
+    }
+
+    pub fn model(m: &pb::ModelStatus) -> Shown {
+        let flat = Shown {
+            model_dir: m.model_dir.clone(),
+            dtype: m.dtype.clone(),
+            device: m.device.clone(),
+            tp: m.tp,
+            pp: m.pp,
+            ep: m.ep,
+            scheduler: m.scheduler.unwrap_or_default(),
+        };
+        Shown::of(m.build.as_ref(), flat)
+    }
+
+    pub fn revision(v: &pb::RevisionStatus) -> Shown {
+        let flat = Shown {
+            model_dir: v.model_dir.clone(),
+            dtype: v.dtype.clone(),
+            device: v.device.clone(),
+            tp: v.tp,
+            pp: v.pp,
+            ep: v.ep,
+            scheduler: v.scheduler.unwrap_or_default(),
+        };
+        Shown::of(v.build.as_ref(), flat)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_left_out_are_zero_and_given_ones_are_typed() {
+        let none = BuildArgs::default();
+        assert!(!none.any());
+        let b = none.to_pb(None).unwrap();
+        assert_eq!((b.tp, b.dtype, b.device, b.model_dir.as_str()), (0, 0, 0, ""));
+        let some = BuildArgs {
+            dtype: Some(parse_dtype("BF16").unwrap()),
+            device: Some(parse_device("cuda").unwrap()),
+            kv_cache_memory: Some("1MiB".into()),
+            ..Default::default()
+        };
+        assert!(some.any());
+        let b = some.to_pb(Some("/m".into())).unwrap();
+        assert_eq!((b.dtype(), b.device()), (pb::DataType::Bf16, pb::DeviceKind::Cuda));
+        assert_eq!(b.scheduler.unwrap().kv_cache_bytes, 1 << 20);
+        assert_eq!(parse_dtype("auto").unwrap(), pb::DataType::Unspecified);
+        assert!(parse_dtype("int4").unwrap_err().contains("dtype"));
+        assert!(parse_device("tpu").unwrap_err().contains("device"));
+        let shown =
+            Shown::model(&pb::ModelStatus { build: Some(b), dtype: "old".into(), ..Default::default() });
+        assert_eq!(
+            (shown.dtype.as_str(), shown.device.as_str()),
+            ("bf16", "cuda"),
+            "build wins over flat fields"
+        );
+    }
+}

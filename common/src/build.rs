@@ -1,0 +1,242 @@
+//! What a deployment's replicas are built from: one typed [`Build`], held by the serving
+//! revision of a [`ModelSpec`](crate::cluster::ModelSpec), by every
+//! [`Revision`](crate::rollout::Revision) and sent to the workers as their load.
+//!
+//! The registry keeps it as the flat JSON fields records have always had (`model_dir`,
+//! `dtype` and `device` as text, empty for "the checkpoint's" and "any", `tp`, `pp`, `ep`,
+//! `limits`), so records written before it load unchanged, and records it writes load in
+//! coordinators that predate it.
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::device::{DType, Device};
+use crate::error::{Error, Result};
+use crate::shard::Parallelism;
+
+/// The device kind a deployment's ranks run on and a worker offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl DeviceKind {
+    /// Parses "cpu" or "cuda" (any case).
+    pub fn parse(text: &str) -> Result<DeviceKind> {
+        match text.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            _ => Err(Error::invalid("device", format!("{text:?}: expected cpu or cuda"))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+
+    /// The kind of a device (`cuda:3` is cuda).
+    pub fn of(device: Device) -> DeviceKind {
+        match device {
+            Device::Cpu => DeviceKind::Cpu,
+            Device::Cuda(_) => DeviceKind::Cuda,
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Engine limits a deployment sets (0 = the worker's default).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineLimits {
+    #[serde(default)]
+    pub max_num_seqs: u32,
+    #[serde(default)]
+    pub max_batched_tokens: u32,
+    /// KV cache bytes per rank (0: the worker's default).
+    #[serde(default)]
+    pub kv_cache_bytes: u64,
+    /// Requests that may wait for a replica's sequence slots (0: the default, 256); they
+    /// wait in the coordinators' fair-admission queues.
+    #[serde(default)]
+    pub max_waiting: u32,
+}
+
+impl EngineLimits {
+    /// These limits with each nonzero one of `over` in place of its own.
+    pub fn overlaid(&self, over: &EngineLimits) -> EngineLimits {
+        EngineLimits {
+            max_num_seqs: nonzero(over.max_num_seqs, self.max_num_seqs),
+            max_batched_tokens: nonzero(over.max_batched_tokens, self.max_batched_tokens),
+            kv_cache_bytes: nonzero(over.kv_cache_bytes, self.kv_cache_bytes),
+            max_waiting: nonzero(over.max_waiting, self.max_waiting),
+        }
+    }
+}
+
+/// `new` unless it is zero (unset), else `old`.
+fn nonzero<T: Copy + PartialEq + Default>(new: T, old: T) -> T {
+    if new == T::default() {
+        old
+    } else {
+        new
+    }
+}
+
+/// What `ep` means where a record written before expert parallelism has none.
+fn one() -> u32 {
+    1
+}
+
+/// What a revision's replicas are built from: two revisions with equal builds serve the
+/// same model the same way.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Build {
+    /// HF model directory, as the workers see it.
+    pub model_dir: String,
+    /// Weights in memory (None: the checkpoint's own dtype).
+    #[serde(default, with = "dtype_text")]
+    pub dtype: Option<DType>,
+    /// The device kind its ranks run on (None: any, as specs written before deployments
+    /// named a device).
+    #[serde(default, with = "device_text")]
+    pub device: Option<DeviceKind>,
+    pub tp: u32,
+    pub pp: u32,
+    /// Expert parallelism: 1, or `tp` (each rank of a stage holds whole experts).
+    #[serde(default = "one")]
+    pub ep: u32,
+    #[serde(default)]
+    pub limits: EngineLimits,
+}
+
+/// What a request changes in a build: each field set replaces the build's.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct BuildChange {
+    pub model_dir: Option<String>,
+    pub dtype: Option<DType>,
+    pub device: Option<DeviceKind>,
+    /// 0: unchanged.
+    pub tp: u32,
+    pub pp: u32,
+    pub ep: u32,
+    /// Each nonzero limit replaces the build's.
+    pub limits: EngineLimits,
+}
+
+impl Build {
+    /// A build of `model_dir` as a deployment asks for it: unset fields take their
+    /// defaults (one rank, one stage, the checkpoint's dtype, `default_device`); `--ep N`
+    /// alone means N ranks per stage.
+    pub fn requested(change: BuildChange, default_device: Option<DeviceKind>) -> Build {
+        let first = Build {
+            model_dir: String::new(),
+            dtype: None,
+            device: default_device,
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            limits: EngineLimits::default(),
+        };
+        first.changed(change)
+    }
+
+    /// This build with `change` applied. Expert parallelism follows the stage's width: a
+    /// build whose experts were split across its `tp` ranks keeps them split across the
+    /// new `tp`, and `ep` alone sets `tp`.
+    pub fn changed(&self, change: BuildChange) -> Build {
+        let (tp, ep) = match (change.tp, change.ep) {
+            (0, 0) => (self.tp, self.ep),
+            (t, 0) => (t, if self.ep > 1 { t } else { 1 }),
+            (0 | 1, e) if e > 1 => (e, e),
+            (t, e) => (nonzero(t, self.tp), e),
+        };
+        Build {
+            model_dir: change.model_dir.unwrap_or_else(|| self.model_dir.clone()),
+            dtype: change.dtype.or(self.dtype),
+            device: change.device.or(self.device),
+            tp,
+            pp: nonzero(change.pp, self.pp),
+            ep,
+            limits: self.limits.overlaid(&change.limits),
+        }
+    }
+
+    pub fn parallelism(&self) -> Parallelism {
+        Parallelism { tp: self.tp as usize, pp: self.pp as usize, ep: self.ep.max(1) as usize }
+    }
+
+    pub fn world(&self) -> usize {
+        self.parallelism().world()
+    }
+
+    /// Checks what replicas are built from; names the bad field.
+    pub fn validate(&self) -> Result<()> {
+        if self.model_dir.is_empty() {
+            return Err(Error::invalid("model_dir", "must name the model directory the workers load"));
+        }
+        if self.dtype == Some(DType::I8) {
+            return Err(Error::invalid("dtype", "i8: expected bf16, f16, f32 or empty"));
+        }
+        if self.tp == 0 || self.pp == 0 {
+            return Err(Error::invalid(if self.tp == 0 { "tp" } else { "pp" }, "must be at least 1"));
+        }
+        if self.ep > 1 && self.ep != self.tp {
+            return Err(Error::invalid("ep", format!("{} with tp {}: ep is 1 or tp", self.ep, self.tp)));
+        }
+        if self.world() > 1024 {
+            return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
+        }
+        Ok(())
+    }
+
+    /// Whether a worker of `kind` may hold one of its ranks.
+    pub fn runs_on(&self, kind: DeviceKind) -> bool {
+        self.device.is_none_or(|d| d == kind)
+    }
+}
+
+/// `Option<DType>` as the registry spells it: "bf16", "f16", "f32"; "" for None.
+mod dtype_text {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(v: &Option<DType>, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(v.map_or("", DType::as_str))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<DType>, D::Error> {
+        let text = String::deserialize(d)?;
+        match text.as_str() {
+            "" => Ok(None),
+            t => DType::parse(t).map(Some).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// `Option<DeviceKind>` as the registry spells it: "cpu", "cuda"; "" for None.
+mod device_text {
+    use super::*;
+
+    pub fn serialize<S: Serializer>(v: &Option<DeviceKind>, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(v.map_or("", DeviceKind::as_str))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Option<DeviceKind>, D::Error> {
+        let text = String::deserialize(d)?;
+        match text.as_str() {
+            "" => Ok(None),
+            t => DeviceKind::parse(t).map(Some).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

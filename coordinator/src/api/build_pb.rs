@@ -1,0 +1,228 @@
+//! admin.v1's `Build` <-> [`Build`]: what a deploy or rollout asks for, and what a status
+//! reports. Clients from before `Build` send flat fields (dtype and device as text); a
+//! request without `build` is read from those, and every status fills both.
+
+use strata_common::{Build, BuildChange, DType, DeviceKind, EngineLimits, Error, Result};
+use strata_proto::admin::v1 as pb;
+
+pub(super) fn limits_from_pb(l: pb::SchedulerLimits) -> EngineLimits {
+    EngineLimits {
+        max_num_seqs: l.max_num_seqs,
+        max_batched_tokens: l.max_batched_tokens,
+        kv_cache_bytes: l.kv_cache_bytes,
+        max_waiting: l.max_waiting,
+    }
+}
+
+pub(super) fn limits_to_pb(l: &EngineLimits) -> pb::SchedulerLimits {
+    pb::SchedulerLimits {
+        max_num_seqs: l.max_num_seqs,
+        max_batched_tokens: l.max_batched_tokens,
+        kv_cache_bytes: l.kv_cache_bytes,
+        max_waiting: l.max_waiting,
+    }
+}
+
+fn dtype_from_pb(v: i32) -> Result<Option<DType>> {
+    match pb::DataType::try_from(v) {
+        Ok(pb::DataType::Unspecified) => Ok(None),
+        Ok(pb::DataType::Bf16) => Ok(Some(DType::BF16)),
+        Ok(pb::DataType::F16) => Ok(Some(DType::F16)),
+        Ok(pb::DataType::F32) => Ok(Some(DType::F32)),
+        Err(_) => Err(Error::invalid("build.dtype", format!("{v} is no DataType this coordinator knows"))),
+    }
+}
+
+fn dtype_to_pb(d: Option<DType>) -> pb::DataType {
+    match d {
+        None | Some(DType::I8) => pb::DataType::Unspecified,
+        Some(DType::BF16) => pb::DataType::Bf16,
+        Some(DType::F16) => pb::DataType::F16,
+        Some(DType::F32) => pb::DataType::F32,
+    }
+}
+
+fn device_from_pb(v: i32) -> Result<Option<DeviceKind>> {
+    match pb::DeviceKind::try_from(v) {
+        Ok(pb::DeviceKind::Unspecified) => Ok(None),
+        Ok(pb::DeviceKind::Cpu) => Ok(Some(DeviceKind::Cpu)),
+        Ok(pb::DeviceKind::Cuda) => Ok(Some(DeviceKind::Cuda)),
+        Err(_) => Err(Error::invalid("build.device", format!("{v} is no DeviceKind this coordinator knows"))),
+    }
+}
+
+fn device_to_pb(d: Option<DeviceKind>) -> pb::DeviceKind {
+    match d {
+        None => pb::DeviceKind::Unspecified,
+        Some(DeviceKind::Cpu) => pb::DeviceKind::Cpu,
+        Some(DeviceKind::Cuda) => pb::DeviceKind::Cuda,
+    }
+}
+
+pub(super) fn build_to_pb(b: &Build) -> pb::Build {
+    pb::Build {
+        model_dir: b.model_dir.clone(),
+        dtype: dtype_to_pb(b.dtype).into(),
+        device: device_to_pb(b.device).into(),
+        tp: b.tp,
+        pp: b.pp,
+        ep: b.ep,
+        scheduler: Some(limits_to_pb(&b.limits)),
+    }
+}
+
+/// A request's typed `build` as a change.
+fn change_from_pb(b: &pb::Build) -> Result<BuildChange> {
+    Ok(BuildChange {
+        model_dir: (!b.model_dir.is_empty()).then(|| b.model_dir.clone()),
+        dtype: dtype_from_pb(b.dtype)?,
+        device: device_from_pb(b.device)?,
+        tp: b.tp,
+        pp: b.pp,
+        ep: b.ep,
+        limits: limits_from_pb(b.scheduler.unwrap_or_default()),
+    })
+}
+
+/// The flat build fields of a request from a client that predates `Build`.
+pub(super) struct Flat<'a> {
+    pub model_dir: &'a str,
+    pub dtype: &'a str,
+    pub device: &'a str,
+    pub tp: u32,
+    pub pp: u32,
+    pub ep: u32,
+    pub scheduler: Option<pb::SchedulerLimits>,
+}
+
+impl Flat<'_> {
+    fn change(&self) -> Result<BuildChange> {
+        let text = |t: &str| (!t.is_empty()).then(|| t.to_string());
+        Ok(BuildChange {
+            model_dir: text(self.model_dir),
+            dtype: text(self.dtype).map(|t| DType::parse(&t)).transpose()?,
+            device: text(self.device).map(|t| DeviceKind::parse(&t)).transpose()?,
+            tp: self.tp,
+            pp: self.pp,
+            ep: self.ep,
+            limits: limits_from_pb(self.scheduler.unwrap_or_default()),
+        })
+    }
+}
+
+/// What a request asks to change: its `build` when it has one, else its flat fields.
+/// A dtype or device this coordinator does not know is an error naming the field.
+pub(super) fn requested(build: Option<&pb::Build>, flat: Flat<'_>) -> Result<BuildChange> {
+    match build {
+        Some(b) => change_from_pb(b),
+        None => flat.change(),
+    }
+}
+
+pub(super) fn deploy_flat(r: &pb::DeployModelRequest) -> Flat<'_> {
+    Flat {
+        model_dir: &r.model_dir,
+        dtype: &r.dtype,
+        device: &r.device,
+        tp: r.tp,
+        pp: r.pp,
+        ep: r.ep,
+        scheduler: r.scheduler,
+    }
+}
+
+pub(super) fn rollout_flat(r: &pb::StartRolloutRequest) -> Flat<'_> {
+    Flat {
+        model_dir: &r.model_dir,
+        dtype: &r.dtype,
+        device: &r.device,
+        tp: r.tp,
+        pp: r.pp,
+        // Clients from before `Build` could not change expert parallelism in a rollout.
+        ep: 0,
+        scheduler: r.scheduler,
+    }
+}
+
+/// The build fields of a request as the audit log keeps them.
+pub(super) fn describe(build: Option<&pb::Build>, flat: Flat<'_>) -> String {
+    let (dtype, device) = match build {
+        Some(b) => (
+            pb::DataType::try_from(b.dtype).map_or("?", |d| d.as_str_name()).to_string(),
+            pb::DeviceKind::try_from(b.device).map_or("?", |d| d.as_str_name()).to_string(),
+        ),
+        None => (flat.dtype.to_string(), flat.device.to_string()),
+    };
+    let (dir, tp, pp, ep) = match build {
+        Some(b) => (b.model_dir.as_str(), b.tp, b.pp, b.ep),
+        None => (flat.model_dir, flat.tp, flat.pp, flat.ep),
+    };
+    format!("model_dir={dir} dtype={dtype} device={device} tp={tp} pp={pp} ep={ep}")
+}
+
+/// The flat fields of a status, for clients from before `Build`.
+pub(super) struct FlatStatus {
+    pub model_dir: String,
+    pub dtype: String,
+    pub device: String,
+    pub scheduler: Option<pb::SchedulerLimits>,
+}
+
+pub(super) fn flat_status(b: &Build) -> FlatStatus {
+    FlatStatus {
+        model_dir: b.model_dir.clone(),
+        dtype: b.dtype.map_or("", DType::as_str).to_string(),
+        device: b.device.map_or("", DeviceKind::as_str).to_string(),
+        scheduler: Some(limits_to_pb(&b.limits)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_and_flat_requests_ask_for_the_same_build() {
+        let typed = pb::Build {
+            model_dir: "/m".into(),
+            dtype: pb::DataType::Bf16.into(),
+            device: pb::DeviceKind::Cuda.into(),
+            tp: 2,
+            pp: 1,
+            ep: 2,
+            scheduler: Some(pb::SchedulerLimits { max_num_seqs: 4, ..Default::default() }),
+        };
+        let flat = pb::DeployModelRequest {
+            model_dir: "/m".into(),
+            dtype: "BF16".into(),
+            device: "cuda".into(),
+            tp: 2,
+            pp: 1,
+            ep: 2,
+            scheduler: Some(pb::SchedulerLimits { max_num_seqs: 4, ..Default::default() }),
+            ..Default::default()
+        };
+        let a = requested(Some(&typed), deploy_flat(&flat)).unwrap();
+        let b = requested(None, deploy_flat(&flat)).unwrap();
+        assert_eq!(a, b);
+        let build = Build::requested(a, None);
+        assert_eq!(build_to_pb(&build), typed, "a build reports what was asked");
+        let f = flat_status(&build);
+        assert_eq!((f.dtype.as_str(), f.device.as_str()), ("bf16", "cuda"));
+    }
+
+    #[test]
+    fn unknown_dtypes_and_devices_are_errors_naming_the_field() {
+        let bad = pb::Build { dtype: 9, ..Default::default() };
+        let e = requested(Some(&bad), deploy_flat(&Default::default())).unwrap_err().to_string();
+        assert!(e.contains("build.dtype"), "{e}");
+        let bad = pb::Build { device: 9, ..Default::default() };
+        let e = requested(Some(&bad), deploy_flat(&Default::default())).unwrap_err().to_string();
+        assert!(e.contains("build.device"), "{e}");
+        let flat = pb::DeployModelRequest { device: "tpu".into(), ..Default::default() };
+        let e = requested(None, deploy_flat(&flat)).unwrap_err().to_string();
+        assert!(e.contains("device"), "{e}");
+        let flat = pb::DeployModelRequest { dtype: "int4".into(), ..Default::default() };
+        assert!(requested(None, deploy_flat(&flat)).unwrap_err().to_string().contains("dtype"));
+    }
+}
