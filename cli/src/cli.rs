@@ -10,6 +10,7 @@ use strata_engine::model::random::RandomModelSpec;
 use strata_engine::tensor::DType;
 use strata_engine::EngineConfig;
 
+use crate::config_args::EngineArgs;
 use crate::local::{LocalModel, Prompt};
 use crate::model_tools::write_random_model;
 
@@ -145,28 +146,18 @@ pub struct BenchArgs {
     /// ranks of each stage; with --tp left out, --ep N means N ranks).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
-    /// The model's dtype: auto (the checkpoint's; bf16 computes in bf16), bf16, f16, or
-    /// f32 (exact f32 compute).
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
-    /// Quantize weight matrices at load: int8 (one scale per output channel) or none.
-    #[arg(long, default_value = "none")]
-    pub quantize: String,
-    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// GPU: run decode steps op by op instead of replaying them from CUDA graphs.
-    #[arg(long)]
-    pub enforce_eager: bool,
+    /// The engine: device, dtype, quantization, KV cache and scheduler, as `serve` takes them.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Also measure decode steps with this many sequences running (e.g. 8,32).
     #[arg(long, value_delimiter = ',')]
     pub batch_sizes: Vec<usize>,
     /// Prefill repetitions (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
-    /// Memory for the KV cache, in MiB.
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: usize,
+    /// The KV cache in MiB (the older spelling of --kv-cache-memory).
+    #[arg(long, hide = true, conflicts_with = "kv_cache_memory")]
+    pub kv_cache_mib: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -216,9 +207,9 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
-    /// Memory for the KV cache, in MiB (in-process only).
-    #[arg(long, default_value_t = 512)]
-    pub kv_cache_mib: usize,
+    /// In-process: the KV cache in MiB (the older spelling of --kv-cache-memory).
+    #[arg(long, hide = true, conflicts_with = "kv_cache_memory")]
+    pub kv_cache_mib: Option<usize>,
     /// Call a running server (e.g. http://127.0.0.1:50051); --model is then a served name.
     #[arg(long)]
     pub endpoint: Option<String>,
@@ -228,20 +219,10 @@ pub struct GenerateArgs {
     /// With --endpoint: the API key the server expects (sent as "authorization: Bearer").
     #[arg(long, env = "STRATA_API_KEY", hide_env_values = true, requires = "endpoint")]
     pub api_key: Option<String>,
-    /// In-process: the model's dtype: auto (the checkpoint's; bf16 computes in bf16),
-    /// bf16, f16, or f32 (exact f32 compute).
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
-    /// In-process: quantize weight matrices at load: int8 (one scale per output channel)
-    /// or none.
-    #[arg(long, default_value = "none")]
-    pub quantize: String,
-    /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs).
-    #[arg(long, default_value = "cpu")]
-    pub device: String,
-    /// In-process, GPU: run decode steps op by op instead of replaying CUDA graphs.
-    #[arg(long)]
-    pub enforce_eager: bool,
+    /// In-process: the engine (device, dtype, quantization, KV cache, scheduler), as
+    /// `serve` takes it.
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// In-process: tensor-parallel ranks (threads).
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
@@ -411,16 +392,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = PathBuf::from(&args.model);
-    let config = EngineConfig {
-        kv_cache_bytes: args.kv_cache_mib << 20,
-        backend: strata_engine::backend::BackendOptions {
-            dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
-            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
-            quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
-            enforce_eager: args.enforce_eager,
-        },
-        ..Default::default()
-    };
+    let config = args.engine.in_process(args.kv_cache_mib)?;
     let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
     let mut model = LocalModel::load_parallel(&dir, par, &config)?;
     let params = args.sampling();
@@ -479,16 +451,7 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     if args.prompt_len == 0 || args.decode_tokens == 0 || args.repeats == 0 {
         bail!("--prompt-len, --decode-tokens and --repeats must be at least 1");
     }
-    let config = EngineConfig {
-        kv_cache_bytes: args.kv_cache_mib << 20,
-        backend: strata_engine::backend::BackendOptions {
-            dtype: crate::config_args::model_dtype(&args.dtype).context("--dtype")?,
-            device: strata_engine::backend::Device::parse(&args.device).context("--device")?,
-            quantize: strata_engine::backend::Quantization::parse(&args.quantize).context("--quantize")?,
-            enforce_eager: args.enforce_eager,
-        },
-        ..Default::default()
-    };
+    let config = args.engine.in_process(args.kv_cache_mib)?;
     let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
     let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
     let cfg = crate::engine_bench::EngineBenchConfig {

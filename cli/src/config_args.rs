@@ -135,6 +135,22 @@ impl EngineArgs {
     }
 }
 
+impl EngineArgs {
+    /// The engine of an in-process command (`generate`, `model bench`): the settings'
+    /// defaults with these flags applied; `kv_cache_mib` is the older spelling of
+    /// `--kv-cache-memory`.
+    pub fn in_process(&self, kv_cache_mib: Option<usize>) -> anyhow::Result<EngineConfig> {
+        let mut settings = EngineSettings::default();
+        self.apply(&mut settings);
+        if let Some(mib) = kv_cache_mib {
+            settings.kv_cache_memory = format!("{mib}MiB");
+        }
+        let config = Config { engine: settings, ..Config::default() };
+        config.validate().map_err(with_flag)?;
+        Ok(engine_config(&config.engine)?.0)
+    }
+}
+
 /// `slot = value` when the flag (or its variable) was given.
 pub fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
     if let Some(v) = value {
@@ -244,5 +260,69 @@ pub fn model_dtype(text: &str) -> strata_common::Result<Option<strata_common::DT
         other => strata_common::DType::parse(other).map(Some).map_err(|_| {
             strata_common::Error::invalid("dtype", format!("{other:?}: give auto, bf16, f16 or f32"))
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cli::{Cli, Command, ModelCommand};
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from([&["strata"], args].concat())
+    }
+
+    #[test]
+    fn in_process_commands_take_serves_engine_flags_and_defaults() {
+        let Command::Generate(g) = parse(&["generate", "--model", "m", "--prompt", "x"]).unwrap().command
+        else {
+            panic!("generate")
+        };
+        let (got, want) =
+            (g.engine.in_process(g.kv_cache_mib).unwrap(), strata_engine::EngineConfig::default());
+        assert_eq!(
+            (got.kv_cache_bytes, got.block_size, got.prefix_caching),
+            (want.kv_cache_bytes, want.block_size, want.prefix_caching)
+        );
+        assert_eq!(got.scheduler.max_num_seqs, want.scheduler.max_num_seqs);
+        let Command::Model { command: ModelCommand::Bench(b) } =
+            parse(&["model", "bench", "--model", "m", "--kv-cache-memory", "16MiB", "--max-num-seqs", "3"])
+                .unwrap()
+                .command
+        else {
+            panic!("model bench")
+        };
+        let c = b.engine.in_process(b.kv_cache_mib).unwrap();
+        assert_eq!((c.kv_cache_bytes, c.scheduler.max_num_seqs), (16 << 20, 3));
+        let Command::Generate(old) =
+            parse(&["generate", "--model", "m", "--prompt", "x", "--kv-cache-mib", "16"]).unwrap().command
+        else {
+            panic!("generate")
+        };
+        assert_eq!(
+            old.engine.in_process(old.kv_cache_mib).unwrap().kv_cache_bytes,
+            16 << 20,
+            "the older spelling"
+        );
+        let both = [
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "x",
+            "--kv-cache-mib",
+            "16",
+            "--kv-cache-memory",
+            "1GiB",
+        ];
+        assert!(parse(&both).is_err(), "one spelling at a time");
+        let Command::Generate(bad) =
+            parse(&["generate", "--model", "m", "--prompt", "x", "--dtype", "int4"]).unwrap().command
+        else {
+            panic!("generate")
+        };
+        let e = bad.engine.in_process(None).unwrap_err().to_string();
+        assert!(e.contains("--dtype"), "{e}");
     }
 }

@@ -107,12 +107,15 @@ pub struct EngineSettings {
     pub enforce_eager: bool,
 }
 
+/// The engine's defaults: the one place they are stated. The engine's own config types,
+/// every command's flags and the coordinator's view of a replica's capacity take theirs
+/// from here.
 impl Default for EngineSettings {
     fn default() -> Self {
         EngineSettings {
             device: "cpu".into(),
             kv_cache_memory: "512MiB".into(),
-            block_size: 16,
+            block_size: crate::prefix::DEFAULT_BLOCK_SIZE,
             max_num_seqs: 64,
             max_batched_tokens: 512,
             max_waiting: 256,
@@ -121,6 +124,13 @@ impl Default for EngineSettings {
             quantize: "none".into(),
             enforce_eager: false,
         }
+    }
+}
+
+impl EngineSettings {
+    /// The default KV cache size, bytes.
+    pub fn default_kv_cache_bytes() -> usize {
+        parse_memory(&EngineSettings::default().kv_cache_memory).expect("the default KV cache size is a size")
     }
 }
 

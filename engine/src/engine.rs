@@ -17,7 +17,7 @@ use tracing::{debug, info};
 
 use crate::backend::Backend;
 use crate::dist::{kv_blocks, LeaderExecutor, StepExecutor};
-use crate::kv::{BlockPool, BlockTable, DEFAULT_BLOCK_SIZE};
+use crate::kv::{BlockPool, BlockTable};
 use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
@@ -61,11 +61,12 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
+        let settings = strata_common::config::EngineSettings::default();
         EngineConfig {
-            block_size: DEFAULT_BLOCK_SIZE,
-            kv_cache_bytes: 512 << 20,
+            block_size: settings.block_size,
+            kv_cache_bytes: strata_common::config::EngineSettings::default_kv_cache_bytes(),
             scheduler: SchedulerConfig::default(),
-            prefix_caching: true,
+            prefix_caching: settings.prefix_caching,
             backend: Default::default(),
             labels: Default::default(),
         }

@@ -40,7 +40,8 @@ pub struct RunnerLimits {
 
 impl Default for RunnerLimits {
     fn default() -> Self {
-        RunnerLimits { max_waiting: 256, stream_buffer: STREAM_BUFFER }
+        let max_waiting = strata_common::config::EngineSettings::default().max_waiting;
+        RunnerLimits { max_waiting, stream_buffer: STREAM_BUFFER }
     }
 }
 

@@ -25,13 +25,6 @@ use super::suspects::Suspects;
 use super::{EventStream, GateSize, Job, Replica, Routes};
 use crate::control::view::ClusterView;
 
-/// Sequences a replica runs at once when its deployment does not say (the engine's
-/// default `max_num_seqs`).
-pub const DEFAULT_REPLICA_SLOTS: usize = 64;
-/// Requests that may wait per replica when its deployment does not say (the engine's
-/// default `max_waiting`).
-pub const DEFAULT_REPLICA_QUEUE: usize = 256;
-
 #[derive(Default)]
 struct ReplicaLoad {
     outstanding: AtomicUsize,
@@ -175,6 +168,8 @@ impl Routes for ClusterRoutes {
         let limits =
             view.models.get(self.model.as_str()).map(|spec| spec.build.limits.clone()).unwrap_or_default();
         let or = |v: u32, default: usize| if v == 0 { default } else { v as usize };
+        // A deployment that sets no limit runs with the engine's default.
+        let engine = strata_common::config::EngineSettings::default();
         let (replicas, coordinators) =
             (view.ready_replicas(&self.model).count(), view.coordinators.len().max(1));
         if replicas == 0 {
@@ -184,8 +179,8 @@ impl Routes for ClusterRoutes {
         }
         let share = |per_replica: usize| (replicas * per_replica).div_ceil(coordinators);
         GateSize {
-            slots: share(or(limits.max_num_seqs, DEFAULT_REPLICA_SLOTS)).max(1),
-            queue: share(or(limits.max_waiting, DEFAULT_REPLICA_QUEUE)),
+            slots: share(or(limits.max_num_seqs, engine.max_num_seqs)).max(1),
+            queue: share(or(limits.max_waiting, engine.max_waiting)),
         }
     }
 

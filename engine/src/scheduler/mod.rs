@@ -45,7 +45,8 @@ pub struct SchedulerConfig {
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        SchedulerConfig { max_num_seqs: 64, max_batched_tokens: 512 }
+        let s = strata_common::config::EngineSettings::default();
+        SchedulerConfig { max_num_seqs: s.max_num_seqs, max_batched_tokens: s.max_batched_tokens }
     }
 }
 
