@@ -21,7 +21,7 @@ test: prerequisites
 	$(CARGO) build --workspace --all-targets
 	$(CARGO) test --workspace
 	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --lib backend::cpu \
-		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --test hf_reference || exit 1; done
+		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --test engine hf_reference:: || exit 1; done
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --features strata-cli/cuda,strata-engine/cuda-emulator -- -D warnings
 	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-engine --features cuda,cuda-emulator

@@ -1,0 +1,17 @@
+//! Engine-level behaviour through the real binary or the engine in-process: HF references, batching, parallelism, int8 checkpoints, chat templates, broken models.
+//!
+//! One test binary of several modules (one per former file): each binary links the
+//! whole dependency graph, so fewer of them build faster.
+
+#[path = "engine_suite/batching.rs"]
+mod batching;
+#[path = "engine_suite/broken_models.rs"]
+mod broken_models;
+#[path = "engine_suite/chat_templates.rs"]
+mod chat_templates;
+#[path = "engine_suite/hf_reference.rs"]
+mod hf_reference;
+#[path = "engine_suite/int8_checkpoint.rs"]
+mod int8_checkpoint;
+#[path = "engine_suite/parallel.rs"]
+mod parallel;
