@@ -17,7 +17,7 @@ mod cluster_tenants;
 mod dashboards;
 #[path = "cluster_suite/etcd_security.rs"]
 mod etcd_security;
-#[path = "cluster_suite/registry.rs"]
-mod registry;
 #[path = "cluster_suite/helm_chart.rs"]
 mod helm_chart;
+#[path = "cluster_suite/registry.rs"]
+mod registry;

@@ -5,7 +5,7 @@
 
 #[path = "commands_suite/cli_generate.rs"]
 mod cli_generate;
-#[path = "commands_suite/model_bench.rs"]
-mod model_bench;
 #[path = "commands_suite/config.rs"]
 mod config;
+#[path = "commands_suite/model_bench.rs"]
+mod model_bench;

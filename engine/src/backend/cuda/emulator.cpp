@@ -1,13 +1,16 @@
-// A CPU emulation of the CUDA execution model, just enough for kernels.cu: each block
-// runs with one OS thread per CUDA thread, SYNC() is a barrier across the block, SHARED
-// variables are statics (blocks run one after another, and launches are serialised by
-// the caller), dynamic shared memory is a buffer per block. Device pointers are host
+// A CPU emulation of the CUDA execution model, just enough for kernels.cu: a block runs
+// with one OS thread per CUDA thread (threads kept across launches; they run every block
+// of a launch, one block after another), SYNC() is a barrier across the block, SHARED variables are
+// statics (blocks run one after another, and launches are serialised by the caller), dynamic shared memory is a buffer per block. Device pointers are host
 // pointers. Used by the tests of the CUDA backend on machines without a GPU: the kernels
 // compiled here are the very source NVRTC compiles for the GPU.
 
 #include <math.h>
 
 #include <barrier>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -51,33 +54,85 @@ static void emu_call(void (*kernel)(A...), void** args, std::index_sequence<I...
     kernel(*static_cast<A*>(args[I])...);
 }
 
+// The OS threads that stand for a block's CUDA threads, kept across launches (starting
+// hundreds of threads per launch cost more than the kernels). A launch hands every one of
+// its first `active` threads the same job, with its thread index, and waits for them all.
+class EmuPool {
+  public:
+    void run(unsigned active, const std::function<void(unsigned)>& job) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        while (workers_.size() < active) {
+            unsigned index = workers_.size();
+            workers_.emplace_back([this, index] { work(index); });
+        }
+        job_ = &job;
+        active_ = active;
+        remaining_ = active;
+        generation_++;
+        wake_.notify_all();
+        done_.wait(lock, [this] { return remaining_ == 0; });
+        job_ = nullptr;
+    }
+
+  private:
+    void work(unsigned index) {
+        uint64_t seen = 0;
+        for (;;) {
+            const std::function<void(unsigned)>* job;
+            {
+                std::unique_lock<std::mutex> lock(mutex_);
+                wake_.wait(lock, [&] { return generation_ != seen && index < active_; });
+                seen = generation_;
+                job = job_;
+            }
+            (*job)(index);
+            std::lock_guard<std::mutex> lock(mutex_);
+            if (--remaining_ == 0) {
+                done_.notify_one();
+            }
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable wake_, done_;
+    std::vector<std::thread> workers_;
+    const std::function<void(unsigned)>* job_ = nullptr;
+    unsigned active_ = 0, remaining_ = 0;
+    uint64_t generation_ = 0;
+};
+
+// Launches are serialised by the caller, so one pool serves them all. Its threads live as
+// long as the process (detached at exit: they only ever wait for the next launch).
+static EmuPool& emu_pool() {
+    static EmuPool* pool = new EmuPool();
+    return *pool;
+}
+
+// Every block of the grid in order, run by the pool's threads: a barrier after each block
+// keeps the blocks one after another (SHARED variables are statics, one copy for the
+// whole grid).
 template <typename... A>
 static void emu_run(void (*kernel)(A...), dim3 grid, dim3 block, unsigned shared, void** args) {
     unsigned threads = block.x * block.y * block.z;
     std::vector<unsigned char> dyn(shared > 0 ? shared : 1);
-    for (unsigned bz = 0; bz < grid.z; bz++) {
-        for (unsigned by = 0; by < grid.y; by++) {
-            for (unsigned bx = 0; bx < grid.x; bx++) {
-                std::barrier<> bar(threads);
-                std::vector<std::thread> pool;
-                pool.reserve(threads);
-                for (unsigned t = 0; t < threads; t++) {
-                    pool.emplace_back([&, t] {
-                        threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        blockIdx = dim3{bx, by, bz};
-                        blockDim = block;
-                        gridDim = grid;
-                        emu_block_barrier = &bar;
-                        emu_dynamic_shared = dyn.data();
-                        emu_call(kernel, args, std::index_sequence_for<A...>{});
-                    });
-                }
-                for (auto& th : pool) {
-                    th.join();
+    std::barrier<> bar(threads);
+    std::function<void(unsigned)> job = [&](unsigned t) {
+        threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+        blockDim = block;
+        gridDim = grid;
+        emu_block_barrier = &bar;
+        emu_dynamic_shared = dyn.data();
+        for (unsigned bz = 0; bz < grid.z; bz++) {
+            for (unsigned by = 0; by < grid.y; by++) {
+                for (unsigned bx = 0; bx < grid.x; bx++) {
+                    blockIdx = dim3{bx, by, bz};
+                    emu_call(kernel, args, std::index_sequence_for<A...>{});
+                    bar.arrive_and_wait();
                 }
             }
         }
-    }
+    };
+    emu_pool().run(threads, job);
 }
 
 #define EMU_KERNEL(name)                              \

@@ -1,11 +1,12 @@
 //! A stand-in [`Gpu`] on the CPU (feature `cuda-emulator`, for tests).
 //!
 //! Kernels are the real `kernels.cu`, compiled as C++ by the build script against
-//! `emulator.cpp`, which runs each block with one thread per CUDA thread; the GEMM is a
-//! plain host loop with the same inputs cuBLAS gets (bf16 × bf16, f32 accumulation).
-//! Device memory is host memory. Launches are serialised process-wide (kernels' shared
-//! memory is static in the emulation). It is slow — thousands of OS threads per launch — and meant
-//! for tiny shapes.
+//! `emulator.cpp`, which runs each block with one OS thread per CUDA thread (a pool kept
+//! across launches, walking a launch's blocks one after another); the GEMM is a plain host
+//! loop with the same inputs cuBLAS gets (bf16 × bf16, f32 accumulation). Device memory is
+//! host memory. Launches are serialised process-wide (kernels' shared memory is static in
+//! the emulation). It is slow — every block's barrier wakes hundreds of threads — and
+//! meant for tiny shapes.
 //!
 //! Host work can be queued as device work too ([`EmulatedGpu::enqueue_host`]): in stream
 //! order, recorded into a graph being captured and run again at each replay. The
