@@ -298,6 +298,10 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
             ))
         })?;
     let workers: Vec<WorkerRecord> = rec.workers.iter().map(|w| ctx.worker(w)).collect::<Result<_>>()?;
+    if workers.is_empty() {
+        // The record this task read has no placement (yet): nothing to load.
+        return Err(Error::Unavailable(format!("replica {} has no workers assigned", rec.id)));
+    }
     let started = Instant::now();
     // A fresh group secret per load: only the ranks assigned here can join its rendezvous.
     let mut group_secret = vec![0u8; 32];

@@ -5,7 +5,7 @@
 //! no ports. A worker can be killed (its lease lapses and it stops answering) or told to
 //! misbehave ([`worker::Fault`]).
 //!
-//! Timings are short (a 1 s lease, a 50 ms reconcile tick) so that what a real cluster
+//! Timings are short (a 3 s lease, a 50 ms reconcile tick) so that what a real cluster
 //! does in seconds happens here in a fraction of one; tests wait for outcomes with
 //! [`until`], never for fixed times.
 
@@ -31,8 +31,9 @@ use crate::routing::clients::WorkerClients;
 use crate::routing::policy::PolicyKind;
 use worker::ScriptedWorker;
 
-/// A worker's and a coordinator's lease.
-pub const LEASE: Duration = Duration::from_secs(1);
+/// A worker's and a coordinator's lease: long enough that a loaded 2-core host running
+/// the whole suite never lets one lapse by accident (tests kill leases on purpose).
+pub const LEASE: Duration = Duration::from_secs(3);
 
 /// The fixture model every test deploys (read from the repository's fixtures).
 pub fn model_dir() -> PathBuf {
