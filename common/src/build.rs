@@ -9,50 +9,9 @@
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::device::{DType, Device};
+use crate::device::{DType, DeviceKind};
 use crate::error::{Error, Result};
 use crate::shard::Parallelism;
-
-/// The device kind a deployment's ranks run on and a worker offers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    #[default]
-    Cpu,
-    Cuda,
-}
-
-impl DeviceKind {
-    /// Parses "cpu" or "cuda" (any case).
-    pub fn parse(text: &str) -> Result<DeviceKind> {
-        match text.to_ascii_lowercase().as_str() {
-            "cpu" => Ok(DeviceKind::Cpu),
-            "cuda" => Ok(DeviceKind::Cuda),
-            _ => Err(Error::invalid("device", format!("{text:?}: expected cpu or cuda"))),
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DeviceKind::Cpu => "cpu",
-            DeviceKind::Cuda => "cuda",
-        }
-    }
-
-    /// The kind of a device (`cuda:3` is cuda).
-    pub fn of(device: Device) -> DeviceKind {
-        match device {
-            Device::Cpu => DeviceKind::Cpu,
-            Device::Cuda(_) => DeviceKind::Cuda,
-        }
-    }
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// Engine limits a deployment sets (0 = the worker's default).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::rollout::Rollout;
 use crate::shard::Parallelism;
 
-pub use crate::build::{Build, DeviceKind, EngineLimits};
+pub use crate::build::{Build, EngineLimits};
+pub use crate::device::DeviceKind;
 
 /// What a worker offers. A worker process drives one device (a machine with several GPUs
 /// runs one worker per GPU), so each placement slot is one registration.

@@ -1,5 +1,7 @@
 //! Plain enums every role names: where a rank runs and what dtype weights are in.
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 
 /// Where a rank runs its shard.
@@ -25,11 +27,11 @@ impl Device {
         }
     }
 
-    /// "cpu" or "cuda".
-    pub fn kind(&self) -> &'static str {
+    /// Its kind (`cuda:3` is cuda).
+    pub fn kind(&self) -> DeviceKind {
         match self {
-            Device::Cpu => "cpu",
-            Device::Cuda(_) => "cuda",
+            Device::Cpu => DeviceKind::Cpu,
+            Device::Cuda(_) => DeviceKind::Cuda,
         }
     }
 }
@@ -40,6 +42,39 @@ impl std::fmt::Display for Device {
             Device::Cpu => write!(f, "cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
         }
+    }
+}
+
+/// The device kind a deployment's ranks run on and a worker offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+impl DeviceKind {
+    /// Parses "cpu" or "cuda" (any case).
+    pub fn parse(text: &str) -> Result<DeviceKind> {
+        match text.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda),
+            _ => Err(Error::invalid("device", format!("{text:?}: expected cpu or cuda"))),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -43,8 +43,8 @@ pub mod trace;
 pub mod wire;
 pub mod worker_api;
 
-pub use build::{Build, BuildChange, DeviceKind, EngineLimits};
-pub use device::{DType, Device};
+pub use build::{Build, BuildChange, EngineLimits};
+pub use device::{DType, Device, DeviceKind};
 pub use error::{Error, ErrorClass, Result};
 pub use events::{EngineStats, SeqEvent, TokenLogprobs};
 pub use ids::{ModelName, ReplicaId, WorkerId};

@@ -53,7 +53,7 @@ impl AgentConfig {
         let device = self.backend.device;
         let (free, total) = strata_engine::replica::device_memory(device)?;
         Ok(Capacity {
-            device_kind: strata_common::DeviceKind::of(device),
+            device_kind: device.kind(),
             device_count: 1,
             memory_bytes: free,
             memory_total_bytes: total,

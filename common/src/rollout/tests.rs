@@ -1,6 +1,7 @@
 use super::*;
-use crate::build::{Build, DeviceKind, EngineLimits};
+use crate::build::{Build, EngineLimits};
 use crate::cluster::ModelSpec;
+use crate::device::DeviceKind;
 
 fn spec() -> ModelSpec {
     ModelSpec {
