@@ -24,7 +24,7 @@ use crate::routing::clients::WorkerClients;
 
 /// A model's revision: what failed loads back off per (a canary that cannot load does not
 /// hold up the serving revision's replacements).
-pub type Build = (ModelName, u64);
+pub type RevisionKey = (ModelName, u64);
 
 /// How long a model's builds wait after `failures` failed loads in a row: 1 s, doubling,
 /// at most 60 s.
@@ -157,7 +157,7 @@ pub struct Ctx {
     pub view: watch::Receiver<Arc<ClusterView>>,
     pub timings: Timings,
     /// Failed loads per model: (count, when the last one failed, its reason).
-    pub failures: Mutex<HashMap<Build, (u32, Instant, String)>>,
+    pub failures: Mutex<HashMap<RevisionKey, (u32, Instant, String)>>,
     /// Every worker's last registered address, kept after its registration vanishes.
     pub addresses: Mutex<HashMap<WorkerId, String>>,
 }
@@ -199,16 +199,16 @@ impl Ctx {
         }
     }
 
-    fn note_load_failure(&self, build: Build, reason: &str) {
+    fn note_load_failure(&self, revision: RevisionKey, reason: &str) {
         let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        let e = f.entry(build).or_insert((0, Instant::now(), String::new()));
+        let e = f.entry(revision).or_insert((0, Instant::now(), String::new()));
         e.0 += 1;
         e.1 = Instant::now();
         e.2 = reason.to_string();
     }
 
     /// Revisions whose next build must wait, and why.
-    pub fn backoff(&self) -> HashMap<Build, String> {
+    pub fn backoff(&self) -> HashMap<RevisionKey, String> {
         let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
         f.iter()
             .filter_map(|(m, (n, at, why))| backoff_reason(*n, at.elapsed(), why).map(|r| (m.clone(), r)))
