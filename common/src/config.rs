@@ -110,27 +110,28 @@ pub struct EngineSettings {
 /// The engine's defaults: the one place they are stated. The engine's own config types,
 /// every command's flags and the coordinator's view of a replica's capacity take theirs
 /// from here.
+impl EngineSettings {
+    /// KV cache bytes per replica (serve) or shard (worker).
+    pub const KV_CACHE_BYTES: usize = 512 << 20;
+    pub const MAX_NUM_SEQS: usize = 64;
+    pub const MAX_BATCHED_TOKENS: usize = 512;
+    pub const MAX_WAITING: usize = 256;
+}
+
 impl Default for EngineSettings {
     fn default() -> Self {
         EngineSettings {
             device: "cpu".into(),
-            kv_cache_memory: "512MiB".into(),
+            kv_cache_memory: format!("{}MiB", Self::KV_CACHE_BYTES >> 20),
             block_size: crate::prefix::DEFAULT_BLOCK_SIZE,
-            max_num_seqs: 64,
-            max_batched_tokens: 512,
-            max_waiting: 256,
+            max_num_seqs: Self::MAX_NUM_SEQS,
+            max_batched_tokens: Self::MAX_BATCHED_TOKENS,
+            max_waiting: Self::MAX_WAITING,
             prefix_caching: true,
             dtype: "auto".into(),
             quantize: "none".into(),
             enforce_eager: false,
         }
-    }
-}
-
-impl EngineSettings {
-    /// The default KV cache size, bytes.
-    pub fn default_kv_cache_bytes() -> usize {
-        parse_memory(&EngineSettings::default().kv_cache_memory).expect("the default KV cache size is a size")
     }
 }
 

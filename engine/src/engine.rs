@@ -64,7 +64,7 @@ impl Default for EngineConfig {
         let settings = strata_common::config::EngineSettings::default();
         EngineConfig {
             block_size: settings.block_size,
-            kv_cache_bytes: strata_common::config::EngineSettings::default_kv_cache_bytes(),
+            kv_cache_bytes: strata_common::config::EngineSettings::KV_CACHE_BYTES,
             scheduler: SchedulerConfig::default(),
             prefix_caching: settings.prefix_caching,
             backend: Default::default(),

@@ -40,7 +40,7 @@ pub struct RunnerLimits {
 
 impl Default for RunnerLimits {
     fn default() -> Self {
-        let max_waiting = strata_common::config::EngineSettings::default().max_waiting;
+        let max_waiting = strata_common::config::EngineSettings::MAX_WAITING;
         RunnerLimits { max_waiting, stream_buffer: STREAM_BUFFER }
     }
 }

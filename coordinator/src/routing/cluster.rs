@@ -169,7 +169,7 @@ impl Routes for ClusterRoutes {
             view.models.get(self.model.as_str()).map(|spec| spec.build.limits.clone()).unwrap_or_default();
         let or = |v: u32, default: usize| if v == 0 { default } else { v as usize };
         // A deployment that sets no limit runs with the engine's default.
-        let engine = strata_common::config::EngineSettings::default();
+        use strata_common::config::EngineSettings as Engine;
         let (replicas, coordinators) =
             (view.ready_replicas(&self.model).count(), view.coordinators.len().max(1));
         if replicas == 0 {
@@ -179,8 +179,8 @@ impl Routes for ClusterRoutes {
         }
         let share = |per_replica: usize| (replicas * per_replica).div_ceil(coordinators);
         GateSize {
-            slots: share(or(limits.max_num_seqs, engine.max_num_seqs)).max(1),
-            queue: share(or(limits.max_waiting, engine.max_waiting)),
+            slots: share(or(limits.max_num_seqs, Engine::MAX_NUM_SEQS)).max(1),
+            queue: share(or(limits.max_waiting, Engine::MAX_WAITING)),
         }
     }
 

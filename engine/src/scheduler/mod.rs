@@ -45,8 +45,8 @@ pub struct SchedulerConfig {
 
 impl Default for SchedulerConfig {
     fn default() -> Self {
-        let s = strata_common::config::EngineSettings::default();
-        SchedulerConfig { max_num_seqs: s.max_num_seqs, max_batched_tokens: s.max_batched_tokens }
+        use strata_common::config::EngineSettings as S;
+        SchedulerConfig { max_num_seqs: S::MAX_NUM_SEQS, max_batched_tokens: S::MAX_BATCHED_TOKENS }
     }
 }
 
