@@ -2,7 +2,7 @@
 //! take it (one set of flags for both) and show it.
 
 use anyhow::Context;
-use strata_common::{DType, DeviceKind};
+use strata_common::{wire, DType, DeviceKind};
 use strata_proto::admin::v1 as pb;
 
 /// The build flags: each one left out is the default (deploy) or the serving revision's
@@ -45,19 +45,11 @@ fn parse_dtype(s: &str) -> Result<pb::DataType, String> {
     if s.is_empty() || s.eq_ignore_ascii_case("auto") {
         return Ok(pb::DataType::Unspecified);
     }
-    match DType::parse(s).map_err(|e| e.to_string())? {
-        DType::BF16 => Ok(pb::DataType::Bf16),
-        DType::F16 => Ok(pb::DataType::F16),
-        DType::F32 => Ok(pb::DataType::F32),
-        DType::I8 => Err("i8 is a checkpoint format (strata model quantize), not a dtype".into()),
-    }
+    Ok(wire::data_type_to_pb(Some(DType::parse(s).map_err(|e| e.to_string())?)))
 }
 
 fn parse_device(s: &str) -> Result<pb::DeviceKind, String> {
-    match DeviceKind::parse(s).map_err(|e| e.to_string())? {
-        DeviceKind::Cpu => Ok(pb::DeviceKind::Cpu),
-        DeviceKind::Cuda => Ok(pb::DeviceKind::Cuda),
-    }
+    Ok(wire::device_kind_to_pb(Some(DeviceKind::parse(s).map_err(|e| e.to_string())?)))
 }
 
 impl BuildArgs {
@@ -118,23 +110,13 @@ impl Shown {
     /// A status's `build`, or (from a coordinator that predates it) its flat fields.
     fn of(b: Option<&pb::Build>, flat: Shown) -> Shown {
         let Some(b) = b else { return flat };
-        let dtype = match pb::DataType::try_from(b.dtype) {
-            Ok(pb::DataType::Unspecified) => "",
-            Ok(pb::DataType::Bf16) => "bf16",
-            Ok(pb::DataType::F16) => "f16",
-            Ok(pb::DataType::F32) => "f32",
-            Err(_) => "?",
-        };
-        let device = match pb::DeviceKind::try_from(b.device) {
-            Ok(pb::DeviceKind::Unspecified) => "",
-            Ok(pb::DeviceKind::Cpu) => "cpu",
-            Ok(pb::DeviceKind::Cuda) => "cuda",
-            Err(_) => "?",
-        };
+        let text = |v: Result<Option<&'static str>, _>| v.map_or("?", |t| t.unwrap_or("")).to_string();
+        let dtype = text(wire::data_type_from_pb(b.dtype).map(|d| d.map(DType::as_str)));
+        let device = text(wire::device_kind_from_pb(b.device).map(|d| d.map(DeviceKind::as_str)));
         Shown {
             model_dir: b.model_dir.clone(),
-            dtype: dtype.into(),
-            device: device.into(),
+            dtype,
+            device,
             tp: b.tp,
             pp: b.pp,
             ep: b.ep,

@@ -1,15 +1,17 @@
 //! Proto messages <-> domain types, written once for both ends of each call.
 //!
 //! The coordinator and the worker process both speak inference.v1's `SamplingParams` and
-//! `FinishReason` (worker.v1 reuses them) and both ends of worker.v1; every conversion
+//! `FinishReason` (worker.v1 reuses them) and both ends of worker.v1; the coordinator and
+//! `strata admin` both speak admin.v1's `DataType` and `DeviceKind`; every conversion
 //! lives here so the two ends cannot drift. An enum value this build does not know is an
 //! error naming the field, never silently another value.
 
+use strata_proto::admin::v1 as apb;
 use strata_proto::inference::v1 as ipb;
 use strata_proto::worker::v1 as wpb;
 
 use crate::cluster::{Assignment, EngineLimits, ShardState};
-use crate::device::DType;
+use crate::device::{DType, DeviceKind};
 use crate::error::{Error, Result};
 use crate::events::{EngineStats, SeqEvent, TokenLogprobs};
 use crate::ids::ReplicaId;
@@ -275,6 +277,46 @@ pub fn files_from_pb(r: wpb::ModelFilesResponse) -> ModelFiles {
         generation_config_json: r.generation_config_json,
         tokenizer_json: r.tokenizer_json,
         tokenizer_config_json: r.tokenizer_config_json,
+    }
+}
+
+/// admin.v1's `DataType` (UNSPECIFIED: the checkpoint's own).
+pub fn data_type_from_pb(v: i32) -> Result<Option<DType>> {
+    match apb::DataType::try_from(v) {
+        Ok(apb::DataType::Unspecified) => Ok(None),
+        Ok(apb::DataType::Bf16) => Ok(Some(DType::BF16)),
+        Ok(apb::DataType::F16) => Ok(Some(DType::F16)),
+        Ok(apb::DataType::F32) => Ok(Some(DType::F32)),
+        Err(_) => Err(Error::invalid("build.dtype", format!("{v} is no DataType this build knows"))),
+    }
+}
+
+/// `d` as admin.v1's `DataType`; None (and int8, a checkpoint format rather than a dtype)
+/// is UNSPECIFIED.
+pub fn data_type_to_pb(d: Option<DType>) -> apb::DataType {
+    match d {
+        None | Some(DType::I8) => apb::DataType::Unspecified,
+        Some(DType::BF16) => apb::DataType::Bf16,
+        Some(DType::F16) => apb::DataType::F16,
+        Some(DType::F32) => apb::DataType::F32,
+    }
+}
+
+/// admin.v1's `DeviceKind` (UNSPECIFIED: any, or the default).
+pub fn device_kind_from_pb(v: i32) -> Result<Option<DeviceKind>> {
+    match apb::DeviceKind::try_from(v) {
+        Ok(apb::DeviceKind::Unspecified) => Ok(None),
+        Ok(apb::DeviceKind::Cpu) => Ok(Some(DeviceKind::Cpu)),
+        Ok(apb::DeviceKind::Cuda) => Ok(Some(DeviceKind::Cuda)),
+        Err(_) => Err(Error::invalid("build.device", format!("{v} is no DeviceKind this build knows"))),
+    }
+}
+
+pub fn device_kind_to_pb(d: Option<DeviceKind>) -> apb::DeviceKind {
+    match d {
+        None => apb::DeviceKind::Unspecified,
+        Some(DeviceKind::Cpu) => apb::DeviceKind::Cpu,
+        Some(DeviceKind::Cuda) => apb::DeviceKind::Cuda,
     }
 }
 

@@ -2,7 +2,8 @@
 //! reports. Clients from before `Build` send flat fields (dtype and device as text); a
 //! request without `build` is read from those, and every status fills both.
 
-use strata_common::{Build, BuildChange, DType, DeviceKind, EngineLimits, Error, Result};
+use strata_common::wire::{data_type_from_pb, data_type_to_pb, device_kind_from_pb, device_kind_to_pb};
+use strata_common::{Build, BuildChange, DType, DeviceKind, EngineLimits, Result};
 use strata_proto::admin::v1 as pb;
 
 pub(super) fn limits_from_pb(l: pb::SchedulerLimits) -> EngineLimits {
@@ -23,47 +24,11 @@ pub(super) fn limits_to_pb(l: &EngineLimits) -> pb::SchedulerLimits {
     }
 }
 
-fn dtype_from_pb(v: i32) -> Result<Option<DType>> {
-    match pb::DataType::try_from(v) {
-        Ok(pb::DataType::Unspecified) => Ok(None),
-        Ok(pb::DataType::Bf16) => Ok(Some(DType::BF16)),
-        Ok(pb::DataType::F16) => Ok(Some(DType::F16)),
-        Ok(pb::DataType::F32) => Ok(Some(DType::F32)),
-        Err(_) => Err(Error::invalid("build.dtype", format!("{v} is no DataType this coordinator knows"))),
-    }
-}
-
-fn dtype_to_pb(d: Option<DType>) -> pb::DataType {
-    match d {
-        None | Some(DType::I8) => pb::DataType::Unspecified,
-        Some(DType::BF16) => pb::DataType::Bf16,
-        Some(DType::F16) => pb::DataType::F16,
-        Some(DType::F32) => pb::DataType::F32,
-    }
-}
-
-fn device_from_pb(v: i32) -> Result<Option<DeviceKind>> {
-    match pb::DeviceKind::try_from(v) {
-        Ok(pb::DeviceKind::Unspecified) => Ok(None),
-        Ok(pb::DeviceKind::Cpu) => Ok(Some(DeviceKind::Cpu)),
-        Ok(pb::DeviceKind::Cuda) => Ok(Some(DeviceKind::Cuda)),
-        Err(_) => Err(Error::invalid("build.device", format!("{v} is no DeviceKind this coordinator knows"))),
-    }
-}
-
-fn device_to_pb(d: Option<DeviceKind>) -> pb::DeviceKind {
-    match d {
-        None => pb::DeviceKind::Unspecified,
-        Some(DeviceKind::Cpu) => pb::DeviceKind::Cpu,
-        Some(DeviceKind::Cuda) => pb::DeviceKind::Cuda,
-    }
-}
-
 pub(super) fn build_to_pb(b: &Build) -> pb::Build {
     pb::Build {
         model_dir: b.model_dir.clone(),
-        dtype: dtype_to_pb(b.dtype).into(),
-        device: device_to_pb(b.device).into(),
+        dtype: data_type_to_pb(b.dtype).into(),
+        device: device_kind_to_pb(b.device).into(),
         tp: b.tp,
         pp: b.pp,
         ep: b.ep,
@@ -75,8 +40,8 @@ pub(super) fn build_to_pb(b: &Build) -> pb::Build {
 fn change_from_pb(b: &pb::Build) -> Result<BuildChange> {
     Ok(BuildChange {
         model_dir: (!b.model_dir.is_empty()).then(|| b.model_dir.clone()),
-        dtype: dtype_from_pb(b.dtype)?,
-        device: device_from_pb(b.device)?,
+        dtype: data_type_from_pb(b.dtype)?,
+        device: device_kind_from_pb(b.device)?,
         tp: b.tp,
         pp: b.pp,
         ep: b.ep,
