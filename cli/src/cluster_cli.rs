@@ -197,7 +197,7 @@ pub struct WorkerArgs {
     /// Static mode: expert parallelism (as `strata serve --ep`).
     #[arg(long, default_value_t = 1)]
     pub ep: usize,
-    /// Static mode: this process's rank (1 ..= tp·pp − 1; rank 0 is `strata serve`).
+    /// Static mode (deprecated; use --etcd): this process's rank (1 ..= tp·pp − 1; rank 0 is `strata serve`).
     #[arg(long, conflicts_with = "etcd")]
     pub rank: Option<usize>,
     /// Static mode: the leader's rendezvous address (`strata serve --worker-rendezvous`).
@@ -246,6 +246,7 @@ pub fn worker(
             );
         };
         let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
+        crate::rendezvous::warn_deprecated("strata worker --rank --rendezvous");
         let secret = crate::rendezvous::secret(args.rendezvous_secret.as_deref(), rendezvous)?;
         let join = strata_engine::replica::RankJoin {
             par,

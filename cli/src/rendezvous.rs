@@ -1,6 +1,6 @@
-//! Static mode, `strata serve --worker-rendezvous ADDR`: one replica whose rank 0 runs in
-//! this process and whose other ranks are `strata worker --rank R --rendezvous ADDR`
-//! processes started by hand. No registry, no reconciler: the replica is fixed for the
+//! Static mode (deprecated; removed in the next release), `strata serve --worker-rendezvous
+//! ADDR`: one replica whose rank 0 runs in this process and whose other ranks are
+//! `strata worker --rank R --rendezvous ADDR` processes started by hand. No registry, no reconciler: the replica is fixed for the
 //! life of the process (cluster mode is the way to scale, replace or drain).
 //!
 //! The coordinator's request path is reused unchanged: the engine is one [`Replica`]
@@ -22,6 +22,18 @@ use strata_worker::in_process::sequence_events;
 use tracing::info;
 
 use crate::unimplemented_admin::EmbeddedAdmin;
+
+/// Static mode is deprecated: cluster mode runs the same multi-process replicas (and
+/// replaces, scales and drains them), and this second way to form a replica goes in the
+/// next release.
+pub fn warn_deprecated(how: &str) {
+    tracing::warn!(
+        deprecated = "static mode",
+        "{how}: static mode is deprecated and will be removed in the next release; run the \
+         replica in cluster mode instead (`strata coordinator --etcd URL`, `strata worker --etcd URL`, \
+         `strata admin deploy --tp N --pp M`)"
+    );
+}
 
 /// The group secret of a static replica: the one given, or none on loopback.
 pub fn secret(given: Option<&str>, rendezvous: std::net::SocketAddr) -> anyhow::Result<Vec<u8>> {

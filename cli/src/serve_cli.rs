@@ -54,8 +54,9 @@ pub struct ServeArgs {
     pub callers: CallerArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
-    /// Wait at this address for the replica's other ranks to join as `strata worker`
-    /// processes, instead of running them as threads (one model, one replica).
+    /// Deprecated (static mode; use cluster mode): wait at this address for the replica's
+    /// other ranks to join as `strata worker` processes, instead of running them as
+    /// threads (one model, one replica).
     #[arg(long)]
     pub worker_rendezvous: Option<std::net::SocketAddr>,
     /// The secret every rank proves at --worker-rendezvous (the same on each `strata
@@ -186,6 +187,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     }
     if let Some(addr) = args.worker_rendezvous {
         // Static mode: rank 0 here, the other ranks are `strata worker --rendezvous` processes.
+        crate::rendezvous::warn_deprecated("strata serve --worker-rendezvous");
         if s.models.len() != 1 || s.replicas != 1 || par.world() == 1 {
             bail!("--worker-rendezvous needs one --model, --replicas 1 and --tp × --pp > 1");
         }

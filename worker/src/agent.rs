@@ -381,3 +381,7 @@ fn validate(req: &ShardLoad, roots: &ModelRoots) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[path = "agent_tests.rs"]
+pub(crate) mod tests;

@@ -162,3 +162,7 @@ async fn run(
         }
     }
 }
+
+#[cfg(test)]
+#[path = "membership_tests.rs"]
+mod tests;

@@ -97,3 +97,22 @@ async fn flags_override_the_environment_and_the_file_names_the_models() {
         Server::start(&["--config", &file, "--block-size", "8", "--model", &model(), "--name", "flag"]);
     assert_eq!(served_names(&server).await, ["flag"]);
 }
+
+/// Static mode is deprecated: both of its commands say so in a structured log field
+/// (before anything else can fail), and still refuse an unauthenticated rendezvous that
+/// other machines can reach.
+#[test]
+fn static_mode_is_deprecated_in_its_logs() {
+    let model = model();
+    let serve = ["serve", "--model", &model, "--tp", "2", "--worker-rendezvous", "192.0.2.1:7000"];
+    let worker = ["worker", "--model", &model, "--tp", "2", "--rank", "1", "--rendezvous", "192.0.2.1:7000"];
+    for args in [&serve[..], &worker[..]] {
+        let stderr = fails(&[args, &["--log-format", "json"]].concat(), &[]);
+        assert!(stderr.contains("--rendezvous-secret"), "{stderr}");
+        let warned = stderr
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .any(|v| v["level"] == "WARN" && v["fields"]["deprecated"] == "static mode");
+        assert!(warned, "strata {args:?} gave no deprecation warning: {stderr}");
+    }
+}
