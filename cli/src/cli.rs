@@ -8,7 +8,6 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use strata_common::{Architecture, SamplingParams};
 use strata_engine::model::random::RandomModelSpec;
 use strata_engine::tensor::DType;
-use strata_engine::EngineConfig;
 
 use crate::config_args::EngineArgs;
 use crate::local::{LocalModel, Prompt};
@@ -53,7 +52,7 @@ pub enum Command {
     /// Cluster mode: route requests, serve the admin API, reconcile while elected leader.
     Coordinator(crate::cluster_cli::CoordinatorArgs),
     /// A worker: with --etcd, registers and holds the shards the leader assigns; with
-    /// --rank/--rendezvous, one rank of a replica led by `strata serve`.
+    /// --rank/--rendezvous (deprecated static mode), one rank of a replica led by `strata serve`.
     Worker(crate::cluster_cli::WorkerArgs),
     /// Deploy, scale, list and drain through a coordinator's admin API.
     Admin(crate::admin_cli::AdminArgs),
@@ -124,6 +123,9 @@ pub struct LatencyArgs {
     /// Tokens per streamed request (with --http).
     #[arg(long, default_value_t = 16)]
     pub tokens: u32,
+    /// In-process: the engine, as `serve` takes it.
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 #[derive(Args, Debug)]
@@ -439,7 +441,8 @@ fn latency(args: LatencyArgs) -> anyhow::Result<()> {
             runtime()?.block_on(crate::latency_bench::over_grpc(endpoint, &args.model, args.requests))?
         }
         None => {
-            let mut model = LocalModel::load(std::path::Path::new(&args.model), &EngineConfig::default())?;
+            let config = args.engine.in_process(None)?;
+            let mut model = LocalModel::load(std::path::Path::new(&args.model), &config)?;
             crate::latency_bench::in_process(&mut model, args.requests)?
         }
     };

@@ -75,12 +75,22 @@ fn with_flag(e: strata_common::Error) -> anyhow::Error {
     }
 }
 
-/// Engine flags shared by `strata serve` and `strata worker` ([engine] in the config).
+/// Engine flags shared by `strata serve`, `strata worker`, `generate`, `model bench`,
+/// `model latency` and `model compare` ([engine] in the config): the device, then every
+/// other engine flag.
 #[derive(Args, Debug, Clone, Default)]
 pub struct EngineArgs {
     /// cpu, cuda or cuda:N (in-process ranks and replicas take consecutive GPUs) [default: cpu].
     #[arg(long, env = "STRATA_DEVICE")]
     pub device: Option<String>,
+    #[command(flatten)]
+    pub flags: EngineFlags,
+}
+
+/// The engine's flags other than where it runs: `gpu-check` takes these for the device
+/// under test, whose `--device` it names once for all of its checks.
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineFlags {
     /// Memory for each replica's (or shard's) KV cache: a size (512MiB, 2GiB) or a fraction
     /// of the machine's available memory (0.2) [default: 512MiB].
     #[arg(long, env = "STRATA_KV_CACHE_MEMORY")]
@@ -119,6 +129,24 @@ pub struct EngineArgs {
 impl EngineArgs {
     pub fn apply(&self, e: &mut EngineSettings) {
         set(&mut e.device, &self.device);
+        self.flags.apply(e);
+    }
+
+    /// The engine of an in-process command (`generate`, `model bench`): the settings'
+    /// defaults with these flags applied; `kv_cache_mib` is the older spelling of
+    /// `--kv-cache-memory`.
+    pub fn in_process(&self, kv_cache_mib: Option<usize>) -> anyhow::Result<EngineConfig> {
+        let mut settings = EngineSettings::default();
+        self.apply(&mut settings);
+        if let Some(mib) = kv_cache_mib {
+            settings.kv_cache_memory = format!("{mib}MiB");
+        }
+        in_process_config(settings)
+    }
+}
+
+impl EngineFlags {
+    pub fn apply(&self, e: &mut EngineSettings) {
         set(&mut e.kv_cache_memory, &self.kv_cache_memory);
         set(&mut e.block_size, &self.block_size);
         set(&mut e.max_num_seqs, &self.max_num_seqs);
@@ -135,20 +163,11 @@ impl EngineArgs {
     }
 }
 
-impl EngineArgs {
-    /// The engine of an in-process command (`generate`, `model bench`): the settings'
-    /// defaults with these flags applied; `kv_cache_mib` is the older spelling of
-    /// `--kv-cache-memory`.
-    pub fn in_process(&self, kv_cache_mib: Option<usize>) -> anyhow::Result<EngineConfig> {
-        let mut settings = EngineSettings::default();
-        self.apply(&mut settings);
-        if let Some(mib) = kv_cache_mib {
-            settings.kv_cache_memory = format!("{mib}MiB");
-        }
-        let config = Config { engine: settings, ..Config::default() };
-        config.validate().map_err(with_flag)?;
-        Ok(engine_config(&config.engine)?.0)
-    }
+/// The engine config of validated in-process settings; a bad value names its flag.
+pub fn in_process_config(settings: EngineSettings) -> anyhow::Result<EngineConfig> {
+    let config = Config { engine: settings, ..Config::default() };
+    config.validate().map_err(with_flag)?;
+    Ok(engine_config(&config.engine)?.0)
 }
 
 /// `slot = value` when the flag (or its variable) was given.

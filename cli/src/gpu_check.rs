@@ -26,6 +26,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use serde_json::json;
+use strata_common::config::EngineSettings;
 use strata_common::{Parallelism, SamplingParams};
 use strata_engine::backend::check::{check_ops, CheckSizes};
 use strata_engine::backend::cpu::CpuBackend;
@@ -38,6 +39,8 @@ use strata_engine::comm::{nccl, tcp, DeviceCollectives, HostStaged};
 use strata_engine::replica::local_replica;
 use strata_engine::{Engine, EngineConfig};
 use tracing::info;
+
+use crate::config_args::{in_process_config, EngineFlags};
 
 #[derive(Args, Debug)]
 pub struct GpuCheckArgs {
@@ -64,6 +67,9 @@ pub enum GpuCheckCommand {
         model: Vec<PathBuf>,
         #[arg(long, default_value_t = 24)]
         tokens: u32,
+        /// The device's engine (the CPU reference computes in f32) [KV cache default: 64MiB].
+        #[command(flatten)]
+        engine: EngineFlags,
     },
     /// Batch-1 decode speed against the copy-bandwidth roofline, decode of larger
     /// batches, and prefill speed.
@@ -72,19 +78,18 @@ pub enum GpuCheckCommand {
         model: PathBuf,
         #[arg(long, default_value_t = 64)]
         tokens: usize,
-        /// KV cache, MiB.
-        #[arg(long, default_value_t = 1024)]
-        kv_cache_mib: usize,
+        /// The engine under test [KV cache default: 1GiB].
+        #[command(flatten)]
+        engine: EngineFlags,
+        /// KV cache, MiB (the older spelling of --kv-cache-memory).
+        #[arg(long, hide = true, conflicts_with = "kv_cache_memory")]
+        kv_cache_mib: Option<usize>,
         /// Batched decode: how many sequences decode together, each size in turn.
         #[arg(long, value_delimiter = ',', default_value = "8,32,128")]
         batches: Vec<usize>,
         /// Prefill: the prompt's length in tokens (0: skip).
         #[arg(long, default_value_t = 512)]
         prefill_len: usize,
-        /// Run decode steps op by op instead of replaying CUDA graphs (to measure what the
-        /// graphs save).
-        #[arg(long)]
-        enforce_eager: bool,
     },
     /// The host communicator's contract over loopback TCP, groups of 2 up to `--max-world`.
     Comm {
@@ -106,17 +111,38 @@ pub enum GpuCheckCommand {
     },
 }
 
-fn engine_config(device: Device, kv_mib: usize) -> EngineConfig {
+/// The CPU reference: exact f32 compute.
+fn reference_config(kv_mib: usize) -> EngineConfig {
     EngineConfig {
         kv_cache_bytes: kv_mib << 20,
-        // The CPU side is the reference: exact f32 compute.
         backend: BackendOptions {
-            device,
-            dtype: (device == Device::Cpu).then_some(strata_engine::tensor::DType::F32),
+            device: Device::Cpu,
+            dtype: Some(strata_engine::tensor::DType::F32),
             ..Default::default()
         },
         ..Default::default()
     }
+}
+
+/// The engine under test: `flags` over the engine's defaults, on `device`, with
+/// `kv_cache` unless `--kv-cache-memory` (or `kv_cache_mib`, its older spelling) says.
+fn device_config(
+    device: Device,
+    flags: &EngineFlags,
+    kv_cache: &str,
+    kv_cache_mib: Option<usize>,
+) -> anyhow::Result<EngineConfig> {
+    let mut settings = EngineSettings { kv_cache_memory: kv_cache.into(), ..EngineSettings::default() };
+    if device == Device::Cpu {
+        settings.dtype = "f32".into(); // the self-check: both sides exact unless --dtype says
+    }
+    flags.apply(&mut settings);
+    if let Some(mib) = kv_cache_mib {
+        settings.kv_cache_memory = format!("{mib}MiB");
+    }
+    let mut config = in_process_config(settings)?;
+    config.backend.device = device;
+    Ok(config)
 }
 
 /// `n` greedy tokens after `prompt` (EOS ignored), run to completion.
@@ -148,10 +174,12 @@ pub fn run(args: GpuCheckArgs) -> anyhow::Result<()> {
     strata_engine::replica::check_device(device)?;
     match args.command {
         GpuCheckCommand::Ops { large, seed } => ops(device, large, seed),
-        GpuCheckCommand::Tokens { model, tokens: n } => tokens(device, model, n),
-        GpuCheckCommand::Decode { model, tokens, kv_cache_mib, batches, prefill_len, enforce_eager } => {
-            let sizes = DecodeSizes { tokens, kv_cache_mib, batches, prefill_len, enforce_eager };
-            decode(device, &model, &sizes)
+        GpuCheckCommand::Tokens { model, tokens: n, engine } => {
+            tokens(device_config(device, &engine, "64MiB", None)?, model, n)
+        }
+        GpuCheckCommand::Decode { model, tokens, engine, kv_cache_mib, batches, prefill_len } => {
+            let config = device_config(device, &engine, "1GiB", kv_cache_mib)?;
+            decode(config, &model, &DecodeSizes { tokens, batches, prefill_len })
         }
         GpuCheckCommand::Comm { max_world } => comm(max_world),
         GpuCheckCommand::Collectives { max_world } => collectives(device, max_world),
@@ -188,7 +216,8 @@ fn ops(device: Device, large: bool, seed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn tokens(device: Device, models: Vec<std::path::PathBuf>, tokens: u32) -> anyhow::Result<()> {
+fn tokens(config: EngineConfig, models: Vec<std::path::PathBuf>, tokens: u32) -> anyhow::Result<()> {
+    let device = config.backend.device;
     let mut mismatches = 0;
     for dir in models {
         let name = dir.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
@@ -207,8 +236,8 @@ fn tokens(device: Device, models: Vec<std::path::PathBuf>, tokens: u32) -> anyho
             .unwrap_or_else(|| vec![1, 2, 3, 4]);
         let hf = reference.as_ref().map(|r| ids(&r["greedy_ids"]));
         let n = hf.as_ref().map_or(tokens, |h| (h.len() as u32).min(tokens).max(1));
-        let mut cpu = local_replica(&dir, Parallelism::NONE, &engine_config(Device::Cpu, 64))?;
-        let mut dev = local_replica(&dir, Parallelism::NONE, &engine_config(device, 64))?;
+        let mut cpu = local_replica(&dir, Parallelism::NONE, &reference_config(64))?;
+        let mut dev = local_replica(&dir, Parallelism::NONE, &config)?;
         let want = greedy(&mut cpu, &prompt, n)?;
         let got = greedy(&mut dev, &prompt, n)?;
         let hf_match = hf.as_ref().map(|h| h[..n as usize] == got[..]);
@@ -247,20 +276,17 @@ fn tokens(device: Device, models: Vec<std::path::PathBuf>, tokens: u32) -> anyho
 /// What `decode` measures.
 struct DecodeSizes {
     tokens: usize,
-    kv_cache_mib: usize,
     batches: Vec<usize>,
     prefill_len: usize,
-    enforce_eager: bool,
 }
 
-fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyhow::Result<()> {
+fn decode(mut config: EngineConfig, model: &std::path::Path, sizes: &DecodeSizes) -> anyhow::Result<()> {
+    let device = config.backend.device;
     let tokens = sizes.tokens;
     if tokens < 2 {
         bail!("--tokens must be at least 2");
     }
     let t = Instant::now();
-    let mut config = engine_config(device, sizes.kv_cache_mib);
-    config.backend.enforce_eager = sizes.enforce_eager;
     let most = sizes.batches.iter().copied().max().unwrap_or(1);
     config.scheduler.max_num_seqs = config.scheduler.max_num_seqs.max(most);
     let mut e = local_replica(model, Parallelism::NONE, &config)?;
@@ -281,7 +307,7 @@ fn decode(device: Device, model: &std::path::Path, sizes: &DecodeSizes) -> anyho
         "{}",
         json!({
             "model": model.display().to_string(), "device": device.to_string(), "load_s": load_s,
-            "cuda_graphs": !sizes.enforce_eager, "graph_steps": graph_steps(),
+            "cuda_graphs": !config.backend.enforce_eager, "graph_steps": graph_steps(),
             "decode_tokens": tokens, "decode_step_ms_median": step * 1e3,
             "decode_tokens_per_s": 1.0 / step, "weight_bytes_per_token": bytes,
             "copy_bandwidth_gb_per_s": bw / 1e9, "roofline_tokens_per_s": roofline,

@@ -8,13 +8,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
+use strata_common::config::EngineSettings;
 use strata_common::Parallelism;
 use strata_coordinator::request::tokenizer::Tokenizer;
-use strata_engine::backend::{BackendOptions, Device, Quantization};
 use strata_engine::replica::local_replica;
-use strata_engine::{Engine, EngineConfig};
 
-use crate::config_args::model_dtype;
+use crate::config_args::{in_process_config, EngineArgs};
 use crate::gpu_check::greedy;
 
 /// The text scored when no --text is given: plain English prose.
@@ -30,12 +29,10 @@ pub struct CompareArgs {
     /// Model directory.
     #[arg(long)]
     pub model: PathBuf,
-    /// The candidate's weight quantization: int8 or none.
-    #[arg(long, default_value = "int8")]
-    pub quantize: String,
-    /// The candidate's dtype (auto: the checkpoint's).
-    #[arg(long, default_value = "auto")]
-    pub dtype: String,
+    /// The candidate's engine, as `serve` takes it: the flags that differ from the
+    /// reference's are the comparison (here `--quantize` means int8 when left out).
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// The reference's dtype (auto: the checkpoint's); the reference is never quantized.
     #[arg(long, default_value = "auto")]
     pub reference_dtype: String,
@@ -88,23 +85,20 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     if text_ids.len() < 2 {
         bail!("--text: fewer than 2 tokens to score");
     }
-    let engine = |dtype: &str, quantize: &str| -> anyhow::Result<Engine> {
-        let config = EngineConfig {
-            kv_cache_bytes: 256 << 20,
-            backend: BackendOptions {
-                device: Device::Cpu,
-                dtype: model_dtype(dtype).context("--dtype")?,
-                quantize: Quantization::parse(quantize).context("--quantize")?,
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        Ok(local_replica(&args.model, Parallelism::NONE, &config)?)
-    };
+    let mut settings = EngineSettings { quantize: "int8".into(), ..EngineSettings::default() };
+    args.engine.apply(&mut settings);
+    let candidate_config = in_process_config(settings.clone())?;
+    let reference_config = in_process_config(EngineSettings {
+        dtype: args.reference_dtype.clone(),
+        quantize: "none".into(),
+        ..settings
+    })
+    .context("--reference-dtype")?;
     tracing::info!(model = %args.model.display(), "loading the reference");
-    let mut reference = engine(&args.reference_dtype, "none")?;
-    tracing::info!(quantize = %args.quantize, dtype = %args.dtype, "loading the candidate");
-    let mut candidate = engine(&args.dtype, &args.quantize)?;
+    let mut reference = local_replica(&args.model, Parallelism::NONE, &reference_config)?;
+    let backend = &candidate_config.backend;
+    tracing::info!(quantize = ?backend.quantize, dtype = ?backend.dtype, "loading the candidate");
+    let mut candidate = local_replica(&args.model, Parallelism::NONE, &candidate_config)?;
 
     let vocab = strata_common::ModelConfig::from_dir(&args.model)?.vocab_size as u64;
     let (mut agree, mut identical) = (0usize, 0usize);

@@ -421,9 +421,22 @@ fn gpu_check_runs_its_checks_on_the_cpu_backend() {
     assert!(d[0]["prefill_tokens_per_s"].as_f64().unwrap() > 0.0, "{d:?}");
     assert_eq!(d[0]["cuda_graphs"], true, "{d:?}");
     assert_eq!(d[0]["graph_steps"], 0, "the CPU backend replays no graphs: {d:?}");
-    // The script's second decode: the same steps op by op.
-    let eager =
-        [&args[..3], &["--tokens", "3", "--batches", "2", "--prefill-len", "0", "--enforce-eager"]].concat();
+    // The script's second decode: the same steps op by op (the KV cache in serve's spelling).
+    let eager = [
+        &args[..3],
+        &[
+            "--tokens",
+            "3",
+            "--batches",
+            "2",
+            "--prefill-len",
+            "0",
+            "--enforce-eager",
+            "--kv-cache-memory",
+            "16MiB",
+        ],
+    ]
+    .concat();
     let e = run(&eager);
     assert_eq!(e[0]["cuda_graphs"], false, "{e:?}");
     assert!(e[0]["decode_tokens_per_s"].as_f64().unwrap() > 0.0, "{e:?}");
