@@ -1,12 +1,8 @@
-//! Engine-level behaviour through the real binary or the engine in-process: HF references, batching, parallelism, int8 checkpoints, chat templates, broken models.
+//! Engine-level behaviour through the real binary or the engine in-process with the coordinator's parts: HF references, parallelism, int8 checkpoints, chat templates.
 //!
 //! One test binary of several modules (one per former file): each binary links the
 //! whole dependency graph, so fewer of them build faster.
 
-#[path = "engine_suite/batching.rs"]
-mod batching;
-#[path = "engine_suite/broken_models.rs"]
-mod broken_models;
 #[path = "engine_suite/chat_templates.rs"]
 mod chat_templates;
 #[path = "engine_suite/hf_reference.rs"]

@@ -1,10 +1,8 @@
-//! `strata serve` end to end: gRPC, the HTTP API with third-party clients, security, tenants, batches, rollouts, metrics, traces, back-pressure.
+//! `strata serve` end to end: gRPC, the HTTP API with third-party clients, security, tenants, batches, rollouts, metrics, traces.
 //!
 //! One test binary of several modules (one per former file): each binary links the
 //! whole dependency graph, so fewer of them build faster.
 
-#[path = "serving_suite/backpressure.rs"]
-mod backpressure;
 #[path = "serving_suite/batch.rs"]
 mod batch;
 #[path = "serving_suite/http_api.rs"]

@@ -4,12 +4,12 @@
 
 use std::time::{Duration, Instant};
 
+use crate::fixtures::fixtures_dir;
 use strata_common::{ErrorClass, SamplingParams, SeqEvent};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::model::Model;
 use strata_engine::scheduler::SchedulerConfig;
 use strata_engine::{Engine, EngineConfig, EngineHandle, RunnerLimits};
-use strata_tests::fixtures_dir;
 
 fn handle(max_num_seqs: usize, limits: RunnerLimits) -> EngineHandle {
     let model = Model::load(&fixtures_dir().join("llama_gqa"), CpuBackend::new()).unwrap();

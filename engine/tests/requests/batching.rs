@@ -3,12 +3,12 @@
 //! hit or missed, after being preempted and recomputed, and whether a step returns greedy
 //! picks or whole logits.
 
+use crate::fixtures::{fixtures_dir, ids, reference};
 use strata_common::SamplingParams;
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::model::Model;
 use strata_engine::scheduler::SchedulerConfig;
 use strata_engine::{Engine, EngineConfig};
-use strata_tests::{fixtures_dir, ids, reference};
 
 fn engine(name: &str, config: EngineConfig) -> Engine {
     let model = Model::load(&fixtures_dir().join(name), CpuBackend::new()).unwrap();

@@ -4,11 +4,11 @@
 
 use std::path::Path;
 
+use crate::fixtures::fixtures_dir;
 use strata_common::{SamplingParams, SeqEvent};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::model::Model;
 use strata_engine::{Engine, EngineConfig, EngineHandle, RunnerLimits};
-use strata_tests::fixtures_dir;
 
 /// Copies a fixture model and overwrites tensor `name` with NaN.
 fn poisoned(fixture: &str, name: &str) -> tempfile::TempDir {

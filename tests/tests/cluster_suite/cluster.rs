@@ -6,7 +6,7 @@
 //! repeated a token: each stream's tokens equal the greedy reference computed in-process
 //! from the same model files.
 //!
-//! The tests run one at a time (each starts 5–8 processes on a 2-core machine).
+//! Each test owns its etcd, processes and ports, so they run side by side like any others.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -23,11 +23,8 @@ use strata_proto::worker::v1 as wpb;
 use strata_proto::worker::v1::worker_client::WorkerClient;
 use strata_tests::cluster::{eventually, Cluster, Timing};
 use strata_tests::{fixtures_dir, write_slow_model};
-use tokio::sync::Mutex;
 use tonic::transport::Channel;
 use tonic::Code;
-
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn fixture(name: &str) -> String {
     fixtures_dir().join(name).to_string_lossy().to_string()
@@ -173,7 +170,6 @@ async fn load_until(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
-    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 4, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let dir = fixture("llama_gqa");
@@ -271,7 +267,6 @@ async fn deploy_then_scale_up_and_down_under_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
-    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
@@ -323,7 +318,6 @@ async fn killing_a_worker_mid_stream_resumes_every_stream_elsewhere() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
-    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(1, 5, Timing::default());
     let a = cluster.coordinators[0].endpoint();
@@ -386,7 +380,6 @@ async fn a_dead_follower_rank_fails_its_replica_and_streams_resume() {
 async fn a_paused_rank_fails_its_canary_while_its_lease_lives() {
     // A live process with a dead model is not healthy: the follower is stopped (SIGSTOP)
     // but its lease outlives the test's wait, so only the canary can notice.
-    let _g = SERIAL.lock().await;
     let timing = Timing { lease_ttl: 60.0, canary_interval: 0.5, canary_timeout: 1.5 };
     let cluster = Cluster::start(1, 4, timing);
     let a = cluster.coordinators[0].endpoint();
@@ -417,7 +410,6 @@ async fn a_paused_rank_fails_its_canary_while_its_lease_lives() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_leader_coordinator_can_die() {
-    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let dir = fixture("llama_gqa");
     let leader = cluster.leader(Duration::from_secs(10)).await;
@@ -450,7 +442,6 @@ async fn the_leader_coordinator_can_die() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_etcd_outage_keeps_serving_and_workers_are_readopted() {
-    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(2, 3, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let dir = fixture("llama_gqa");
@@ -520,7 +511,6 @@ async fn an_etcd_outage_keeps_serving_and_workers_are_readopted() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deadlines_auth_and_bad_requests_get_clear_statuses() {
-    let _g = SERIAL.lock().await;
     let (_tmp, model) = slow_model();
     let mut cluster = Cluster::start(0, 2, Timing::default());
     cluster.add_coordinator(&["--admin-token", "s3cret", "--api-key", "client-key"]);
@@ -623,7 +613,6 @@ async fn workers_with(endpoint: &str, token: &str) -> Vec<apb::WorkerStatus> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn draining_a_worker_moves_its_replica_first_and_coordinators_fetch_model_files() {
-    let _g = SERIAL.lock().await;
     // The workers see the model at a path the coordinator cannot read, as on separate
     // machines, so the coordinator asks a worker for config.json and tokenizer.json.
     // `/proc/self/cwd/gqa` is absolute yet names a different directory in each process:
@@ -672,7 +661,6 @@ async fn draining_a_worker_moves_its_replica_first_and_coordinators_fetch_model_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn requests_sharing_a_prefix_go_to_the_replica_that_holds_it() {
-    let _g = SERIAL.lock().await;
     let cluster = Cluster::start(2, 2, Timing::default());
     let (a, b) = (cluster.coordinators[0].endpoint(), cluster.coordinators[1].endpoint());
     let dir = fixture("llama_gqa");
@@ -703,7 +691,6 @@ async fn a_worker_is_ready_only_once_registered() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
-    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(0, 0, Timing::default());
     cluster.etcd.stop();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

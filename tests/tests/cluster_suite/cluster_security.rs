@@ -18,11 +18,8 @@ use strata_proto::worker::v1::worker_client::WorkerClient;
 use strata_tests::cluster::{eventually, Certs, Cluster, Timing};
 use strata_tests::etcd::Etcd;
 use strata_tests::{fixtures_dir, spawn_captured, strata_bin, token_request, Server};
-use tokio::sync::Mutex;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
 use tonic::Code;
-
-static SERIAL: Mutex<()> = Mutex::const_new(());
 
 fn gqa() -> String {
     fixtures_dir().join("llama_gqa").to_string_lossy().to_string()
@@ -69,7 +66,6 @@ async fn status_over(channel: Result<tonic::transport::Channel, String>) -> Resu
 
 #[tokio::test(flavor = "multi_thread")]
 async fn strangers_are_refused_and_a_worker_certificate_cannot_drive_a_worker() {
-    let _g = SERIAL.lock().await;
     let cluster = Cluster::start(1, 1, Timing::default());
     let a = cluster.coordinators[0].endpoint();
     AdminClient::connect(a.clone()).await.unwrap().deploy_model(deploy("gqa", &gqa())).await.unwrap();
@@ -158,7 +154,6 @@ fn refused(args: &[&str]) -> String {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn cluster_roles_beyond_loopback_need_credentials_or_insecure() {
-    let _g = SERIAL.lock().await;
     let etcd = Etcd::start();
     let ep = etcd.endpoint();
     for role in ["worker", "coordinator"] {
@@ -184,7 +179,6 @@ fn bearing<T>(token: &str, req: T) -> tonic::Request<T> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn deployments_stay_under_the_model_roots_and_every_admin_action_is_audited() {
-    let _g = SERIAL.lock().await;
     let root = tempfile::tempdir().unwrap();
     let model = root.path().join("gqa");
     std::fs::create_dir(&model).unwrap();
@@ -303,7 +297,6 @@ async fn the_leader_distrusts_what_it_reads_from_the_registry() {
     use strata_common::registry::etcd::EtcdRegistry;
     use strata_common::registry::keys::Keys;
     use strata_common::registry::Registry;
-    let _g = SERIAL.lock().await;
     let mut cluster = Cluster::start(0, 1, Timing::default());
     let reg = EtcdRegistry::connect(&[cluster.etcd.endpoint()]).await.unwrap();
     let keys = Keys::new(&cluster.prefix);
@@ -338,7 +331,6 @@ async fn the_leader_distrusts_what_it_reads_from_the_registry() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replica_drained_behind_the_leaders_back_is_replaced() {
-    let _g = SERIAL.lock().await;
     let cluster = Cluster::start(1, 2, Timing::default());
     let a = cluster.coordinators[0].endpoint();
     let mut admin = AdminClient::connect(a.clone()).await.unwrap();
