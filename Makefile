@@ -7,25 +7,27 @@ STRATA_RELEASE := target/release/strata
 .PHONY: test demo build lint fmt bench-engine prerequisites image image-cuda
 
 ## Everything CI checks: formatting, the crate map (which crate may link which), lints, the whole test suite (the CPU kernels and the
-## HF comparisons again with the AVX2 and portable kernels), and that the `cuda`
-## feature (cudarc, loaded at run time) builds and lints on a machine without CUDA; the
-## CUDA kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
+## HF comparisons again with the AVX2 and portable kernels), with and without the `cuda`
+## feature (cudarc, loaded at run time, so it builds on a machine without CUDA): the CUDA
+## kernels compile with NVRTC (no GPU needed) and run on the CPU emulator.
+## The workspace is built once, with the CUDA features, and every test runs on that build:
+## the CPU paths are the same code either way (only `--device cuda` differs: the driver is
+## opened instead of refused), and a second build without the features would cost minutes.
+## The build without them is checked by clippy (type checks and lints of the stubs).
 ## A full run builds every target from scratch: incremental caches (as large again as the
 ## build itself) would only fill the disk. The kernel reruns select tests across the
-## workspace (not `-p`), so they reuse the workspace build instead of rebuilding the
-## dependencies with one package's features.
+## workspace with the same features (not `-p`), so they reuse the build.
+CUDA_FEATURES := strata-cli/cuda,strata-engine/cuda-emulator
 test: export CARGO_INCREMENTAL ?= 0
 test: prerequisites
 	$(CARGO) fmt --all -- --check
 	scripts/check_crate_map.sh
-	$(CARGO) build --workspace --all-targets
-	$(CARGO) test --workspace
-	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --lib backend::cpu \
-		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --test engine hf_reference:: || exit 1; done
+	$(CARGO) build --workspace --all-targets --features $(CUDA_FEATURES)
+	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test --workspace --features $(CUDA_FEATURES)
+	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --features $(CUDA_FEATURES) --lib backend::cpu \
+		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --features $(CUDA_FEATURES) --test engine hf_reference:: || exit 1; done
+	$(CARGO) clippy --workspace --all-targets --features $(CUDA_FEATURES) -- -D warnings
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --workspace --all-targets --features strata-cli/cuda,strata-engine/cuda-emulator -- -D warnings
-	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test -p strata-engine --features cuda,cuda-emulator
-	$(CARGO) build --bin strata --features strata-cli/cuda
 
 ## Installs what the build and tests need and is missing.
 prerequisites:
