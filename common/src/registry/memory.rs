@@ -7,13 +7,18 @@
 //! nobody touches the store, so a lapsed worker is noticed as it would be with etcd. The
 //! history keeps the last [`HISTORY`] events; a watch from an older revision fails like a
 //! compacted etcd watch and the caller lists again.
+//!
+//! Time is Tokio's clock: made inside a runtime, leases lapse on a task of that runtime, so
+//! a test under paused time (`start_paused`) sees them lapse in virtual time, at once and
+//! exactly when due.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::sync::broadcast;
+use tokio::time::Instant;
 
 use super::{Entry, Event, EventStream, Guard, LeaseId, Listing, Op, Registry};
 use crate::error::{Error, Result};
@@ -58,10 +63,25 @@ impl MemoryRegistry {
         let (events, _) = broadcast::channel(1024);
         let shared = Arc::new(Shared { state: Mutex::new(State::default()), events });
         let weak = Arc::downgrade(&shared);
-        std::thread::Builder::new()
-            .name("registry-leases".into())
-            .spawn(move || reap(weak))
-            .expect("spawn the lease reaper");
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    while reap(&weak) {
+                        tokio::time::sleep(REAP_EVERY).await;
+                    }
+                });
+            }
+            Err(_) => {
+                std::thread::Builder::new()
+                    .name("registry-leases".into())
+                    .spawn(move || {
+                        while reap(&weak) {
+                            std::thread::sleep(REAP_EVERY);
+                        }
+                    })
+                    .expect("spawn the lease reaper");
+            }
+        }
         MemoryRegistry { shared }
     }
 
@@ -85,25 +105,27 @@ impl MemoryRegistry {
     }
 }
 
-fn reap(shared: Weak<Shared>) {
-    loop {
-        std::thread::sleep(Duration::from_millis(50));
-        let Some(shared) = shared.upgrade() else { return };
-        let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        let lapsed: Vec<LeaseId> =
-            st.leases.iter().filter(|(_, l)| l.expires <= now).map(|(id, _)| *id).collect();
-        let mut batch = Vec::new();
-        for id in lapsed {
-            batch.extend(st.drop_lease(id));
-        }
-        if !batch.is_empty() {
-            let _ = shared.events.send(batch);
-        }
+/// How often lapsed leases are looked for.
+const REAP_EVERY: Duration = Duration::from_millis(50);
+
+/// Drops the leases that have lapsed (and their keys); false once the registry is gone.
+fn reap(shared: &Weak<Shared>) -> bool {
+    let Some(shared) = shared.upgrade() else { return false };
+    let mut st = shared.state.lock().unwrap_or_else(|p| p.into_inner());
+    let batch = st.drop_lapsed(Instant::now());
+    if !batch.is_empty() {
+        let _ = shared.events.send(batch);
     }
+    true
 }
 
 impl State {
+    fn drop_lapsed(&mut self, now: Instant) -> Vec<Event> {
+        let lapsed: Vec<LeaseId> =
+            self.leases.iter().filter(|(_, l)| l.expires <= now).map(|(id, _)| *id).collect();
+        lapsed.into_iter().flat_map(|id| self.drop_lease(id)).collect()
+    }
+
     fn record(&mut self, ev: Event) {
         self.history.push_back(ev);
         if self.history.len() > HISTORY {
@@ -181,9 +203,11 @@ impl Registry for MemoryRegistry {
 
     async fn keep_alive(&self, lease: LeaseId) -> Result<()> {
         let mut st = self.lock();
-        let l = st.leases.get_mut(&lease).ok_or_else(|| Error::NotFound(format!("lease {lease:x}")))?;
-        l.expires = Instant::now() + l.ttl;
-        Ok(())
+        // A lease past its time is gone even if the reaper has not come round yet.
+        let batch = st.drop_lapsed(Instant::now());
+        let alive = st.leases.get_mut(&lease).map(|l| l.expires = Instant::now() + l.ttl).is_some();
+        self.publish(st, batch);
+        alive.then_some(()).ok_or_else(|| Error::NotFound(format!("lease {lease:x}")))
     }
 
     async fn revoke_lease(&self, lease: LeaseId) -> Result<()> {

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use strata_common::cluster::{encode, now_ms, ReplicaRecord, ReplicaState, ShardState, WorkerRecord};
 use strata_common::registry::keys::Keys;
@@ -17,6 +17,7 @@ use strata_common::registry::{Guard, Op, Registry};
 use strata_common::worker_api::{ShardLoad, WorkerStatus};
 use strata_common::{Error, ModelName, ReplicaId, Result, WorkerId};
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{info, info_span, warn, Instrument};
 
 use super::view::ClusterView;

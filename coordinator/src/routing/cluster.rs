@@ -9,12 +9,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use strata_common::cluster::ReplicaRecord;
 use strata_common::{EngineStats, ReplicaId, Result};
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use super::clients::WorkerClients;
 use strata_common::prefix::DEFAULT_BLOCK_SIZE;
@@ -238,7 +239,7 @@ impl Routes for ClusterRoutes {
         let deadline = tokio::time::Instant::now() + limit;
         // Suspicion expires too: wake up when it does, so a request can try again.
         let next = self.suspects.lock().unwrap_or_else(|p| p.into_inner()).next_expiry();
-        let wake = next.map(tokio::time::Instant::from_std).unwrap_or(deadline).min(deadline);
+        let wake = next.unwrap_or(deadline).min(deadline);
         matches!(tokio::time::timeout_at(wake, rx.changed()).await, Ok(Ok(()))) || wake < deadline
     }
 

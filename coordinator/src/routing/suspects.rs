@@ -2,10 +2,12 @@
 //!
 //! The leader coordinator's verdict (a failed canary, a lapsed lease) reaches every
 //! coordinator's view within a second or two; until then a coordinator that saw a replica
-//! fail routes around it on its own. Pure: time is passed in.
+//! fail routes around it on its own. Pure: time (Tokio's clock) is passed in.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 /// How long a replica a request failed on is avoided by this coordinator.
 pub const SUSPECT_FOR: Duration = Duration::from_secs(5);

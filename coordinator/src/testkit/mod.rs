@@ -14,13 +14,14 @@ pub mod worker;
 use std::future::Future;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use strata_common::cluster::{encode, Build, Capacity, DeviceKind, EngineLimits, ModelSpec, WorkerRecord};
 use strata_common::registry::keys::Keys;
 use strata_common::registry::memory::MemoryRegistry;
 use strata_common::registry::{LeaseId, Registry};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::control::leader::{Election, LeaderConfig};
 use crate::control::tasks::Timings;
@@ -40,7 +41,8 @@ pub fn model_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/models/llama_gqa")
 }
 
-/// Polls `check` every 20 ms until it answers, failing the test after `limit`.
+/// Polls `check` every 20 ms until it answers, failing the test after `limit` (Tokio's
+/// clock: virtual under paused time).
 pub async fn until<T, F, Fut>(what: &str, limit: Duration, mut check: F) -> T
 where
     F: FnMut() -> Fut,
@@ -88,7 +90,7 @@ impl TestCluster {
     }
 
     /// Registers a CPU worker with 1 GiB free, as `strata worker` does: its record bound
-    /// to a lease it keeps alive.
+    /// to a lease it keeps alive, rewritten whenever the shard it holds changes.
     pub async fn add_worker(&mut self, id: &str) -> Arc<ScriptedWorker> {
         let worker = Arc::new(ScriptedWorker::new(id));
         self.clients.register(&worker.address, worker.clone());
@@ -104,14 +106,25 @@ impl TestCluster {
             assignment: None,
             started_ms: 1,
         };
+        let key = self.keys.worker(id);
         let lease = self.registry.grant_lease(LEASE).await.unwrap();
-        self.registry.put(&self.keys.worker(id), encode(&record), Some(lease)).await.unwrap();
-        let registry = self.registry();
+        self.registry.put(&key, encode(&record), Some(lease)).await.unwrap();
+        let (registry, held) = (self.registry(), worker.clone());
+        let mut changed = worker.subscribe();
         let keeper = tokio::spawn(async move {
             loop {
-                tokio::time::sleep(LEASE / 5).await;
-                if registry.keep_alive(lease).await.is_err() {
-                    return;
+                tokio::select! {
+                    _ = tokio::time::sleep(LEASE / 5) => {
+                        if registry.keep_alive(lease).await.is_err() {
+                            return;
+                        }
+                    }
+                    r = changed.changed() => {
+                        let record = WorkerRecord { assignment: held.assignment(), ..record.clone() };
+                        if r.is_err() || registry.put(&key, encode(&record), Some(lease)).await.is_err() {
+                            return;
+                        }
+                    }
                 }
             }
         });

@@ -56,6 +56,25 @@ async fn one_coordinator_leads_and_another_takes_over_when_it_resigns_or_dies() 
     assert!(third != first && third != second, "{first} {second} {third}");
 }
 
+/// Under paused time the lease alone decides: a crashed leader's successor leads once
+/// the lease it last refreshed lapses — never while it lives (at least TTL less one
+/// refresh interval after the crash) and within a reaper tick of it.
+#[tokio::test(start_paused = true)]
+async fn a_crashed_leaders_lease_decides_when_its_successor_leads() {
+    let cluster = TestCluster::default();
+    let mut nodes = [cluster.coordinator("a"), cluster.coordinator("b")];
+    let first = one_leader(&cluster, &nodes.iter().collect::<Vec<_>>()).await;
+    let at = nodes.iter().position(|n| n.id == first).unwrap();
+    let crashed = tokio::time::Instant::now();
+    nodes[at].crash();
+    let second = one_leader(&cluster, &nodes.iter().collect::<Vec<_>>()).await;
+    let took = crashed.elapsed();
+    assert_ne!(second, first);
+    let refresh = super::LEASE / 5;
+    assert!(took >= super::LEASE - refresh, "a successor led {took:?} after the crash, inside the lease");
+    assert!(took <= super::LEASE + Duration::from_millis(200), "the successor waited {took:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_leader_places_replicas_on_free_workers_and_every_coordinator_routes_to_them() {
     let mut cluster = TestCluster::default();

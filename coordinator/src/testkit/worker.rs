@@ -20,7 +20,7 @@ use strata_common::{EngineStats, Error, FinishReason, ReplicaId, Result, SeqEven
 pub enum Fault {
     #[default]
     None,
-    /// Every stream it starts ends, without a finish, after this many tokens.
+    /// Every stream that would run longer ends, without a finish, after this many tokens.
     DropAfter(usize),
     /// Every call waits this long first.
     Delay(Duration),
@@ -43,6 +43,8 @@ pub struct ScriptedWorker {
     pub jobs: AtomicUsize,
     /// Canaries it answered.
     pub canaries: AtomicUsize,
+    /// Bumped whenever the shard it holds changes (its registration is rewritten).
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 impl ScriptedWorker {
@@ -54,11 +56,28 @@ impl ScriptedWorker {
             fault: Mutex::new(Fault::None),
             jobs: AtomicUsize::new(0),
             canaries: AtomicUsize::new(0),
+            changed: tokio::sync::watch::Sender::new(0),
         }
     }
 
     pub fn set_fault(&self, f: Fault) {
         *self.fault.lock().unwrap() = f;
+    }
+
+    /// Notified whenever the shard it holds changes.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// What its registration announces, as a real worker's does: the shard it holds.
+    pub fn assignment(&self) -> Option<Assignment> {
+        self.shard.lock().unwrap().as_ref().map(|s| Assignment {
+            replica: s.replica.clone(),
+            model: s.model.clone(),
+            rank: s.rank as u32,
+            state: ShardState::Ready,
+            error: String::new(),
+        })
     }
 
     /// The replica whose shard it holds, if any.
@@ -101,7 +120,7 @@ impl WorkerApi for ScriptedWorker {
         let left = (job.params.max_new_tokens as usize).saturating_sub(done);
         let shown = drop_after.map_or(left, |n| n.min(left));
         let events = (0..shown).map(move |i| {
-            let last = drop_after.is_none() && i + 1 == left;
+            let last = i + 1 == left && drop_after.is_none_or(|n| left <= n);
             SeqEvent::Token {
                 token: token_at(&prompt, prompt.len() + done + i),
                 logprobs: None,
@@ -120,6 +139,7 @@ impl WorkerApi for ScriptedWorker {
         self.reach().await?;
         let rendezvous = (load.rank == 0).then(|| format!("{}/rendezvous", self.address));
         *self.shard.lock().unwrap() = Some(load);
+        self.changed.send_modify(|n| *n += 1);
         Ok(rendezvous)
     }
 
@@ -128,19 +148,14 @@ impl WorkerApi for ScriptedWorker {
         let mut shard = self.shard.lock().unwrap();
         if shard.as_ref().is_some_and(|s| &s.replica == replica) {
             *shard = None;
+            self.changed.send_modify(|n| *n += 1);
         }
         Ok(())
     }
 
     async fn status(&self) -> Result<WorkerStatus> {
         self.reach().await?;
-        let assignment = self.shard.lock().unwrap().as_ref().map(|s| Assignment {
-            replica: s.replica.clone(),
-            model: s.model.clone(),
-            rank: s.rank as u32,
-            state: ShardState::Ready,
-            error: String::new(),
-        });
+        let assignment = self.assignment();
         Ok(WorkerStatus {
             worker_id: self.id.clone(),
             assignment,
