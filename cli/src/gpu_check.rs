@@ -164,7 +164,7 @@ use strata_common::stats::median;
 /// Copy bandwidth of `device` in bytes/s (reads + writes).
 fn bandwidth(device: Device, mib: usize) -> anyhow::Result<f64> {
     match device {
-        Device::Cpu => Ok(crate::engine_bench::measure_bandwidth(5)),
+        Device::Cpu => Ok(strata_engine::backend::cpu::roofline::read_bandwidth(5)),
         Device::Cuda(n) => Ok(CudaGpu::open(n)?.copy_bandwidth(mib << 20, 20)?),
     }
 }

@@ -19,6 +19,7 @@ mod huge;
 mod int8_avx2;
 mod int8_vnni;
 mod matmul;
+pub mod roofline;
 mod simd;
 mod simd_avx2;
 pub(crate) mod vmath;

@@ -1,0 +1,91 @@
+//! What the CPU can do at most, measured: the memory read bandwidth (decode's roofline),
+//! the bandwidth the batch-1 matmul reaches, and the matmul's GFLOP/s on a prefill-shaped
+//! problem. `strata model bench` and `strata gpu-check --device cpu` report them beside
+//! what the engine achieves; they live with the kernels so that they are built as the
+//! kernels are (optimized), whatever profile builds the command.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+use strata_common::stats::median;
+
+use super::{CpuBackend, CpuTensor, CpuWeight, HugeVec};
+use crate::backend::prelude::*;
+
+/// Bytes per second of a multi-threaded read of 256 MiB (far past any cache) on huge pages,
+/// as the weights lie: the best of `repeats` reads in each of two patterns — one run per
+/// thread at a time, and four 4 KiB runs side by side, as the decode kernels read four
+/// weight rows at once (on an AVX2 host of this project's machine kind, four streams read
+/// a third faster than one: 44 against 33 GB/s). A roofline is an upper bound and this
+/// machine's readings are noisy, hence the best.
+pub fn read_bandwidth(repeats: usize) -> f64 {
+    let mut data = HugeVec::<u32>::zeroed(1 << 26);
+    data.par_chunks_mut(1 << 16).enumerate().for_each(|(c, d)| {
+        d.iter_mut().enumerate().for_each(|(i, v)| *v = (c << 16 | i) as u32);
+    });
+    let mut best: f64 = 0.0;
+    for _ in 0..repeats {
+        for read in [read_streams::<1>, read_streams::<4>] {
+            let t = Instant::now();
+            let sum: u32 = data.par_chunks(1 << 16).map(read).reduce(|| 0, u32::wrapping_add);
+            let secs = t.elapsed().as_secs_f64();
+            std::hint::black_box(sum);
+            best = best.max((data.len() * 4) as f64 / secs);
+        }
+    }
+    best
+}
+
+/// The wrapping sum of `c` (a multiple of `S` runs of 4 KiB long), read as `S` runs side by
+/// side.
+fn read_streams<const S: usize>(c: &[u32]) -> u32 {
+    // Integer sums vectorise freely (no float reassociation), so the read is the limit.
+    const RUN: usize = 1024;
+    let mut acc = [0u32; 16];
+    for group in c.chunks_exact(RUN * S) {
+        let runs: [&[u32]; S] = std::array::from_fn(|r| &group[r * RUN..(r + 1) * RUN]);
+        for i in (0..RUN).step_by(16) {
+            for run in runs {
+                acc.iter_mut().zip(&run[i..i + 16]).for_each(|(a, &b)| *a = a.wrapping_add(b));
+            }
+        }
+    }
+    acc.iter().fold(0, |a, &b| a.wrapping_add(b))
+}
+
+/// Bytes per second the CPU backend's batch-1 matmul reads from a 256 MiB bf16 weight
+/// (median of `repeats`), in the layout the backend keeps bf16 weights in on this CPU.
+pub fn gemv_bandwidth(repeats: usize) -> f64 {
+    let (m, k) = (32768, 4096);
+    let w: Vec<half::bf16> =
+        (0..m * k).map(|i| half::bf16::from_f32(((i % 89) as f32 - 44.0) / 890.0)).collect();
+    let w = CpuWeight::from_bf16(w, m, k);
+    // Packed as the backend packs a bf16 model's weights: only where it computes in bf16.
+    #[cfg(target_arch = "x86_64")]
+    let w = if CpuBackend::bf16_compute_available() { w.packed_bf16() } else { w };
+    let bytes = w.bytes();
+    let x = CpuTensor::new((0..k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), 1, k);
+    let backend = CpuBackend::new();
+    let mut rates = Vec::new();
+    for _ in 0..repeats + 1 {
+        let t = Instant::now();
+        let _ = std::hint::black_box(backend.matmul(&x, &w));
+        rates.push(bytes as f64 / t.elapsed().as_secs_f64());
+    }
+    median(&rates[1..])
+}
+
+/// GFLOP/s of the CPU backend's matmul on a prefill-shaped problem (median).
+pub fn gemm_gflops(repeats: usize) -> f64 {
+    let (n, k, m) = (256, 2048, 8192);
+    let x = CpuTensor::new((0..n * k).map(|i| ((i % 97) as f32 - 48.0) / 97.0).collect(), n, k);
+    let w = CpuWeight::from_f32((0..m * k).map(|i| ((i % 89) as f32 - 44.0) / 890.0).collect(), m, k);
+    let backend = CpuBackend::new();
+    let mut rates = Vec::new();
+    for _ in 0..repeats {
+        let t = Instant::now();
+        let _ = std::hint::black_box(backend.matmul(&x, &w));
+        rates.push(2.0 * (n * k * m) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    median(&rates)
+}
