@@ -124,6 +124,10 @@ pub struct EngineFlags {
     /// debugging, and to measure what the graphs save).
     #[arg(long, env = "STRATA_ENFORCE_EAGER")]
     pub enforce_eager: bool,
+    /// The longest prompt + output a sequence may have, at most the model's context
+    /// [default: the model's context]; a KV cache too small for it limits it further.
+    #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
+    pub max_model_len: Option<usize>,
 }
 
 impl EngineArgs {
@@ -160,6 +164,9 @@ impl EngineFlags {
         if self.enforce_eager {
             e.enforce_eager = true;
         }
+        if self.max_model_len.is_some() {
+            e.max_model_len = self.max_model_len;
+        }
     }
 }
 
@@ -191,6 +198,7 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
             enforce_eager: e.enforce_eager,
         },
         labels: Default::default(),
+        max_model_len: e.max_model_len,
     };
     Ok((engine, RunnerLimits { max_waiting: e.max_waiting, ..Default::default() }))
 }

@@ -166,6 +166,10 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     for m in &opts.models {
         let config = ModelConfig::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
         ShardPlan::new(&config, m.par).with_context(|| format!("model {:?}", m.name))?;
+        let context = config.max_position_embeddings;
+        if let Some(n) = opts.agent.engine.max_model_len.filter(|&n| n > context) {
+            anyhow::bail!("--max-model-len {n} exceeds model {:?}'s context of {context} tokens", m.name);
+        }
         Tokenizer::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
     }
     let clients = Arc::new(WorkerClients::new());

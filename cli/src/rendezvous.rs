@@ -131,6 +131,10 @@ impl Routes for EngineReplica {
     async fn stats(&self) -> EngineStats {
         self.handle.stats()
     }
+
+    fn max_context(&self) -> Option<usize> {
+        Some(self.handle.stats().max_context)
+    }
 }
 
 /// A catalog of one model.

@@ -105,6 +105,9 @@ pub struct EngineSettings {
     pub quantize: String,
     /// GPU: run decode steps op by op instead of replaying them from CUDA graphs.
     pub enforce_eager: bool,
+    /// The longest prompt + output a sequence may have (at most the model's context);
+    /// unset: the model's context. A KV cache too small for it limits it further.
+    pub max_model_len: Option<usize>,
 }
 
 /// The engine's defaults: the one place they are stated. The engine's own config types,
@@ -131,6 +134,7 @@ impl Default for EngineSettings {
             dtype: "auto".into(),
             quantize: "none".into(),
             enforce_eager: false,
+            max_model_len: None,
         }
     }
 }
@@ -391,6 +395,9 @@ impl Config {
         }
         if !matches!(e.quantize.as_str(), "none" | "int8") {
             return Err(Error::invalid("engine.quantize", format!("{:?}: give int8 or none", e.quantize)));
+        }
+        if e.max_model_len == Some(0) {
+            return Err(Error::invalid("engine.max_model_len", "must be at least 1"));
         }
         let kv = parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
         if let Some(avail) = crate::host::available_memory() {

@@ -40,6 +40,9 @@ pub struct EngineStats {
     pub kv_blocks_total: usize,
     /// Positions per KV block (0 when unknown): what prefix-affinity routing hashes by.
     pub block_size: usize,
+    /// The longest sequence (prompt + output) the replica can hold: the model's context,
+    /// `--max-model-len` and its KV cache's capacity, whichever is least (0 when unknown).
+    pub max_context: usize,
 }
 
 impl EngineStats {
@@ -56,6 +59,10 @@ impl EngineStats {
             kv_blocks_free: a.kv_blocks_free + s.kv_blocks_free,
             kv_blocks_total: a.kv_blocks_total + s.kv_blocks_total,
             block_size: a.block_size.max(s.block_size),
+            max_context: match (a.max_context, s.max_context) {
+                (0, c) | (c, 0) => c,
+                (a, b) => a.min(b),
+            },
         })
     }
 }

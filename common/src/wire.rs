@@ -156,6 +156,7 @@ pub fn stats_to_pb(s: EngineStats) -> wpb::StatsResponse {
         kv_blocks_free: s.kv_blocks_free as u64,
         kv_blocks_total: s.kv_blocks_total as u64,
         kv_block_size: s.block_size as u32,
+        max_context: s.max_context as u64,
     }
 }
 
@@ -166,6 +167,7 @@ pub fn stats_from_pb(r: &wpb::StatsResponse) -> EngineStats {
         kv_blocks_free: r.kv_blocks_free as usize,
         kv_blocks_total: r.kv_blocks_total as usize,
         block_size: r.kv_block_size as usize,
+        max_context: usize::try_from(r.max_context).unwrap_or(usize::MAX),
     }
 }
 

@@ -44,6 +44,32 @@ fn check_kv_memory(config: &EngineConfig) -> Result<()> {
     }
 }
 
+/// The longest sequence an engine accepts: the model's context, cut to `max_model_len`
+/// (which may not exceed it) and to what the KV cache holds for one sequence — with a
+/// warning then, since requests the model could take are refused.
+fn context_limit(model: usize, max_model_len: Option<usize>, kv_positions: usize) -> Result<usize> {
+    let limit = match max_model_len {
+        Some(0) => return Err(Error::invalid("max_model_len", "must be at least 1")),
+        Some(n) if n > model => {
+            return Err(Error::invalid(
+                "max_model_len",
+                format!("{n} exceeds the model's context of {model} tokens"),
+            ))
+        }
+        Some(n) => n,
+        None => model,
+    };
+    if kv_positions < limit {
+        tracing::warn!(
+            context = limit,
+            kv_positions,
+            "the KV cache holds {kv_positions} positions for one sequence, less than a full context of {limit}: \
+             sequences are limited to {kv_positions} tokens (raise --kv-cache-memory or lower --max-model-len)"
+        );
+    }
+    Ok(limit.min(kv_positions))
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Positions per KV block.
@@ -57,6 +83,9 @@ pub struct EngineConfig {
     pub backend: crate::backend::BackendOptions,
     /// The model and replica its metrics are filed under.
     pub labels: crate::metrics::ReplicaLabels,
+    /// The longest prompt + output a sequence may have (`--max-model-len`); None: the
+    /// model's context. Never more than the model's context.
+    pub max_model_len: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -69,6 +98,7 @@ impl Default for EngineConfig {
             prefix_caching: settings.prefix_caching,
             backend: Default::default(),
             labels: Default::default(),
+            max_model_len: None,
         }
     }
 }
@@ -111,6 +141,8 @@ pub struct Engine {
     /// Tokens the last step computed.
     last_step_tokens: usize,
     labels: crate::metrics::ReplicaLabels,
+    /// See [`Engine::max_context`].
+    max_context: usize,
 }
 
 impl Engine {
@@ -144,6 +176,9 @@ impl Engine {
         let eos = exec.config().eos_token_ids.iter().copied().collect();
         let scheduler = Scheduler::new(config.scheduler.clone(), pool).with_kv_groups(&groups.windows);
         let max_sequence = scheduler.max_positions();
+        let kv_bound = if scheduler.bounds_sequences() { max_sequence } else { usize::MAX };
+        let max_context =
+            context_limit(exec.config().max_position_embeddings, config.max_model_len, kv_bound)?;
         info!(
             num_blocks,
             block_size = bs,
@@ -161,6 +196,7 @@ impl Engine {
             admitted: Vec::new(),
             last_step_tokens: 0,
             labels: config.labels.clone(),
+            max_context,
         })
     }
 
@@ -169,9 +205,11 @@ impl Engine {
         self.exec.as_ref()
     }
 
-    /// Longest sequence (prompt + output) the model accepts.
+    /// The longest sequence (prompt + output) this engine accepts: the model's context,
+    /// `max_model_len` and what its KV cache can hold for one sequence, whichever is least.
+    /// A request for more is refused when it arrives, never failed midway.
     pub fn max_context(&self) -> usize {
-        self.exec.config().max_position_embeddings
+        self.max_context
     }
 
     /// Sequences admitted or queued and not yet finished.
@@ -264,6 +302,18 @@ impl Engine {
             return Err(Error::invalid(
                 "prompt",
                 format!("{total} tokens exceed the KV cache's capacity of {capacity} positions"),
+            ));
+        }
+        let wanted = prompt.len() + params.max_new_tokens as usize;
+        if wanted > self.max_context {
+            return Err(Error::invalid(
+                "max_tokens",
+                format!(
+                    "{} after a {}-token prompt make {wanted} tokens, beyond this replica's context of {} tokens",
+                    params.max_new_tokens,
+                    prompt.len(),
+                    self.max_context
+                ),
             ));
         }
         if self.meta.contains_key(&id) {

@@ -66,6 +66,7 @@ struct Shared {
     waiting: AtomicUsize,
     kv_free: AtomicUsize,
     kv_total: AtomicUsize,
+    max_context: AtomicUsize,
     block_size: AtomicUsize,
     next_id: AtomicU64,
     /// Sequence streams not yet dropped: running, waiting, or finished but not read to
@@ -134,6 +135,7 @@ impl EngineHandle {
         shared.kv_free.store(engine.free_blocks(), Ordering::Relaxed);
         shared.kv_total.store(engine.total_blocks(), Ordering::Relaxed);
         shared.block_size.store(engine.block_size(), Ordering::Relaxed);
+        shared.max_context.store(engine.max_context(), Ordering::Relaxed);
 
         let engine_slots = engine.max_num_seqs();
         let metrics = RunnerMetrics::new(engine.labels());
@@ -207,6 +209,7 @@ impl EngineHandle {
             kv_blocks_free: self.shared.kv_free.load(Ordering::Relaxed),
             kv_blocks_total: self.shared.kv_total.load(Ordering::Relaxed),
             block_size: self.shared.block_size.load(Ordering::Relaxed),
+            max_context: self.shared.max_context.load(Ordering::Relaxed),
         }
     }
 

@@ -1,6 +1,7 @@
 //! What a request gets from the engine, whatever else runs: continuous batching,
 //! preemption and the prefix cache never change outputs; a caller that does not read is
-//! bounded; a model with broken numbers fails its sequences and its canary.
+//! bounded; a model with broken numbers fails its sequences and its canary; a request
+//! longer than the context is refused on arrival.
 //!
 //! One test binary of several modules, on the fixture models HF transformers made.
 
@@ -10,6 +11,8 @@ mod backpressure;
 mod batching;
 #[path = "requests/broken_models.rs"]
 mod broken_models;
+#[path = "requests/context.rs"]
+mod context;
 
 /// The fixture models' files and references (tests/fixtures/models).
 mod fixtures {

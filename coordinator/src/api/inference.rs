@@ -225,7 +225,7 @@ impl Inference for InferenceService {
             models.push(pb::ModelInfo {
                 name: m.name.clone(),
                 architecture: m.config.architecture.hf_class().to_string(),
-                max_context: m.config.max_position_embeddings as u32,
+                max_context: m.max_context() as u32,
                 vocab_size: m.config.vocab_size as u32,
                 replicas: m.routes.ready() as u32,
                 running_sequences: s.running as u32,

@@ -56,7 +56,7 @@ pub fn admit(req: &GenerateRequest, model: &ModelEntry) -> Result<Admitted> {
         None => return Err(Error::invalid("prompt", "missing: set text or token_ids")),
         Some(p) => prompt_ids(p, model)?,
     };
-    let context = model.config.max_position_embeddings;
+    let context = model.max_context();
     if prompt_ids.len() >= context {
         return Err(Error::invalid(
             "prompt",

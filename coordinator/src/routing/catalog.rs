@@ -121,11 +121,14 @@ impl ClusterCatalog {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             let mut polls = 0u64;
+            // Replicas' stats every fourth tick, and at once when the view changed (a new
+            // replica's context limit is known before requests rely on it).
+            let mut changed = true;
             loop {
                 let Some(c) = weak.upgrade() else { return };
                 view.borrow_and_update();
                 c.refresh().await;
-                if polls.is_multiple_of(4) {
+                if changed || polls.is_multiple_of(4) {
                     let routes: Vec<Arc<ClusterRoutes>> = c
                         .entries
                         .lock()
@@ -139,10 +142,10 @@ impl ClusterCatalog {
                 }
                 polls += 1;
                 drop(c);
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    _ = view.changed() => {}
-                }
+                changed = tokio::select! {
+                    _ = tick.tick() => false,
+                    _ = view.changed() => true,
+                };
             }
         });
         Ok(catalog)

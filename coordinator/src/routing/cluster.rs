@@ -247,6 +247,13 @@ impl Routes for ClusterRoutes {
         self.ready_replicas().len()
     }
 
+    fn max_context(&self) -> Option<usize> {
+        let ready = self.ready_replicas();
+        let reported =
+            |id: &str| self.load(id).reported.lock().unwrap_or_else(|p| p.into_inner()).max_context;
+        ready.iter().map(|(id, _)| reported(id)).filter(|&c| c > 0).min()
+    }
+
     async fn stats(&self) -> EngineStats {
         let ready = self.ready_replicas();
         let reports = self.refresh(&ready).await;

@@ -72,6 +72,12 @@ pub trait Routes: Send + Sync {
     }
     /// Load over all ready replicas, as they report it now.
     async fn stats(&self) -> EngineStats;
+
+    /// The longest prompt + output every ready replica accepts, as they last reported it
+    /// (None before any has).
+    fn max_context(&self) -> Option<usize> {
+        None
+    }
     /// This coordinator's share of the ready replicas' sequence slots and waiting room:
     /// the size of its fair-admission gate for the model.
     fn gate_size(&self) -> GateSize {
@@ -92,6 +98,15 @@ pub struct ModelEntry {
     pub config: ModelConfig,
     pub tokenizer: Tokenizer,
     pub routes: Arc<dyn Routes>,
+}
+
+impl ModelEntry {
+    /// The longest prompt + output a request may ask for: the model's context, or less
+    /// where the replicas say so (`--max-model-len`, a KV cache too small for a full one).
+    pub fn max_context(&self) -> usize {
+        let model = self.config.max_position_embeddings;
+        self.routes.max_context().map_or(model, |c| c.min(model))
+    }
 }
 
 /// The models a coordinator serves.

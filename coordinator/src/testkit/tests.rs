@@ -88,6 +88,15 @@ async fn the_leader_places_replicas_on_free_workers_and_every_coordinator_routes
         (r.len() == 2).then_some(r)
     })
     .await;
+    // The context the replicas report reaches every coordinator's catalog once they are
+    // ready, before requests rely on it.
+    for node in [&a, &b] {
+        until("the replicas' context in the catalog", LIMIT, || async {
+            let m = node.front.models().get("m").ok()?;
+            (m.max_context() == super::worker::CONTEXT).then_some(())
+        })
+        .await;
+    }
     let mut used: Vec<String> = replicas.iter().flat_map(|(_, ws)| ws.clone()).collect();
     used.sort();
     used.dedup();

@@ -15,6 +15,9 @@ use strata_common::cluster::{Assignment, ShardState};
 use strata_common::worker_api::{EventStream, Job, ModelFiles, ShardLoad, WorkerApi, WorkerStatus};
 use strata_common::{EngineStats, Error, FinishReason, ReplicaId, Result, SeqEvent, WorkerId};
 
+/// The context a scripted worker's replica reports (the fixture model's is 512).
+pub const CONTEXT: usize = 300;
+
 /// How a scripted worker misbehaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Fault {
@@ -132,7 +135,13 @@ impl WorkerApi for ScriptedWorker {
 
     async fn stats(&self) -> Result<EngineStats> {
         self.reach().await?;
-        Ok(EngineStats { kv_blocks_free: 64, kv_blocks_total: 64, block_size: 16, ..Default::default() })
+        Ok(EngineStats {
+            kv_blocks_free: 64,
+            kv_blocks_total: 64,
+            block_size: 16,
+            max_context: CONTEXT,
+            ..Default::default()
+        })
     }
 
     async fn load_shard(&self, load: ShardLoad) -> Result<Option<String>> {

@@ -222,6 +222,13 @@ impl Scheduler {
         self.pool.num_blocks().saturating_sub(windowed) / keeping * bs
     }
 
+    /// Whether the cache bounds a sequence's length: some table keeps every position. When
+    /// every KV group is windowed, blocks behind the windows go back as a sequence grows,
+    /// and [`max_positions`](Self::max_positions) bounds only a prompt's chunks.
+    pub fn bounds_sequences(&self) -> bool {
+        self.windows.iter().any(Option::is_none)
+    }
+
     pub fn num_running(&self) -> usize {
         self.running.len()
     }

@@ -116,3 +116,15 @@ fn static_mode_is_deprecated_in_its_logs() {
         assert!(warned, "strata {args:?} gave no deprecation warning: {stderr}");
     }
 }
+
+/// `--max-model-len` is checked at start: at least 1, at most the model's context.
+#[test]
+fn a_max_model_len_beyond_the_model_is_refused_at_start() {
+    let model = model();
+    let zero = fails(&["serve", "--model", &model, "--max-model-len", "0"], &[]);
+    assert!(zero.contains("engine.max_model_len") && zero.contains("--max-model-len"), "{zero}");
+    let long = fails(&["serve", "--model", &model, "--max-model-len", "513"], &[]);
+    assert!(long.contains("--max-model-len 513") && long.contains("512"), "{long}");
+    let env = fails(&["serve", "--model", &model], &[("STRATA_MAX_MODEL_LEN", "600")]);
+    assert!(env.contains("600"), "{env}");
+}

@@ -375,3 +375,56 @@ fn a_chat_template_cannot_multiply_a_body_into_gigabytes() {
     let ok = json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     assert_eq!(post(&http, "/v1/chat/completions", None, &ok).0, 200);
 }
+
+/// The context a request may have is the one `/v1/models` and `ListModels` report —
+/// `--max-model-len`, or a KV cache too small for the model's whole context — and a request
+/// for more is a 400 naming `max_tokens` when it arrives, never a failure midway (nor a
+/// 429 that clients would retry). A chat without `max_tokens` fills exactly that context.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_context_limit_is_reported_and_enforced_on_arrival() {
+    let model = chat_model("llama_gqa");
+    let cases = [
+        (&["--max-model-len", "100"][..], false),
+        (&["--kv-cache-memory", "64KiB", "--log-format", "json"][..], true),
+    ];
+    for (extra, limited_by_kv) in cases {
+        let (server, http) = serve_http(model.path(), extra);
+        let (status, body) = request(&http, "GET", "/v1/models", None, None).unwrap();
+        assert_eq!(status, 200, "{body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let context = body["data"][0]["max_model_len"].as_u64().unwrap();
+        if limited_by_kv {
+            assert!((64..512).contains(&context), "the KV cache's limit: {body}");
+            // ... which the server warned about when it started.
+            let warned = |log: String| {
+                log.lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .any(|v| v["level"] == "WARN" && v["fields"]["kv_positions"].as_u64() == Some(context))
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !warned(server.log()) {
+                assert!(Instant::now() < deadline, "no warning that the KV cache limits the context");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        } else {
+            assert_eq!(context, 100, "{body}");
+        }
+        let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+        let listed = c.list_models(pb::ListModelsRequest {}).await.unwrap().into_inner();
+        assert_eq!(listed.models[0].max_context as u64, context);
+
+        let ask = |max_tokens: u64| json!({"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "ignore_eos": true});
+        let (status, body) = post(&http, "/v1/completions", None, &ask(context - 3));
+        assert_eq!((status, &body["error"]["param"]), (400, &json!("max_tokens")), "{body}");
+        let (status, body) = post(&http, "/v1/completions", None, &ask(context - 4));
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["usage"]["completion_tokens"].as_u64(), Some(context - 4), "{body}");
+
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "go"}], "ignore_eos": true});
+        let (status, body) = post(&http, "/v1/chat/completions", None, &chat);
+        assert_eq!(status, 200, "{body}");
+        let usage = &body["usage"];
+        let total = usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap();
+        assert_eq!((total, &body["choices"][0]["finish_reason"]), (context, &json!("length")), "{body}");
+    }
+}

@@ -179,7 +179,7 @@ fn model_json(m: &crate::routing::ModelEntry) -> serde_json::Value {
         "object": "model",
         "created": 0,
         "owned_by": "strata",
-        "max_model_len": m.config.max_position_embeddings,
+        "max_model_len": m.max_context(),
         "ready_replicas": m.routes.ready(),
     })
 }
