@@ -428,3 +428,63 @@ async fn the_context_limit_is_reported_and_enforced_on_arrival() {
         assert_eq!((total, &body["choices"][0]["finish_reason"]), (context, &json!("length")), "{body}");
     }
 }
+
+/// vLLM's utility routes answer with its fields — `/tokenize` gives HF transformers' ids
+/// and counts a chat as a chat completion does, `/detokenize` inverts it — and a path or
+/// method the API does not have is an OpenAI-shaped error naming it.
+#[tokio::test(flavor = "multi_thread")]
+async fn utility_routes_and_unknown_routes_answer_in_openais_shape() {
+    let model = chat_model("llama_gqa");
+    let r = reference(&fixtures_dir().join("llama_gqa"));
+    let (_server, http) = serve_http(model.path(), &["--api-key", KEY]);
+    let (status, body) = request(&http, "GET", "/version", None, None).unwrap();
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, body["version"].as_str()), (200, Some(env!("CARGO_PKG_VERSION"))));
+
+    let text = r["text_prompt"].as_str().unwrap();
+    let tokenize = json!({"model": "m", "prompt": text, "return_token_strs": true});
+    assert_eq!(post(&http, "/tokenize", None, &tokenize).0, 401, "the API key guards it");
+    let (status, body) = post(&http, "/tokenize", Some(KEY), &tokenize);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body["tokens"]), ids(&r["text_prompt_ids"]), "HF transformers' ids: {body}");
+    let count = r["text_prompt_ids"].as_array().unwrap().len();
+    assert_eq!(body["count"], count);
+    assert_eq!(
+        (body["max_model_len"].as_u64(), body["token_strs"].as_array().map(Vec::len)),
+        (Some(512), Some(count))
+    );
+    let bare = json!({"model": "m", "prompt": text, "add_special_tokens": false});
+    let (_, body) = post(&http, "/tokenize", Some(KEY), &bare);
+    let (status, back) =
+        post(&http, "/detokenize", Some(KEY), &json!({"model": "m", "tokens": body["tokens"]}));
+    assert_eq!((status, back["prompt"].as_str()), (200, Some(text)), "{back}");
+
+    let messages = json!([{"role": "user", "content": "hello there"}]);
+    let (_, counted) = post(&http, "/tokenize", Some(KEY), &json!({"model": "m", "messages": messages}));
+    let chat = json!({"model": "m", "messages": messages, "max_tokens": 1});
+    let (status, done) = post(&http, "/v1/chat/completions", Some(KEY), &chat);
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(counted["count"], done["usage"]["prompt_tokens"], "{counted} {done}");
+
+    let refused = |path: &str, body: serde_json::Value| post(&http, path, Some(KEY), &body);
+    let (status, e) = refused("/tokenize", json!({"model": "m", "prompt": "x", "truncate": 3}));
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("truncate")), "{e}");
+    let (status, e) = refused("/detokenize", json!({"model": "m", "tokens": [5, 99999]}));
+    assert_eq!((status, &e["error"]["param"]), (400, &json!("tokens[1]")), "{e}");
+    let (status, e) = refused("/tokenize", json!({"model": "nope", "prompt": "x"}));
+    assert_eq!(status, 404, "{e}");
+
+    for (method, path, want, code) in [
+        ("GET", "/v1/nothing", 404, "unknown_url"),
+        ("POST", "/v2/completions", 404, "unknown_url"),
+        ("GET", "/v1/completions", 405, "method_not_allowed"),
+        ("DELETE", "/tokenize", 405, "method_not_allowed"),
+    ] {
+        let (status, body) = request(&http, method, path, Some(KEY), None).unwrap();
+        let body: serde_json::Value =
+            serde_json::from_str(&body).unwrap_or_else(|e| panic!("{method} {path}: {e}: {body}"));
+        assert_eq!((status, body["error"]["code"].as_str()), (want, Some(code)), "{method} {path}: {body}");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(method) && message.contains(path), "{message}");
+    }
+}

@@ -237,7 +237,6 @@ pub(super) fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
 pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
     let mut common = params::common(&f, &["max_tokens", "max_completion_tokens"])?;
     common.params.logprobs = params::chat_logprobs(&f)?;
-    let messages = messages(&f)?;
     match f.get("response_format") {
         None | Some(Json::Null) => {}
         Some(r) if r.get("type").and_then(Json::as_str) == Some("text") => {}
@@ -248,6 +247,24 @@ pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
     if params::boolean(&f, "continue_final_message")?.unwrap_or(false) {
         return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
     }
+    let input = chat_input(&mut f)?;
+    let model = models.get(&common.model).map_err(ApiError::from)?;
+    let Some(template) = model.tokenizer.chat_template() else {
+        return Err(ApiError::invalid(
+            "messages",
+            format!("model {:?} has no chat template; use /v1/completions", model.name),
+        ));
+    };
+    let text =
+        template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
+    let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;
+    Ok(Job { api: Api::Chat, common, choices, echo: None })
+}
+
+/// What a chat template renders: the messages, the tools, `chat_template_kwargs` and
+/// `add_generation_prompt` (default true) of a chat body.
+pub(super) fn chat_input(f: &mut Fields) -> Result<ChatInput, ApiError> {
+    let messages = messages(f)?;
     // Taken out of the body, not copied: a caller's tools may be megabytes.
     let tools = match f.remove("tools") {
         None | Some(Json::Null) => None,
@@ -261,17 +278,6 @@ pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
             return Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs must be an object"))
         }
     };
-    let add_generation_prompt = params::boolean(&f, "add_generation_prompt")?.unwrap_or(true);
-    let model = models.get(&common.model).map_err(ApiError::from)?;
-    let Some(template) = model.tokenizer.chat_template() else {
-        return Err(ApiError::invalid(
-            "messages",
-            format!("model {:?} has no chat template; use /v1/completions", model.name),
-        ));
-    };
-    let input = ChatInput { messages, tools, add_generation_prompt, extra };
-    let text =
-        template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
-    let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;
-    Ok(Job { api: Api::Chat, common, choices, echo: None })
+    let add_generation_prompt = params::boolean(f, "add_generation_prompt")?.unwrap_or(true);
+    Ok(ChatInput { messages, tools, add_generation_prompt, extra })
 }

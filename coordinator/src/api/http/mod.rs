@@ -1,11 +1,13 @@
 //! The OpenAI-style HTTP API (`--http-listen`), beside inference.v1 on every coordinator.
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
-//! the batch API (`/v1/files`, `/v1/batches`, see [`batch`](crate::batch)), and `GET
+//! the batch API (`/v1/files`, `/v1/batches`, see [`batch`](crate::batch)), vLLM's
+//! `POST /tokenize`, `POST /detokenize` and `GET /version` ([`utility`]), and `GET
 //! /health` (the process answers) and `GET /ready` (it would serve a request now) for load
-//! balancers. Requests take the same path as gRPC calls — admission, routing, failover,
+//! balancers. Any other path is a 404 and another method a 405, both in OpenAI's error
+//! shape naming the method and path. Requests take the same path as gRPC calls — admission, routing, failover,
 //! metrics, traces — and the same API keys (`Authorization: Bearer`), needed on every
-//! route but the two probes when keys are configured.
+//! route but the two probes and `/version` when keys are configured.
 
 pub mod completions;
 pub mod error;
@@ -15,6 +17,7 @@ pub mod metrics;
 pub mod params;
 pub mod respond;
 mod serve;
+mod utility;
 
 pub use serve::{serve, HEADER_READ_TIMEOUT};
 
@@ -97,6 +100,8 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
+        .route("/tokenize", post(utility::tokenize))
+        .route("/detokenize", post(utility::detokenize))
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
     let api = match &state.batches {
         Some(b) => api.merge(crate::batch::http::router(b.clone())),
@@ -106,8 +111,10 @@ pub fn router(state: Arc<HttpState>) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/ready", get(ready))
+        .route("/version", get(utility::version))
         .merge(api)
-        .fallback(|| async { ApiError::not_found("no such route").into_response() })
+        .fallback(utility::no_route)
+        .method_not_allowed_fallback(utility::wrong_method)
         .layer(axum::middleware::from_fn(metrics::track))
         .with_state(state)
 }

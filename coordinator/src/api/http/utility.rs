@@ -1,0 +1,175 @@
+//! vLLM's utility routes, with its request and response fields: `POST /tokenize` (a
+//! prompt, or chat messages rendered with the model's template, to token ids),
+//! `POST /detokenize` (token ids to text) and `GET /version`; and the errors every route
+//! the API does not have gets, in OpenAI's shape, naming the method and path.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use serde_json::{json, Value as Json};
+
+use super::error::ApiError;
+use super::params::{self, Fields};
+use super::HttpState;
+use crate::routing::ModelEntry;
+use crate::tenant::Caller;
+
+/// What `/tokenize` reads; anything else is refused, naming it.
+const TOKENIZE_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "return_token_strs",
+    "chat_template_kwargs",
+    "tools",
+];
+
+/// What `/detokenize` reads.
+const DETOKENIZE_FIELDS: &[&str] = &["model", "tokens"];
+
+/// Most tokens one `/tokenize` answers (a body is at most 16 MiB of text anyway).
+const MAX_TOKENIZED: usize = 1 << 22;
+
+pub async fn version() -> Response {
+    axum::Json(json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
+}
+
+/// The 404 of a route the API does not have.
+pub async fn no_route(method: Method, uri: Uri) -> Response {
+    let mut e = ApiError::not_found(format!("Invalid URL ({method} {})", uri.path()));
+    e.code = Some("unknown_url");
+    e.into_response()
+}
+
+/// The 405 of a route that exists for other methods.
+pub async fn wrong_method(method: Method, uri: Uri) -> Response {
+    let mut e = ApiError::not_found(format!("{method} is not allowed on {}", uri.path()));
+    e.status = StatusCode::METHOD_NOT_ALLOWED;
+    e.code = Some("method_not_allowed");
+    e.into_response()
+}
+
+pub async fn tokenize(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    route(&state, who, body, (TOKENIZE_FIELDS, "/tokenize"), tokenize_fields).await
+}
+
+pub async fn detokenize(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    route(&state, who, body, (DETOKENIZE_FIELDS, "/detokenize"), detokenize_fields).await
+}
+
+/// A model route's answer: the body's fields checked against what `route` reads, its
+/// model one the caller may use.
+async fn route(
+    state: &HttpState,
+    who: Caller,
+    body: Bytes,
+    (fields, route): (&'static [&'static str], &'static str),
+    answer: fn(&ModelEntry, Fields) -> Result<Json, ApiError>,
+) -> Response {
+    let models = state.front.models().clone();
+    let done = blocking(state, body, move |f| {
+        known(&f, fields, route)?;
+        let model = model(&*models, &f, &who)?;
+        answer(&model, f)
+    });
+    done.await.unwrap_or_else(|e| e.into_response())
+}
+
+fn detokenize_fields(model: &ModelEntry, f: Fields) -> Result<Json, ApiError> {
+    let Some(Json::Array(list)) = f.get("tokens") else {
+        return Err(ApiError::invalid("tokens", "tokens is required: an array of token ids"));
+    };
+    let vocab = model.config.vocab_size as u64;
+    let ids = list
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match t.as_u64() {
+            Some(id) if id < vocab => Ok(id as u32),
+            _ => Err(ApiError::invalid(
+                format!("tokens[{i}]"),
+                format!("{t} is not a token id of model {:?} (vocabulary of {vocab})", model.name),
+            )),
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let text = model.tokenizer.decode(&ids).map_err(ApiError::from)?;
+    Ok(json!({"prompt": text}))
+}
+
+/// The parsed body's answer, computed on the blocking pool under the bound on bodies
+/// being built at once (tokenizing megabytes is not for the async threads).
+async fn blocking(
+    state: &HttpState,
+    body: Bytes,
+    answer: impl FnOnce(Fields) -> Result<Json, ApiError> + Send + 'static,
+) -> Result<Response, ApiError> {
+    let weight = body.len().clamp(4096, super::BUILD_BYTES) as u32;
+    let _permit = state.builds.acquire_many(weight).await;
+    let done = tokio::task::spawn_blocking(move || params::object(&body).and_then(answer)).await;
+    let json =
+        done.map_err(|e| ApiError::from(strata_common::Error::Internal(format!("answering: {e}"))))??;
+    Ok(axum::Json(json).into_response())
+}
+
+/// Refuses a field the route does not read, naming it.
+fn known(f: &Fields, fields: &[&str], route: &str) -> Result<(), ApiError> {
+    match f.keys().find(|k| !fields.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(k.clone(), format!("{route} takes no parameter {k:?}"))),
+        None => Ok(()),
+    }
+}
+
+/// The body's model, if the caller may use it (another is not found, as if not served).
+fn model(
+    models: &dyn crate::routing::Catalog,
+    f: &Fields,
+    who: &Caller,
+) -> Result<Arc<ModelEntry>, ApiError> {
+    let Some(name) = params::string(f, "model")?.filter(|m| !m.is_empty()) else {
+        return Err(ApiError::invalid("model", "model is required: name a served model (GET /v1/models)"));
+    };
+    let model = models.get(name).map_err(ApiError::from)?;
+    who.may_use(&model.name).map_err(|_| ApiError::not_found(format!("model {:?}", model.name)))?;
+    Ok(model)
+}
+
+fn tokenize_fields(model: &ModelEntry, mut f: Fields) -> Result<Json, ApiError> {
+    let chat = f.contains_key("messages");
+    let text = match (f.get("prompt"), chat) {
+        (Some(_), true) => return Err(ApiError::invalid("messages", "give prompt or messages, not both")),
+        (Some(Json::String(p)), false) => p.clone(),
+        (Some(_), false) => return Err(ApiError::invalid("prompt", "prompt must be a string")),
+        (None, true) => render(model, &mut f)?,
+        (None, false) => return Err(ApiError::invalid("prompt", "prompt (or messages) is required")),
+    };
+    // A rendered chat carries its special tokens already (as vLLM's default says).
+    let special = params::boolean(&f, "add_special_tokens")?.unwrap_or(!chat);
+    let ids = model.tokenizer.encode_with(&text, MAX_TOKENIZED, special).map_err(ApiError::from)?;
+    let strs = match params::boolean(&f, "return_token_strs")? {
+        Some(true) => Json::from(ids.iter().map(|&t| model.tokenizer.token_text(t)).collect::<Vec<_>>()),
+        _ => Json::Null,
+    };
+    Ok(json!({"count": ids.len(), "max_model_len": model.max_context(), "tokens": ids, "token_strs": strs}))
+}
+
+/// Chat messages as the model's template renders them for a chat completion.
+fn render(model: &ModelEntry, f: &mut Fields) -> Result<String, ApiError> {
+    let input = super::completions::chat_input(f)?;
+    let Some(template) = model.tokenizer.chat_template() else {
+        return Err(ApiError::invalid("messages", format!("model {:?} has no chat template", model.name)));
+    };
+    Ok(template.render(&input, model.tokenizer.max_text_bytes(MAX_TOKENIZED))?)
+}
