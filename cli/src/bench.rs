@@ -23,6 +23,7 @@ use serde::Serialize;
 use strata_proto::inference::v1 as pb;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 use tokio::sync::Semaphore;
+use tonic::metadata::{Ascii, MetadataValue};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
@@ -55,6 +56,18 @@ pub struct BenchArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// The API key the server expects (sent as "authorization: Bearer").
+    #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+}
+
+/// `message` as a request carrying the API key, if there is one.
+fn authed<T>(message: T, key: &Option<MetadataValue<Ascii>>) -> tonic::Request<T> {
+    let mut req = tonic::Request::new(message);
+    if let Some(k) = key {
+        req.metadata_mut().insert("authorization", k.clone());
+    }
+    req
 }
 
 #[derive(Debug, Serialize, Default)]
@@ -100,7 +113,7 @@ struct Outcome {
 
 async fn one(
     mut client: InferenceClient<tonic::transport::Channel>,
-    req: pb::GenerateRequest,
+    req: tonic::Request<pb::GenerateRequest>,
 ) -> anyhow::Result<Outcome> {
     let start = Instant::now();
     let mut stream = client
@@ -144,13 +157,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     if matches!(args.concurrency, Some(0)) || args.request_rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
         bail!("--concurrency must be at least 1 and --request-rate positive");
     }
+    let key = match &args.api_key {
+        Some(k) => Some(format!("Bearer {k}").parse().context("--api-key: not a valid header value")?),
+        None => None,
+    };
     let channel = tonic::transport::Endpoint::from_shared(args.endpoint.clone())
         .with_context(|| format!("--endpoint {:?}", args.endpoint))?
         .connect()
         .await
         .with_context(|| format!("cannot connect to {}", args.endpoint))?;
     let mut client = InferenceClient::new(channel.clone());
-    let models = client.list_models(pb::ListModelsRequest {}).await?.into_inner().models;
+    let listed = client.list_models(authed(pb::ListModelsRequest {}, &key)).await;
+    let models = listed.map_err(|s| anyhow::anyhow!("{:?}: {}", s.code(), s.message()))?.into_inner().models;
     let info = models.iter().find(|m| m.name == args.model).with_context(|| {
         format!(
             "model {:?} is not served; served: {:?}",
@@ -185,6 +203,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
             cache: Some(false),
             ..Default::default()
         };
+        let req = authed(req, &key);
         let client = InferenceClient::new(channel.clone());
         let bar = bar.clone();
         tasks.push(tokio::spawn(async move {

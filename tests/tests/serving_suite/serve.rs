@@ -514,3 +514,28 @@ async fn serve_checks_api_keys_and_the_admin_token_like_a_coordinator() {
     assert_eq!(e.code(), Code::PermissionDenied, "a client key is not the admin token: {e:?}");
     assert!(admin.list_workers(with("adm", apb::ListWorkersRequest {})).await.is_ok());
 }
+
+/// `strata bench --api-key` (or STRATA_API_KEY) loads a server that requires a key; without
+/// one it stops at once with the server's refusal.
+#[test]
+fn bench_sends_the_api_key() {
+    let server =
+        Server::start(&["--model", &fixture("llama_gqa"), "--name", "tiny", "--api-key", "sk-bench-key"]);
+    let bench = |key: Option<&str>| {
+        let mut c = std::process::Command::new(strata_tests::strata_bin());
+        c.args(["bench", "--endpoint", &server.endpoint(), "--model", "tiny", "--requests", "3"])
+            .args(["--input-len", "8", "--output-len", "2", "--json"])
+            .env_remove("STRATA_API_KEY");
+        if let Some(k) = key {
+            c.env("STRATA_API_KEY", k);
+        }
+        c.output().unwrap()
+    };
+    let refused = bench(None);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("Unauthenticated"), "{err}");
+    let out = bench(Some("sk-bench-key"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(3), Some(0)));
+}
