@@ -1,7 +1,8 @@
 //! Static mode (deprecated; removed in the next release), `strata serve --worker-rendezvous
 //! ADDR`: one replica whose rank 0 runs in this process and whose other ranks are
-//! `strata worker --rank R --rendezvous ADDR` processes started by hand. No registry, no reconciler: the replica is fixed for the
-//! life of the process (cluster mode is the way to scale, replace or drain).
+//! `strata worker --rank R --rendezvous ADDR` processes started by hand. No registry, no
+//! reconciler: the replica is fixed for the life of the process (cluster mode is the way
+//! to scale, replace or drain).
 //!
 //! The coordinator's request path is reused unchanged: the engine is one [`Replica`]
 //! behind a one-model [`Catalog`].

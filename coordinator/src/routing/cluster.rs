@@ -248,10 +248,14 @@ impl Routes for ClusterRoutes {
     }
 
     fn max_context(&self) -> Option<usize> {
-        let ready = self.ready_replicas();
-        let reported =
-            |id: &str| self.load(id).reported.lock().unwrap_or_else(|p| p.into_inner()).max_context;
-        ready.iter().map(|(id, _)| reported(id)).filter(|&c| c > 0).min()
+        // Per request (admission): read the view and the reports in place, no copies.
+        let view = self.view.borrow();
+        let loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+        view.ready_replicas(&self.model)
+            .filter_map(|r| loads.get(r.id.as_str()))
+            .map(|l| l.reported.lock().unwrap_or_else(|p| p.into_inner()).max_context)
+            .filter(|&c| c > 0)
+            .min()
     }
 
     async fn stats(&self) -> EngineStats {
