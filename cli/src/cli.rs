@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use strata_common::{Architecture, SamplingParams};
+use strata_common::{Architecture, Constraint, SamplingParams};
 use strata_engine::model::random::RandomModelSpec;
 use strata_engine::tensor::DType;
 
@@ -206,6 +206,15 @@ pub struct GenerateArgs {
     /// Report per-token logprobs with this many alternatives.
     #[arg(long)]
     pub logprobs: Option<u32>,
+    /// Constrain the output to JSON valid under this JSON schema (the schema's text).
+    #[arg(long, value_name = "SCHEMA", group = "constraint")]
+    pub json_schema: Option<String>,
+    /// Constrain the output to text this regular expression matches whole.
+    #[arg(long, value_name = "REGEX", group = "constraint")]
+    pub regex: Option<String>,
+    /// Constrain the output to exactly one of these strings (repeat the flag).
+    #[arg(long, value_name = "TEXT", group = "constraint")]
+    pub choice: Vec<String>,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -253,6 +262,16 @@ impl GenerateArgs {
             stop: self.stop.clone(),
             logprobs: self.logprobs,
             priority: Default::default(),
+            constraint: self.constraint(),
+        }
+    }
+
+    fn constraint(&self) -> Option<Constraint> {
+        match (&self.json_schema, &self.regex) {
+            (Some(schema), _) => Some(Constraint::JsonSchema(schema.clone())),
+            (None, Some(rx)) => Some(Constraint::Regex(rx.clone())),
+            (None, None) if !self.choice.is_empty() => Some(Constraint::Choice(self.choice.clone())),
+            (None, None) => None,
         }
     }
 

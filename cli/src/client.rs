@@ -29,6 +29,7 @@ pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
         logprobs: p.logprobs,
         request_id: String::new(),
         cache: None,
+        constraint: p.constraint.as_ref().map(wire::constraint_to_pb),
     }
 }
 

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod config;
 #[cfg(feature = "grpc")]
 pub mod conn_limits;
+pub mod constraint;
 pub mod device;
 pub mod error;
 pub mod events;
@@ -44,6 +45,7 @@ pub mod wire;
 pub mod worker_api;
 
 pub use build::{Build, BuildChange, EngineLimits};
+pub use constraint::Constraint;
 pub use device::{DType, Device, DeviceKind};
 pub use error::{Error, ErrorClass, Result};
 pub use events::{EngineStats, SeqEvent, TokenLogprobs};

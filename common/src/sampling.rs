@@ -8,6 +8,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::constraint::Constraint;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,6 +39,9 @@ pub struct SamplingParams {
     /// preempts batch ones first.
     #[serde(default)]
     pub priority: Priority,
+    /// What the output must match (structured outputs); None leaves it free.
+    #[serde(default)]
+    pub constraint: Option<Constraint>,
 }
 
 /// Who waits for a request: a caller now (online) or a batch job (throughput first).
@@ -68,6 +72,7 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             logprobs: None,
             priority: Priority::Online,
+            constraint: None,
         }
     }
 }
@@ -124,6 +129,9 @@ impl SamplingParams {
         }
         if self.stop.iter().any(String::is_empty) {
             return Err(Error::invalid("stop", "stop strings must not be empty"));
+        }
+        if let Some(c) = &self.constraint {
+            c.validate()?;
         }
         Ok(())
     }

@@ -11,6 +11,7 @@ use strata_proto::inference::v1 as ipb;
 use strata_proto::worker::v1 as wpb;
 
 use crate::cluster::{Assignment, EngineLimits, ShardState};
+use crate::constraint::Constraint;
 use crate::device::{DType, DeviceKind};
 use crate::error::{Error, Result};
 use crate::events::{EngineStats, SeqEvent, TokenLogprobs};
@@ -87,17 +88,50 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
         generated_token_ids: job.generated.clone(),
         replica_id: replica.to_string(),
         batch: p.priority == crate::sampling::Priority::Batch,
+        constraint: p.constraint.as_ref().map(constraint_to_pb),
     }
 }
 
-/// `(replica, job)` of a worker.v1 request.
-pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (ReplicaId, Job) {
+pub fn constraint_to_pb(c: &Constraint) -> ipb::Constraint {
+    use ipb::constraint::Kind;
+    let kind = match c {
+        Constraint::JsonObject => Kind::JsonObject(true),
+        Constraint::JsonSchema(s) => Kind::JsonSchema(s.clone()),
+        Constraint::Regex(s) => Kind::Regex(s.clone()),
+        Constraint::Choice(c) => Kind::Choice(ipb::Choices { choices: c.clone() }),
+        Constraint::Grammar(s) => Kind::Grammar(s.clone()),
+    };
+    ipb::Constraint { kind: Some(kind) }
+}
+
+/// A constraint off the wire; one with no kind (or `json_object: false`) is an error
+/// naming the field, never an unconstrained request.
+pub fn constraint_from_pb(c: ipb::Constraint) -> Result<Constraint> {
+    use ipb::constraint::Kind;
+    Ok(match c.kind {
+        Some(Kind::JsonObject(true)) => Constraint::JsonObject,
+        Some(Kind::JsonSchema(s)) => Constraint::JsonSchema(s),
+        Some(Kind::Regex(s)) => Constraint::Regex(s),
+        Some(Kind::Choice(c)) => Constraint::Choice(c.choices),
+        Some(Kind::Grammar(s)) => Constraint::Grammar(s),
+        Some(Kind::JsonObject(false)) | None => {
+            return Err(Error::invalid(
+                "constraint",
+                "names no kind (json_object, json_schema, regex, choice or grammar)",
+            ))
+        }
+    })
+}
+
+/// `(replica, job)` of a worker.v1 request; a malformed constraint is an error.
+pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> Result<(ReplicaId, Job)> {
     let mut params = SamplingParams {
         max_new_tokens: r.max_tokens,
         ignore_eos: r.ignore_eos,
         stop_token_ids: r.stop_token_ids,
         logprobs: r.logprobs,
         priority: if r.batch { crate::sampling::Priority::Batch } else { crate::sampling::Priority::Online },
+        constraint: r.constraint.map(constraint_from_pb).transpose()?,
         ..SamplingParams::default()
     };
     apply_sampling(&r.sampling.unwrap_or_default(), &mut params);
@@ -107,7 +141,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> (ReplicaId, Job) {
         generated: r.generated_token_ids,
         params,
     };
-    (r.replica_id.into(), job)
+    Ok((r.replica_id.into(), job))
 }
 
 /// One token event as a worker.v1 message (failures travel as the stream's status).
@@ -347,15 +381,34 @@ mod tests {
                 stop: Vec::new(),
                 logprobs: Some(3),
                 priority: crate::sampling::Priority::Batch,
+                constraint: Some(Constraint::Choice(vec!["a".into(), "b".into()])),
             },
         };
-        let (replica, back) = job_from_pb(job_to_pb("m-0", &job));
+        let (replica, back) = job_from_pb(job_to_pb("m-0", &job)).unwrap();
         assert_eq!(replica, "m-0");
         assert_eq!(back.params, job.params);
         assert_eq!(
             (back.prompt, back.generated, back.request_id),
             (job.prompt, job.generated, job.request_id)
         );
+    }
+
+    #[test]
+    fn every_constraint_kind_round_trips_and_an_empty_one_is_refused() {
+        let kinds = [
+            Constraint::JsonObject,
+            Constraint::JsonSchema("{}".into()),
+            Constraint::Regex("a+".into()),
+            Constraint::Choice(vec!["x".into()]),
+            Constraint::Grammar("start: \"a\"".into()),
+        ];
+        for c in kinds {
+            assert_eq!(constraint_from_pb(constraint_to_pb(&c)).unwrap(), c);
+        }
+        let empty = constraint_from_pb(ipb::Constraint { kind: None }).unwrap_err();
+        assert!(empty.to_string().contains("constraint"), "{empty}");
+        let off = ipb::Constraint { kind: Some(ipb::constraint::Kind::JsonObject(false)) };
+        assert!(constraint_from_pb(off).is_err());
     }
 
     #[test]

@@ -11,12 +11,14 @@
 //! token ids, max tokens, the context length — ends here.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use strata_common::{Error, FinishReason, Result, SamplingParams};
 use tracing::{debug, info};
 
 use crate::backend::Backend;
 use crate::dist::{kv_blocks, LeaderExecutor, StepExecutor};
+use crate::guide::{prepare_guide, Grammars, Guide, TokenMask};
 use crate::kv::{BlockPool, BlockTable};
 use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput, MAX_PICK_VOCAB};
 use crate::model::Model;
@@ -117,6 +119,8 @@ pub struct StepEvent {
 struct SeqMeta {
     sampler: Sampler,
     generated: u32,
+    /// Where a constrained sequence stands in its constraint.
+    guide: Option<Guide>,
 }
 
 /// A sequence removed because it cannot run: the cache can never hold it, or the model
@@ -143,6 +147,8 @@ pub struct Engine {
     labels: crate::metrics::ReplicaLabels,
     /// See [`Engine::max_context`].
     max_context: usize,
+    /// Compiles constraints; None when the model has no tokenizer this can read.
+    grammars: Option<Arc<Grammars>>,
 }
 
 impl Engine {
@@ -197,7 +203,34 @@ impl Engine {
             last_step_tokens: 0,
             labels: config.labels.clone(),
             max_context,
+            grammars: None,
         })
+    }
+
+    /// This engine, compiling constraints with `grammars` (see [`crate::guide`]).
+    pub fn with_grammars(mut self, grammars: Option<Arc<Grammars>>) -> Self {
+        self.grammars = grammars;
+        self
+    }
+
+    /// This engine, compiling constraints against the tokenizer of the model in `dir`; a
+    /// model without one (or with one it cannot read, which is logged) serves
+    /// unconstrained requests only.
+    pub fn with_grammars_from(self, dir: &std::path::Path) -> Self {
+        let config = self.exec.config();
+        let grammars = match Grammars::from_dir(dir, config.vocab_size, &config.eos_token_ids) {
+            Ok(g) => g.map(Arc::new),
+            Err(e) => {
+                tracing::warn!(error = %e, "constrained decoding is off for this model");
+                None
+            }
+        };
+        self.with_grammars(grammars)
+    }
+
+    /// The constraint compiler, for compiling off the engine's thread.
+    pub fn grammars(&self) -> Option<Arc<Grammars>> {
+        self.grammars.clone()
     }
 
     /// Whatever runs this engine's steps.
@@ -268,7 +301,24 @@ impl Engine {
         generated: Vec<u32>,
         params: SamplingParams,
     ) -> Result<()> {
+        let guide = prepare_guide(self.grammars.as_deref(), &params, &generated)?;
+        self.add_guided(id, prompt, generated, params, guide)
+    }
+
+    /// [`Engine::add_resumed`] with the constraint's guide already compiled (by
+    /// [`prepare_guide`], off the engine's thread).
+    pub fn add_guided(
+        &mut self,
+        id: SeqId,
+        prompt: Vec<u32>,
+        generated: Vec<u32>,
+        params: SamplingParams,
+        guide: Option<Guide>,
+    ) -> Result<()> {
         params.validate()?;
+        if params.constraint.is_some() != guide.is_some() {
+            return Err(Error::Internal("a constrained sequence without its guide".into()));
+        }
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "must not be empty"));
         }
@@ -321,7 +371,7 @@ impl Engine {
         }
         let priority = params.priority;
         let sampler = Sampler::resume(params, &prompt, &generated);
-        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32 });
+        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32, guide });
         let mut tokens = prompt;
         tokens.extend(generated);
         self.scheduler.add(SeqData::new(id, tokens).with_priority(priority));
@@ -386,7 +436,8 @@ impl Engine {
         step.wanted = self.logits_wanted(&plan, vocab);
         let span = span_for(&plan.seqs);
         step.trace = strata_common::trace::context_of(&span);
-        let StepOutput { logits, drawn } = span.in_scope(|| self.exec.execute(&step))?;
+        let (output, masks) = self.execute_guided(&step, &plan, &span);
+        let StepOutput { logits, drawn } = output?;
         let (rows, draws) = (step.logit_rows.len(), &step.draws);
         let returned = logits.rows(vocab);
         if returned != rows || drawn.len() != draws.len() {
@@ -396,13 +447,39 @@ impl Engine {
                 draws.len()
             )));
         }
+        let (events, sampled, failed) = self.sample_rows(&plan, &logits, &drawn, draws, masks);
+        self.scheduler.complete(&plan, &sampled);
+        for e in &events {
+            if e.finish.is_some() {
+                self.cancel(e.seq);
+            }
+        }
+        for f in failed {
+            self.cancel(f.seq);
+            self.aborted.push(f);
+        }
+        Ok(events)
+    }
+
+    /// Chooses the next token of every sampled row of `plan`: the events to send, the
+    /// tokens for the scheduler, and the sequences that cannot go on.
+    fn sample_rows(
+        &mut self,
+        plan: &Schedule,
+        logits: &StepLogits,
+        drawn: &[crate::logits::Pick],
+        draws: &[Draw],
+        mut masks: HashMap<SeqId, Result<TokenMask>>,
+    ) -> (Vec<StepEvent>, Vec<(SeqId, u32)>, Vec<Aborted>) {
+        let vocab = self.exec.config().vocab_size;
+        let rows = draws.len().max(logits.rows(vocab));
         let max_context = self.max_context();
         let mut events = Vec::with_capacity(rows);
         let mut sampled = Vec::with_capacity(rows);
-        let mut non_finite = Vec::new();
+        let mut failed = Vec::new();
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
             let drawn_here = draws.get(row).is_some_and(|d| d.temperature > 0.0);
-            let finite = match &logits {
+            let finite = match logits {
                 _ if drawn_here => drawn[row].logit.is_finite() && drawn[row].log_z.is_finite(),
                 StepLogits::Full(l) => l[row * vocab..(row + 1) * vocab].iter().all(|x| x.is_finite()),
                 StepLogits::Greedy(p) => p[row].logit.is_finite() && p[row].log_z.is_finite(),
@@ -410,22 +487,44 @@ impl Engine {
             };
             if !finite {
                 // NaN weights or an out-of-domain config: never emit a token from it.
-                non_finite.push(item.id);
+                let error = Error::Internal(
+                    "the model produced non-finite logits (NaN or infinity): its weights or config.json are broken".into(),
+                );
+                failed.push(Aborted { seq: item.id, error, non_finite: true });
                 sampled.push((item.id, 0));
                 continue;
             }
             let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
-            let (token, logprobs) = match &logits {
+            let mask = match masks.remove(&item.id).transpose() {
+                Ok(mask) => mask,
+                Err(error) => {
+                    failed.push(Aborted { seq: item.id, error, non_finite: false });
+                    sampled.push((item.id, 0));
+                    continue;
+                }
+            };
+            let (token, logprobs) = match logits {
                 _ if drawn_here => meta.sampler.accept_drawn(drawn[row].token),
-                StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab]),
+                StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab], mask.as_ref()),
                 StepLogits::Greedy(p) => meta.sampler.accept(p[row]),
                 StepLogits::Top(c) => meta.sampler.take(&c[row]),
             };
             meta.generated += 1;
+            let guided = if let Some(guide) = &mut meta.guide {
+                if let Err(error) = guide.consume(token) {
+                    failed.push(Aborted { seq: item.id, error, non_finite: false });
+                    sampled.push((item.id, 0));
+                    continue;
+                }
+                Some(guide.is_stopped())
+            } else {
+                None
+            };
             let params = meta.sampler.params();
-            let finish = if !params.ignore_eos && self.eos.contains(&token) {
+            // A constrained sequence ends where its constraint does, whatever ignore_eos says.
+            let finish = if (!params.ignore_eos || guided.is_some()) && self.eos.contains(&token) {
                 Some(FinishReason::Eos)
-            } else if params.stop_token_ids.contains(&token) {
+            } else if params.stop_token_ids.contains(&token) || guided == Some(true) {
                 Some(FinishReason::Stop)
             } else if meta.generated >= params.max_new_tokens || item.end + 1 >= max_context {
                 Some(FinishReason::Length)
@@ -435,20 +534,38 @@ impl Engine {
             sampled.push((item.id, token));
             events.push(StepEvent { seq: item.id, token, logprobs, finish });
         }
-        self.scheduler.complete(&plan, &sampled);
-        for e in &events {
-            if e.finish.is_some() {
-                self.cancel(e.seq);
-            }
+        (events, sampled, failed)
+    }
+
+    /// Runs `step`; meanwhile, on a helper thread, computes the token mask of every
+    /// constrained sequence it samples, so the masks cost no step time unless they take
+    /// longer than the forward pass.
+    fn execute_guided(
+        &mut self,
+        step: &Step,
+        plan: &Schedule,
+        span: &tracing::Span,
+    ) -> (Result<StepOutput>, HashMap<SeqId, Result<TokenMask>>) {
+        let sampled: HashSet<SeqId> = plan.seqs.iter().filter(|s| s.sample).map(|s| s.id).collect();
+        let guides: Vec<(SeqId, &mut Guide)> = self
+            .meta
+            .iter_mut()
+            .filter(|(id, _)| sampled.contains(id))
+            .filter_map(|(&id, m)| m.guide.as_mut().map(|g| (id, g)))
+            .collect();
+        let ids: Vec<SeqId> = guides.iter().map(|g| g.0).collect();
+        let exec = &mut self.exec;
+        if guides.is_empty() {
+            return (span.in_scope(|| exec.execute(step)), HashMap::new());
         }
-        for seq in non_finite {
-            self.cancel(seq);
-            let error = Error::Internal(
-                "the model produced non-finite logits (NaN or infinity): its weights or config.json are broken".into(),
-            );
-            self.aborted.push(Aborted { seq, error, non_finite: true });
-        }
-        Ok(events)
+        std::thread::scope(|scope| {
+            let masks = scope.spawn(move || guides.into_iter().map(|(id, g)| (id, g.mask())).collect());
+            let output = span.in_scope(|| exec.execute(step));
+            let masks = masks.join().unwrap_or_else(|_| {
+                ids.iter().map(|&id| (id, Err(Error::Internal("the mask thread panicked".into())))).collect()
+            });
+            (output, masks)
+        })
     }
 
     /// One [`Draw`] per sampled row when the executor draws on the device and some row's

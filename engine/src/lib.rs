@@ -19,6 +19,7 @@ pub mod backend;
 pub mod comm;
 pub mod dist;
 pub mod engine;
+pub mod guide;
 pub mod kv;
 pub mod logits;
 pub mod metrics;

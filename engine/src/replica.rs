@@ -128,6 +128,11 @@ pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Res
     })
 }
 
+/// The engines built from a model directory compile constraints with its tokenizer.
+fn with_grammars(engine: Result<Engine>, dir: &Path) -> Result<Engine> {
+    engine.map(|e| e.with_grammars_from(dir))
+}
+
 /// `local_replica` on backends made by `backend(rank)`, each rank's TCP mesh endpoint
 /// made its collectives by `communicator(mesh, rank)`.
 pub fn local_replica_on<B, F, C>(
@@ -143,7 +148,7 @@ where
     C: Fn(TcpComm, usize) -> Result<Box<dyn DeviceCollectives<B>>> + Clone + Send + 'static,
 {
     if par.world() == 1 {
-        return Engine::new(Model::load(dir, backend(0)?)?, config);
+        return with_grammars(Engine::new(Model::load(dir, backend(0)?)?, config), dir);
     }
     let mut comms = local_group(par.world(), SETUP_TIMEOUT)?.into_iter();
     let leader_comm = comms.next().expect("world >= 1");
@@ -190,7 +195,8 @@ where
     model.label(&config.labels);
     let pool = model.backend().uses_thread_pool().then(|| rank_pool(0, par.world())).transpose()?;
     info!(tp = par.tp, pp = par.pp, "replica ranks ready (threads)");
-    Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm, pool)), par, config)
+    let engine = Engine::with_executor(Box::new(LeaderExecutor::new(model, leader_comm, pool)), par, config);
+    with_grammars(engine, dir)
 }
 
 /// The leader of a replica whose other ranks are worker processes joining at
@@ -216,7 +222,8 @@ pub fn leader_with_external_ranks(
         let comm = comm(TcpComm::connect(&cfg, Some(rendezvous))?, 0, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, 0)?;
         model.label(&config.labels);
-        Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, None)), par, config)
+        let engine = Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, None)), par, config);
+        with_grammars(engine, dir)
     })
 }
 

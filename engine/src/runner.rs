@@ -24,6 +24,7 @@ use tokio::sync::mpsc as tmpsc;
 use tracing::{debug, debug_span, error, Span};
 
 use crate::engine::{Engine, SeqId};
+use crate::guide::Guide;
 use crate::metrics::RunnerMetrics;
 use crate::scheduler::{Scheduled, SchedulerStats};
 
@@ -149,6 +150,7 @@ impl EngineHandle {
             streams: HashMap::new(),
             canaries: Vec::new(),
             next_canary: CANARY_IDS,
+            compiler: None,
         };
         let max_open = engine_slots + limits.max_waiting;
         (EngineHandle { tx, shared, limits, max_open }, runner)
@@ -194,7 +196,16 @@ impl EngineHandle {
         let stream = SequenceStream { id, rx, tx: self.tx.clone(), done: false, shared: self.shared.clone() };
         let (submitted, span) = (Instant::now(), Span::current());
         let caller = Caller { events, submitted, span };
-        let submit = Command::Submit(Box::new(Submission { id, prompt, generated, params, caller }));
+        let reply = self.tx.clone();
+        let submit = Command::Submit(Box::new(Submission {
+            id,
+            prompt,
+            generated,
+            params,
+            caller,
+            guide: None,
+            reply,
+        }));
         if self.tx.send(submit).is_err() {
             self.shared.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(Error::Unavailable("the engine has stopped".into()));
@@ -249,6 +260,8 @@ struct Runner {
     /// Canaries answered by the next step.
     canaries: Vec<tokio::sync::oneshot::Sender<Result<()>>>,
     next_canary: u64,
+    /// Compiles constraints off this thread (started with the first constrained request).
+    compiler: Option<compile::Compiler>,
 }
 
 struct Submission {
@@ -257,6 +270,10 @@ struct Submission {
     generated: Vec<u32>,
     params: SamplingParams,
     caller: Caller,
+    /// A constrained sequence's guide, once compiled ([`compile`]).
+    guide: Option<Guide>,
+    /// Where a compiled submission comes back to the runner.
+    reply: mpsc::Sender<Command>,
 }
 
 /// A submission's way back to its caller.
@@ -342,9 +359,13 @@ impl Runner {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
+            Command::Submit(s) if s.params.constraint.is_some() && s.guide.is_none() => {
+                // Still counted as queued until it comes back compiled (or fails there).
+                self.compile(s);
+            }
             Command::Submit(s) => {
-                let Submission { id, prompt, generated, params, caller } = *s;
-                self.admit(id, prompt, generated, params, caller);
+                let Submission { id, prompt, generated, params, caller, guide, reply: _ } = *s;
+                self.admit(id, prompt, generated, params, caller, guide);
                 // Counted as waiting (published) before it stops counting as queued, so a
                 // concurrent submission never sees it in neither and overfills the queue.
                 self.publish();
@@ -377,6 +398,22 @@ impl Runner {
         }
     }
 
+    /// Hands a constrained submission to the compile thread; it comes back as a
+    /// submission with its guide, or fails its caller there.
+    fn compile(&mut self, s: Box<Submission>) {
+        let Some(grammars) = self.engine.grammars() else {
+            // No compiler: the engine refuses it, naming why.
+            let Submission { id, prompt, generated, params, caller, .. } = *s;
+            self.admit(id, prompt, generated, params, caller, None);
+            self.publish();
+            self.shared.queued.fetch_sub(1, Ordering::SeqCst);
+            return;
+        };
+        let compiler =
+            self.compiler.get_or_insert_with(|| compile::Compiler::start(grammars, self.shared.clone()));
+        compiler.send(s);
+    }
+
     fn admit(
         &mut self,
         id: SeqId,
@@ -384,6 +421,7 @@ impl Runner {
         generated: Vec<u32>,
         params: SamplingParams,
         Caller { events, submitted, span }: Caller,
+        guide: Option<Guide>,
     ) {
         if events.is_closed() {
             return;
@@ -393,7 +431,11 @@ impl Runner {
                 .try_send(SeqEvent::Failed(Error::Unavailable(format!("the replica is broken: {why}"))));
             return;
         }
-        match self.engine.add_resumed(id, prompt, generated, params) {
+        let added = match guide {
+            Some(guide) => self.engine.add_guided(id, prompt, generated, params, Some(guide)),
+            None => self.engine.add_resumed(id, prompt, generated, params),
+        };
+        match added {
             Ok(()) => {
                 let stage = stage_span(&span, Stage::Queue);
                 let live =
@@ -536,5 +578,6 @@ impl Runner {
     }
 }
 
+mod compile;
 #[cfg(test)]
 mod tests;

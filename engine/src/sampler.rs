@@ -15,6 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use strata_common::SamplingParams;
 
+use crate::guide::TokenMask;
 use crate::logits::{Candidates, Draw, Pick, MAX_TOP};
 
 /// Candidates beyond top-k a step returns: logits that differ may be equal once divided by
@@ -62,9 +63,13 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks the next token and records it as output.
-    pub fn sample(&mut self, raw: &[f32]) -> (u32, Option<TokenLogprobs>) {
+    /// Picks the next token among those `mask` allows (all without one) and records it
+    /// as output. Logprobs stay those of the raw row.
+    pub fn sample(&mut self, raw: &[f32], mask: Option<&TokenMask>) -> (u32, Option<TokenLogprobs>) {
         let mut logits = raw.to_vec();
+        if let Some(mask) = mask {
+            mask.apply(&mut logits);
+        }
         self.apply_penalties(&mut logits);
         let token = if self.params.is_greedy() {
             argmax(&logits)
@@ -85,10 +90,10 @@ impl Sampler {
     /// greedy decoding); `Some(k)`, the row's `k` most likely tokens ([`Candidates`]:
     /// greedy with top logprobs, or top-k sampling, k ≤ [`MAX_TOP`] with room for ties the
     /// temperature may make); `None`, the whole row (penalties move the logits; top-p or
-    /// min-p without top-k need the whole distribution).
+    /// min-p without top-k need the whole distribution, and so does a constraint's mask).
     pub fn candidates_needed(&self) -> Option<usize> {
         let p = &self.params;
-        if self.penalised() {
+        if self.penalised() || p.constraint.is_some() {
             return None;
         }
         let n = p.logprobs.unwrap_or(0) as usize;
@@ -102,12 +107,12 @@ impl Sampler {
 
     /// Whether this sequence's tokens can be drawn where the logits are
     /// ([`crate::logits::draw`]): temperature sampling with top-p, min-p or neither, and
-    /// nothing else that needs the host — no top-k (its candidates serve it), penalties or
-    /// logprobs. A property of the request alone, so whether a token is drawn on the
+    /// nothing else that needs the host — no top-k (its candidates serve it), penalties,
+    /// logprobs or a constraint (its mask is applied to the whole row on the host). A property of the request alone, so whether a token is drawn on the
     /// device never depends on what shares the batch.
     pub fn drawable(&self) -> bool {
         let p = &self.params;
-        !p.is_greedy() && p.top_k == 0 && p.logprobs.is_none() && !self.penalised()
+        !p.is_greedy() && p.top_k == 0 && p.logprobs.is_none() && !self.penalised() && p.constraint.is_none()
     }
 
     /// Whether penalties move this sequence's logits (so its rows go to the host whole).

@@ -261,7 +261,7 @@ fn sampling_from_device_candidates_equals_sampling_whole_rows() {
         let k = cands.candidates_needed().expect("top-k sampling needs candidates only");
         let top = b.top_logits(&on_device, rows, k, 0).unwrap();
         for (r, c) in top.iter().enumerate() {
-            let want = whole.sample(&logits[r * vocab..(r + 1) * vocab]);
+            let want = whole.sample(&logits[r * vocab..(r + 1) * vocab], None);
             let got = cands.take(c);
             assert_eq!(got.0, want.0, "top_k {top_k}: row {r}");
             let (g, w) = (got.1.unwrap(), want.1.unwrap());
@@ -346,7 +346,11 @@ fn device_draws_follow_the_samplers_kept_distribution() {
     let draws: Vec<Draw> = (0..rows).map(|_| dev.next_draw()).collect();
     let picks = b.draw_tokens(&on_device, &draws, 0).unwrap();
     for (r, p) in picks.iter().enumerate() {
-        assert_eq!(p.token, host.sample(&logits[r * vocab..(r + 1) * vocab]).0, "row {r}: the host sampler");
+        assert_eq!(
+            p.token,
+            host.sample(&logits[r * vocab..(r + 1) * vocab], None).0,
+            "row {r}: the host sampler"
+        );
     }
     let row = &logits[vocab..2 * vocab];
     let d = Draw { temperature: 0.9, top_p: 0.7, min_p: 0.02, u: 0.0 };

@@ -46,7 +46,7 @@ impl Worker for WorkerService {
         request: Request<pb::WorkerGenerateRequest>,
     ) -> Result<Response<TokenStream>, Status> {
         let caller = strata_common::trace::from_metadata(request.metadata());
-        let (replica, job) = wire::job_from_pb(request.into_inner());
+        let (replica, job) = wire::job_from_pb(request.into_inner()).map_err(to_status)?;
         let span = info_span!(
             "worker.generate",
             otel.kind = "server",

@@ -28,8 +28,8 @@ use crate::frontend::FrontEnd;
 use crate::request::generation;
 use crate::tenant::Caller;
 
-/// The domain request of an inference.v1 message.
-pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
+/// The domain request of an inference.v1 message; a constraint naming no kind is an error.
+pub fn request_from_pb(req: &pb::GenerateRequest) -> Result<GenerateRequest, Error> {
     let prompt = req.prompt.as_ref().map(|p| match p {
         pb::generate_request::Prompt::Text(t) => Prompt::Text(t.clone()),
         pb::generate_request::Prompt::TokenIds(ids) => Prompt::TokenIds(ids.ids.clone()),
@@ -39,10 +39,11 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
         stop_token_ids: req.stop_token_ids.clone(),
         stop: req.stop.clone(),
         logprobs: req.logprobs,
+        constraint: req.constraint.clone().map(wire::constraint_from_pb).transpose()?,
         ..SamplingParams::default()
     };
     wire::apply_sampling(&req.sampling.unwrap_or_default(), &mut params);
-    GenerateRequest {
+    Ok(GenerateRequest {
         model: req.model.clone(),
         prompt,
         max_tokens: req.max_tokens,
@@ -50,14 +51,14 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> GenerateRequest {
         priority: Priority::Online,
         params,
         cache: req.cache.unwrap_or(true),
-    }
+    })
 }
 
 /// Sampling knobs live under `sampling.` in inference.v1; admission names them bare.
 fn api_field_names(e: Error) -> Error {
     match e {
         Error::InvalidArgument { field, reason }
-            if !matches!(field.as_str(), "max_tokens" | "stop" | "logprobs" | "model")
+            if !matches!(field.as_str(), "max_tokens" | "stop" | "logprobs" | "model" | "constraint")
                 && !field.starts_with("prompt") =>
         {
             Error::invalid(format!("sampling.{field}"), reason)
@@ -113,7 +114,7 @@ impl InferenceService {
         deadline: Option<tokio::time::Instant>,
         caller: &Caller,
     ) -> Result<(Vec<u32>, generation::ChunkRx), Status> {
-        let request = request_from_pb(req);
+        let request = request_from_pb(req).map_err(to_status)?;
         let id = request_id.to_string();
         let started = self
             .front

@@ -10,7 +10,7 @@ fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
 
 fn draws(p: SamplingParams, logits: &[f32], n: usize) -> Vec<u32> {
     let mut s = Sampler::new(p, &[]);
-    (0..n).map(|_| s.sample(logits).0).collect()
+    (0..n).map(|_| s.sample(logits, None).0).collect()
 }
 
 const LOGITS: [f32; 6] = [1.0, 3.0, 2.5, -1.0, 0.5, 2.9];
@@ -109,7 +109,7 @@ fn repetition_penalty_follows_hf() {
     assert_eq!(l[1], 1.5);
     assert_eq!(l[3], -2.0);
     assert_eq!(l[5], 2.9);
-    assert_eq!(s.sample(&LOGITS).0, 5, "the penalised token loses to the runner-up");
+    assert_eq!(s.sample(&LOGITS, None).0, 5, "the penalised token loses to the runner-up");
 }
 
 #[test]
@@ -121,12 +121,12 @@ fn presence_and_frequency_penalties_count_output_tokens() {
         }),
         &[5],
     );
-    assert_eq!(s.sample(&LOGITS).0, 1); // prompt tokens are not penalised
+    assert_eq!(s.sample(&LOGITS, None).0, 1); // prompt tokens are not penalised
     let mut l = LOGITS.to_vec();
     s.apply_penalties(&mut l);
     assert_eq!(l[1], 3.0 - 0.75);
     assert_eq!(l[5], 2.9);
-    assert_eq!(s.sample(&LOGITS).0, 5);
+    assert_eq!(s.sample(&LOGITS, None).0, 5);
     s.apply_penalties(&mut l);
 }
 
@@ -138,7 +138,7 @@ fn logprobs_are_log_softmax_of_raw_logits() {
     assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 5, 2]);
     assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
     let mut s = Sampler::new(params(|p| p.logprobs = Some(2)), &[]);
-    let (_, got) = s.sample(&LOGITS);
+    let (_, got) = s.sample(&LOGITS, None);
     assert_eq!(got.unwrap().top.len(), 2);
 }
 
@@ -155,9 +155,9 @@ fn a_resumed_sampler_continues_the_same_stream() {
     let prompt = [4u32, 0];
     let logits = |i: usize| -> Vec<f32> { LOGITS.iter().map(|l| l + (i % 3) as f32 * 0.1).collect() };
     let mut whole = Sampler::new(p.clone(), &prompt);
-    let all: Vec<u32> = (0..20).map(|i| whole.sample(&logits(i)).0).collect();
+    let all: Vec<u32> = (0..20).map(|i| whole.sample(&logits(i), None).0).collect();
     let mut resumed = Sampler::resume(p, &prompt, &all[..7]);
-    let rest: Vec<u32> = (7..20).map(|i| resumed.sample(&logits(i)).0).collect();
+    let rest: Vec<u32> = (7..20).map(|i| resumed.sample(&logits(i), None).0).collect();
     assert_eq!(rest, all[7..].to_vec());
 }
 
@@ -189,7 +189,7 @@ fn candidates_suffice_exactly_when_the_sampler_says_so() {
             let row: Vec<f32> =
                 (0..vocab).map(|i| ((i as u32 * 7919 + r * 104729) % 61) as f32 * 0.1 - 3.0).collect();
             let c = host_top(&row, 1, vocab, k, 0).remove(0);
-            assert_eq!(cands.take(&c), whole.sample(&row), "top_k {top_k}, row {r}");
+            assert_eq!(cands.take(&c), whole.sample(&row, None), "top_k {top_k}, row {r}");
         }
     }
 }

@@ -47,7 +47,11 @@ pub struct Job {
 /// Admission names fields as inference.v1's domain does; OpenAI spells some differently.
 pub fn rename(job: &Job) -> impl Fn(&str) -> Option<String> {
     let (api, max_tokens) = (job.api, job.common.max_tokens_field);
+    let constraint = job.common.constraint_field.clone();
     move |field| {
+        if matches!(field, "response_format" | "guided_regex" | "guided_choice" | "guided_grammar") {
+            return constraint.clone();
+        }
         if field.starts_with("prompt") {
             return Some(if api == Api::Chat { "messages" } else { "prompt" }.to_string());
         }
@@ -237,13 +241,6 @@ pub(super) fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
 pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
     let mut common = params::common(&f, &["max_tokens", "max_completion_tokens"])?;
     common.params.logprobs = params::chat_logprobs(&f)?;
-    match f.get("response_format") {
-        None | Some(Json::Null) => {}
-        Some(r) if r.get("type").and_then(Json::as_str) == Some("text") => {}
-        Some(_) => {
-            return Err(ApiError::invalid("response_format", "only {\"type\": \"text\"} is supported"))
-        }
-    }
     if params::boolean(&f, "continue_final_message")?.unwrap_or(false) {
         return Err(ApiError::invalid("continue_final_message", "continue_final_message is not supported"));
     }

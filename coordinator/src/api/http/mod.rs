@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod params;
 pub mod respond;
 mod serve;
+mod structured;
 mod utility;
 
 pub use serve::{serve, HEADER_READ_TIMEOUT};

@@ -4,7 +4,8 @@
 //! Unknown fields are ignored (clients send fields of newer API versions); `null` is the
 //! same as leaving a field out. Besides OpenAI's parameters, the vLLM-style extensions
 //! `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are read, and
-//! `cache` (false: never answer from the response cache).
+//! `cache` (false: never answer from the response cache); structured outputs are read by
+//! [`super::structured`].
 
 use serde_json::{Map, Value as Json};
 use strata_common::sampling::MAX_LOGPROBS;
@@ -107,6 +108,9 @@ pub struct Common {
     pub include_usage: bool,
     /// May be answered from the response cache.
     pub cache: bool,
+    /// The field the caller constrained the output by (`response_format`,
+    /// `guided_json`, …), which errors from compiling it name.
+    pub constraint_field: Option<String>,
 }
 
 /// Reads the shared fields. `max_tokens_names` are the names the output length may go by
@@ -176,7 +180,19 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
         ..d
     };
     let cache = boolean(f, "cache")?.unwrap_or(true);
-    Ok(Common { model, max_tokens, max_tokens_field, n, params, stream, include_usage, cache })
+    let (constraint, constraint_field) = super::structured::constraint(f)?.unzip();
+    let params = SamplingParams { constraint, ..params };
+    Ok(Common {
+        model,
+        max_tokens,
+        max_tokens_field,
+        n,
+        params,
+        stream,
+        include_usage,
+        cache,
+        constraint_field,
+    })
 }
 
 fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
