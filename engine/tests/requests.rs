@@ -1,7 +1,8 @@
 //! What a request gets from the engine, whatever else runs: continuous batching,
 //! preemption and the prefix cache never change outputs; a caller that does not read is
 //! bounded; a model with broken numbers fails its sequences and its canary; a request
-//! longer than the context is refused on arrival.
+//! longer than the context is refused on arrival; constrained outputs match their
+//! constraints.
 //!
 //! One test binary of several modules, on the fixture models HF transformers made.
 
@@ -11,6 +12,8 @@ mod backpressure;
 mod batching;
 #[path = "requests/broken_models.rs"]
 mod broken_models;
+#[path = "requests/constrained.rs"]
+mod constrained;
 #[path = "requests/context.rs"]
 mod context;
 

@@ -15,6 +15,8 @@ mod rollouts;
 mod serve;
 #[path = "serving_suite/serve_security.rs"]
 mod serve_security;
+#[path = "serving_suite/structured.rs"]
+mod structured;
 #[path = "serving_suite/tenants.rs"]
 mod tenants;
 #[path = "serving_suite/traces.rs"]

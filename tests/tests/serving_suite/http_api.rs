@@ -16,7 +16,7 @@ use strata_tests::{fixtures_dir, ids, reference, write_slow_model, Server};
 const KEY: &str = "sk-test-key";
 
 /// A copy of a fixture model with a ChatML chat template (the fixtures have none).
-fn chat_model(fixture: &str) -> tempfile::TempDir {
+pub(crate) fn chat_model(fixture: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     for entry in std::fs::read_dir(fixtures_dir().join(fixture)).unwrap() {
         let entry = entry.unwrap();
@@ -37,7 +37,7 @@ fn add_template(dir: &Path) {
 }
 
 /// Starts `strata serve` with the HTTP API; returns it and the HTTP address.
-fn serve_http(model: &Path, extra: &[&str]) -> (Server, String) {
+pub(crate) fn serve_http(model: &Path, extra: &[&str]) -> (Server, String) {
     let mut args = vec!["--model", model.to_str().unwrap(), "--name", "m", "--http-listen", "127.0.0.1:0"];
     args.extend_from_slice(extra);
     let server = Server::start(&args);

@@ -1,0 +1,68 @@
+//! Structured outputs through a real `strata serve`: OpenAI's Python client and the
+//! `jsonschema` validator over 120 generated schemas plus hostile ones
+//! (tests/python/structured_outputs.py), and inference.v1's `constraint` over gRPC.
+
+use std::path::Path;
+
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+
+use super::http_api::{chat_model, serve_http};
+
+#[tokio::test(flavor = "multi_thread")]
+async fn constrained_outputs_validate_for_third_party_clients() {
+    let model = chat_model("llama_gqa");
+    let (_server, http) = serve_http(model.path(), &[]);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join("target/pyenv/bin/python");
+    assert!(python.exists(), "{} missing: run `make prerequisites`", python.display());
+    let script = root.join("tests/python/structured_outputs.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(&python)
+            .arg(script)
+            .args([&format!("http://{http}/v1"), "m", "unused"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "structured outputs failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("7 passed"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn grpc_callers_constrain_outputs_and_an_empty_constraint_is_refused() {
+    let model = chat_model("llama_gqa");
+    let (server, _http) = serve_http(model.path(), &[]);
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let request = |kind| pb::GenerateRequest {
+        model: "m".into(),
+        prompt: Some(pb::generate_request::Prompt::Text("Code:".into())),
+        max_tokens: Some(30),
+        sampling: Some(pb::SamplingParams { temperature: 1.0, seed: Some(3), ..Default::default() }),
+        constraint: Some(pb::Constraint { kind }),
+        ..Default::default()
+    };
+    for seed in 0..5u64 {
+        let mut r = request(Some(pb::constraint::Kind::Regex("[A-Z]{2}-[0-9]{3}".into())));
+        r.sampling.as_mut().unwrap().seed = Some(seed);
+        let text = c.generate(r).await.unwrap().into_inner().text;
+        let b = text.as_bytes();
+        assert!(b.len() == 6 && b[..2].iter().all(u8::is_ascii_uppercase) && b[2] == b'-', "{text}");
+        assert!(b[3..].iter().all(u8::is_ascii_digit), "{text}");
+    }
+    let choices = pb::Choices { choices: vec!["on".into(), "off".into()] };
+    let text =
+        c.generate(request(Some(pb::constraint::Kind::Choice(choices)))).await.unwrap().into_inner().text;
+    assert!(text == "on" || text == "off", "{text}");
+    let status = c.generate(request(None)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("constraint"), "{}", status.message());
+    let status = c.generate(request(Some(pb::constraint::Kind::Regex("(".into())))).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
+}
