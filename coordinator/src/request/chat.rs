@@ -77,6 +77,8 @@ pub struct ChatTemplate {
     /// Whether a separate `tool_use` template exists.
     has_tool_use: bool,
     specials: Map<String, Json>,
+    /// The tool-call format its templates write, judged from their markers.
+    tool_format: Option<crate::request::tools::ToolFormat>,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -166,6 +168,8 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         let mut has_default = false;
         let mut has_tool_use = false;
+        let tool_format =
+            templates.iter().find_map(|(_, source)| crate::request::tools::ToolFormat::detect(source));
         for (name, source) in templates {
             has_default |= name == "default";
             has_tool_use |= name == "tool_use";
@@ -175,7 +179,12 @@ impl ChatTemplate {
         if !has_default {
             return Err(Error::Unsupported("chat_template: no template named \"default\"".into()));
         }
-        Ok(ChatTemplate { env, has_tool_use, specials })
+        Ok(ChatTemplate { env, has_tool_use, specials, tool_format })
+    }
+
+    /// The tool-call format the template writes calls in, if it names one.
+    pub fn tool_format(&self) -> Option<crate::request::tools::ToolFormat> {
+        self.tool_format
     }
 
     /// The prompt text of a conversation, at most `max_bytes` long. A template's

@@ -11,3 +11,4 @@ pub mod metrics;
 pub mod span;
 pub mod text;
 pub mod tokenizer;
+pub mod tools;

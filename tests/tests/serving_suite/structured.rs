@@ -1,6 +1,7 @@
-//! Structured outputs through a real `strata serve`: OpenAI's Python client and the
-//! `jsonschema` validator over 120 generated schemas plus hostile ones
-//! (tests/python/structured_outputs.py), and inference.v1's `constraint` over gRPC.
+//! Structured outputs and tool calls through a real `strata serve`: OpenAI's Python
+//! client and the `jsonschema` validator over 120 generated schemas plus hostile ones
+//! (tests/python/structured_outputs.py), tools with every tool_choice, streamed and not
+//! (tests/python/tool_calls.py), and inference.v1's `constraint` over gRPC.
 
 use std::path::Path;
 
@@ -9,30 +10,48 @@ use strata_proto::inference::v1::inference_client::InferenceClient;
 
 use super::http_api::{chat_model, serve_http};
 
-#[tokio::test(flavor = "multi_thread")]
-async fn constrained_outputs_validate_for_third_party_clients() {
-    let model = chat_model("llama_gqa");
-    let (_server, http) = serve_http(model.path(), &[]);
+/// Runs `tests/python/{script}` against the HTTP API at `http`; its stdout.
+async fn python(script: &str, http: String) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join("target/pyenv/bin/python");
     assert!(python.exists(), "{} missing: run `make prerequisites`", python.display());
-    let script = root.join("tests/python/structured_outputs.py");
+    let script = root.join("tests/python").join(script);
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new(&python)
-            .arg(script)
+            .arg(&script)
             .args([&format!("http://{http}/v1"), "m", "unused"])
             .output()
             .unwrap()
     })
     .await
     .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "structured outputs failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn constrained_outputs_validate_for_third_party_clients() {
+    let model = chat_model("llama_gqa");
+    let (_server, http) = serve_http(model.path(), &[]);
+    let stdout = python("structured_outputs.py", http).await;
     assert!(stdout.contains("7 passed"), "{stdout}");
+}
+
+/// A ChatML template that lists the tools and writes calls as Hermes does.
+const TOOL_TEMPLATE: &str = "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{% for t in tools %}{{ ' ' + t['function']['name'] }}{% endfor %}{{ '. Call as <tool_call>{json}</tool_call><|im_end|>\\n' }}{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tool_calls_for_openais_client_with_every_tool_choice() {
+    let model = chat_model("llama_gqa");
+    let path = model.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (_server, http) = serve_http(model.path(), &[]);
+    let stdout = python("tool_calls.py", http).await;
+    assert!(stdout.contains("6 passed"), "{stdout}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -13,6 +13,7 @@ use super::error::ApiError;
 use super::params::{self, Common, Fields, MAX_CHOICES};
 use crate::frontend::admission::{self, GenerateRequest, Priority, Prompt};
 use crate::request::chat::ChatInput;
+use crate::request::tools::forced::ToolPlan;
 use crate::routing::Catalog;
 
 /// Most messages in one chat request.
@@ -42,6 +43,8 @@ pub struct Job {
     pub choices: Vec<Choice>,
     /// Per prompt, text to put before each choice's output (`echo`).
     pub echo: Option<Vec<String>>,
+    /// How a chat reply is read for tool calls; None reads none.
+    pub tools: Option<ToolPlan>,
 }
 
 /// Admission names fields as inference.v1's domain does; OpenAI spells some differently.
@@ -178,7 +181,7 @@ pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
         None
     };
     let choices = choices(models, &common, prompts, false)?;
-    Ok(Job { api: Api::Completion, common, choices, echo })
+    Ok(Job { api: Api::Completion, common, choices, echo, tools: None })
 }
 
 /// A message's content as the template sees it: text, or text parts joined by newlines.
@@ -252,10 +255,23 @@ pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
             format!("model {:?} has no chat template; use /v1/completions", model.name),
         ));
     };
+    let parallel = params::boolean(&f, "parallel_tool_calls")?;
+    let tools =
+        ToolPlan::new(input.tools.as_deref(), f.get("tool_choice"), parallel, template.tool_format())?;
+    if let Some(forced) = tools.as_ref().and_then(ToolPlan::constraint) {
+        if let Some(other) = &common.constraint_field {
+            return Err(ApiError::invalid(
+                other.clone(),
+                format!("{other} cannot be combined with tool_choice required or a named function"),
+            ));
+        }
+        common.params.constraint = Some(forced);
+        common.constraint_field = Some("tool_choice".into());
+    }
     let text =
         template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
     let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;
-    Ok(Job { api: Api::Chat, common, choices, echo: None })
+    Ok(Job { api: Api::Chat, common, choices, echo: None, tools })
 }
 
 /// What a chat template renders: the messages, the tools, `chat_template_kwargs` and

@@ -18,6 +18,7 @@ pub mod params;
 pub mod respond;
 mod serve;
 mod structured;
+mod tool_calls;
 mod utility;
 
 pub use serve::{serve, HEADER_READ_TIMEOUT};

@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use super::completions::{rename, Api, Job};
 use super::error::ApiError;
+use super::tool_calls::{self, StreamedCalls};
 use super::HttpState;
 use crate::frontend::{FrontEnd, Started};
 use crate::request::generation::{self, Chunk};
@@ -209,9 +210,11 @@ async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, Ap
             Api::Chat => {
                 let logprobs =
                     job.choices[0].request.params.logprobs.map(|_| chat_logprobs(tok, &c.logprobs));
+                let prefix = format!("{}_{}", head.id, choice.index);
+                let (message, finish) = tool_calls::message(job.tools.as_ref(), c.text, c.finish, &prefix);
                 json!({
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish,
                 })
@@ -294,6 +297,8 @@ struct SseEvents {
     completion_tokens: usize,
     /// Per choice: the text's length so far (completions' logprob offsets).
     offsets: Vec<usize>,
+    /// Per choice, when the reply is read for tool calls.
+    calls: Vec<Option<StreamedCalls>>,
     ended: bool,
 }
 
@@ -308,8 +313,16 @@ impl SseEvents {
                 .boxed()
         });
         let want_logprobs = job.choices.first().and_then(|c| c.request.params.logprobs).is_some();
+        let calls = job
+            .choices
+            .iter()
+            .map(|c| {
+                job.tools.as_ref().map(|plan| StreamedCalls::new(plan, format!("{}_{}", head.id, c.index)))
+            })
+            .collect();
         let mut events = SseEvents {
             offsets: vec![0; job.choices.len()],
+            calls,
             merged: futures::stream::select_all(streams),
             ready: VecDeque::new(),
             want_logprobs,
@@ -373,12 +386,16 @@ impl SseEvents {
             (true, Api::Chat) => chat_logprobs(tok, &chunk.logprobs),
         };
         self.offsets[i] += chunk.text.len();
-        let content = match self.job.api {
-            Api::Chat => json!({"content": chunk.text}),
-            Api::Completion => json!(chunk.text),
+        let (content, finish) = match (self.job.api, &mut self.calls[i]) {
+            (Api::Chat, Some(calls)) => calls.delta(&chunk.text, chunk.finish),
+            (Api::Chat, None) => {
+                (json!({"content": chunk.text}), tool_calls::finish_reason(None, chunk.finish, 0))
+            }
+            (Api::Completion, _) => (json!(chunk.text), tool_calls::finish_reason(None, chunk.finish, 0)),
         };
         let index = self.job.choices[i].index;
-        let mut event = chunk_event(&self.job, &self.head, index, content, logprobs, chunk.finish);
+        let mut event = chunk_event(&self.job, &self.head, index, content, logprobs, None);
+        event["choices"][0]["finish_reason"] = json!(finish);
         event["system_fingerprint"] = fingerprint(chunk.revision);
         event
     }

@@ -1,0 +1,111 @@
+//! Tool calls in chat responses: the assistant message with `tool_calls`, and streamed
+//! `tool_calls` deltas (the name first, then the arguments as they are generated).
+
+use serde_json::{json, Value as Json};
+use strata_common::FinishReason;
+
+use crate::request::tools::forced::ToolPlan;
+use crate::request::tools::{Delta, ToolStream};
+
+/// OpenAI's finish reason: `length` wins; a reply with calls ends in `tool_calls`
+/// (except a named tool_choice, which OpenAI ends in `stop`).
+pub fn finish_reason(
+    plan: Option<&ToolPlan>,
+    finish: Option<FinishReason>,
+    calls: usize,
+) -> Option<&'static str> {
+    match (finish?, plan) {
+        (FinishReason::Length, _) => Some("length"),
+        (_, Some(plan)) if calls > 0 => Some(plan.finish_reason(&crate::request::tools::Parsed {
+            calls: vec![Default::default(); calls],
+            ..Default::default()
+        })),
+        _ => Some("stop"),
+    }
+}
+
+/// A call's id: unique per response, choice and call.
+fn call_id(prefix: &str, index: usize) -> String {
+    format!("call_{prefix}_{index}")
+}
+
+/// The assistant message of a whole reply and its finish reason.
+pub fn message(
+    plan: Option<&ToolPlan>,
+    text: String,
+    finish: Option<FinishReason>,
+    prefix: &str,
+) -> (Json, Option<&'static str>) {
+    let Some(plan) = plan else {
+        return (json!({"role": "assistant", "content": text}), finish_reason(None, finish, 0));
+    };
+    let parsed = plan.read(&text, false);
+    let calls: Vec<Json> = parsed
+        .calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "id": call_id(prefix, i),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            })
+        })
+        .collect();
+    let content =
+        if parsed.content.is_empty() && !calls.is_empty() { Json::Null } else { json!(parsed.content) };
+    let mut m = json!({"role": "assistant", "content": content});
+    if !calls.is_empty() {
+        m["tool_calls"] = Json::Array(calls);
+    }
+    (m, finish_reason(Some(plan), finish, parsed.calls.len()))
+}
+
+/// One choice's streamed reply, read for tool calls.
+pub struct StreamedCalls {
+    stream: ToolStream,
+    prefix: String,
+    calls: usize,
+    plan: ToolPlan,
+}
+
+impl StreamedCalls {
+    pub fn new(plan: &ToolPlan, prefix: String) -> Self {
+        let reader = plan.clone();
+        StreamedCalls {
+            stream: ToolStream::new(move |t, partial| reader.read(t, partial)),
+            prefix,
+            calls: 0,
+            plan: plan.clone(),
+        }
+    }
+
+    /// The chat delta of `text` (`finish` set on the last) and its finish reason.
+    pub fn delta(&mut self, text: &str, finish: Option<FinishReason>) -> (Json, Option<&'static str>) {
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for d in self.stream.push(text, finish.is_some()) {
+            match d {
+                Delta::Content(c) => content.push_str(&c),
+                Delta::Call { index, name, arguments } => {
+                    let mut call = json!({"index": index, "function": {"arguments": arguments}});
+                    if let Some(name) = name {
+                        self.calls = self.calls.max(index + 1);
+                        call["id"] = json!(call_id(&self.prefix, index));
+                        call["type"] = json!("function");
+                        call["function"]["name"] = json!(name);
+                    }
+                    calls.push(call);
+                }
+            }
+        }
+        let mut delta = json!({"content": content});
+        if !calls.is_empty() {
+            delta["tool_calls"] = Json::Array(calls);
+            if content.is_empty() {
+                delta["content"] = Json::Null;
+            }
+        }
+        (delta, finish_reason(Some(&self.plan), finish, self.calls))
+    }
+}
