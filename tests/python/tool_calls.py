@@ -2,7 +2,7 @@
 """Tool calls against a running `strata serve --http-listen`, with OpenAI's client.
 
 The model's chat template writes Hermes-style `<tool_call>` blocks, so `auto` reads that
-format. With random weights a model never calls a tool by itself: `required` and named
+format, and `<think>` blocks, so reasoning is separated into `reasoning_content`. With random weights a model never calls a tool by itself: `required` and named
 functions are enforced by constrained decoding, and `auto` is driven by constraining the
 reply (guided_regex) to a Hermes call, which the server must then parse like any reply.
 Each is checked unstreamed and streamed; every call's arguments must validate against
@@ -143,6 +143,21 @@ def main():
         plain = dict(base, tool_choice="auto", temperature=0, max_tokens=10)
         content, calls, finish = unstreamed(client, **plain)
         assert calls == [] and isinstance(content, str), (content, calls)
+
+    @check("reasoning is separated from the answer, streamed and not")
+    def _():
+        kw = dict(base, tools=None, temperature=1.0, seed=2, extra_body={"guided_regex": "<think>[a-z]{2,8}</think>(yes|no)"})
+        kw = {k: v for k, v in kw.items() if v is not None}
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        reasoning = (m.model_extra or {}).get("reasoning_content")
+        assert m.content in ("yes", "no") and reasoning and reasoning.isalpha(), (m.content, m.model_extra)
+        content, thought = "", ""
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                thought += (c.delta.model_extra or {}).get("reasoning_content") or ""
+        assert (content, thought) == (m.content, reasoning), (content, thought)
 
     @check("tool_choice none reads no calls")
     def _():

@@ -79,6 +79,9 @@ pub struct ChatTemplate {
     specials: Map<String, Json>,
     /// The tool-call format its templates write, judged from their markers.
     tool_format: Option<crate::request::tools::ToolFormat>,
+    /// Whether its templates write reasoning in `<think>` blocks, or gpt-oss channels.
+    writes_think: bool,
+    harmony: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -170,6 +173,8 @@ impl ChatTemplate {
         let mut has_tool_use = false;
         let tool_format =
             templates.iter().find_map(|(_, source)| crate::request::tools::ToolFormat::detect(source));
+        let writes_think = templates.iter().any(|(_, source)| source.contains("</think>"));
+        let harmony = templates.iter().any(|(_, source)| source.contains("<|channel|>"));
         for (name, source) in templates {
             has_default |= name == "default";
             has_tool_use |= name == "tool_use";
@@ -179,7 +184,12 @@ impl ChatTemplate {
         if !has_default {
             return Err(Error::Unsupported("chat_template: no template named \"default\"".into()));
         }
-        Ok(ChatTemplate { env, has_tool_use, specials, tool_format })
+        Ok(ChatTemplate { env, has_tool_use, specials, tool_format, writes_think, harmony })
+    }
+
+    /// How replies to `prompt` (rendered by this template) carry reasoning, if they do.
+    pub fn reasoning(&self, prompt: &str) -> Option<crate::request::reply::Reasoning> {
+        crate::request::reply::Reasoning::detect(self.writes_think, self.harmony, prompt)
     }
 
     /// The tool-call format the template writes calls in, if it names one.

@@ -8,6 +8,7 @@
 pub mod chat;
 pub mod generation;
 pub mod metrics;
+pub mod reply;
 pub mod span;
 pub mod text;
 pub mod tokenizer;

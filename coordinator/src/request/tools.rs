@@ -142,6 +142,47 @@ pub(crate) fn possible_marker_start(text: &str, markers: &[&str]) -> usize {
     cut
 }
 
+/// Reasoning written between `<think>` and `</think>` (DeepSeek-R1, Qwen3 and their
+/// kin), and the reply after it. `starts_inside`: the prompt opened the block already.
+pub fn split_think(text: &str, partial: bool, starts_inside: bool) -> (String, &str) {
+    const OPEN: &str = "<think>";
+    const CLOSE: &str = "</think>";
+    let body = if starts_inside {
+        text
+    } else {
+        let t = text.trim_start();
+        match t.strip_prefix(OPEN) {
+            Some(body) => body,
+            None if partial && OPEN.starts_with(t) => return (String::new(), ""),
+            None => return (String::new(), text),
+        }
+    };
+    match body.find(CLOSE) {
+        Some(i) => (body[..i].to_string(), body[i + CLOSE.len()..].trim_start()),
+        None if partial => (body[..possible_marker_start(body, &[CLOSE])].to_string(), ""),
+        None => (body.to_string(), ""),
+    }
+}
+
+/// gpt-oss's reasoning: its `analysis` channel.
+pub fn harmony_reasoning(text: &str, partial: bool) -> String {
+    let mut out = String::new();
+    for message in text.split("<|channel|>").skip(1) {
+        let Some(body) =
+            message.strip_prefix("analysis").and_then(|m| m.split_once("<|message|>")).map(|x| x.1)
+        else {
+            continue;
+        };
+        let ends: &[&str] = &["<|end|>", "<|start|>", "<|channel|>"];
+        match ends.iter().filter_map(|e| body.find(e)).min() {
+            Some(e) => out.push_str(&body[..e]),
+            None if partial => out.push_str(&body[..possible_marker_start(body, ends)]),
+            None => out.push_str(body),
+        }
+    }
+    out
+}
+
 /// The text before `end` in `s` (all of `s` less a possible partial `end` while partial),
 /// and whether `end` was found.
 fn until<'a>(s: &'a str, end: &str, partial: bool) -> (&'a str, bool) {
@@ -415,9 +456,17 @@ fn split_top_level(s: &str, sep: char) -> Vec<&str> {
     out
 }
 
+/// A whole reply read: reasoning (`reasoning_content`), then content and calls.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Reply {
+    pub reasoning: String,
+    pub parsed: Parsed,
+}
+
 /// What a stream sends next for one choice.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delta {
+    Reasoning(String),
     Content(String),
     /// The start of call `index` (its name) or more of its arguments.
     Call {
@@ -427,23 +476,35 @@ pub enum Delta {
     },
 }
 
-/// One choice's streamed tool calls: text in, deltas out.
+/// One choice's streamed reply: text in, deltas out.
 pub struct ToolStream {
-    reader: Box<dyn Fn(&str, bool) -> Parsed + Send + Sync>,
+    reader: Box<dyn Fn(&str, bool) -> Reply + Send + Sync>,
     text: String,
     sent: Parsed,
+    sent_reasoning: String,
 }
 
 impl ToolStream {
-    pub fn new(reader: impl Fn(&str, bool) -> Parsed + Send + Sync + 'static) -> Self {
-        ToolStream { reader: Box::new(reader), text: String::new(), sent: Parsed::default() }
+    pub fn new(reader: impl Fn(&str, bool) -> Reply + Send + Sync + 'static) -> Self {
+        ToolStream {
+            reader: Box::new(reader),
+            text: String::new(),
+            sent: Parsed::default(),
+            sent_reasoning: String::new(),
+        }
     }
 
     /// The deltas `more` text makes (`last`: the output ends with it).
     pub fn push(&mut self, more: &str, last: bool) -> Vec<Delta> {
         self.text.push_str(more);
-        let now = (self.reader)(&self.text, !last);
+        let Reply { reasoning, parsed: now } = (self.reader)(&self.text, !last);
         let mut out = Vec::new();
+        if let Some(new) = reasoning.strip_prefix(self.sent_reasoning.as_str()) {
+            if !new.is_empty() {
+                out.push(Delta::Reasoning(new.to_string()));
+                self.sent_reasoning = reasoning.clone();
+            }
+        }
         if let Some(new) = now.content.strip_prefix(self.sent.content.as_str()) {
             if !new.is_empty() {
                 out.push(Delta::Content(new.to_string()));

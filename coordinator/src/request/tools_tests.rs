@@ -71,6 +71,7 @@ fn join(deltas: &[Delta]) -> Parsed {
     let mut out = Parsed::default();
     for d in deltas {
         match d {
+            Delta::Reasoning(_) => panic!("no reasoning in these"),
             Delta::Content(c) => out.content.push_str(c),
             Delta::Call { index, name, arguments } => {
                 if *index == out.calls.len() {
@@ -94,12 +95,18 @@ fn streamed_at_any_split_the_deltas_join_to_the_whole_reading() {
         let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
         // Every split into two, and char by char.
         for &cut in &bounds {
-            let mut s = ToolStream::new(move |t, partial| format.read(t, partial));
+            let mut s = ToolStream::new(move |t, partial| Reply {
+                reasoning: String::new(),
+                parsed: format.read(t, partial),
+            });
             let mut deltas = s.push(&text[..cut], false);
             deltas.extend(s.push(&text[cut..], true));
             assert_eq!(join(&deltas), want, "{format:?} split at {cut}: {text}");
         }
-        let mut s = ToolStream::new(move |t, partial| format.read(t, partial));
+        let mut s = ToolStream::new(move |t, partial| Reply {
+            reasoning: String::new(),
+            parsed: format.read(t, partial),
+        });
         let mut deltas = Vec::new();
         for w in bounds.windows(2) {
             deltas.extend(s.push(&text[w[0]..w[1]], w[1] == text.len()));
@@ -183,4 +190,35 @@ fn auto_reads_unparseable_calls_as_text_and_parallel_false_keeps_one() {
     assert_eq!(plan.read(broken, false), Parsed { content: broken.into(), calls: vec![] });
     let two = r#"<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "now", "arguments": {}}</tool_call>"#;
     assert_eq!(plan.read(two, false).calls.len(), 1);
+}
+
+#[test]
+fn reasoning_is_split_from_the_reply_whole_or_streamed() {
+    let cases = [
+        ("<think>Plan it.</think>\n\nThe answer.", false, ("Plan it.", "The answer.")),
+        ("Plan it.</think>The answer.", true, ("Plan it.", "The answer.")),
+        ("No thinking here.", false, ("", "No thinking here.")),
+        ("<think>Cut off by length", false, ("Cut off by length", "")),
+    ];
+    for (text, inside, (reasoning, rest)) in cases {
+        assert_eq!(split_think(text, false, inside), (reasoning.to_string(), rest), "{text}");
+        let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).chain([text.len()]).collect();
+        let mut s = ToolStream::new(move |t, partial| {
+            let (reasoning, rest) = split_think(t, partial, inside);
+            Reply { reasoning, parsed: Parsed { content: rest.to_string(), calls: Vec::new() } }
+        });
+        let (mut r, mut c) = (String::new(), String::new());
+        for w in bounds.windows(2) {
+            for d in s.push(&text[w[0]..w[1]], w[1] == text.len()) {
+                match d {
+                    Delta::Reasoning(x) => r.push_str(&x),
+                    Delta::Content(x) => c.push_str(&x),
+                    Delta::Call { .. } => panic!("no calls"),
+                }
+            }
+        }
+        assert_eq!((r.as_str(), c.as_str()), (reasoning, rest), "{text} streamed");
+    }
+    let harmony = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>";
+    assert_eq!(harmony_reasoning(harmony, false), "Think.");
 }

@@ -13,6 +13,7 @@ use super::error::ApiError;
 use super::params::{self, Common, Fields, MAX_CHOICES};
 use crate::frontend::admission::{self, GenerateRequest, Priority, Prompt};
 use crate::request::chat::ChatInput;
+use crate::request::reply::ReplyReader;
 use crate::request::tools::forced::ToolPlan;
 use crate::routing::Catalog;
 
@@ -43,8 +44,8 @@ pub struct Job {
     pub choices: Vec<Choice>,
     /// Per prompt, text to put before each choice's output (`echo`).
     pub echo: Option<Vec<String>>,
-    /// How a chat reply is read for tool calls; None reads none.
-    pub tools: Option<ToolPlan>,
+    /// How a chat reply is read for reasoning and tool calls; None: plain text.
+    pub reply: Option<ReplyReader>,
 }
 
 /// Admission names fields as inference.v1's domain does; OpenAI spells some differently.
@@ -181,7 +182,7 @@ pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
         None
     };
     let choices = choices(models, &common, prompts, false)?;
-    Ok(Job { api: Api::Completion, common, choices, echo, tools: None })
+    Ok(Job { api: Api::Completion, common, choices, echo, reply: None })
 }
 
 /// A message's content as the template sees it: text, or text parts joined by newlines.
@@ -270,8 +271,10 @@ pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
     }
     let text =
         template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
+    let reply = ReplyReader { tools, reasoning: template.reasoning(&text) };
+    let reply = (!reply.is_plain()).then_some(reply);
     let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;
-    Ok(Job { api: Api::Chat, common, choices, echo: None, tools })
+    Ok(Job { api: Api::Chat, common, choices, echo: None, reply })
 }
 
 /// What a chat template renders: the messages, the tools, `chat_template_kwargs` and
@@ -291,6 +294,17 @@ pub(super) fn chat_input(f: &mut Fields) -> Result<ChatInput, ApiError> {
             return Err(ApiError::invalid("chat_template_kwargs", "chat_template_kwargs must be an object"))
         }
     };
+    let mut extra = extra;
+    // gpt-oss reads its effort from the template; OpenAI's clients send it top-level.
+    if let Some(effort) = params::string(f, "reasoning_effort")? {
+        if !matches!(effort, "minimal" | "low" | "medium" | "high") {
+            return Err(ApiError::invalid(
+                "reasoning_effort",
+                "reasoning_effort must be minimal, low, medium or high",
+            ));
+        }
+        extra.entry("reasoning_effort").or_insert_with(|| Json::String(effort.to_string()));
+    }
     let add_generation_prompt = params::boolean(f, "add_generation_prompt")?.unwrap_or(true);
     Ok(ChatInput { messages, tools, add_generation_prompt, extra })
 }

@@ -211,7 +211,7 @@ async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, Ap
                 let logprobs =
                     job.choices[0].request.params.logprobs.map(|_| chat_logprobs(tok, &c.logprobs));
                 let prefix = format!("{}_{}", head.id, choice.index);
-                let (message, finish) = tool_calls::message(job.tools.as_ref(), c.text, c.finish, &prefix);
+                let (message, finish) = tool_calls::message(job.reply.as_ref(), c.text, c.finish, &prefix);
                 json!({
                     "index": choice.index,
                     "message": message,
@@ -316,9 +316,7 @@ impl SseEvents {
         let calls = job
             .choices
             .iter()
-            .map(|c| {
-                job.tools.as_ref().map(|plan| StreamedCalls::new(plan, format!("{}_{}", head.id, c.index)))
-            })
+            .map(|c| job.reply.as_ref().map(|r| StreamedCalls::new(r, format!("{}_{}", head.id, c.index))))
             .collect();
         let mut events = SseEvents {
             offsets: vec![0; job.choices.len()],
