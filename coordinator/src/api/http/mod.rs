@@ -1,6 +1,7 @@
 //! The OpenAI-style HTTP API (`--http-listen`), beside inference.v1 on every coordinator.
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, Anthropic's `POST
+//! /v1/messages` ([`anthropic`]), `GET /v1/models[/{id}]`,
 //! the batch API (`/v1/files`, `/v1/batches`, see [`batch`](crate::batch)), vLLM's
 //! `POST /tokenize`, `POST /detokenize` and `GET /version` ([`utility`]), and `GET
 //! /health` (the process answers) and `GET /ready` (it would serve a request now) for load
@@ -9,6 +10,7 @@
 //! metrics, traces — and the same API keys (`Authorization: Bearer`), needed on every
 //! route but the two probes and `/version` when keys are configured.
 
+mod anthropic;
 pub mod completions;
 pub mod error;
 #[cfg(test)]
@@ -100,6 +102,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
     let api = Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(utility::tokenize))
@@ -123,11 +126,13 @@ pub fn router(state: Arc<HttpState>) -> Router {
 
 /// Authenticates the caller and hands its [`Caller`] to the handlers (an extension).
 async fn authenticate(State(state): State<Arc<HttpState>>, mut request: Request, next: Next) -> Response {
-    let token = request
-        .headers()
+    let headers = request.headers();
+    // Anthropic's clients send the key as `x-api-key`.
+    let token = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(bearer_token);
+        .and_then(bearer_token)
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
     match state.auth.check_token(token, "header") {
         Ok(caller) => {
             request.extensions_mut().insert(caller);
@@ -179,6 +184,32 @@ async fn chat_completions(
     match build_job(&state, body, completions::chat).await {
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
+    }
+}
+
+/// Anthropic's Messages API, run as a chat request ([`anthropic`]).
+async fn messages(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let build = |models: &dyn Catalog, f| anthropic::to_chat(f).and_then(|f| completions::chat(models, f));
+    let job = match build_job(&state, body, build).await {
+        Ok(job) => job,
+        Err(e) => return anthropic::error(e),
+    };
+    if job.common.stream {
+        let model = job.common.model.clone();
+        match respond::start_stream(&state, job, &who, caller(&headers)).await {
+            Ok((chunks, id)) => anthropic::stream(chunks, id, model).into_response(),
+            Err(e) => anthropic::error(e),
+        }
+    } else {
+        match respond::run_unary(&state, &job, &who, caller(&headers)).await {
+            Ok(chat) => axum::Json(anthropic::from_chat(&chat)).into_response(),
+            Err(e) => anthropic::error(e),
+        }
     }
 }
 

@@ -275,7 +275,51 @@ type Tagged = (usize, Option<strata_common::Result<Chunk>>);
 /// the choices' chunks and the connection.
 fn stream(job: Job, head: Head, started: Vec<Started>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let events = SseEvents::new(job, head, started);
-    Sse::new(futures::stream::unfold(events, |mut e| async move { e.next().await.map(|ev| (Ok(ev), e)) }))
+    Sse::new(futures::stream::unfold(events, |mut e| async move {
+        let event = match e.next().await? {
+            Out::Chunk(json) => data(&json),
+            Out::Error(err) => data(&err.body()),
+            Out::Done => Event::default().data("[DONE]"),
+        };
+        Some((Ok(event), e))
+    }))
+}
+
+/// One thing a chat or completion stream says, before it is shaped for an API.
+pub enum Out {
+    /// A chunk in OpenAI's shape (the last, with `usage`, when asked for).
+    Chunk(Json),
+    /// The stream failed; nothing follows.
+    Error(ApiError),
+    /// The stream ended.
+    Done,
+}
+
+/// Starts `job` and yields its stream as [`Out`]s, for APIs that reshape OpenAI's
+/// chunks (Messages, Responses); an error before it starts is the Err.
+pub async fn start_stream(
+    state: &HttpState,
+    job: Job,
+    who: &Caller,
+    caller: Option<TraceContext>,
+) -> Result<(impl Stream<Item = Out> + Send + 'static, String), ApiError> {
+    let head = Head::new(&job, state.next_id());
+    let started = start_all(&state.front, &job, &head, who, caller.as_ref()).await?;
+    let id = head.id.clone();
+    let events = SseEvents::new(job, head, started);
+    Ok((futures::stream::unfold(events, |mut e| async move { e.next().await.map(|o| (o, e)) }), id))
+}
+
+/// The whole response of `job` in OpenAI's shape, for APIs that reshape it.
+pub async fn run_unary(
+    state: &HttpState,
+    job: &Job,
+    who: &Caller,
+    caller: Option<TraceContext>,
+) -> Result<Json, ApiError> {
+    let head = Head::new(job, state.next_id());
+    let started = start_all(&state.front, job, &head, who, caller.as_ref()).await?;
+    unary(job, &head, started).await
 }
 
 fn data(json: &Json) -> Event {
@@ -291,7 +335,7 @@ struct SseEvents {
     models: Vec<Arc<ModelEntry>>,
     merged: futures::stream::SelectAll<BoxStream<'static, Tagged>>,
     /// Events ready to go before the next chunk is awaited.
-    ready: VecDeque<Event>,
+    ready: VecDeque<Out>,
     want_logprobs: bool,
     prompt_tokens: usize,
     completion_tokens: usize,
@@ -341,23 +385,23 @@ impl SseEvents {
             if let Some(first) = first {
                 events.offsets[i] = first.as_str().map_or(0, str::len);
                 let event = chunk_event(&events.job, &events.head, choice.index, first, Json::Null, None);
-                events.ready.push_back(data(&event));
+                events.ready.push_back(Out::Chunk(event));
             }
         }
         events
     }
 
-    async fn next(&mut self) -> Option<Event> {
+    async fn next(&mut self) -> Option<Out> {
         if let Some(e) = self.ready.pop_front() {
             return Some(e);
         }
         while !self.ended {
             match self.merged.next().await {
                 Some((_, None)) => continue,
-                Some((i, Some(Ok(chunk)))) => return Some(data(&self.chunk(i, chunk))),
+                Some((i, Some(Ok(chunk)))) => return Some(Out::Chunk(self.chunk(i, chunk))),
                 Some((_, Some(Err(e)))) => {
                     self.ended = true;
-                    return Some(data(&ApiError::from_domain(e, rename(&self.job)).body()));
+                    return Some(Out::Error(ApiError::from_domain(e, rename(&self.job))));
                 }
                 None => {
                     self.ended = true;
@@ -365,9 +409,9 @@ impl SseEvents {
                         let mut last = self.head.object(self.job.api, true);
                         last.insert("choices".into(), json!([]));
                         last.insert("usage".into(), usage(self.prompt_tokens, self.completion_tokens));
-                        self.ready.push_back(data(&Json::Object(last)));
+                        self.ready.push_back(Out::Chunk(Json::Object(last)));
                     }
-                    self.ready.push_back(Event::default().data("[DONE]"));
+                    self.ready.push_back(Out::Done);
                 }
             }
         }
