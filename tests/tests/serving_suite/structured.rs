@@ -2,7 +2,8 @@
 //! client and the `jsonschema` validator over 120 generated schemas plus hostile ones
 //! (tests/python/structured_outputs.py), tools with every tool_choice, streamed and not
 //! (tests/python/tool_calls.py), Anthropic's SDK on /v1/messages
-//! (tests/python/anthropic_messages.py), and inference.v1's `constraint` over gRPC.
+//! (tests/python/anthropic_messages.py), OpenAI's client on /v1/responses
+//! (tests/python/responses_api.py), and inference.v1's `constraint` over gRPC.
 
 use std::path::Path;
 
@@ -101,4 +102,17 @@ async fn anthropics_sdk_speaks_the_messages_api() {
     let args = vec![format!("http://{http}"), "m".into(), "sk-anthropic".into()];
     let stdout = python_with("anthropic_messages.py", args).await;
     assert!(stdout.contains("4 passed"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn openais_client_speaks_the_responses_api() {
+    let model = chat_model("llama_gqa");
+    let path = model.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
+    std::fs::write(&path, config.to_string()).unwrap();
+    let (_server, http) = serve_http(model.path(), &[]);
+    let stdout = python("responses_api.py", http).await;
+    assert!(stdout.contains("5 passed"), "{stdout}");
 }

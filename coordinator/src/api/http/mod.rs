@@ -1,7 +1,8 @@
 //! The OpenAI-style HTTP API (`--http-listen`), beside inference.v1 on every coordinator.
 //!
-//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, Anthropic's `POST
-//! /v1/messages` ([`anthropic`]), `GET /v1/models[/{id}]`,
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses`
+//! ([`responses`]), Anthropic's `POST /v1/messages` ([`anthropic`]), `GET
+//! /v1/models[/{id}]`,
 //! the batch API (`/v1/files`, `/v1/batches`, see [`batch`](crate::batch)), vLLM's
 //! `POST /tokenize`, `POST /detokenize` and `GET /version` ([`utility`]), and `GET
 //! /health` (the process answers) and `GET /ready` (it would serve a request now) for load
@@ -18,6 +19,7 @@ mod fuzz;
 pub mod metrics;
 pub mod params;
 pub mod respond;
+mod responses;
 mod serve;
 mod structured;
 mod tool_calls;
@@ -72,6 +74,8 @@ pub struct HttpState {
     prefix: String,
     /// The batch API, when the coordinator has a data directory.
     pub batches: Option<Arc<crate::batch::Batches>>,
+    /// Stored Responses conversations (`previous_response_id`).
+    responses: Arc<responses::ResponseStore>,
     /// Bytes of request bodies parsed and built (chat templates rendered) at once, on the
     /// blocking pool: a body may be megabytes of JSON, ~50× that once parsed and handed
     /// to a template, and a template runs long on a caller's data.
@@ -87,6 +91,7 @@ impl HttpState {
             next: AtomicU64::new(1),
             prefix: format!("{:08x}", rand::random::<u32>()),
             batches: None,
+            responses: Arc::default(),
             builds: tokio::sync::Semaphore::new(BUILD_BYTES),
         }
     }
@@ -103,6 +108,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(create_response))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(utility::tokenize))
@@ -209,6 +215,48 @@ async fn messages(
         match respond::run_unary(&state, &job, &who, caller(&headers)).await {
             Ok(chat) => axum::Json(anthropic::from_chat(&chat)).into_response(),
             Err(e) => anthropic::error(e),
+        }
+    }
+}
+
+/// OpenAI's Responses API, run as a chat request ([`responses`]).
+async fn create_response(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
+    let permit = state.builds.acquire_many(weight).await;
+    let (models, store, tenant) =
+        (state.front.models().clone(), state.responses.clone(), who.tenant().to_string());
+    let built = tokio::task::spawn_blocking(move || {
+        let t = responses::to_chat(params::object(&body)?, &store, &tenant)?;
+        let job = completions::chat(&*models, t.chat.clone())?;
+        Ok::<_, ApiError>((job, t))
+    })
+    .await;
+    drop(permit);
+    let (job, t) = match built {
+        Ok(Ok(built)) => built,
+        Ok(Err(e)) => return e.into_response(),
+        Err(e) => {
+            return ApiError::from(strata_common::Error::Internal(format!("building the request: {e}")))
+                .into_response()
+        }
+    };
+    let tenant = who.tenant().to_string();
+    if job.common.stream {
+        match respond::start_stream(&state, job, &who, caller(&headers)).await {
+            Ok((chunks, id)) => {
+                responses::stream(chunks, id, t, state.responses.clone(), tenant).into_response()
+            }
+            Err(e) => e.into_response(),
+        }
+    } else {
+        match respond::run_unary(&state, &job, &who, caller(&headers)).await {
+            Ok(chat) => axum::Json(responses::from_chat(&chat, t, &state.responses, &tenant)).into_response(),
+            Err(e) => e.into_response(),
         }
     }
 }
