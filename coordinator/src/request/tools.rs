@@ -476,9 +476,12 @@ pub enum Delta {
     },
 }
 
+/// Reads a reply's text so far (`true`: partial) — a [`ToolStream`]'s reader.
+pub type ReplyFn = Box<dyn Fn(&str, bool) -> Reply + Send + Sync>;
+
 /// One choice's streamed reply: text in, deltas out.
 pub struct ToolStream {
-    reader: Box<dyn Fn(&str, bool) -> Reply + Send + Sync>,
+    reader: ReplyFn,
     text: String,
     sent: Parsed,
     sent_reasoning: String,
