@@ -7,6 +7,8 @@
 //! function constrains it to that function's parameters. Either way the calls are read
 //! from that JSON, whatever format the model would have written.
 
+use std::borrow::Cow;
+
 use serde_json::{json, Value as Json};
 use strata_common::{Constraint, Error, Result};
 
@@ -28,8 +30,9 @@ pub struct ToolPlan {
     /// The model's own format (for `auto`).
     pub format: Option<ToolFormat>,
     pub parallel: bool,
-    /// Per tool: its name and its parameters' schema.
-    tools: Vec<(String, Json)>,
+    /// What enforces `required` or a named function (built once, from the tools'
+    /// schemas, which the plan does not keep: a caller's schemas may be megabytes).
+    constraint: Option<Constraint>,
 }
 
 impl ToolPlan {
@@ -97,37 +100,14 @@ impl ToolPlan {
         if choice == ToolChoice::None {
             return Ok(None);
         }
-        Ok(Some(ToolPlan { choice, format, parallel: parallel.unwrap_or(true), tools }))
+        let parallel = parallel.unwrap_or(true);
+        let constraint = forcing(&choice, &tools, parallel);
+        Ok(Some(ToolPlan { choice, format, parallel, constraint }))
     }
 
     /// The constraint that enforces `required` or a named function.
     pub fn constraint(&self) -> Option<Constraint> {
-        match &self.choice {
-            ToolChoice::Named(name) => {
-                let schema = self.tools.iter().find(|t| &t.0 == name).map(|t| t.1.clone())?;
-                Some(Constraint::JsonSchema(schema.to_string()))
-            }
-            ToolChoice::Required => {
-                let items: Vec<Json> = self
-                    .tools
-                    .iter()
-                    .map(|(name, parameters)| {
-                        json!({
-                            "type": "object",
-                            "properties": {"name": {"const": name}, "parameters": parameters},
-                            "required": ["name", "parameters"],
-                            "additionalProperties": false,
-                        })
-                    })
-                    .collect();
-                let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": items}});
-                if !self.parallel {
-                    schema["maxItems"] = json!(1);
-                }
-                Some(Constraint::JsonSchema(schema.to_string()))
-            }
-            ToolChoice::Auto | ToolChoice::None => None,
-        }
+        self.constraint.clone()
     }
 
     /// Content and calls of the reply's text (see [`ToolFormat::read`] for `partial`).
@@ -169,8 +149,37 @@ impl ToolPlan {
     }
 }
 
+/// The constraint that enforces `choice` over `tools` (name, parameters' schema).
+fn forcing(choice: &ToolChoice, tools: &[(String, Cow<'_, Json>)], parallel: bool) -> Option<Constraint> {
+    match choice {
+        ToolChoice::Named(name) => {
+            let schema = tools.iter().find(|t| &t.0 == name).map(|t| &t.1)?;
+            Some(Constraint::JsonSchema(schema.to_string()))
+        }
+        ToolChoice::Required => {
+            let items: Vec<Json> = tools
+                .iter()
+                .map(|(name, parameters)| {
+                    json!({
+                        "type": "object",
+                        "properties": {"name": {"const": name}, "parameters": parameters},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    })
+                })
+                .collect();
+            let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": items}});
+            if !parallel {
+                schema["maxItems"] = json!(1);
+            }
+            Some(Constraint::JsonSchema(schema.to_string()))
+        }
+        ToolChoice::Auto | ToolChoice::None => None,
+    }
+}
+
 /// Tool `i`: its name and parameters (an empty object schema when it has none).
-fn function(i: usize, tool: &Json) -> Result<(String, Json)> {
+fn function(i: usize, tool: &Json) -> Result<(String, Cow<'_, Json>)> {
     let field = format!("tools[{i}]");
     if tool.get("type").and_then(Json::as_str) != Some("function") {
         return Err(Error::invalid(format!("{field}.type"), "only function tools are supported"));
@@ -181,8 +190,10 @@ fn function(i: usize, tool: &Json) -> Result<(String, Json)> {
             Error::invalid(format!("{field}.function.name"), "a non-empty name is required")
         })?;
     let parameters = match f.get("parameters") {
-        None | Some(Json::Null) => json!({"type": "object", "properties": {}, "additionalProperties": false}),
-        Some(p @ Json::Object(_)) => p.clone(),
+        None | Some(Json::Null) => {
+            Cow::Owned(json!({"type": "object", "properties": {}, "additionalProperties": false}))
+        }
+        Some(p @ Json::Object(_)) => Cow::Borrowed(p),
         Some(_) => {
             return Err(Error::invalid(
                 format!("{field}.function.parameters"),

@@ -351,7 +351,9 @@ fn a_chat_template_cannot_multiply_a_body_into_gigabytes() {
     let before = peak_rss(server.child.id());
     let leaves = serde_json::Value::Array(vec![json!(1); 2_000_000]);
     let nested = (0..50).fold(leaves, |v, _| json!([v]));
-    let body = json!({"model": "m", "max_tokens": 4, "tools": [nested],
+    let tool =
+        json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": nested}}});
+    let body = json!({"model": "m", "max_tokens": 4, "tools": [tool],
         "messages": [{"role": "user", "content": "hi"}]});
     let post_it = {
         let http = http.clone();

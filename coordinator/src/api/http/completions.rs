@@ -147,6 +147,7 @@ pub(super) fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
 
 /// A /v1/completions body.
 pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
+    params::refuse_unknown(f, params::COMPLETION_FIELDS)?;
     let mut common = params::common(f, &["max_tokens"])?;
     common.params.logprobs = params::completion_logprobs(f)?;
     let prompts = prompts(f)?;
@@ -243,6 +244,12 @@ pub(super) fn messages(f: &Fields) -> Result<Vec<Json>, ApiError> {
 
 /// A /v1/chat/completions body, rendered with the model's chat template.
 pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
+    params::refuse_unknown(&f, params::CHAT_FIELDS)?;
+    if let Some(m) = f.get("modalities").and_then(Json::as_array) {
+        if m.iter().any(|x| x != "text") {
+            return Err(ApiError::invalid("modalities", "only text output is supported"));
+        }
+    }
     let mut common = params::common(&f, &["max_tokens", "max_completion_tokens"])?;
     common.params.logprobs = params::chat_logprobs(&f)?;
     if params::boolean(&f, "continue_final_message")?.unwrap_or(false) {

@@ -1,7 +1,9 @@
 //! Reading OpenAI request bodies into domain requests, field by field, so every error
 //! names the parameter as the caller spelled it.
 //!
-//! Unknown fields are ignored (clients send fields of newer API versions); `null` is the
+//! A field this server does not know is refused, naming it ([`refuse_unknown`]): a
+//! parameter silently ignored is an answer to a different question. Fields that change
+//! nothing about the output (`user`, `metadata`, `store`, …) are accepted. `null` is the
 //! same as leaving a field out. Besides OpenAI's parameters, the vLLM-style extensions
 //! `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` and `stop_token_ids` are read, and
 //! `cache` (false: never answer from the response cache); structured outputs are read by
@@ -92,6 +94,68 @@ fn float_in(f: &Fields, name: &str, lo: f32, hi: f32) -> Result<Option<f32>, Api
             Err(ApiError::invalid(name, format!("{name} must be from {lo} to {hi}, got {x}")))
         }
         other => Ok(other),
+    }
+}
+
+/// Fields both generation routes read, or accept as bookkeeping that changes no output.
+const SHARED_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "n",
+    "best_of",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "seed",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "ignore_eos",
+    "stop",
+    "stop_token_ids",
+    "cache",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "logprobs",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+];
+/// /v1/completions' own fields.
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "echo", "suffix"];
+/// /v1/chat/completions' own fields.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "reasoning_effort",
+    "modalities",
+];
+
+/// A 400 naming the first field of `f` that is neither shared nor in `own`.
+pub fn refuse_unknown(f: &Fields, own: &[&str]) -> Result<(), ApiError> {
+    match f.keys().find(|k| !SHARED_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(k.clone(), format!("{k}: unknown parameter"))),
+        None => Ok(()),
     }
 }
 
@@ -264,6 +328,19 @@ mod tests {
 
     fn fields(v: Json) -> Fields {
         v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn unknown_parameters_are_refused_by_name_and_bookkeeping_is_accepted() {
+        let e =
+            refuse_unknown(&fields(json!({"model": "m", "prompt": "x", "temprature": 1})), COMPLETION_FIELDS)
+                .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temprature"));
+        let e = refuse_unknown(&fields(json!({"model": "m", "prompt": "x"})), CHAT_FIELDS).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"), "a completions field on chat");
+        let ok =
+            json!({"model": "m", "messages": [], "user": "u", "metadata": {}, "store": false, "tools": []});
+        refuse_unknown(&fields(ok), CHAT_FIELDS).unwrap();
     }
 
     #[test]
