@@ -51,6 +51,8 @@ pub struct EmbeddedModel {
 
 pub struct EmbeddedOptions {
     pub models: Vec<EmbeddedModel>,
+    /// `--chat-template` and `--tool-call-parser` over every model's own.
+    pub chat: strata_coordinator::request::chat::ChatSettings,
     /// Workers beyond what the models need (for deployments at run time).
     pub spare_workers: usize,
     /// Every worker's agent (engine defaults, backend).
@@ -170,7 +172,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         if let Some(n) = opts.agent.engine.max_model_len.filter(|&n| n > context) {
             anyhow::bail!("--max-model-len {n} exceeds model {:?}'s context of {context} tokens", m.name);
         }
-        Tokenizer::from_dir(&m.dir).with_context(|| format!("model {:?}", m.name))?;
+        Tokenizer::from_dir_with(&m.dir, &opts.chat).with_context(|| format!("model {:?}", m.name))?;
     }
     let clients = Arc::new(WorkerClients::new());
     let needed: usize =
@@ -180,7 +182,12 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         workers.push(start_worker(i, &opts.agent, &registry, &keys, &clients).await?);
     }
     let watcher = Watcher::start(registry.clone(), keys.clone());
-    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone(), opts.routing_policy)?;
+    let catalog = ClusterCatalog::start_with(
+        watcher.subscribe(),
+        clients.clone(),
+        opts.routing_policy,
+        opts.chat.clone(),
+    )?;
     let tenants = opts.serve.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());
     let front = FrontEnd::new(catalog.clone(), opts.front);

@@ -67,6 +67,15 @@ pub struct ServeArgs {
     /// --model directories are always allowed (security.model_roots).
     #[arg(long = "model-root", env = "STRATA_MODEL_ROOTS", value_delimiter = ',')]
     pub model_roots: Vec<std::path::PathBuf>,
+    /// A Jinja chat template file used instead of each model's own (vLLM's
+    /// `--chat-template`).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// The format tool calls are read in when a request's tool_choice is auto (vLLM's
+    /// names: hermes, llama3_json, mistral, deepseek_v3, openai) [default: judged from the
+    /// chat template].
+    #[arg(long, value_name = "NAME")]
+    pub tool_call_parser: Option<String>,
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
@@ -218,6 +227,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         models.push(EmbeddedModel { name, dir, par, replicas: s.replicas });
     }
     let embedded = EmbeddedOptions {
+        chat: chat_settings(args.chat_template.as_deref(), args.tool_call_parser.as_deref())?,
         models,
         spare_workers: s.spare_workers,
         agent: AgentConfig {
@@ -244,4 +254,63 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         timings: Timings::default(),
     };
     rt.block_on(crate::embedded::run_embedded(embedded))
+}
+
+/// Most bytes of a `--chat-template` file.
+const MAX_TEMPLATE_FILE: u64 = 1 << 20;
+
+/// `--chat-template` and `--tool-call-parser`, checked before anything starts.
+fn chat_settings(
+    template: Option<&std::path::Path>,
+    parser: Option<&str>,
+) -> anyhow::Result<strata_coordinator::request::chat::ChatSettings> {
+    use strata_coordinator::request::tools::ToolFormat;
+    let template = match template {
+        None => None,
+        Some(path) => {
+            let size =
+                std::fs::metadata(path).with_context(|| format!("--chat-template {}", path.display()))?.len();
+            if size > MAX_TEMPLATE_FILE {
+                bail!("--chat-template {}: {size} bytes; at most {MAX_TEMPLATE_FILE}", path.display());
+            }
+            let source = std::fs::read_to_string(path)
+                .with_context(|| format!("--chat-template {}", path.display()))?;
+            strata_coordinator::request::chat::ChatTemplate::new(
+                vec![("default".into(), source.clone())],
+                Default::default(),
+            )
+            .with_context(|| format!("--chat-template {}", path.display()))?;
+            Some(source)
+        }
+    };
+    let tool_format = match parser {
+        None => None,
+        Some(name) => Some(
+            ToolFormat::parse(name)
+                .with_context(|| format!("--tool-call-parser {name:?}: one of {}", ToolFormat::NAMES))?,
+        ),
+    };
+    Ok(strata_coordinator::request::chat::ChatSettings { template, tool_format })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_flags_are_checked_before_anything_starts() {
+        let e = chat_settings(None, Some("pythonic")).unwrap_err().to_string();
+        assert!(e.contains("--tool-call-parser") && e.contains("hermes"), "{e}");
+        let bad = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(bad.path(), "{% for %}").unwrap();
+        let e = format!("{:#}", chat_settings(Some(bad.path()), None).unwrap_err());
+        assert!(e.contains("--chat-template"), "{e}");
+        let e =
+            chat_settings(Some(std::path::Path::new("/nonexistent/t.jinja")), None).unwrap_err().to_string();
+        assert!(e.contains("--chat-template"), "{e}");
+        let good = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(good.path(), "{{ messages[0]['content'] }}").unwrap();
+        let s = chat_settings(Some(good.path()), Some("llama3_json")).unwrap();
+        assert!(s.template.is_some() && s.tool_format.is_some());
+    }
 }

@@ -71,6 +71,23 @@ fn depth(v: &Json) -> usize {
     }
 }
 
+/// The special tokens a tokenizer config names, as templates see them.
+fn specials_of(config: &Json) -> Map<String, Json> {
+    let mut specials = Map::new();
+    for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+        let token = match config.get(name) {
+            Some(Json::String(s)) => Some(s.clone()),
+            // An AddedToken written out: {"content": "<s>", ...}.
+            Some(Json::Object(o)) => o.get("content").and_then(Json::as_str).map(str::to_string),
+            _ => None,
+        };
+        if let Some(t) = token {
+            specials.insert(name.into(), Json::String(t));
+        }
+    }
+    specials
+}
+
 /// A model's chat template, ready to render.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -102,7 +119,45 @@ pub struct ChatInput {
     pub extra: Map<String, Json>,
 }
 
+/// What the operator sets over a model's own chat files: a template (`--chat-template`)
+/// and the format tool calls are read in (`--tool-call-parser`).
+#[derive(Debug, Clone, Default)]
+pub struct ChatSettings {
+    /// A Jinja template's source, used instead of the model's.
+    pub template: Option<String>,
+    pub tool_format: Option<crate::request::tools::ToolFormat>,
+}
+
 impl ChatTemplate {
+    /// The template of the model in `dir` under `settings`, or None when it has none.
+    pub fn from_dir_with(dir: &Path, settings: &ChatSettings) -> Result<Option<Self>> {
+        let mut t = match &settings.template {
+            Some(source) => {
+                let specials = Self::specials(dir)?;
+                Some(
+                    Self::new(vec![("default".into(), source.clone())], specials)
+                        .map_err(|e| Error::invalid("chat_template", format!("--chat-template: {e}")))?,
+                )
+            }
+            None => Self::from_dir(dir)?,
+        };
+        if let (Some(t), Some(format)) = (t.as_mut(), settings.tool_format) {
+            t.tool_format = Some(format);
+        }
+        Ok(t)
+    }
+
+    /// `bos_token`, `eos_token`, … of the model in `dir`, for templates.
+    fn specials(dir: &Path) -> Result<Map<String, Json>> {
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Json = match config_path.exists() {
+            true => serde_json::from_slice(&read_bounded(&config_path, MAX_JSON_FILE)?)
+                .map_err(|e| Error::model_file(&config_path, format!("not valid JSON: {e}")))?,
+            false => Json::Object(Map::new()),
+        };
+        Ok(specials_of(&config))
+    }
+
     /// The template of the model in `dir`, or None when it has none.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
         let config_path = dir.join("tokenizer_config.json");
@@ -141,18 +196,7 @@ impl ChatTemplate {
         if templates.is_empty() {
             return Ok(None);
         }
-        let mut specials = Map::new();
-        for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
-            let token = match config.get(name) {
-                Some(Json::String(s)) => Some(s.clone()),
-                // An AddedToken written out: {"content": "<s>", ...}.
-                Some(Json::Object(o)) => o.get("content").and_then(Json::as_str).map(str::to_string),
-                _ => None,
-            };
-            if let Some(t) = token {
-                specials.insert(name.into(), Json::String(t));
-            }
-        }
+        let specials = specials_of(&config);
         let source = if jinja_path.exists() { jinja_path } else { config_path };
         let t = Self::new(templates, specials).map_err(|e| Error::model_file(&source, e.to_string()))?;
         Ok(Some(t))

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use strata_common::{Error, Result};
 
-use crate::request::chat::ChatTemplate;
+use crate::request::chat::{ChatSettings, ChatTemplate};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -20,6 +20,11 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        Self::from_dir_with(dir, &ChatSettings::default())
+    }
+
+    /// The tokenizer of the model in `dir`, its chat template under `chat`.
+    pub fn from_dir_with(dir: &Path, chat: &ChatSettings) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
             return Err(Error::model_file(&path, "missing (needed to turn text into tokens)"));
@@ -28,7 +33,7 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
         let longest_token = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
-        let chat = ChatTemplate::from_dir(dir)?;
+        let chat = ChatTemplate::from_dir_with(dir, chat)?;
         Ok(Tokenizer { inner, chat, longest_token })
     }
 

@@ -20,6 +20,7 @@ use super::clients::WorkerClients;
 use super::cluster::ClusterRoutes;
 use super::policy::PolicyKind;
 use crate::control::view::ClusterView;
+use crate::request::chat::ChatSettings;
 use crate::request::tokenizer::Tokenizer;
 use crate::routing::{not_found, Catalog, ModelEntry};
 
@@ -96,6 +97,8 @@ pub struct ClusterCatalog {
     errors: Mutex<HashMap<String, String>>,
     /// How each model's router picks a replica.
     policy: PolicyKind,
+    /// The operator's chat template and tool-call format over each model's own.
+    chat: ChatSettings,
 }
 
 impl ClusterCatalog {
@@ -106,6 +109,16 @@ impl ClusterCatalog {
         clients: Arc<WorkerClients>,
         policy: PolicyKind,
     ) -> Result<Arc<Self>> {
+        Self::start_with(view, clients, policy, ChatSettings::default())
+    }
+
+    /// [`ClusterCatalog::start`], every model's chat template read under `chat`.
+    pub fn start_with(
+        view: watch::Receiver<Arc<ClusterView>>,
+        clients: Arc<WorkerClients>,
+        policy: PolicyKind,
+        chat: ChatSettings,
+    ) -> Result<Arc<Self>> {
         let files = ModelFileCache::new(clients.clone())?;
         let catalog = Arc::new(ClusterCatalog {
             view,
@@ -114,6 +127,7 @@ impl ClusterCatalog {
             entries: Mutex::new(HashMap::new()),
             errors: Mutex::new(HashMap::new()),
             policy,
+            chat,
         });
         let weak = Arc::downgrade(&catalog);
         let mut view = catalog.view.clone();
@@ -198,8 +212,9 @@ impl ClusterCatalog {
         routes: Option<Arc<ClusterRoutes>>,
     ) -> Result<Loaded> {
         let dir = self.files.locate(model_dir, view).await?;
+        let chat = self.chat.clone();
         let (config, tokenizer) = tokio::task::spawn_blocking(move || -> Result<(ModelConfig, Tokenizer)> {
-            Ok((ModelConfig::from_dir(&dir)?, Tokenizer::from_dir(&dir)?))
+            Ok((ModelConfig::from_dir(&dir)?, Tokenizer::from_dir_with(&dir, &chat)?))
         })
         .await
         .map_err(|e| Error::Internal(format!("loading model files: {e}")))??;

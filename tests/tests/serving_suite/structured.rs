@@ -10,6 +10,8 @@ use std::path::Path;
 use strata_proto::inference::v1 as pb;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 
+use strata_tests::fixtures_dir;
+
 use super::http_api::{chat_model, serve_http};
 
 /// Runs `tests/python/{script}` against the HTTP API at `http`; its stdout.
@@ -47,13 +49,14 @@ const TOOL_TEMPLATE: &str = "{% if tools %}{{ '<|im_start|>system\\nTools:' }}{%
 
 #[tokio::test(flavor = "multi_thread")]
 async fn tool_calls_for_openais_client_with_every_tool_choice() {
-    let model = chat_model("llama_gqa");
-    let path = model.path().join("tokenizer_config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
-    std::fs::write(&path, config.to_string()).unwrap();
-    let (_server, http) = serve_http(model.path(), &[]);
+    // The fixture ships no chat template: --chat-template gives one, which names no
+    // tool-call format, so --tool-call-parser says how `auto` reads calls.
+    let model = fixtures_dir().join("llama_gqa");
+    let template = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(template.path(), TOOL_TEMPLATE.replace("<tool_call>{json}</tool_call>", "a JSON call"))
+        .unwrap();
+    let flags = ["--chat-template", template.path().to_str().unwrap(), "--tool-call-parser", "hermes"];
+    let (_server, http) = serve_http(&model, &flags);
     let stdout = python("tool_calls.py", http).await;
     assert!(stdout.contains("7 passed"), "{stdout}");
 }
