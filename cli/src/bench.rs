@@ -6,10 +6,13 @@
 //! - **E2E latency**: request sent → last token received;
 //! - throughputs over the whole run's wall time.
 //!
-//! Prompts are token ids (so their length is exact): an optional prefix shared by every
-//! request, then random ids. Requests are greedy with EOS ignored, so every request
-//! produces exactly `--output-len` tokens. Arrivals are either closed-loop
-//! (`--concurrency C` requests in flight) or open-loop Poisson (`--request-rate R`).
+//! Over gRPC (`--api grpc`, the default) prompts are token ids (so their length is
+//! exact): an optional prefix shared by every request, then random ids. Over OpenAI's HTTP
+//! API (`--api openai` streams /v1/completions, `--api openai-chat` /v1/chat/completions;
+//! see [`crate::bench_http`]) they are text of as many words. Requests are greedy with EOS
+//! ignored, so every request produces exactly `--output-len` tokens. Arrivals are either
+//! closed-loop (`--concurrency C` requests in flight) or open-loop Poisson
+//! (`--request-rate R`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +62,17 @@ pub struct BenchArgs {
     /// The API key the server expects (sent as "authorization: Bearer").
     #[arg(long, env = "STRATA_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Which API to load: inference.v1 over gRPC, or OpenAI's HTTP API (--endpoint is then
+    /// the HTTP address) streaming completions or chat completions.
+    #[arg(long, value_enum, default_value = "grpc")]
+    pub api: BenchApi,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchApi {
+    Grpc,
+    Openai,
+    OpenaiChat,
 }
 
 /// `message` as a request carrying the API key, if there is one.
@@ -104,11 +118,12 @@ pub struct BenchReport {
     pub e2e_ms: Stats,
 }
 
-struct Outcome {
-    ttft: f64,
-    itls: Vec<f64>,
-    e2e: f64,
-    tokens: usize,
+/// One request's timings and output tokens.
+pub struct Outcome {
+    pub ttft: f64,
+    pub itls: Vec<f64>,
+    pub e2e: f64,
+    pub tokens: usize,
 }
 
 async fn one(
@@ -157,6 +172,65 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
     if matches!(args.concurrency, Some(0)) || args.request_rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
         bail!("--concurrency must be at least 1 and --request-rate positive");
     }
+    let bar = ProgressBar::new(args.requests as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let (outcomes, failed, duration) = match args.api {
+        BenchApi::Grpc => over_grpc(&args, &bar).await?,
+        BenchApi::Openai | BenchApi::OpenaiChat => over_http(&args, &bar).await?,
+    };
+    bar.finish_and_clear();
+    Ok(report(&args, &outcomes, failed, duration))
+}
+
+/// Runs `futures` (one per request, started after its gap, at most `--concurrency` at
+/// once): the outcomes with their prompt tokens, the failures, the wall time.
+async fn drive<F>(
+    args: &BenchArgs,
+    bar: &ProgressBar,
+    gaps: Vec<f64>,
+    futures: Vec<F>,
+) -> anyhow::Result<(Vec<(Outcome, usize)>, usize, f64)>
+where
+    F: std::future::Future<Output = anyhow::Result<(Outcome, usize)>> + Send + 'static,
+{
+    let limit = args.concurrency.unwrap_or(if args.request_rate.is_some() { usize::MAX >> 4 } else { 1 });
+    let permits = Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS)));
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(futures.len());
+    for (f, gap) in futures.into_iter().zip(gaps) {
+        if gap > 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(gap)).await;
+        }
+        let permit = permits.clone().acquire_owned().await?;
+        let bar = bar.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = f.await;
+            drop(permit);
+            bar.inc(1);
+            r
+        }));
+    }
+    let mut outcomes = Vec::new();
+    let mut failed = 0;
+    for t in tasks {
+        match t.await? {
+            Ok(o) => outcomes.push(o),
+            Err(e) => {
+                failed += 1;
+                bar.println(format!("request failed: {e:#}"));
+            }
+        }
+    }
+    Ok((outcomes, failed, started.elapsed().as_secs_f64()))
+}
+
+async fn over_grpc(
+    args: &BenchArgs,
+    bar: &ProgressBar,
+) -> anyhow::Result<(Vec<(Outcome, usize)>, usize, f64)> {
     let key = match &args.api_key {
         Some(k) => Some(format!("Bearer {k}").parse().context("--api-key: not a valid header value")?),
         None => None,
@@ -177,55 +251,47 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<BenchReport> {
         )
     })?;
     let vocab = info.vocab_size.max(4);
+    let (prompts, gaps) = workload(args, vocab);
+    let futures: Vec<_> = prompts
+        .into_iter()
+        .map(|prompt| {
+            let len = prompt.len();
+            let req = pb::GenerateRequest {
+                model: args.model.clone(),
+                prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+                max_tokens: Some(args.output_len),
+                ignore_eos: true,
+                // A benchmark measures the replicas, never the response cache.
+                cache: Some(false),
+                ..Default::default()
+            };
+            let req = authed(req, &key);
+            let client = InferenceClient::new(channel.clone());
+            async move { one(client, req).await.map(|o| (o, len)) }
+        })
+        .collect();
+    drive(args, bar, gaps, futures).await
+}
 
-    let (prompts, gaps) = workload(&args, vocab);
-    let limit = args.concurrency.unwrap_or(if args.request_rate.is_some() { usize::MAX >> 4 } else { 1 });
-    let permits = Arc::new(Semaphore::new(limit.min(Semaphore::MAX_PERMITS)));
-
-    let bar = ProgressBar::new(args.requests as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let started = Instant::now();
-    let mut tasks = Vec::with_capacity(args.requests);
-    for (prompt, gap) in prompts.into_iter().zip(gaps) {
-        if gap > 0.0 {
-            tokio::time::sleep(Duration::from_secs_f64(gap)).await;
-        }
-        let permit = permits.clone().acquire_owned().await?;
-        let req = pb::GenerateRequest {
-            model: args.model.clone(),
-            prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
-            max_tokens: Some(args.output_len),
-            ignore_eos: true,
-            // A benchmark measures the replicas, never the response cache.
-            cache: Some(false),
-            ..Default::default()
-        };
-        let req = authed(req, &key);
-        let client = InferenceClient::new(channel.clone());
-        let bar = bar.clone();
-        tasks.push(tokio::spawn(async move {
-            let r = one(client, req).await;
-            drop(permit);
-            bar.inc(1);
-            r
-        }));
-    }
-    let mut outcomes = Vec::new();
-    let mut failed = 0;
-    for t in tasks {
-        match t.await? {
-            Ok(o) => outcomes.push(o),
-            Err(e) => {
-                failed += 1;
-                bar.println(format!("request failed: {e:#}"));
-            }
-        }
-    }
-    bar.finish_and_clear();
-    Ok(report(&args, &outcomes, failed, started.elapsed().as_secs_f64()))
+async fn over_http(
+    args: &BenchArgs,
+    bar: &ProgressBar,
+) -> anyhow::Result<(Vec<(Outcome, usize)>, usize, f64)> {
+    use crate::bench_http::{base, check_model, prompts, HttpClient};
+    let base = base(&args.endpoint)?;
+    let client: HttpClient =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
+    check_model(&client, &base, &args.model, args.api_key.as_deref()).await?;
+    let (_, gaps) = workload(args, 4);
+    let chat = args.api == BenchApi::OpenaiChat;
+    let futures: Vec<_> = prompts(args)
+        .into_iter()
+        .map(|prompt| {
+            let call = (args.model.clone(), args.output_len, chat);
+            crate::bench_http::one(client.clone(), base.clone(), call, prompt, args.api_key.clone())
+        })
+        .collect();
+    drive(args, bar, gaps, futures).await
 }
 
 /// The prompts and the gaps before each request. The shared prefix does not depend on
@@ -249,9 +315,10 @@ fn workload(args: &BenchArgs, vocab: u32) -> (Vec<Vec<u32>>, Vec<f64>) {
     (prompts, gaps)
 }
 
-fn report(args: &BenchArgs, outcomes: &[Outcome], failed: usize, duration: f64) -> BenchReport {
+fn report(args: &BenchArgs, outcomes: &[(Outcome, usize)], failed: usize, duration: f64) -> BenchReport {
+    let input_tokens: usize = outcomes.iter().map(|o| o.1).sum();
+    let outcomes: Vec<&Outcome> = outcomes.iter().map(|o| &o.0).collect();
     let output_tokens: usize = outcomes.iter().map(|o| o.tokens).sum();
-    let input_tokens = outcomes.len() * args.input_len;
     let mut ttft: Vec<f64> = outcomes.iter().map(|o| o.ttft).collect();
     let mut itl: Vec<f64> = outcomes.iter().flat_map(|o| o.itls.iter().copied()).collect();
     let mut tpot: Vec<f64> =

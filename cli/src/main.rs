@@ -8,6 +8,7 @@ use clap::Parser;
 mod admin_cli;
 mod batch_cli;
 mod bench;
+mod bench_http;
 mod build_args;
 mod cert_cli;
 mod cli;

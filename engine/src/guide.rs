@@ -247,8 +247,24 @@ impl std::fmt::Debug for Guide {
 pub struct TokenMask(SimpleVob);
 
 impl TokenMask {
+    /// A mask of a `vocab`-token vocabulary allowing `ids`.
+    pub fn from_ids(vocab: usize, ids: &[u32]) -> Self {
+        let mut v = SimpleVob::alloc(vocab);
+        for &t in ids.iter().filter(|&&t| (t as usize) < vocab) {
+            v.allow_token(t);
+        }
+        TokenMask(v)
+    }
+
     pub fn allows(&self, token: u32) -> bool {
         (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+
+    /// The allowed ids, ascending.
+    pub fn allowed(&self) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.0.iter_set_entries(|i| out.push(i as u32));
+        out
     }
 
     /// Sets every disallowed logit to −∞ (a row longer than the mask is cut to it).

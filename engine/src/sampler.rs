@@ -66,6 +66,9 @@ impl Sampler {
     /// Picks the next token among those `mask` allows (all without one) and records it
     /// as output. Logprobs stay those of the raw row.
     pub fn sample(&mut self, raw: &[f32], mask: Option<&TokenMask>) -> (u32, Option<TokenLogprobs>) {
+        if let Some(mask) = mask.filter(|_| !self.penalised()) {
+            return self.sample_allowed(raw, mask);
+        }
         let mut logits = raw.to_vec();
         if let Some(mask) = mask {
             mask.apply(&mut logits);
@@ -79,7 +82,33 @@ impl Sampler {
             let draw = self.next_draw();
             crate::logits::draw::host_draw(&logits, &draw) as u32
         } else {
-            self.draw(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect())
+            // Tokens a constraint masked out cannot be drawn: they need no sorting.
+            let finite = logits.iter().enumerate().filter(|(_, l)| **l > f32::NEG_INFINITY);
+            self.draw(finite.map(|(i, &l)| (i as u32, l)).collect())
+        };
+        let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
+        self.record(token);
+        (token, logprobs)
+    }
+
+    /// [`Sampler::sample`] under a mask without penalties: only the allowed tokens are
+    /// read (a constraint usually allows few of a large vocabulary), with the same result
+    /// as masking the whole row.
+    fn sample_allowed(&mut self, raw: &[f32], mask: &TokenMask) -> (u32, Option<TokenLogprobs>) {
+        let allowed: Vec<u32> = mask.allowed().into_iter().filter(|&t| (t as usize) < raw.len()).collect();
+        let token = if allowed.is_empty() {
+            argmax(raw)
+        } else if self.params.is_greedy() {
+            // The first of the largest, as `torch.argmax` on the masked row.
+            allowed.iter().copied().fold(allowed[0], |best, t| {
+                if raw[t as usize] > raw[best as usize] {
+                    t
+                } else {
+                    best
+                }
+            })
+        } else {
+            self.draw(allowed.iter().map(|&t| (t, raw[t as usize])).collect())
         };
         let logprobs = self.params.logprobs.map(|n| logprobs(raw, token, n as usize));
         self.record(token);

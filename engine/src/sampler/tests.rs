@@ -217,3 +217,46 @@ fn the_top_tokens_come_in_the_samplers_order() {
         "k beyond the row: all of it"
     );
 }
+
+#[test]
+fn a_mask_reads_only_allowed_tokens_with_the_result_of_masking_the_whole_row() {
+    use crate::guide::TokenMask;
+    let row: Vec<f32> = (0..1000u32).map(|i| ((i * 7919) % 997) as f32 * 0.01 - 5.0).collect();
+    let allowed = [3u32, 10, 500, 501, 998];
+    let mask = TokenMask::from_ids(row.len(), &allowed);
+    let mut masked = row.clone();
+    mask.apply(&mut masked);
+    let cases = [
+        SamplingParams { logprobs: Some(2), ..Default::default() },
+        SamplingParams { temperature: 0.9, seed: Some(4), ..Default::default() },
+        SamplingParams { temperature: 1.2, top_k: 2, top_p: 0.9, seed: Some(5), ..Default::default() },
+        SamplingParams { temperature: 0.8, repetition_penalty: 1.3, seed: Some(6), ..Default::default() },
+    ];
+    for p in cases {
+        let (mut a, mut b) = (Sampler::new(p.clone(), &[500]), Sampler::new(p.clone(), &[500]));
+        for step in 0..20 {
+            let (ta, la) = a.sample(&row, Some(&mask));
+            assert!(allowed.contains(&ta), "{p:?}: {ta}");
+            // The reference: the whole row masked, drawn as an unmasked row is drawn.
+            let mut reference = masked.clone();
+            b.apply_penalties(&mut reference);
+            let tb = if p.is_greedy() {
+                argmax(&reference)
+            } else {
+                b.draw(
+                    reference
+                        .iter()
+                        .enumerate()
+                        .filter(|x| *x.1 > f32::NEG_INFINITY)
+                        .map(|(i, &l)| (i as u32, l))
+                        .collect(),
+                )
+            };
+            b.record(tb);
+            assert_eq!(ta, tb, "{p:?}, step {step}");
+            if let Some(l) = la {
+                assert_eq!(l.top.len(), 2, "logprobs are the raw row's");
+            }
+        }
+    }
+}

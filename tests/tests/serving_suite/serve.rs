@@ -539,3 +539,33 @@ fn bench_sends_the_api_key() {
     let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(3), Some(0)));
 }
+
+/// `strata bench --api openai | openai-chat` loads the HTTP API (streamed), with the key.
+#[test]
+fn bench_measures_the_openai_api_too() {
+    let model = super::http_api::chat_model("llama_gqa");
+    let args = ["--model", model.path().to_str().unwrap(), "--name", "tiny", "--api-key", "sk-bench-key"];
+    let server = Server::start(&[&args[..], &["--http-listen", "127.0.0.1:0"]].concat());
+    let http = server.out.passed("http").expect("the HTTP API announces its address");
+    let http = format!("http://{}", http["address"].as_str().unwrap());
+    for api in ["openai", "openai-chat"] {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["bench", "--api", api, "--endpoint", &http, "--model", "tiny", "--requests", "4"])
+            .args(["--concurrency", "2", "--input-len", "6", "--output-len", "3", "--json"])
+            .env("STRATA_API_KEY", "sk-bench-key")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{api}: {}", String::from_utf8_lossy(&out.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!((r["completed"].as_u64(), r["failed"].as_u64()), (Some(4), Some(0)), "{api}: {r}");
+        assert_eq!(r["output_tokens"], 12, "{api}: the server's count: {r}");
+        assert!(r["input_tokens"].as_u64().unwrap() >= 4 * 6, "{api}: the server's count: {r}");
+        assert!(r["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let wrong = std::process::Command::new(strata_tests::strata_bin())
+        .args(["bench", "--api", "openai", "--endpoint", &http, "--model", "tiny", "--requests", "1"])
+        .env("STRATA_API_KEY", "wrong")
+        .output()
+        .unwrap();
+    assert!(!wrong.status.success(), "a wrong key fails the run");
+}
