@@ -42,6 +42,14 @@ pub struct CoordinatorArgs {
     /// This coordinator's id (default: from the port, made unique).
     #[arg(long, env = "STRATA_ID")]
     pub id: Option<String>,
+    /// A Jinja chat template file used instead of each model's own (vLLM's
+    /// `--chat-template`).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// The format tool calls are read in when a request's tool_choice is auto (hermes,
+    /// llama3_json, mistral, deepseek_v3, openai) [default: judged from the chat template].
+    #[arg(long, value_name = "NAME")]
+    pub tool_call_parser: Option<String>,
     /// Token admin calls must bear; without one, admin calls are accepted from loopback only.
     #[arg(long, env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
@@ -139,6 +147,10 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
             .context("coordinator.default_device")?,
         caller_tls: caller_tls(c)?,
         http: http_options(c)?,
+        chat: crate::serve_cli::chat_settings(
+            args.chat_template.as_deref(),
+            args.tool_call_parser.as_deref(),
+        )?,
     };
     let _runtime = rt.enter();
     reload_keys_on_sighup(reload.0, reload.1, opts.admin_auth.clone(), "coordinator")?;

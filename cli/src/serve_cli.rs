@@ -260,7 +260,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
 const MAX_TEMPLATE_FILE: u64 = 1 << 20;
 
 /// `--chat-template` and `--tool-call-parser`, checked before anything starts.
-fn chat_settings(
+pub(crate) fn chat_settings(
     template: Option<&std::path::Path>,
     parser: Option<&str>,
 ) -> anyhow::Result<strata_coordinator::request::chat::ChatSettings> {

@@ -44,6 +44,8 @@ pub struct CoordinatorOptions {
     pub caller_tls: Option<tonic::transport::ServerTlsConfig>,
     /// The OpenAI-style HTTP API.
     pub http: Option<crate::api::http::HttpOptions>,
+    /// `--chat-template` and `--tool-call-parser` over every model's own.
+    pub chat: crate::request::chat::ChatSettings,
 }
 
 /// Routes inference traffic from the registry's view, serves the admin API, and
@@ -52,7 +54,12 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
     let watcher = Watcher::start(registry.clone(), opts.keys.clone());
     let clients = Arc::new(WorkerClients::with_tls(opts.tls.as_ref()));
     let gauges = tokio::spawn(crate::control::metrics::follow(watcher.subscribe(), opts.leader.id.clone()));
-    let catalog = ClusterCatalog::start(watcher.subscribe(), clients.clone(), opts.routing_policy)?;
+    let catalog = ClusterCatalog::start_with(
+        watcher.subscribe(),
+        clients.clone(),
+        opts.routing_policy,
+        opts.chat.clone(),
+    )?;
     let front = FrontEnd::new(catalog.clone(), opts.front);
     let tenants = opts.client_auth.tenants().clone();
     let following = tenants.follow_view(watcher.subscribe());

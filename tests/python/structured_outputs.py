@@ -218,6 +218,22 @@ def main():
             took = time.monotonic() - started
             assert took < HOSTILE_SECONDS, (field, spec, took)
 
+    @check("a streamed request the replica refuses is a 400 too, not a failing stream")
+    def _():
+        for create in (
+            lambda: client.completions.create(model=model, prompt="x", max_tokens=5, stream=True,
+                                              extra_body={"guided_regex": "(unclosed"}),
+            lambda: client.chat.completions.create(model=model, messages=messages, max_tokens=5, stream=True,
+                                                   extra_body={"guided_grammar": "start: missing_rule"}),
+        ):
+            try:
+                for _ in create():
+                    pass
+            except openai.BadRequestError as e:
+                assert e.body.get("param") in ("guided_regex", "guided_grammar"), e.body
+            else:
+                raise AssertionError("the stream was accepted")
+
     @check("two ways of constraining at once are refused")
     def _():
         try:

@@ -40,7 +40,7 @@ async fn constrained_outputs_validate_for_third_party_clients() {
     let model = chat_model("llama_gqa");
     let (_server, http) = serve_http(model.path(), &[]);
     let stdout = python("structured_outputs.py", http).await;
-    assert!(stdout.contains("7 passed"), "{stdout}");
+    assert!(stdout.contains("8 passed"), "{stdout}");
 }
 
 /// A ChatML template that lists the tools, writes calls as Hermes does and reasoning

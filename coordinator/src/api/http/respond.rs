@@ -116,7 +116,10 @@ pub async fn run(state: Arc<HttpState>, job: Job, who: Caller, caller: Option<Tr
         Err(e) => return e.into_response(),
     };
     if job.common.stream {
-        stream(job, head, started).into_response()
+        match first_events(started, &job).await {
+            Ok((started, firsts)) => stream(job, head, started, firsts).into_response(),
+            Err(e) => e.into_response(),
+        }
     } else {
         match unary(&job, &head, started).await {
             Ok(body) => axum::Json(body).into_response(),
@@ -271,10 +274,34 @@ fn chat_logprobs(tok: &Tokenizer, lps: &[TokenLogprobs]) -> Json {
 /// One event of a stream: a choice's chunk, or the end of a choice's stream.
 type Tagged = (usize, Option<strata_common::Result<Chunk>>);
 
+/// Every choice's first chunk, read before a stream's response head: a request its
+/// replica refuses on arrival (a constraint that does not compile, a context it cannot
+/// hold) is then an HTTP error status as it is unstreamed, never a 200 stream that fails
+/// at once.
+async fn first_events(
+    mut started: Vec<Started>,
+    job: &Job,
+) -> Result<(Vec<Started>, Vec<Option<Chunk>>), ApiError> {
+    let mut firsts = Vec::with_capacity(started.len());
+    for s in &mut started {
+        match s.rx.recv().await {
+            Some(Err(e)) => return Err(ApiError::from_domain(e, rename(job))),
+            Some(Ok(chunk)) => firsts.push(Some(chunk)),
+            None => firsts.push(None),
+        }
+    }
+    Ok((started, firsts))
+}
+
 /// The SSE body of `job`, a stream the server polls itself: no task or channel between
 /// the choices' chunks and the connection.
-fn stream(job: Job, head: Head, started: Vec<Started>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let events = SseEvents::new(job, head, started);
+fn stream(
+    job: Job,
+    head: Head,
+    started: Vec<Started>,
+    firsts: Vec<Option<Chunk>>,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let events = SseEvents::new(job, head, started, firsts);
     Sse::new(futures::stream::unfold(events, |mut e| async move {
         let event = match e.next().await? {
             Out::Chunk(json) => data(&json),
@@ -305,8 +332,9 @@ pub async fn start_stream(
 ) -> Result<(impl Stream<Item = Out> + Send + 'static, String), ApiError> {
     let head = Head::new(&job, state.next_id());
     let started = start_all(&state.front, &job, &head, who, caller.as_ref()).await?;
+    let (started, firsts) = first_events(started, &job).await?;
     let id = head.id.clone();
-    let events = SseEvents::new(job, head, started);
+    let events = SseEvents::new(job, head, started, firsts);
     Ok((futures::stream::unfold(events, |mut e| async move { e.next().await.map(|o| (o, e)) }), id))
 }
 
@@ -347,12 +375,13 @@ struct SseEvents {
 }
 
 impl SseEvents {
-    fn new(job: Job, head: Head, started: Vec<Started>) -> Self {
+    /// The events of `started`, whose first chunks `firsts` were read already.
+    fn new(job: Job, head: Head, started: Vec<Started>, firsts: Vec<Option<Chunk>>) -> Self {
         let prompt_tokens = prompt_tokens(&job, &started);
         let models: Vec<_> = started.iter().map(|s| s.model.clone()).collect();
-        let streams = started.into_iter().enumerate().map(|(i, s)| {
-            ReceiverStream::new(s.rx)
-                .map(move |c| (i, Some(c)))
+        let streams = started.into_iter().zip(firsts).enumerate().map(|(i, (s, first))| {
+            futures::stream::iter(first.map(|c| (i, Some(Ok(c)))))
+                .chain(ReceiverStream::new(s.rx).map(move |c| (i, Some(c))))
                 .chain(futures::stream::iter([(i, None)]))
                 .boxed()
         });
