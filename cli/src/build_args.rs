@@ -39,6 +39,10 @@ pub struct BuildArgs {
     /// [deploy: 256].
     #[arg(long)]
     pub max_waiting: Option<u32>,
+    /// The longest sequence (prompt + output) a replica accepts [deploy: the model's
+    /// context, less where the KV cache cannot hold it].
+    #[arg(long)]
+    pub max_model_len: Option<u32>,
 }
 
 fn parse_dtype(s: &str) -> Result<pb::DataType, String> {
@@ -65,8 +69,9 @@ impl BuildArgs {
             max_batched_tokens,
             kv_cache_memory,
             max_waiting,
+            max_model_len,
         } = self;
-        [tp, pp, ep, max_num_seqs, max_batched_tokens, max_waiting].iter().any(|v| v.is_some())
+        [tp, pp, ep, max_num_seqs, max_batched_tokens, max_waiting, max_model_len].iter().any(|v| v.is_some())
             || dtype.is_some()
             || device.is_some()
             || kv_cache_memory.is_some()
@@ -90,6 +95,7 @@ impl BuildArgs {
                 max_batched_tokens: self.max_batched_tokens.unwrap_or(0),
                 kv_cache_bytes,
                 max_waiting: self.max_waiting.unwrap_or(0),
+                max_model_len: self.max_model_len.unwrap_or(0),
             }),
         })
     }
@@ -165,12 +171,14 @@ mod tests {
             dtype: Some(parse_dtype("BF16").unwrap()),
             device: Some(parse_device("cuda").unwrap()),
             kv_cache_memory: Some("1MiB".into()),
+            max_model_len: Some(300),
             ..Default::default()
         };
         assert!(some.any());
         let b = some.to_pb(Some("/m".into())).unwrap();
         assert_eq!((b.dtype(), b.device()), (pb::DataType::Bf16, pb::DeviceKind::Cuda));
-        assert_eq!(b.scheduler.unwrap().kv_cache_bytes, 1 << 20);
+        let limits = b.scheduler.unwrap();
+        assert_eq!((limits.kv_cache_bytes, limits.max_model_len), (1 << 20, 300));
         assert_eq!(parse_dtype("auto").unwrap(), pb::DataType::Unspecified);
         assert!(parse_dtype("int4").unwrap_err().contains("dtype"));
         assert!(parse_device("tpu").unwrap_err().contains("device"));

@@ -27,6 +27,10 @@ pub struct EngineLimits {
     /// wait in the coordinators' fair-admission queues.
     #[serde(default)]
     pub max_waiting: u32,
+    /// The longest sequence (prompt + output) a replica accepts (0: the model's context,
+    /// less where the KV cache cannot hold it): vLLM's `--max-model-len`, per deployment.
+    #[serde(default)]
+    pub max_model_len: u32,
 }
 
 impl EngineLimits {
@@ -37,6 +41,7 @@ impl EngineLimits {
             max_batched_tokens: nonzero(over.max_batched_tokens, self.max_batched_tokens),
             kv_cache_bytes: nonzero(over.kv_cache_bytes, self.kv_cache_bytes),
             max_waiting: nonzero(over.max_waiting, self.max_waiting),
+            max_model_len: nonzero(over.max_model_len, self.max_model_len),
         }
     }
 }

@@ -220,6 +220,7 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
         max_batched_tokens: l.limits.max_batched_tokens,
         kv_cache_bytes: l.limits.kv_cache_bytes,
         group_secret: l.group_secret.clone(),
+        max_model_len: l.limits.max_model_len,
     }
 }
 
@@ -243,6 +244,7 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
             kv_cache_bytes: r.kv_cache_bytes,
             // The coordinators' queues hold waiting requests; workers need not know.
             max_waiting: 0,
+            max_model_len: r.max_model_len,
         },
         group_secret: r.group_secret,
     })

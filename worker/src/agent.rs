@@ -204,6 +204,9 @@ impl WorkerAgent {
             if limits.kv_cache_bytes > 0 {
                 engine.kv_cache_bytes = usize::try_from(limits.kv_cache_bytes).unwrap_or(usize::MAX);
             }
+            if limits.max_model_len > 0 {
+                engine.max_model_len = Some(limits.max_model_len as usize);
+            }
             let built = match listener {
                 Some(l) => leader_with_external_ranks(&dir, req.par, &engine, l, &req.group_secret),
                 None => local_replica(&dir, Parallelism::NONE, &engine),

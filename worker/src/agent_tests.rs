@@ -178,3 +178,13 @@ fn a_shard_that_fails_to_load_reports_why_and_can_be_replaced() {
     wait_state(&a, ShardState::Ready);
     assert_eq!(a.status().loads, 2);
 }
+
+#[test]
+fn a_deployments_max_model_len_limits_its_replicas_context() {
+    let a = agent("w1", ModelRoots::default());
+    let mut req = shard("short", Parallelism::NONE, 0, None);
+    req.limits.max_model_len = 100;
+    a.load(req).unwrap();
+    wait_state(&a, ShardState::Ready);
+    assert_eq!(a.leader("short").unwrap().stats().max_context, 100, "the deployment's, not the model's 512");
+}

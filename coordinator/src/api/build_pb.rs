@@ -12,6 +12,7 @@ pub(super) fn limits_from_pb(l: pb::SchedulerLimits) -> EngineLimits {
         max_batched_tokens: l.max_batched_tokens,
         kv_cache_bytes: l.kv_cache_bytes,
         max_waiting: l.max_waiting,
+        max_model_len: l.max_model_len,
     }
 }
 
@@ -21,6 +22,7 @@ pub(super) fn limits_to_pb(l: &EngineLimits) -> pb::SchedulerLimits {
         max_batched_tokens: l.max_batched_tokens,
         kv_cache_bytes: l.kv_cache_bytes,
         max_waiting: l.max_waiting,
+        max_model_len: l.max_model_len,
     }
 }
 
