@@ -29,7 +29,9 @@ pub struct EngineLimits {
     pub max_waiting: u32,
     /// The longest sequence (prompt + output) a replica accepts (0: the model's context,
     /// less where the KV cache cannot hold it): vLLM's `--max-model-len`, per deployment.
-    #[serde(default)]
+    /// Left out of records while unset, so coordinators of the version before read them
+    /// unchanged.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub max_model_len: u32,
 }
 
@@ -44,6 +46,10 @@ impl EngineLimits {
             max_model_len: nonzero(over.max_model_len, self.max_model_len),
         }
     }
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// `new` unless it is zero (unset), else `old`.

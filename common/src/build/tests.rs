@@ -97,3 +97,15 @@ fn a_change_replaces_only_what_it_sets_and_experts_follow_the_stage() {
     let bad = base.changed(BuildChange { tp: 4, ep: 2, ..Default::default() });
     assert!(bad.validate().unwrap_err().to_string().contains("ep"));
 }
+
+#[test]
+fn a_max_model_len_is_written_only_when_set_and_read_back() {
+    let mut spec: ModelSpec = decode("k", TODAYS_RECORD.as_bytes()).unwrap();
+    spec.build.limits.max_model_len = 300;
+    let written = encode(&spec);
+    assert!(String::from_utf8_lossy(&written).contains("\"max_model_len\":300"));
+    let back: ModelSpec = decode("k", &written).unwrap();
+    assert_eq!(back.build.limits.max_model_len, 300);
+    let over = EngineLimits { max_model_len: 100, ..Default::default() };
+    assert_eq!(spec.build.limits.overlaid(&over).max_model_len, 100, "a rollout's setting wins");
+}
