@@ -546,6 +546,11 @@ impl Engine {
         plan: &Schedule,
         span: &tracing::Span,
     ) -> (Result<StepOutput>, HashMap<SeqId, Result<TokenMask>>) {
+        let exec = &mut self.exec;
+        // Most steps have no constrained sequence: nothing to collect.
+        if !self.meta.values().any(|m| m.guide.is_some()) {
+            return (span.in_scope(|| exec.execute(step)), HashMap::new());
+        }
         let sampled: HashSet<SeqId> = plan.seqs.iter().filter(|s| s.sample).map(|s| s.id).collect();
         let guides: Vec<(SeqId, &mut Guide)> = self
             .meta
@@ -554,7 +559,6 @@ impl Engine {
             .filter_map(|(&id, m)| m.guide.as_mut().map(|g| (id, g)))
             .collect();
         let ids: Vec<SeqId> = guides.iter().map(|g| g.0).collect();
-        let exec = &mut self.exec;
         if guides.is_empty() {
             return (span.in_scope(|| exec.execute(step)), HashMap::new());
         }

@@ -10,7 +10,8 @@ import sys
 import anthropic
 import jsonschema
 
-PASSED = []
+from checks import PASSED, check
+
 
 WEATHER = {
     "type": "object",
@@ -22,14 +23,6 @@ TOOLS = [
     {"name": "get_weather", "description": "Forecast", "input_schema": WEATHER},
     {"name": "now", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}},
 ]
-
-
-def check(name):
-    def wrap(fn):
-        fn()
-        PASSED.append(name)
-        return fn
-    return wrap
 
 
 def main():

@@ -15,15 +15,7 @@ import time
 
 import openai
 
-PASSED = []
-
-
-def check(name):
-    def wrap(fn):
-        fn()
-        PASSED.append(name)
-        return fn
-    return wrap
+from checks import PASSED, check
 
 
 def main():

@@ -12,7 +12,8 @@ import sys
 import jsonschema
 import openai
 
-PASSED = []
+from checks import PASSED, check
+
 
 WEATHER = {
     "type": "object",
@@ -21,14 +22,6 @@ WEATHER = {
     "additionalProperties": False,
 }
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Forecast", "parameters": WEATHER, "strict": True}]
-
-
-def check(name):
-    def wrap(fn):
-        fn()
-        PASSED.append(name)
-        return fn
-    return wrap
 
 
 def main():

@@ -25,17 +25,10 @@ import jsonschema
 import openai
 from pydantic import BaseModel, Field
 
-PASSED = []
+from checks import PASSED, check
+
 SCHEMAS = 120
 HOSTILE_SECONDS = 10
-
-
-def check(name):
-    def wrap(fn):
-        fn()
-        PASSED.append(name)
-        return fn
-    return wrap
 
 
 def leaf(rng):

@@ -17,7 +17,8 @@ import jsonschema
 import openai
 from pydantic import BaseModel, Field
 
-PASSED = []
+from checks import PASSED, check
+
 
 WEATHER = {
     "type": "object",
@@ -45,14 +46,6 @@ SCHEMAS = {
     "now": {"type": "object", "properties": {}, "additionalProperties": False},
     "set_alarm": TOOLS[2]["function"]["parameters"],
 }
-
-
-def check(name):
-    def wrap(fn):
-        fn()
-        PASSED.append(name)
-        return fn
-    return wrap
 
 
 def valid(call):

@@ -209,7 +209,7 @@ async fn answer_within_rates(
     who: &crate::tenant::Caller,
 ) -> std::result::Result<Json, ApiError> {
     loop {
-        match respond::answer(&batches.front, job, request_id.to_string(), who).await {
+        match respond::answer(&batches.front, job, request_id.to_string(), who, None).await {
             Err(e)
                 if e.status == axum::http::StatusCode::TOO_MANY_REQUESTS
                     && e.code == Some("rate_limit_exceeded") =>

@@ -375,34 +375,51 @@ fn key_string(text: &str, key: &str) -> Option<String> {
     de.next()?.ok()
 }
 
+/// Where a left-to-right read of JSON text stands: inside a string or not, and how deep
+/// in objects and arrays.
+#[derive(Default)]
+struct JsonScan {
+    depth: i32,
+    in_str: bool,
+    escaped: bool,
+}
+
+impl JsonScan {
+    /// Reads `c`: `Some(c)` for a character outside strings (brackets already counted),
+    /// None inside a string or for its quotes.
+    fn feed(&mut self, c: char) -> Option<char> {
+        if self.in_str {
+            match (self.escaped, c) {
+                (true, _) => self.escaped = false,
+                (false, '\\') => self.escaped = true,
+                (false, '"') => self.in_str = false,
+                _ => {}
+            }
+            return None;
+        }
+        match c {
+            '"' => {
+                self.in_str = true;
+                return None;
+            }
+            '{' | '[' => self.depth += 1,
+            '}' | ']' => self.depth -= 1,
+            _ => {}
+        }
+        Some(c)
+    }
+}
+
 /// The longest prefix of `s` that is still inside one JSON value (it ends where the
 /// value's outermost bracket closes).
 fn value_prefix(s: &str) -> String {
-    let (mut depth, mut in_str, mut escaped) = (0i32, false, false);
+    let mut scan = JsonScan::default();
     for (i, c) in s.char_indices() {
-        if in_str {
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, '\\') => escaped = true,
-                (false, '"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match c {
-            '"' => in_str = true,
-            '{' | '[' => depth += 1,
-            '}' | ']' => {
-                depth -= 1;
-                if depth == 0 {
-                    return s[..=i].to_string();
-                }
-                if depth < 0 {
-                    // The object around a bare value closed.
-                    return s[..i].trim_end().to_string();
-                }
-            }
-            ',' if depth == 0 => return s[..i].trim_end().to_string(),
+        match scan.feed(c) {
+            Some('}' | ']') if scan.depth == 0 => return s[..=i].to_string(),
+            // The object around a bare value closed.
+            Some('}' | ']') if scan.depth < 0 => return s[..i].trim_end().to_string(),
+            Some(',') if scan.depth == 0 => return s[..i].trim_end().to_string(),
             _ => {}
         }
     }
@@ -429,27 +446,12 @@ pub(crate) fn json_array_calls(text: &str, partial: bool) -> Vec<Call> {
 
 /// `s` split at `sep` where it is outside strings, objects and arrays.
 fn split_top_level(s: &str, sep: char) -> Vec<&str> {
-    let (mut depth, mut in_str, mut escaped, mut from) = (0i32, false, false, 0);
+    let (mut scan, mut from) = (JsonScan::default(), 0);
     let mut out = Vec::new();
     for (i, c) in s.char_indices() {
-        if in_str {
-            match (escaped, c) {
-                (true, _) => escaped = false,
-                (false, '\\') => escaped = true,
-                (false, '"') => in_str = false,
-                _ => {}
-            }
-            continue;
-        }
-        match c {
-            '"' => in_str = true,
-            '{' | '[' => depth += 1,
-            '}' | ']' => depth -= 1,
-            c if c == sep && depth == 0 => {
-                out.push(&s[from..i]);
-                from = i + c.len_utf8();
-            }
-            _ => {}
+        if scan.feed(c) == Some(sep) && scan.depth == 0 {
+            out.push(&s[from..i]);
+            from = i + c.len_utf8();
         }
     }
     out.push(&s[from..]);
@@ -502,43 +504,32 @@ impl ToolStream {
         self.text.push_str(more);
         let Reply { reasoning, parsed: now } = (self.reader)(&self.text, !last);
         let mut out = Vec::new();
-        if let Some(new) = reasoning.strip_prefix(self.sent_reasoning.as_str()) {
-            if !new.is_empty() {
-                out.push(Delta::Reasoning(new.to_string()));
-                self.sent_reasoning = reasoning.clone();
-            }
+        if let Some(new) = grow(&mut self.sent_reasoning, reasoning) {
+            out.push(Delta::Reasoning(new));
         }
-        if let Some(new) = now.content.strip_prefix(self.sent.content.as_str()) {
-            if !new.is_empty() {
-                out.push(Delta::Content(new.to_string()));
-            }
+        if let Some(new) = grow(&mut self.sent.content, now.content) {
+            out.push(Delta::Content(new));
         }
-        for (index, call) in now.calls.iter().enumerate() {
-            let before = self.sent.calls.get(index).cloned().unwrap_or_default();
-            let name = if before.name.is_none() { call.name.clone() } else { None };
-            if before.name.is_none() && call.name.is_none() {
-                continue; // a call is announced with its name
-            }
-            let arguments = call.arguments.strip_prefix(before.arguments.as_str()).unwrap_or("").to_string();
-            if name.is_some() || !arguments.is_empty() {
-                out.push(Delta::Call { index, name, arguments });
-            }
-        }
-        // What was sent, as the deltas have built it (a call without a name is not sent).
-        self.sent.content =
-            if now.content.starts_with(&self.sent.content) { now.content } else { self.sent.content.clone() };
         for (index, call) in now.calls.into_iter().enumerate() {
-            if call.name.is_none() && self.sent.calls.get(index).is_none_or(|c| c.name.is_none()) {
-                continue;
-            }
-            match self.sent.calls.get_mut(index) {
-                Some(c) if call.arguments.starts_with(&c.arguments) => c.arguments = call.arguments,
-                Some(_) => {}
-                None => self.sent.calls.push(call),
+            if let Some(sent) = self.sent.calls.get_mut(index) {
+                if let Some(arguments) = grow(&mut sent.arguments, call.arguments) {
+                    out.push(Delta::Call { index, name: None, arguments });
+                }
+            } else if index == self.sent.calls.len() && call.name.is_some() {
+                // A call is announced with its name, in order, with its arguments so far.
+                out.push(Delta::Call { index, name: call.name.clone(), arguments: call.arguments.clone() });
+                self.sent.calls.push(call);
             }
         }
         out
     }
+}
+
+/// What `now` adds to `sent` (which becomes `now`), when it extends it by anything.
+fn grow(sent: &mut String, now: String) -> Option<String> {
+    let new = now.strip_prefix(sent.as_str()).filter(|n| !n.is_empty())?.to_string();
+    *sent = now;
+    Some(new)
 }
 
 #[cfg(test)]

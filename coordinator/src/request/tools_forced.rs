@@ -139,11 +139,11 @@ impl ToolPlan {
         parsed
     }
 
-    /// OpenAI's finish reason for a reply that ended normally.
-    pub fn finish_reason(&self, parsed: &Parsed) -> &'static str {
+    /// OpenAI's finish reason for a reply that ended normally with `calls` calls.
+    pub fn finish_reason(&self, calls: usize) -> &'static str {
         match self.choice {
             ToolChoice::Named(_) => "stop",
-            _ if parsed.calls.is_empty() => "stop",
+            _ if calls == 0 => "stop",
             _ => "tool_calls",
         }
     }

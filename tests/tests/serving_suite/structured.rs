@@ -93,14 +93,20 @@ async fn grpc_callers_constrain_outputs_and_an_empty_constraint_is_refused() {
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{}", status.message());
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn anthropics_sdk_speaks_the_messages_api() {
+/// A copy of a fixture model whose chat template is [`TOOL_TEMPLATE`].
+fn tool_model() -> tempfile::TempDir {
     let model = chat_model("llama_gqa");
     let path = model.path().join("tokenizer_config.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
     std::fs::write(&path, config.to_string()).unwrap();
+    model
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropics_sdk_speaks_the_messages_api() {
+    let model = tool_model();
     let (_server, http) = serve_http(model.path(), &["--api-key", "sk-anthropic"]);
     let args = vec![format!("http://{http}"), "m".into(), "sk-anthropic".into()];
     let stdout = python_with("anthropic_messages.py", args).await;
@@ -109,12 +115,7 @@ async fn anthropics_sdk_speaks_the_messages_api() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn openais_client_speaks_the_responses_api() {
-    let model = chat_model("llama_gqa");
-    let path = model.path().join("tokenizer_config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config["chat_template"] = serde_json::json!(TOOL_TEMPLATE);
-    std::fs::write(&path, config.to_string()).unwrap();
+    let model = tool_model();
     let (_server, http) = serve_http(model.path(), &[]);
     let stdout = python("responses_api.py", http).await;
     assert!(stdout.contains("5 passed"), "{stdout}");

@@ -39,6 +39,11 @@ const KNOWN: &[&str] = &[
 
 /// An error in Anthropic's shape, with the status it had.
 pub fn error(e: ApiError) -> Response {
+    (e.status, axum::Json(error_body(&e))).into_response()
+}
+
+/// Anthropic's error object (also what a stream sends when it fails after it started).
+fn error_body(e: &ApiError) -> Json {
     let kind = match e.status.as_u16() {
         400 | 413 | 422 => "invalid_request_error",
         401 => "authentication_error",
@@ -48,8 +53,7 @@ pub fn error(e: ApiError) -> Response {
         503 | 529 => "overloaded_error",
         _ => "api_error",
     };
-    let body = json!({"type": "error", "error": {"type": kind, "message": e.message}});
-    (e.status, axum::Json(body)).into_response()
+    json!({"type": "error", "error": {"type": kind, "message": e.message}})
 }
 
 /// The chat completions body of a Messages body.
@@ -362,13 +366,7 @@ pub fn stream(
     let rest = chunks.flat_map(move |out| {
         match out {
             Out::Chunk(c) => state.chunk(&c),
-            Out::Error(e) => {
-                let kind = if e.status.as_u16() == 400 { "invalid_request_error" } else { "api_error" };
-                state.out.push(event(
-                    "error",
-                    json!({"type": "error", "error": {"type": kind, "message": e.message}}),
-                ));
-            }
+            Out::Error(e) => state.out.push(event("error", error_body(&e))),
             Out::Done => {
                 state.stop();
                 state.out.push(event("message_stop", json!({"type": "message_stop"})));

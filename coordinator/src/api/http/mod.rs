@@ -155,11 +155,11 @@ fn caller(headers: &HeaderMap) -> Option<strata_common::trace::TraceContext> {
 }
 
 /// `build` over a parsed body on the blocking pool, a bounded number at once.
-async fn build_job(
+async fn build_job<T: Send + 'static>(
     state: &HttpState,
     body: Bytes,
-    build: fn(&dyn Catalog, params::Fields) -> Result<completions::Job, ApiError>,
-) -> Result<completions::Job, ApiError> {
+    build: impl FnOnce(&dyn Catalog, params::Fields) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
     let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
     let permit = state.builds.acquire_many(weight).await;
     let models = state.front.models().clone();
@@ -212,7 +212,7 @@ async fn messages(
             Err(e) => anthropic::error(e),
         }
     } else {
-        match respond::run_unary(&state, &job, &who, caller(&headers)).await {
+        match respond::answer(&state.front, &job, state.next_id(), &who, caller(&headers).as_ref()).await {
             Ok(chat) => axum::Json(anthropic::from_chat(&chat)).into_response(),
             Err(e) => anthropic::error(e),
         }
@@ -226,24 +226,15 @@ async fn create_response(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
-    let permit = state.builds.acquire_many(weight).await;
-    let (models, store, tenant) =
-        (state.front.models().clone(), state.responses.clone(), who.tenant().to_string());
-    let built = tokio::task::spawn_blocking(move || {
-        let t = responses::to_chat(params::object(&body)?, &store, &tenant)?;
-        let job = completions::chat(&*models, t.chat.clone())?;
-        Ok::<_, ApiError>((job, t))
-    })
-    .await;
-    drop(permit);
-    let (job, t) = match built {
-        Ok(Ok(built)) => built,
-        Ok(Err(e)) => return e.into_response(),
-        Err(e) => {
-            return ApiError::from(strata_common::Error::Internal(format!("building the request: {e}")))
-                .into_response()
-        }
+    let (store, tenant) = (state.responses.clone(), who.tenant().to_string());
+    let build = move |models: &dyn Catalog, f| {
+        let mut t = responses::to_chat(f, &store, &tenant)?;
+        let job = completions::chat(models, std::mem::take(&mut t.chat))?;
+        Ok((job, t))
+    };
+    let (job, t) = match build_job(&state, body, build).await {
+        Ok(built) => built,
+        Err(e) => return e.into_response(),
     };
     let tenant = who.tenant().to_string();
     if job.common.stream {
@@ -254,7 +245,7 @@ async fn create_response(
             Err(e) => e.into_response(),
         }
     } else {
-        match respond::run_unary(&state, &job, &who, caller(&headers)).await {
+        match respond::answer(&state.front, &job, state.next_id(), &who, caller(&headers).as_ref()).await {
             Ok(chat) => axum::Json(responses::from_chat(&chat, t, &state.responses, &tenant)).into_response(),
             Err(e) => e.into_response(),
         }

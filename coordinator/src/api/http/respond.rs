@@ -128,11 +128,18 @@ pub async fn run(state: Arc<HttpState>, job: Job, who: Caller, caller: Option<Tr
     }
 }
 
-/// The whole (non-streamed) response body of `job`, `id` naming it: what a batch job's
-/// request gets.
-pub async fn answer(front: &FrontEnd, job: &Job, id: String, who: &Caller) -> Result<Json, ApiError> {
+/// The whole (non-streamed) response body of `job` in OpenAI's shape, `id` naming it:
+/// what a batch job's request gets, and what the APIs that reshape it (Messages,
+/// Responses) start from.
+pub async fn answer(
+    front: &FrontEnd,
+    job: &Job,
+    id: String,
+    who: &Caller,
+    caller: Option<&TraceContext>,
+) -> Result<Json, ApiError> {
     let head = Head::new(job, id);
-    let started = start_all(front, job, &head, who, None).await?;
+    let started = start_all(front, job, &head, who, caller).await?;
     unary(job, &head, started).await
 }
 
@@ -336,18 +343,6 @@ pub async fn start_stream(
     let id = head.id.clone();
     let events = SseEvents::new(job, head, started, firsts);
     Ok((futures::stream::unfold(events, |mut e| async move { e.next().await.map(|o| (o, e)) }), id))
-}
-
-/// The whole response of `job` in OpenAI's shape, for APIs that reshape it.
-pub async fn run_unary(
-    state: &HttpState,
-    job: &Job,
-    who: &Caller,
-    caller: Option<TraceContext>,
-) -> Result<Json, ApiError> {
-    let head = Head::new(job, state.next_id());
-    let started = start_all(&state.front, job, &head, who, caller.as_ref()).await?;
-    unary(job, &head, started).await
 }
 
 fn data(json: &Json) -> Event {

@@ -132,9 +132,9 @@ pub fn to_chat(mut f: Fields, store: &ResponseStore, tenant: &str) -> Result<Tra
     messages.extend(input(f.remove("input"))?);
     chat.insert("messages".into(), Json::Array(messages.clone()));
     if let Some(Json::Array(tools)) = f.remove("tools") {
-        let tools = tools.iter().enumerate().map(|(i, t)| tool(i, t)).collect::<Result<Vec<_>, _>>()?;
-        echo.insert("tools".into(), Json::Array(tools.iter().map(|t| t["function"].clone()).collect()));
-        chat.insert("tools".into(), Json::Array(tools));
+        let converted = tools.iter().enumerate().map(|(i, t)| tool(i, t)).collect::<Result<Vec<_>, _>>()?;
+        echo.insert("tools".into(), Json::Array(tools));
+        chat.insert("tools".into(), Json::Array(converted));
     }
     if let Some(Json::Object(text)) = f.get("text") {
         if let Some(format) = text.get("format") {
@@ -257,8 +257,7 @@ fn response(
         "error": Json::Null, "output": output, "usage": usage,
         "parallel_tool_calls": echo.get("parallel_tool_calls").cloned().unwrap_or(json!(true)),
         "tool_choice": echo.get("tool_choice").cloned().unwrap_or(json!("auto")),
-        "tools": echo.get("tools").cloned().unwrap_or(json!([])).as_array().cloned().unwrap_or_default()
-            .into_iter().map(|mut f| { f["type"] = json!("function"); f }).collect::<Vec<_>>(),
+        "tools": echo.get("tools").cloned().unwrap_or(json!([])),
         "metadata": echo.get("metadata").cloned().unwrap_or(json!({})),
     });
     for key in

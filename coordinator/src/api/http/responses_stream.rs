@@ -24,7 +24,11 @@ struct State {
     finish: Option<String>,
     usage: Json,
     out: Vec<Event>,
-    translated: Option<Translated>,
+    /// What the response echoes of the request.
+    echo: Map<String, Json>,
+    /// The conversation so far, to store with the reply once it is complete (None: not
+    /// stored, or stored already).
+    conversation: Option<Vec<Json>>,
     store: Arc<ResponseStore>,
     tenant: String,
 }
@@ -35,10 +39,6 @@ impl State {
         data["sequence_number"] = json!(self.seq);
         self.seq += 1;
         self.out.push(Event::default().event(kind).data(data.to_string()));
-    }
-
-    fn echo(&self) -> Map<String, Json> {
-        self.translated.as_ref().map(|t| t.echo.clone()).unwrap_or_default()
     }
 
     fn item_id(&self) -> String {
@@ -164,21 +164,15 @@ impl State {
             self.close();
         }
         let (_, message) = items(&self.id, &self.reasoning, &self.text, &self.calls);
-        if let Some(t) = self.translated.take() {
-            let echo = t.echo.clone();
-            if t.store {
-                let mut conversation = t.messages;
-                conversation.push(message);
-                self.store.put(self.id.clone(), &self.tenant, conversation);
-            }
-            self.translated = Some(Translated { chat: Map::new(), messages: Vec::new(), store: false, echo });
+        if let Some(mut conversation) = self.conversation.take() {
+            conversation.push(message);
+            self.store.put(self.id.clone(), &self.tenant, conversation);
         }
         let (kind, status) = match self.finish.as_deref() {
             Some("length") => ("response.incomplete", "incomplete"),
             _ => ("response.completed", "completed"),
         };
-        let r =
-            response(&self.id, self.created, status, self.output.clone(), self.usage.clone(), &self.echo());
+        let r = response(&self.id, self.created, status, self.output.clone(), self.usage.clone(), &self.echo);
         self.emit(kind, json!({"response": r}));
     }
 }
@@ -214,11 +208,12 @@ pub fn stream(
         finish: None,
         usage: Json::Null,
         out: Vec::new(),
-        translated: Some(t),
+        conversation: t.store.then_some(t.messages),
+        echo: t.echo,
         store,
         tenant,
     };
-    let r = response(&state.id, created, "in_progress", Vec::new(), Json::Null, &state.echo());
+    let r = response(&state.id, created, "in_progress", Vec::new(), Json::Null, &state.echo);
     state.emit("response.created", json!({"response": r.clone()}));
     state.emit("response.in_progress", json!({"response": r}));
     let first = futures::stream::iter(std::mem::take(&mut state.out));

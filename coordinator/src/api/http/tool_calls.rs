@@ -18,10 +18,7 @@ pub fn finish_reason(
 ) -> Option<&'static str> {
     match (finish?, plan) {
         (FinishReason::Length, _) => Some("length"),
-        (_, Some(plan)) if calls > 0 => Some(plan.finish_reason(&crate::request::tools::Parsed {
-            calls: vec![Default::default(); calls],
-            ..Default::default()
-        })),
+        (_, Some(plan)) => Some(plan.finish_reason(calls)),
         _ => Some("stop"),
     }
 }
