@@ -11,7 +11,8 @@
 #   OpenAI's official `openai` client for the HTTP API tests and Jinja2 (the engine HF
 #   transformers renders chat templates with) for the chat-template goldens; jsonschema
 #   to validate constrained outputs against their schemas; Anthropic's `anthropic` SDK
-#   for the Messages API test.
+#   for the Messages API test; EleutherAI's `lm-eval` (without torch: it only calls the
+#   server) for the prompt-logprobs test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +47,11 @@ fi
 if ! "$PYENV/bin/python" -c "import openai, anthropic, jinja2, jsonschema" 2>/dev/null; then
   echo "installing openai, anthropic, jinja2, jsonschema into $PYENV" >&2
   "$PYENV/bin/pip" install -q --disable-pip-version-check openai anthropic jinja2 jsonschema
+fi
+
+if ! "$PYENV/bin/python" -c "import lm_eval, tenacity, aiohttp" 2>/dev/null; then
+  echo "installing lm-eval into $PYENV" >&2
+  "$PYENV/bin/pip" install -q --disable-pip-version-check "lm-eval[api]>=0.4.9,<0.5"
 fi
 
 # NVRTC's shared library (PyPI's nvidia-cuda-nvrtc): the test that compiles every CUDA

@@ -261,6 +261,7 @@ impl GenerateArgs {
             stop_token_ids: self.stop_token_ids.clone(),
             stop: self.stop.clone(),
             logprobs: self.logprobs,
+            prompt_logprobs: None,
             priority: Default::default(),
             constraint: self.constraint(),
         }

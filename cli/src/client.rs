@@ -30,6 +30,7 @@ pub fn request_from_args(args: &GenerateArgs) -> pb::GenerateRequest {
         request_id: String::new(),
         cache: None,
         constraint: p.constraint.as_ref().map(wire::constraint_to_pb),
+        prompt_logprobs: None,
     }
 }
 

@@ -12,6 +12,9 @@ use crate::sampling::FinishReason;
 pub struct TokenLogprobs {
     pub token_id: u32,
     pub logprob: f32,
+    /// The token's 1-based rank in the distribution (1: the most likely); 0 where it was
+    /// not computed (generated tokens; prompt tokens always have it).
+    pub rank: u32,
     /// `(token_id, logprob)`, most likely first.
     pub top: Vec<(u32, f32)>,
 }
@@ -20,7 +23,14 @@ pub struct TokenLogprobs {
 /// a failure. A stream that ends without either means the replica went away.
 #[derive(Debug)]
 pub enum SeqEvent {
-    Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
+    /// The prompt's logprobs (requested with `prompt_logprobs`): one per prompt token after
+    /// the first, sent once, before the first token.
+    Prompt(Vec<TokenLogprobs>),
+    Token {
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        finish: Option<FinishReason>,
+    },
     Failed(Error),
 }
 

@@ -35,6 +35,10 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Number of top alternatives to report per token; None reports no logprobs.
     pub logprobs: Option<u32>,
+    /// Report the logprob of every prompt token after the ones before it (computed in
+    /// prefill), with this many top alternatives each; None reports none.
+    #[serde(default)]
+    pub prompt_logprobs: Option<u32>,
     /// Who waits for it: the engine admits online sequences before batch ones and
     /// preempts batch ones first.
     #[serde(default)]
@@ -71,6 +75,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             priority: Priority::Online,
             constraint: None,
         }
@@ -122,9 +127,9 @@ impl SamplingParams {
         if self.max_new_tokens == 0 {
             return Err(Error::invalid("max_tokens", "must be at least 1"));
         }
-        if let Some(n) = self.logprobs {
-            if n > MAX_LOGPROBS {
-                return Err(Error::invalid("logprobs", format!("at most {MAX_LOGPROBS}, got {n}")));
+        for (field, n) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
+            if n.is_some_and(|n| n > MAX_LOGPROBS) {
+                return Err(Error::invalid(field, format!("at most {MAX_LOGPROBS}, got {}", n.unwrap_or(0))));
             }
         }
         if self.stop.iter().any(String::is_empty) {
@@ -176,6 +181,7 @@ mod tests {
             (SamplingParams { max_new_tokens: 0, ..Default::default() }, "max_tokens"),
             (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
             (SamplingParams { logprobs: Some(99), ..Default::default() }, "logprobs"),
+            (SamplingParams { prompt_logprobs: Some(21), ..Default::default() }, "prompt_logprobs"),
             (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
         ];
         for (p, field) in cases {

@@ -71,6 +71,7 @@ pub fn logprobs_to_pb(l: TokenLogprobs) -> ipb::TokenLogprob {
         token_id: l.token_id,
         logprob: l.logprob,
         top: l.top.into_iter().map(|(token_id, logprob)| ipb::TopLogprob { token_id, logprob }).collect(),
+        rank: l.rank,
     }
 }
 
@@ -85,6 +86,7 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
         ignore_eos: p.ignore_eos,
         stop_token_ids: p.stop_token_ids.clone(),
         logprobs: p.logprobs,
+        prompt_logprobs: p.prompt_logprobs,
         generated_token_ids: job.generated.clone(),
         replica_id: replica.to_string(),
         batch: p.priority == crate::sampling::Priority::Batch,
@@ -130,6 +132,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> Result<(ReplicaId, Job)> {
         ignore_eos: r.ignore_eos,
         stop_token_ids: r.stop_token_ids,
         logprobs: r.logprobs,
+        prompt_logprobs: r.prompt_logprobs,
         priority: if r.batch { crate::sampling::Priority::Batch } else { crate::sampling::Priority::Online },
         constraint: r.constraint.map(constraint_from_pb).transpose()?,
         ..SamplingParams::default()
@@ -152,35 +155,63 @@ pub fn token_to_pb(
 ) -> wpb::WorkerGenerateResponse {
     let mut t = wpb::WorkerToken { token_id: token, ..Default::default() };
     if let Some(l) = logprobs {
-        t.logprob = Some(l.logprob);
-        t.top_token_ids = l.top.iter().map(|x| x.0).collect();
-        t.top_logprobs = l.top.iter().map(|x| x.1).collect();
+        t = worker_token(l);
     }
     wpb::WorkerGenerateResponse {
         tokens: vec![t],
         finish_reason: finish.map(finish_to_pb).unwrap_or(ipb::FinishReason::Unspecified) as i32,
+        prompt_logprobs: Vec::new(),
     }
 }
 
-/// The events of one worker.v1 message: its tokens, the last carrying the finish reason.
+/// A prompt-logprobs event as a worker.v1 message of its own.
+pub fn prompt_to_pb(prompt: Vec<TokenLogprobs>) -> wpb::WorkerGenerateResponse {
+    wpb::WorkerGenerateResponse {
+        tokens: Vec::new(),
+        finish_reason: ipb::FinishReason::Unspecified as i32,
+        prompt_logprobs: prompt.into_iter().map(worker_token).collect(),
+    }
+}
+
+fn worker_token(l: TokenLogprobs) -> wpb::WorkerToken {
+    wpb::WorkerToken {
+        token_id: l.token_id,
+        logprob: Some(l.logprob),
+        top_token_ids: l.top.iter().map(|x| x.0).collect(),
+        top_logprobs: l.top.iter().map(|x| x.1).collect(),
+        rank: l.rank,
+    }
+}
+
+fn token_logprobs(t: &wpb::WorkerToken) -> Option<TokenLogprobs> {
+    t.logprob.map(|logprob| TokenLogprobs {
+        token_id: t.token_id,
+        logprob,
+        rank: t.rank,
+        top: t.top_token_ids.iter().copied().zip(t.top_logprobs.iter().copied()).collect(),
+    })
+}
+
+/// The events of one worker.v1 message: its prompt's logprobs if it carries them, then its
+/// tokens, the last carrying the finish reason.
 pub fn events_from_pb(m: wpb::WorkerGenerateResponse) -> Result<Vec<SeqEvent>> {
     let finish = finish_from_pb(m.finish_reason)?;
     let n = m.tokens.len();
     if n == 0 && finish.is_some() {
         return Err(Error::invalid("tokens", "a finished message carries no token"));
     }
-    Ok(m.tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| {
-            let logprobs = t.logprob.map(|logprob| TokenLogprobs {
-                token_id: t.token_id,
-                logprob,
-                top: t.top_token_ids.iter().copied().zip(t.top_logprobs.iter().copied()).collect(),
-            });
-            SeqEvent::Token { token: t.token_id, logprobs, finish: if i + 1 == n { finish } else { None } }
-        })
-        .collect())
+    let mut events = Vec::with_capacity(n + 1);
+    if !m.prompt_logprobs.is_empty() {
+        let prompt = m.prompt_logprobs.iter().map(token_logprobs).collect::<Option<Vec<_>>>();
+        let prompt = prompt.ok_or_else(|| Error::invalid("prompt_logprobs", "an entry has no logprob"))?;
+        events.push(SeqEvent::Prompt(prompt));
+    }
+    events.extend(m.tokens.iter().enumerate().map(|(i, t)| SeqEvent::Token {
+        token: t.token_id,
+        logprobs: token_logprobs(t),
+        finish: if i + 1 == n { finish } else { None },
+    }));
+    Ok(events)
 }
 
 pub fn stats_to_pb(s: EngineStats) -> wpb::StatsResponse {
@@ -382,6 +413,7 @@ mod tests {
                 stop_token_ids: vec![11],
                 stop: Vec::new(),
                 logprobs: Some(3),
+                prompt_logprobs: Some(2),
                 priority: crate::sampling::Priority::Batch,
                 constraint: Some(Constraint::Choice(vec!["a".into(), "b".into()])),
             },
@@ -429,6 +461,16 @@ mod tests {
         let evs = events_from_pb(m).unwrap();
         assert!(matches!(evs[0], SeqEvent::Token { token: 5, finish: None, .. }));
         assert!(matches!(evs[1], SeqEvent::Token { token: 6, finish: Some(FinishReason::Length), .. }));
+    }
+
+    #[test]
+    fn prompt_logprobs_travel_in_a_message_of_their_own() {
+        let lp = TokenLogprobs { token_id: 9, logprob: -1.5, rank: 3, top: vec![(4, -0.5), (2, -1.0)] };
+        let evs = events_from_pb(prompt_to_pb(vec![lp.clone()])).unwrap();
+        assert!(matches!(&evs[..], [SeqEvent::Prompt(p)] if p == std::slice::from_ref(&lp)));
+        let mut m = prompt_to_pb(vec![lp]);
+        m.prompt_logprobs[0].logprob = None;
+        assert!(events_from_pb(m).unwrap_err().to_string().contains("prompt_logprobs"));
     }
 
     #[test]

@@ -28,6 +28,9 @@ use crate::scheduler::{Schedule, Scheduled, Scheduler, SchedulerConfig, SeqData}
 pub use crate::step::SeqId;
 use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
+mod prompt;
+use prompt::PromptLogprobs;
+
 /// A KV cache in host memory must fit in what the machine has available: asking for more
 /// is an error naming the setting, never an allocation that aborts the process.
 fn check_kv_memory(config: &EngineConfig) -> Result<()> {
@@ -111,8 +114,18 @@ pub struct StepEvent {
     pub seq: SeqId,
     pub token: u32,
     pub logprobs: Option<TokenLogprobs>,
+    /// On a sequence's first token, when it asked for them: its prompt's logprobs.
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
     /// Set on the sequence's last token.
     pub finish: Option<FinishReason>,
+}
+
+/// What a sequence whose model produced NaN or infinite logits fails with.
+fn non_finite() -> Error {
+    Error::Internal(
+        "the model produced non-finite logits (NaN or infinity): its weights or config.json are broken"
+            .into(),
+    )
 }
 
 /// Per-sequence state the scheduler does not need.
@@ -121,6 +134,8 @@ struct SeqMeta {
     generated: u32,
     /// Where a constrained sequence stands in its constraint.
     guide: Option<Guide>,
+    /// Its prompt's logprobs while they are computed, when asked for.
+    prompt: Option<PromptLogprobs>,
 }
 
 /// A sequence removed because it cannot run: the cache can never hold it, or the model
@@ -370,11 +385,19 @@ impl Engine {
             return Err(Error::invalid("request_id", format!("sequence {id} is already running")));
         }
         let priority = params.priority;
+        // A resumed sequence's caller has its prompt logprobs already.
+        let prompt_lps = params.prompt_logprobs.filter(|_| generated.is_empty());
         let sampler = Sampler::resume(params, &prompt, &generated);
-        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32, guide });
+        let lps = prompt_lps.map(|n| PromptLogprobs::new(n, prompt.len()));
+        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32, guide, prompt: lps });
         let mut tokens = prompt;
         tokens.extend(generated);
-        self.scheduler.add(SeqData::new(id, tokens).with_priority(priority));
+        let mut seq = SeqData::new(id, tokens).with_priority(priority);
+        if prompt_lps.is_some() {
+            seq.reads_cache = false;
+            seq.max_chunk = prompt::max_chunk(vocab);
+        }
+        self.scheduler.add(seq);
         Ok(())
     }
 
@@ -434,6 +457,8 @@ impl Engine {
         let mut step = self.batch(&plan);
         step.draws = self.draws(&plan);
         step.wanted = self.logits_wanted(&plan, vocab);
+        let sampled_rows = step.logit_rows.len();
+        let prompt_rows = self.add_prompt_rows(&plan, &mut step);
         let span = span_for(&plan.seqs);
         step.trace = strata_common::trace::context_of(&span);
         let (output, masks) = self.execute_guided(&step, &plan, &span);
@@ -447,7 +472,11 @@ impl Engine {
                 draws.len()
             )));
         }
-        let (events, sampled, failed) = self.sample_rows(&plan, &logits, &drawn, draws, masks);
+        let bad_prompts = self.record_prompt_rows(&prompt_rows, &logits, sampled_rows);
+        let (mut events, sampled, mut failed) = self.sample_rows(&plan, &logits, &drawn, draws, masks);
+        events.retain(|e| !bad_prompts.iter().any(|b| b.seq == e.seq));
+        failed.retain(|f| !bad_prompts.iter().any(|b| b.seq == f.seq));
+        failed.extend(bad_prompts);
         self.scheduler.complete(&plan, &sampled);
         for e in &events {
             if e.finish.is_some() {
@@ -487,10 +516,7 @@ impl Engine {
             };
             if !finite {
                 // NaN weights or an out-of-domain config: never emit a token from it.
-                let error = Error::Internal(
-                    "the model produced non-finite logits (NaN or infinity): its weights or config.json are broken".into(),
-                );
-                failed.push(Aborted { seq: item.id, error, non_finite: true });
+                failed.push(Aborted { seq: item.id, error: non_finite(), non_finite: true });
                 sampled.push((item.id, 0));
                 continue;
             }
@@ -532,7 +558,11 @@ impl Engine {
                 None
             };
             sampled.push((item.id, token));
-            events.push(StepEvent { seq: item.id, token, logprobs, finish });
+            let prompt_logprobs = meta.prompt.as_mut().and_then(PromptLogprobs::take_done);
+            if prompt_logprobs.is_some() {
+                meta.prompt = None;
+            }
+            events.push(StepEvent { seq: item.id, token, logprobs, prompt_logprobs, finish });
         }
         (events, sampled, failed)
     }

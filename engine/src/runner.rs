@@ -480,6 +480,9 @@ impl Runner {
             debug!(seq = %ev.seq, "caller not reading, sequence cancelled");
             return;
         }
+        if let Some(prompt) = ev.prompt_logprobs {
+            let _ = stream.try_send(SeqEvent::Prompt(prompt));
+        }
         let sent =
             stream.try_send(SeqEvent::Token { token: ev.token, logprobs: ev.logprobs, finish: ev.finish });
         if finished {

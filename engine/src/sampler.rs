@@ -176,7 +176,7 @@ impl Sampler {
         let logprobs = self.params.logprobs.map(|n| {
             let logit = c.top.iter().find(|t| t.0 == token).map_or(f32::NEG_INFINITY, |t| t.1);
             let top = c.top.iter().take(n as usize).map(|&(t, l)| (t, l - c.log_z)).collect();
-            TokenLogprobs { token_id: token, logprob: logit - c.log_z, top }
+            TokenLogprobs { token_id: token, logprob: logit - c.log_z, rank: 0, top }
         });
         self.record(token);
         (token, logprobs)
@@ -190,6 +190,7 @@ impl Sampler {
         let logprobs = self.params.logprobs.map(|_| TokenLogprobs {
             token_id: pick.token,
             logprob: pick.logprob(),
+            rank: 1,
             top: Vec::new(),
         });
         self.record(pick.token);
@@ -295,6 +296,7 @@ pub fn logprobs(raw: &[f32], token: u32, n: usize) -> TokenLogprobs {
     TokenLogprobs {
         token_id: token,
         logprob: raw[token as usize] - log_z,
+        rank: 0,
         top: top.into_iter().map(|(i, l)| (i, l - log_z)).collect(),
     }
 }

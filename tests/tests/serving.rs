@@ -9,6 +9,8 @@ mod batch;
 mod http_api;
 #[path = "serving_suite/metrics.rs"]
 mod metrics;
+#[path = "serving_suite/prompt_logprobs.rs"]
+mod prompt_logprobs;
 #[path = "serving_suite/rollouts.rs"]
 mod rollouts;
 #[path = "serving_suite/serve.rs"]

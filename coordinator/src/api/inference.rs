@@ -39,6 +39,7 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> Result<GenerateRequest, Err
         stop_token_ids: req.stop_token_ids.clone(),
         stop: req.stop.clone(),
         logprobs: req.logprobs,
+        prompt_logprobs: req.prompt_logprobs,
         constraint: req.constraint.clone().map(wire::constraint_from_pb).transpose()?,
         ..SamplingParams::default()
     };
@@ -58,8 +59,10 @@ pub fn request_from_pb(req: &pb::GenerateRequest) -> Result<GenerateRequest, Err
 fn api_field_names(e: Error) -> Error {
     match e {
         Error::InvalidArgument { field, reason }
-            if !matches!(field.as_str(), "max_tokens" | "stop" | "logprobs" | "model" | "constraint")
-                && !field.starts_with("prompt") =>
+            if !matches!(
+                field.as_str(),
+                "max_tokens" | "stop" | "logprobs" | "prompt_logprobs" | "model" | "constraint"
+            ) && !field.starts_with("prompt") =>
         {
             Error::invalid(format!("sampling.{field}"), reason)
         }
@@ -147,6 +150,8 @@ impl Inference for InferenceService {
                 out.text.push_str(&chunk.text);
                 out.token_ids.extend(chunk.token_ids);
                 out.logprobs.extend(chunk.logprobs.into_iter().map(wire::logprobs_to_pb));
+                out.prompt_logprobs
+                    .extend(chunk.prompt_logprobs.into_iter().flatten().map(wire::logprobs_to_pb));
                 out.revision = chunk.revision;
                 if let Some(f) = chunk.finish {
                     out.finish_reason = wire::finish_to_pb(f) as i32;
@@ -188,6 +193,12 @@ impl Inference for InferenceService {
                 text: chunk.text,
                 token_ids: chunk.token_ids,
                 logprobs: chunk.logprobs.into_iter().map(wire::logprobs_to_pb).collect(),
+                prompt_logprobs: chunk
+                    .prompt_logprobs
+                    .into_iter()
+                    .flatten()
+                    .map(wire::logprobs_to_pb)
+                    .collect(),
                 finish_reason: finish.unwrap_or(pb::FinishReason::Unspecified) as i32,
                 usage: finish.map(|_| pb::Usage { prompt_tokens, completion_tokens }),
                 revision: chunk.revision,

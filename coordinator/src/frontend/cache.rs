@@ -198,7 +198,7 @@ mod tests {
     use strata_common::FinishReason;
 
     fn chunk(text: &str, token: u32, finish: Option<FinishReason>) -> Chunk {
-        Chunk { text: text.into(), token_ids: vec![token], logprobs: Vec::new(), finish, revision: 1 }
+        Chunk { text: text.into(), token_ids: vec![token], finish, revision: 1, ..Default::default() }
     }
 
     fn greedy() -> SamplingParams {

@@ -148,7 +148,7 @@ impl ChatTemplate {
     }
 
     /// `bos_token`, `eos_token`, … of the model in `dir`, for templates.
-    fn specials(dir: &Path) -> Result<Map<String, Json>> {
+    pub(crate) fn specials(dir: &Path) -> Result<Map<String, Json>> {
         let config_path = dir.join("tokenizer_config.json");
         let config: Json = match config_path.exists() {
             true => serde_json::from_slice(&read_bounded(&config_path, MAX_JSON_FILE)?)
@@ -234,6 +234,11 @@ impl ChatTemplate {
     /// How replies to `prompt` (rendered by this template) carry reasoning, if they do.
     pub fn reasoning(&self, prompt: &str) -> Option<crate::request::reply::Reasoning> {
         crate::request::reply::Reasoning::detect(self.writes_think, self.harmony, prompt)
+    }
+
+    /// The source of the default template (what vLLM's `/tokenizer_info` reports).
+    pub fn source(&self) -> Option<String> {
+        self.env.get_template("default").ok().map(|t| t.source().to_string())
     }
 
     /// The tool-call format the template writes calls in, if it names one.

@@ -43,6 +43,9 @@ pub struct Chunk {
     pub text: String,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprobs>,
+    /// On the first chunk of a request that asked for them: the prompt's logprobs, one per
+    /// prompt token after the first.
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
     pub finish: Option<FinishReason>,
     /// The model revision that generated it.
     pub revision: u64,
@@ -130,6 +133,7 @@ pub async fn start(
         revision: target.revision,
         record: target.cache.map(|(k, cache)| (k, cache, Vec::new())),
         account,
+        prompt_logprobs: None,
         _online: online,
     };
     let (replica, stream) = run.submit().await.inspect_err(|e| run.fail_now(e))?;
@@ -163,6 +167,8 @@ struct Run {
     record: Option<(Key, Arc<ResponseCache>, Vec<Chunk>)>,
     /// The tenant's usage record and its hold on the tenant's limits.
     account: Account,
+    /// The prompt's logprobs from the replica, until the first token carries them.
+    prompt_logprobs: Option<Vec<TokenLogprobs>>,
     _online: Option<OnlineGuard>,
 }
 
@@ -184,6 +190,8 @@ pub fn retry_elsewhere(e: &Error) -> bool {
 /// What a sequence's next event means for the request.
 #[derive(Debug)]
 pub enum Turn {
+    /// The prompt's logprobs, before the first token.
+    Prompt(Vec<TokenLogprobs>),
     /// A token for the caller.
     Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
     /// The replica was lost mid-stream: resume elsewhere (if failovers remain).
@@ -197,6 +205,7 @@ pub enum Turn {
 pub fn turn(event: Option<SeqEvent>, replica: &str) -> Turn {
     match event {
         Some(SeqEvent::Token { token, logprobs, finish }) => Turn::Token { token, logprobs, finish },
+        Some(SeqEvent::Prompt(p)) => Turn::Prompt(p),
         Some(SeqEvent::Failed(e)) if e.class() == ErrorClass::Unavailable => Turn::Lost(e),
         Some(SeqEvent::Failed(e)) => Turn::Failed(e),
         None => Turn::Lost(Error::Unavailable(format!("replica {replica} went away mid-stream"))),
@@ -295,10 +304,20 @@ impl Run {
                 None => events.next().await,
             };
             let lost = match turn(next, &replica) {
+                Turn::Prompt(p) => {
+                    if self.job.generated.is_empty() {
+                        self.prompt_logprobs = Some(p); // a failed replica's are replaced
+                    }
+                    continue;
+                }
                 Turn::Token { token, logprobs, finish } => {
+                    let prompt_logprobs = match self.take_prompt_logprobs(&replica) {
+                        Ok(p) => p,
+                        Err(e) => return self.fail(&tx, e).await,
+                    };
                     self.job.generated.push(token);
                     let chunk = match token_chunk(text, token, logprobs, finish) {
-                        Ok(c) => Chunk { revision: self.attempt.revision, ..c },
+                        Ok(c) => Chunk { revision: self.attempt.revision, prompt_logprobs, ..c },
                         Err(e) => return self.fail(&tx, e).await,
                     };
                     let finish = chunk.finish;
@@ -343,6 +362,25 @@ impl Run {
                 Err(e) => return self.fail(&tx, e).await,
             }
         }
+    }
+
+    /// The prompt logprobs the first token carries: those the replica sent, checked against
+    /// the request (one per prompt token after the first, as many alternatives as asked).
+    fn take_prompt_logprobs(&mut self, replica: &str) -> Result<Option<Vec<TokenLogprobs>>> {
+        let Some(top) = self.job.params.prompt_logprobs else { return Ok(None) };
+        if !self.job.generated.is_empty() {
+            return Ok(None);
+        }
+        let bad = |why: String| Error::Internal(format!("replica {replica} {why}"));
+        let p = self.prompt_logprobs.take().ok_or_else(|| bad("sent no prompt logprobs".into()))?;
+        let want = self.job.prompt.len() - 1;
+        if p.len() != want {
+            return Err(bad(format!("sent {} prompt logprobs for {want} tokens", p.len())));
+        }
+        if p.iter().zip(&self.job.prompt[1..]).any(|(l, &t)| l.token_id != t || l.top.len() > top as usize) {
+            return Err(bad("sent prompt logprobs of other tokens".into()));
+        }
+        Ok(Some(p))
     }
 
     /// Keeps a copy of `chunk` for the response cache (cacheable requests only).
@@ -399,6 +437,7 @@ fn token_chunk(
         text: delta.text,
         token_ids: vec![token],
         logprobs: logprobs.into_iter().collect(),
+        prompt_logprobs: None,
         finish: if delta.stopped { Some(FinishReason::Stop) } else { finish },
         revision: 0,
     };

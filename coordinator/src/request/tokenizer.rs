@@ -16,6 +16,8 @@ pub struct Tokenizer {
     /// Bytes of the longest token's text: a text longer than `n ×` this cannot be fewer
     /// than `n` tokens, so an over-long prompt is refused before any tokenizing.
     longest_token: usize,
+    /// `bos_token`, `eos_token`, `unk_token`, `pad_token` as tokenizer_config.json names them.
+    specials: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Tokenizer {
@@ -34,7 +36,13 @@ impl Tokenizer {
             .map_err(|e| Error::model_file(&path, format!("cannot load tokenizer: {e}")))?;
         let longest_token = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
         let chat = ChatTemplate::from_dir_with(dir, chat)?;
-        Ok(Tokenizer { inner, chat, longest_token })
+        let specials = ChatTemplate::specials(dir)?;
+        Ok(Tokenizer { inner, chat, longest_token, specials })
+    }
+
+    /// The special tokens tokenizer_config.json names (`bos_token`, `eos_token`, …).
+    pub fn specials(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.specials
     }
 
     /// The model's chat template, if it has one.

@@ -66,6 +66,11 @@ pub struct SeqData {
     hashes: Vec<BlockHash>,
     /// Online sequences are admitted before batch ones and preempted after them.
     pub priority: Priority,
+    /// Whether its prompt may start from cached blocks (false: every position is computed,
+    /// as prompt logprobs need).
+    pub reads_cache: bool,
+    /// Most tokens of it one step computes (bounds what a step returns for its rows).
+    pub max_chunk: usize,
 }
 
 impl SeqData {
@@ -78,6 +83,8 @@ impl SeqData {
             group_blocks: Vec::new(),
             hashes: Vec::new(),
             priority: Priority::Online,
+            reads_cache: true,
+            max_chunk: usize::MAX,
         }
     }
 
@@ -275,8 +282,9 @@ impl Scheduler {
         let mut budget = self.config.max_batched_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let (computed, len) = (self.running[i].computed, self.running[i].tokens.len());
-            let want = (len - computed).min(budget);
+            let seq = &self.running[i];
+            let (computed, len) = (seq.computed, seq.tokens.len());
+            let want = (len - computed).min(budget).min(seq.max_chunk);
             if !self.grow_running(i, computed + want, &mut plan) {
                 break; // `i` itself was preempted or aborted: it was the newest
             }
@@ -336,10 +344,10 @@ impl Scheduler {
     fn admit(&mut self, plan: &mut Schedule, mut budget: usize) {
         while budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(seq) = self.waiting.front_mut() else { break };
-            if seq.blocks.is_empty() && self.pool.prefix_caching() {
+            if seq.blocks.is_empty() && self.pool.prefix_caching() && seq.reads_cache {
                 reuse_prefix(&self.pool, &self.windows[1..], seq);
             }
-            let want = (seq.tokens.len() - seq.computed).min(budget);
+            let want = (seq.tokens.len() - seq.computed).min(budget).min(seq.max_chunk);
             if !grow(&self.pool, self.windows.len() - 1, seq, seq.computed + want) {
                 // FIFO: nobody overtakes the head. Its cached prefix stays findable.
                 seq.clear_blocks();

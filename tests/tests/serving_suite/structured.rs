@@ -20,7 +20,7 @@ async fn python(script: &str, http: String) -> String {
 }
 
 /// Runs `tests/python/{script}` with `args`; its stdout.
-async fn python_with(script: &str, args: Vec<String>) -> String {
+pub(crate) async fn python_with(script: &str, args: Vec<String>) -> String {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let python = root.join("target/pyenv/bin/python");
     assert!(python.exists(), "{} missing: run `make prerequisites`", python.display());

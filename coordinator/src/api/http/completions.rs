@@ -155,8 +155,10 @@ pub fn completion(models: &dyn Catalog, f: &Fields) -> Result<Job, ApiError> {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
     let echo = params::boolean(f, "echo")?.unwrap_or(false);
-    if echo && common.params.logprobs.is_some() {
-        return Err(ApiError::invalid("echo", "echo with logprobs is not supported (prompt logprobs)"));
+    if echo {
+        // The echoed prompt's entries head the logprobs: its tokens' logprobs are computed.
+        common.prompt_logprobs.echoed = common.params.logprobs;
+        common.params.prompt_logprobs = common.prompt_logprobs.top();
     }
     let echo = if echo {
         let model = models.get(&common.model).map_err(ApiError::from)?;

@@ -18,6 +18,7 @@ pub mod error;
 mod fuzz;
 pub mod metrics;
 pub mod params;
+mod prompt_logprobs;
 pub mod respond;
 mod responses;
 mod serve;
@@ -113,6 +114,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(utility::tokenize))
         .route("/detokenize", post(utility::detokenize))
+        .route("/tokenizer_info", get(utility::tokenizer_info))
         .layer(DefaultBodyLimit::max(MAX_JSON_BODY));
     let api = match &state.batches {
         Some(b) => api.merge(crate::batch::http::router(b.clone())),

@@ -127,6 +127,7 @@ const SHARED_FIELDS: &[&str] = &[
     "guided_whitespace_pattern",
     "structured_outputs",
     "logprobs",
+    "prompt_logprobs",
     "user",
     "metadata",
     "store",
@@ -175,6 +176,8 @@ pub struct Common {
     /// The field the caller constrained the output by (`response_format`,
     /// `guided_json`, …), which errors from compiling it name.
     pub constraint_field: Option<String>,
+    /// The prompt's logprobs the response shows.
+    pub prompt_logprobs: super::prompt_logprobs::PromptLogprobsWanted,
 }
 
 /// Reads the shared fields. `max_tokens_names` are the names the output length may go by
@@ -245,7 +248,9 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
     };
     let cache = boolean(f, "cache")?.unwrap_or(true);
     let (constraint, constraint_field) = super::structured::constraint(f)?.unzip();
-    let params = SamplingParams { constraint, ..params };
+    let listed = uint(f, "prompt_logprobs", MAX_LOGPROBS as u64)?.map(|n| n as u32);
+    let prompt_logprobs = super::prompt_logprobs::PromptLogprobsWanted { listed, echoed: None };
+    let params = SamplingParams { constraint, prompt_logprobs: listed, ..params };
     Ok(Common {
         model,
         max_tokens,
@@ -256,6 +261,7 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
         include_usage,
         cache,
         constraint_field,
+        prompt_logprobs,
     })
 }
 

@@ -22,6 +22,7 @@ use tracing::Instrument;
 
 use super::completions::{rename, Api, Job};
 use super::error::ApiError;
+use super::prompt_logprobs;
 use super::tool_calls::{self, StreamedCalls};
 use super::HttpState;
 use crate::frontend::{FrontEnd, Started};
@@ -149,6 +150,8 @@ struct Collected {
     text: String,
     tokens: usize,
     logprobs: Vec<TokenLogprobs>,
+    /// The prompt's, when asked for.
+    prompt: Option<Vec<TokenLogprobs>>,
     finish: Option<FinishReason>,
     revision: u64,
 }
@@ -169,6 +172,7 @@ async fn collect(mut rx: generation::ChunkRx, job: &Job) -> Result<Collected, Ap
         c.text.push_str(&chunk.text);
         c.tokens += chunk.token_ids.len();
         c.logprobs.extend(chunk.logprobs);
+        c.prompt = chunk.prompt_logprobs.or(c.prompt.take());
         c.revision = chunk.revision;
         if let Some(f) = chunk.finish {
             c.finish = Some(f);
@@ -202,25 +206,40 @@ fn prompt_tokens(job: &Job, started: &[Started]) -> usize {
 async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, ApiError> {
     let prompt_tokens = prompt_tokens(job, &started);
     let tokenizers: Vec<Arc<crate::routing::ModelEntry>> = started.iter().map(|s| s.model.clone()).collect();
+    let prompts: Vec<Vec<u32>> = started.iter().map(|s| s.prompt_ids.clone()).collect();
     let results = futures::future::try_join_all(started.into_iter().map(|s| collect(s.rx, job))).await?;
     let mut choices = Vec::with_capacity(results.len());
     let mut completion_tokens = 0;
     let revision = results.first().map_or(0, |c| c.revision);
-    for ((choice, c), model) in job.choices.iter().zip(results).zip(&tokenizers) {
+    let wanted = job.common.prompt_logprobs;
+    let mut listed_first = None;
+    for (((choice, c), model), prompt) in job.choices.iter().zip(results).zip(&tokenizers).zip(&prompts) {
         completion_tokens += c.tokens;
         let finish = c.finish.map(finish_str);
         let tok = &model.tokenizer;
+        let listed = wanted.listed.zip(c.prompt.as_deref()).map(|(n, p)| prompt_logprobs::listed(tok, p, n));
         let entry = match job.api {
             Api::Completion => {
                 let echo = job.echo.as_ref().map(|e| e[choice.prompt].as_str()).unwrap_or("");
-                let logprobs =
-                    job.choices[0].request.params.logprobs.map(|_| completion_logprobs(tok, &c.logprobs, 0));
-                json!({"index": choice.index, "text": format!("{echo}{}", c.text), "logprobs": logprobs, "finish_reason": finish})
+                let mut logprobs = job.choices[0]
+                    .request
+                    .params
+                    .logprobs
+                    .map(|_| completion_logprobs(tok, &c.logprobs, echo.len()));
+                if let (Some(n), Some(p)) = (wanted.echoed, c.prompt.as_deref()) {
+                    logprobs = logprobs.map(|lp| prompt_logprobs::with_echo(tok, prompt, p, n, lp));
+                }
+                let mut entry = json!({"index": choice.index, "text": format!("{echo}{}", c.text), "logprobs": logprobs, "finish_reason": finish});
+                if let Some(l) = listed {
+                    entry["prompt_logprobs"] = l;
+                }
+                entry
             }
             Api::Chat => {
                 let logprobs =
                     job.choices[0].request.params.logprobs.map(|_| chat_logprobs(tok, &c.logprobs));
                 let prefix = format!("{}_{}", head.id, choice.index);
+                listed_first = listed_first.or(listed);
                 let (message, finish) = tool_calls::message(job.reply.as_ref(), c.text, c.finish, &prefix);
                 json!({
                     "index": choice.index,
@@ -234,6 +253,10 @@ async fn unary(job: &Job, head: &Head, started: Vec<Started>) -> Result<Json, Ap
     }
     let mut body = head.object(job.api, false);
     body.insert("choices".into(), Json::Array(choices));
+    if let Some(l) = listed_first {
+        // vLLM's chat responses carry them beside the choices (the prompt is theirs alike).
+        body.insert("prompt_logprobs".into(), l);
+    }
     body.insert("usage".into(), usage(prompt_tokens, completion_tokens));
     body.insert("system_fingerprint".into(), fingerprint(revision));
     Ok(Json::Object(body))
@@ -366,14 +389,21 @@ struct SseEvents {
     offsets: Vec<usize>,
     /// Per choice, when the reply is read for tool calls.
     calls: Vec<Option<StreamedCalls>>,
+    /// Per choice, vLLM's `prompt_logprobs` until its first event carries them.
+    listed: Vec<Option<Json>>,
     ended: bool,
 }
 
 impl SseEvents {
     /// The events of `started`, whose first chunks `firsts` were read already.
-    fn new(job: Job, head: Head, started: Vec<Started>, firsts: Vec<Option<Chunk>>) -> Self {
+    fn new(job: Job, head: Head, started: Vec<Started>, mut firsts: Vec<Option<Chunk>>) -> Self {
         let prompt_tokens = prompt_tokens(&job, &started);
         let models: Vec<_> = started.iter().map(|s| s.model.clone()).collect();
+        let prompts: Vec<(Vec<u32>, Option<Vec<TokenLogprobs>>)> = started
+            .iter()
+            .zip(&mut firsts)
+            .map(|(s, f)| (s.prompt_ids.clone(), f.as_mut().and_then(|c| c.prompt_logprobs.take())))
+            .collect();
         let streams = started.into_iter().zip(firsts).enumerate().map(|(i, (s, first))| {
             futures::stream::iter(first.map(|c| (i, Some(Ok(c)))))
                 .chain(ReceiverStream::new(s.rx).map(move |c| (i, Some(c))))
@@ -386,9 +416,18 @@ impl SseEvents {
             .iter()
             .map(|c| job.reply.as_ref().map(|r| StreamedCalls::new(r, format!("{}_{}", head.id, c.index))))
             .collect();
+        let wanted = job.common.prompt_logprobs;
+        let listed = prompts
+            .iter()
+            .zip(&models)
+            .map(|((_, p), m)| {
+                wanted.listed.zip(p.as_deref()).map(|(n, p)| prompt_logprobs::listed(&m.tokenizer, p, n))
+            })
+            .collect();
         let mut events = SseEvents {
             offsets: vec![0; job.choices.len()],
             calls,
+            listed,
             merged: futures::stream::select_all(streams),
             ready: VecDeque::new(),
             want_logprobs,
@@ -399,20 +438,43 @@ impl SseEvents {
             job,
             ended: false,
         };
-        for i in 0..events.job.choices.len() {
-            let choice = &events.job.choices[i];
-            let first = match (events.job.api, &events.job.echo) {
-                (Api::Chat, _) => Some(json!({"role": "assistant", "content": ""})),
-                (Api::Completion, Some(echo)) => Some(json!(echo[choice.prompt])),
-                (Api::Completion, None) => None,
+        events.opening_events(&prompts);
+        events
+    }
+
+    /// Each choice's first event, before any chunk: the assistant's role (chat) or the
+    /// echoed prompt (completions, with its logprobs when asked for).
+    fn opening_events(&mut self, prompts: &[(Vec<u32>, Option<Vec<TokenLogprobs>>)]) {
+        for (i, (prompt, lps)) in prompts.iter().enumerate() {
+            let choice = &self.job.choices[i];
+            let first = match (self.job.api, &self.job.echo) {
+                (Api::Chat, _) => json!({"role": "assistant", "content": ""}),
+                (Api::Completion, Some(echo)) => json!(echo[choice.prompt]),
+                (Api::Completion, None) => continue,
             };
-            if let Some(first) = first {
-                events.offsets[i] = first.as_str().map_or(0, str::len);
-                let event = chunk_event(&events.job, &events.head, choice.index, first, Json::Null, None);
-                events.ready.push_back(Out::Chunk(event));
+            self.offsets[i] = first.as_str().map_or(0, str::len);
+            let logprobs = match (self.want_logprobs, self.job.common.prompt_logprobs.echoed, lps) {
+                (true, Some(n), Some(p)) => {
+                    let tok = &self.models[i].tokenizer;
+                    prompt_logprobs::with_echo(tok, prompt, p, n, completion_logprobs(tok, &[], 0))
+                }
+                _ => Json::Null,
+            };
+            let mut event = chunk_event(&self.job, &self.head, choice.index, first, logprobs, None);
+            self.add_listed(i, &mut event);
+            self.ready.push_back(Out::Chunk(event));
+        }
+    }
+
+    /// Puts choice `i`'s `prompt_logprobs` on `event` if no event of it carried them yet:
+    /// in the choice for completions, beside the choices for chat (as vLLM does).
+    fn add_listed(&mut self, i: usize, event: &mut Json) {
+        if let Some(l) = self.listed[i].take() {
+            match self.job.api {
+                Api::Completion => event["choices"][0]["prompt_logprobs"] = l,
+                Api::Chat => event["prompt_logprobs"] = l,
             }
         }
-        events
     }
 
     async fn next(&mut self) -> Option<Out> {
@@ -462,6 +524,7 @@ impl SseEvents {
         let index = self.job.choices[i].index;
         let mut event = chunk_event(&self.job, &self.head, index, content, logprobs, None);
         event["choices"][0]["finish_reason"] = json!(finish);
+        self.add_listed(i, &mut event);
         event["system_fingerprint"] = fingerprint(chunk.revision);
         event
     }

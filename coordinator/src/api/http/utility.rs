@@ -1,12 +1,15 @@
 //! vLLM's utility routes, with its request and response fields: `POST /tokenize` (a
 //! prompt, or chat messages rendered with the model's template, to token ids),
-//! `POST /detokenize` (token ids to text) and `GET /version`; and the errors every route
-//! the API does not have gets, in OpenAI's shape, naming the method and path.
+//! `POST /detokenize` (token ids to text), `GET /tokenizer_info` (special tokens, chat
+//! template, context: what evaluation harnesses tokenize with remotely) and `GET /version`;
+//! and the errors every route the API does not have gets, in OpenAI's shape, naming the
+//! method and path. As in vLLM, `model` may be left out where the caller can use one
+//! model only.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
@@ -138,12 +141,58 @@ fn model(
     f: &Fields,
     who: &Caller,
 ) -> Result<Arc<ModelEntry>, ApiError> {
-    let Some(name) = params::string(f, "model")?.filter(|m| !m.is_empty()) else {
-        return Err(ApiError::invalid("model", "model is required: name a served model (GET /v1/models)"));
+    named_model(models, params::string(f, "model")?, who)
+}
+
+/// Model `name`, or without a name the one model the caller may use.
+fn named_model(
+    models: &dyn crate::routing::Catalog,
+    name: Option<&str>,
+    who: &Caller,
+) -> Result<Arc<ModelEntry>, ApiError> {
+    let model = match name.filter(|m| !m.is_empty()) {
+        Some(name) => models.get(name).map_err(ApiError::from)?,
+        None => {
+            let mut usable: Vec<_> =
+                models.all().into_iter().filter(|m| who.may_use(&m.name).is_ok()).collect();
+            if usable.len() != 1 {
+                return Err(ApiError::invalid(
+                    "model",
+                    format!("model is required: {} models are served (GET /v1/models)", usable.len()),
+                ));
+            }
+            usable.remove(0)
+        }
     };
-    let model = models.get(name).map_err(ApiError::from)?;
     who.may_use(&model.name).map_err(|_| ApiError::not_found(format!("model {:?}", model.name)))?;
     Ok(model)
+}
+
+/// `GET /tokenizer_info[?model=NAME]`: the model's special tokens (as tokenizer_config.json
+/// names them), chat template and context, in vLLM's fields.
+pub async fn tokenizer_info(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    if let Some(k) = query.keys().find(|k| k.as_str() != "model") {
+        return ApiError::invalid(k.clone(), format!("/tokenizer_info takes no parameter {k:?}"))
+            .into_response();
+    }
+    let model = match named_model(&**state.front.models(), query.get("model").map(String::as_str), &who) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let mut info = serde_json::Map::new();
+    for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
+        info.insert(name.into(), model.tokenizer.specials().get(name).cloned().unwrap_or(Json::Null));
+    }
+    let template = model.tokenizer.chat_template().and_then(|t| t.source());
+    info.insert("chat_template".into(), json!(template));
+    info.insert("model_max_length".into(), json!(model.max_context()));
+    info.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
+    info.insert("model".into(), json!(model.name));
+    axum::Json(Json::Object(info)).into_response()
 }
 
 fn tokenize_fields(model: &ModelEntry, mut f: Fields) -> Result<Json, ApiError> {
