@@ -264,6 +264,7 @@ impl GenerateArgs {
             prompt_logprobs: None,
             priority: Default::default(),
             constraint: self.constraint(),
+            embed: None,
         }
     }
 

@@ -128,6 +128,10 @@ pub struct EngineFlags {
     /// [default: the model's context]; a KV cache too small for it limits it further.
     #[arg(long, env = "STRATA_MAX_MODEL_LEN")]
     pub max_model_len: Option<usize>,
+    /// How /v1/embeddings pools a prompt's final hidden states unless the request says:
+    /// last, mean or cls [default: the model's sentence-transformers config, else last].
+    #[arg(long, env = "STRATA_POOLING")]
+    pub pooling: Option<String>,
 }
 
 impl EngineArgs {
@@ -167,6 +171,9 @@ impl EngineFlags {
         if self.max_model_len.is_some() {
             e.max_model_len = self.max_model_len;
         }
+        if self.pooling.is_some() {
+            e.pooling = self.pooling.clone();
+        }
     }
 }
 
@@ -199,6 +206,12 @@ pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, Runner
         },
         labels: Default::default(),
         max_model_len: e.max_model_len,
+        pooling: e
+            .pooling
+            .as_deref()
+            .map(strata_common::Pooling::parse)
+            .transpose()
+            .context("engine.pooling (--pooling)")?,
     };
     Ok((engine, RunnerLimits { max_waiting: e.max_waiting, ..Default::default() }))
 }

@@ -108,6 +108,9 @@ pub struct EngineSettings {
     /// The longest prompt + output a sequence may have (at most the model's context);
     /// unset: the model's context. A KV cache too small for it limits it further.
     pub max_model_len: Option<usize>,
+    /// How embedding requests pool hidden states unless they say: "last", "mean" or
+    /// "cls"; unset: the model's (its sentence-transformers config, else the last token).
+    pub pooling: Option<String>,
 }
 
 /// The engine's defaults: the one place they are stated. The engine's own config types,
@@ -135,6 +138,7 @@ impl Default for EngineSettings {
             quantize: "none".into(),
             enforce_eager: false,
             max_model_len: None,
+            pooling: None,
         }
     }
 }
@@ -399,6 +403,9 @@ impl Config {
         if e.max_model_len == Some(0) {
             return Err(Error::invalid("engine.max_model_len", "must be at least 1"));
         }
+        if let Some(p) = &e.pooling {
+            crate::sampling::Pooling::parse(p).map_err(|err| rename(err, "engine.pooling"))?;
+        }
         let kv = parse_memory(&e.kv_cache_memory).map_err(|err| rename(err, "engine.kv_cache_memory"))?;
         if let Some(avail) = crate::host::available_memory() {
             if kv as u64 > avail {
@@ -598,6 +605,9 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("coordinator.response_cache_memory"));
         let cfg = Config::from_toml("[coordinator]\nresponse_cache_memory = \"0\"\n").unwrap();
         assert!(cfg.validate().is_ok(), "0 turns the response cache off");
+        let cfg = Config::from_toml("[engine]\npooling = \"max\"\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("engine.pooling"));
+        assert!(Config::from_toml("[engine]\npooling = \"mean\"\n").unwrap().validate().is_ok());
     }
 
     #[test]

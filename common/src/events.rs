@@ -31,13 +31,15 @@ pub enum SeqEvent {
         logprobs: Option<TokenLogprobs>,
         finish: Option<FinishReason>,
     },
+    /// An embedding request's answer (its pooled hidden states); nothing follows.
+    Embedding(Vec<f32>),
     Failed(Error),
 }
 
 impl SeqEvent {
     /// Whether nothing follows this event.
     pub fn is_last(&self) -> bool {
-        matches!(self, SeqEvent::Token { finish: Some(_), .. } | SeqEvent::Failed(_))
+        matches!(self, SeqEvent::Token { finish: Some(_), .. } | SeqEvent::Embedding(_) | SeqEvent::Failed(_))
     }
 }
 

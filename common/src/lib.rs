@@ -53,5 +53,5 @@ pub use ids::{ModelName, ReplicaId, WorkerId};
 pub use model_config::{
     Activation, Architecture, ExpertNames, GroupedRouting, Latent, ModelConfig, Moe, RopeScaling,
 };
-pub use sampling::{FinishReason, SamplingParams};
+pub use sampling::{Embed, FinishReason, Pooling, SamplingParams};
 pub use shard::{Parallelism, RankShard, ShardPlan, WeightBytes};

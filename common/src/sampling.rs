@@ -46,6 +46,51 @@ pub struct SamplingParams {
     /// What the output must match (structured outputs); None leaves it free.
     #[serde(default)]
     pub constraint: Option<Constraint>,
+    /// An embedding request: the prompt's pooled final hidden states are the answer, and
+    /// nothing is generated. None generates.
+    #[serde(default)]
+    pub embed: Option<Embed>,
+}
+
+/// How an embedding request pools and scales its prompt's final hidden states.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Embed {
+    /// None: the model's (its sentence-transformers pooling config, else the last token).
+    pub pooling: Option<Pooling>,
+    /// Scale to unit length; None: the model's (its sentence-transformers modules, else yes).
+    pub normalize: Option<bool>,
+}
+
+/// Which positions' hidden states make an embedding.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pooling {
+    /// The last token's (decoder embedding models: the only one that saw the whole text).
+    Last,
+    /// The mean over every token.
+    Mean,
+    /// The first token's.
+    Cls,
+}
+
+impl Pooling {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooling::Last => "last",
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+        }
+    }
+
+    /// The pooling called `name` (`last`, `mean`, `cls`).
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "last" => Ok(Pooling::Last),
+            "mean" => Ok(Pooling::Mean),
+            "cls" => Ok(Pooling::Cls),
+            other => Err(Error::invalid("pooling", format!("{other:?} is not last, mean or cls"))),
+        }
+    }
 }
 
 /// Who waits for a request: a caller now (online) or a batch job (throughput first).
@@ -78,6 +123,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             priority: Priority::Online,
             constraint: None,
+            embed: None,
         }
     }
 }
@@ -137,6 +183,12 @@ impl SamplingParams {
         }
         if let Some(c) = &self.constraint {
             c.validate()?;
+        }
+        if self.embed.is_some() && (self.constraint.is_some() || self.prompt_logprobs.is_some()) {
+            return Err(Error::invalid(
+                "embed",
+                "an embedding request generates nothing to constrain or score",
+            ));
         }
         Ok(())
     }

@@ -91,6 +91,10 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
         replica_id: replica.to_string(),
         batch: p.priority == crate::sampling::Priority::Batch,
         constraint: p.constraint.as_ref().map(constraint_to_pb),
+        embed: p.embed.map(|e| wpb::EmbedParams {
+            pooling: e.pooling.map(|p| p.as_str().to_string()).unwrap_or_default(),
+            normalize: e.normalize,
+        }),
     }
 }
 
@@ -135,6 +139,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> Result<(ReplicaId, Job)> {
         prompt_logprobs: r.prompt_logprobs,
         priority: if r.batch { crate::sampling::Priority::Batch } else { crate::sampling::Priority::Online },
         constraint: r.constraint.map(constraint_from_pb).transpose()?,
+        embed: r.embed.map(embed_from_pb).transpose()?,
         ..SamplingParams::default()
     };
     apply_sampling(&r.sampling.unwrap_or_default(), &mut params);
@@ -145,6 +150,24 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> Result<(ReplicaId, Job)> {
         params,
     };
     Ok((r.replica_id.into(), job))
+}
+
+fn embed_from_pb(e: wpb::EmbedParams) -> Result<crate::sampling::Embed> {
+    let pooling = match e.pooling.as_str() {
+        "" => None,
+        name => Some(crate::sampling::Pooling::parse(name)?),
+    };
+    Ok(crate::sampling::Embed { pooling, normalize: e.normalize })
+}
+
+/// An embedding request's answer as a worker.v1 message.
+pub fn embedding_to_pb(v: Vec<f32>) -> wpb::WorkerGenerateResponse {
+    wpb::WorkerGenerateResponse {
+        tokens: Vec::new(),
+        finish_reason: ipb::FinishReason::Stop as i32,
+        prompt_logprobs: Vec::new(),
+        embedding: v,
+    }
 }
 
 /// One token event as a worker.v1 message (failures travel as the stream's status).
@@ -161,6 +184,7 @@ pub fn token_to_pb(
         tokens: vec![t],
         finish_reason: finish.map(finish_to_pb).unwrap_or(ipb::FinishReason::Unspecified) as i32,
         prompt_logprobs: Vec::new(),
+        embedding: Vec::new(),
     }
 }
 
@@ -170,6 +194,7 @@ pub fn prompt_to_pb(prompt: Vec<TokenLogprobs>) -> wpb::WorkerGenerateResponse {
         tokens: Vec::new(),
         finish_reason: ipb::FinishReason::Unspecified as i32,
         prompt_logprobs: prompt.into_iter().map(worker_token).collect(),
+        embedding: Vec::new(),
     }
 }
 
@@ -196,6 +221,12 @@ fn token_logprobs(t: &wpb::WorkerToken) -> Option<TokenLogprobs> {
 /// tokens, the last carrying the finish reason.
 pub fn events_from_pb(m: wpb::WorkerGenerateResponse) -> Result<Vec<SeqEvent>> {
     let finish = finish_from_pb(m.finish_reason)?;
+    if !m.embedding.is_empty() {
+        if !m.tokens.is_empty() || !m.prompt_logprobs.is_empty() {
+            return Err(Error::invalid("embedding", "an embedding comes alone"));
+        }
+        return Ok(vec![SeqEvent::Embedding(m.embedding)]);
+    }
     let n = m.tokens.len();
     if n == 0 && finish.is_some() {
         return Err(Error::invalid("tokens", "a finished message carries no token"));
@@ -416,6 +447,7 @@ mod tests {
                 prompt_logprobs: Some(2),
                 priority: crate::sampling::Priority::Batch,
                 constraint: Some(Constraint::Choice(vec!["a".into(), "b".into()])),
+                embed: None,
             },
         };
         let (replica, back) = job_from_pb(job_to_pb("m-0", &job)).unwrap();
@@ -461,6 +493,36 @@ mod tests {
         let evs = events_from_pb(m).unwrap();
         assert!(matches!(evs[0], SeqEvent::Token { token: 5, finish: None, .. }));
         assert!(matches!(evs[1], SeqEvent::Token { token: 6, finish: Some(FinishReason::Length), .. }));
+    }
+
+    #[test]
+    fn embedding_requests_and_answers_cross_worker_v1() {
+        use crate::sampling::{Embed, Pooling};
+        for embed in [Embed::default(), Embed { pooling: Some(Pooling::Mean), normalize: Some(false) }] {
+            let job = Job {
+                request_id: "e".into(),
+                prompt: vec![1, 2],
+                generated: Vec::new(),
+                params: SamplingParams { max_new_tokens: 1, embed: Some(embed), ..Default::default() },
+            };
+            assert_eq!(job_from_pb(job_to_pb("m-0", &job)).unwrap().1.params.embed, Some(embed));
+        }
+        let evs = events_from_pb(embedding_to_pb(vec![0.5, -1.0])).unwrap();
+        assert!(matches!(&evs[..], [SeqEvent::Embedding(v)] if v == &[0.5, -1.0]) && evs[0].is_last());
+        let mut both = embedding_to_pb(vec![1.0]);
+        both.tokens.push(wpb::WorkerToken::default());
+        assert!(events_from_pb(both).is_err());
+        let mut bad = job_to_pb(
+            "m",
+            &Job {
+                request_id: "x".into(),
+                prompt: vec![1],
+                generated: vec![],
+                params: SamplingParams::default(),
+            },
+        );
+        bad.embed = Some(wpb::EmbedParams { pooling: "max".into(), normalize: None });
+        assert!(job_from_pb(bad).unwrap_err().to_string().contains("pooling"));
     }
 
     #[test]

@@ -223,7 +223,8 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
                 // The last stage's TP rank 0 replies.
                 let par = self.rank.model.shard.par;
                 let reply = self.rank.comm.host().recv(par.world() - par.tp)?;
-                StepOutput::from_f32s(step.wanted, step.draws.len(), bytes_f32(&reply))
+                let hidden = step.hidden_rows.len() * self.rank.model.config.hidden_size;
+                StepOutput::from_f32s(step.wanted, step.draws.len(), hidden, bytes_f32(&reply))
             }
         }
     }

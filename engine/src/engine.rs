@@ -19,7 +19,7 @@ use tracing::{debug, info};
 use crate::backend::Backend;
 use crate::dist::{kv_blocks, LeaderExecutor, StepExecutor};
 use crate::guide::{prepare_guide, Grammars, Guide, TokenMask};
-use crate::kv::{BlockPool, BlockTable};
+use crate::kv::BlockPool;
 use crate::logits::{Draw, LogitsWanted, StepLogits, StepOutput, MAX_PICK_VOCAB};
 use crate::model::Model;
 use crate::sampler::Sampler;
@@ -28,7 +28,11 @@ use crate::scheduler::{Schedule, Scheduled, Scheduler, SchedulerConfig, SeqData}
 pub use crate::step::SeqId;
 use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
+mod embed;
 mod prompt;
+mod scratch;
+pub use embed::EmbedDefaults;
+use embed::Embedding;
 use prompt::PromptLogprobs;
 
 /// A KV cache in host memory must fit in what the machine has available: asking for more
@@ -91,6 +95,8 @@ pub struct EngineConfig {
     /// The longest prompt + output a sequence may have (`--max-model-len`); None: the
     /// model's context. Never more than the model's context.
     pub max_model_len: Option<usize>,
+    /// How embedding requests pool unless they say (`--pooling`); None: the model's.
+    pub pooling: Option<strata_common::Pooling>,
 }
 
 impl Default for EngineConfig {
@@ -104,6 +110,7 @@ impl Default for EngineConfig {
             backend: Default::default(),
             labels: Default::default(),
             max_model_len: None,
+            pooling: None,
         }
     }
 }
@@ -116,6 +123,8 @@ pub struct StepEvent {
     pub logprobs: Option<TokenLogprobs>,
     /// On a sequence's first token, when it asked for them: its prompt's logprobs.
     pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
+    /// An embedding request's answer (then `token` means nothing and `finish` is set).
+    pub embedding: Option<Vec<f32>>,
     /// Set on the sequence's last token.
     pub finish: Option<FinishReason>,
 }
@@ -128,6 +137,14 @@ fn non_finite() -> Error {
     )
 }
 
+impl StepEvent {
+    /// The answer of embedding request `seq`.
+    fn embedding(seq: SeqId, v: Vec<f32>) -> Self {
+        let finish = Some(FinishReason::Stop);
+        StepEvent { seq, token: 0, logprobs: None, prompt_logprobs: None, embedding: Some(v), finish }
+    }
+}
+
 /// Per-sequence state the scheduler does not need.
 struct SeqMeta {
     sampler: Sampler,
@@ -136,6 +153,8 @@ struct SeqMeta {
     guide: Option<Guide>,
     /// Its prompt's logprobs while they are computed, when asked for.
     prompt: Option<PromptLogprobs>,
+    /// An embedding request's pooling while its prompt is computed.
+    embed: Option<Embedding>,
 }
 
 /// A sequence removed because it cannot run: the cache can never hold it, or the model
@@ -164,6 +183,10 @@ pub struct Engine {
     max_context: usize,
     /// Compiles constraints; None when the model has no tokenizer this can read.
     grammars: Option<Arc<Grammars>>,
+    /// How embedding requests pool unless they say.
+    embed_defaults: EmbedDefaults,
+    /// `--pooling`: the pooling over the model's.
+    pooling: Option<strata_common::Pooling>,
 }
 
 impl Engine {
@@ -219,7 +242,28 @@ impl Engine {
             labels: config.labels.clone(),
             max_context,
             grammars: None,
-        })
+            embed_defaults: EmbedDefaults::default(),
+            pooling: config.pooling,
+        }
+        .with_pooling_override())
+    }
+
+    /// This engine, pooling embeddings as the model in `dir` says (see [`EmbedDefaults`]);
+    /// a model whose files say nothing readable pools the last token (logged).
+    pub fn with_embed_defaults_from(mut self, dir: &std::path::Path) -> Self {
+        self.embed_defaults = EmbedDefaults::from_dir(dir).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "embedding defaults unreadable: the last token, normalized");
+            EmbedDefaults::default()
+        });
+        self.with_pooling_override()
+    }
+
+    /// The configured pooling (`--pooling`) over the model's.
+    fn with_pooling_override(mut self) -> Self {
+        if let Some(p) = self.pooling {
+            self.embed_defaults.pooling = Ok(p);
+        }
+        self
     }
 
     /// This engine, compiling constraints with `grammars` (see [`crate::guide`]).
@@ -389,12 +433,21 @@ impl Engine {
         let prompt_lps = params.prompt_logprobs.filter(|_| generated.is_empty());
         let sampler = Sampler::resume(params, &prompt, &generated);
         let lps = prompt_lps.map(|n| PromptLogprobs::new(n, prompt.len()));
-        self.meta.insert(id, SeqMeta { sampler, generated: generated.len() as u32, guide, prompt: lps });
+        let embed = match sampler.params().embed {
+            Some(_) if !generated.is_empty() => {
+                return Err(Error::invalid("generated", "an embedding request generates no tokens to resume"))
+            }
+            Some(e) => Some(Embedding::new(e, &self.embed_defaults, prompt.len())?),
+            None => None,
+        };
+        let reads_cache = embed.as_ref().is_none_or(Embedding::reads_cache) && prompt_lps.is_none();
+        let generated_len = generated.len() as u32;
+        self.meta.insert(id, SeqMeta { sampler, generated: generated_len, guide, prompt: lps, embed });
         let mut tokens = prompt;
         tokens.extend(generated);
         let mut seq = SeqData::new(id, tokens).with_priority(priority);
+        seq.reads_cache = reads_cache;
         if prompt_lps.is_some() {
-            seq.reads_cache = false;
             seq.max_chunk = prompt::max_chunk(vocab);
         }
         self.scheduler.add(seq);
@@ -459,10 +512,11 @@ impl Engine {
         step.wanted = self.logits_wanted(&plan, vocab);
         let sampled_rows = step.logit_rows.len();
         let prompt_rows = self.add_prompt_rows(&plan, &mut step);
+        let hidden_rows = self.add_hidden_rows(&plan, &mut step);
         let span = span_for(&plan.seqs);
         step.trace = strata_common::trace::context_of(&span);
         let (output, masks) = self.execute_guided(&step, &plan, &span);
-        let StepOutput { logits, drawn } = output?;
+        let StepOutput { logits, drawn, hidden } = output?;
         let (rows, draws) = (step.logit_rows.len(), &step.draws);
         let returned = logits.rows(vocab);
         if returned != rows || drawn.len() != draws.len() {
@@ -472,7 +526,10 @@ impl Engine {
                 draws.len()
             )));
         }
-        let bad_prompts = self.record_prompt_rows(&prompt_rows, &logits, sampled_rows);
+        let mut bad_prompts = self.record_prompt_rows(&prompt_rows, &logits, sampled_rows);
+        if !hidden_rows.is_empty() {
+            bad_prompts.extend(self.record_hidden_rows(&hidden_rows, &hidden));
+        }
         let (mut events, sampled, mut failed) = self.sample_rows(&plan, &logits, &drawn, draws, masks);
         events.retain(|e| !bad_prompts.iter().any(|b| b.seq == e.seq));
         failed.retain(|f| !bad_prompts.iter().any(|b| b.seq == f.seq));
@@ -507,6 +564,14 @@ impl Engine {
         let mut sampled = Vec::with_capacity(rows);
         let mut failed = Vec::new();
         for (row, item) in plan.seqs.iter().filter(|s| s.sample).enumerate() {
+            if let Some(embed) = self.meta.get_mut(&item.id).and_then(|m| m.embed.take()) {
+                sampled.push((item.id, 0));
+                match embed.finish() {
+                    Ok(v) => events.push(StepEvent::embedding(item.id, v)),
+                    Err(error) => failed.push(Aborted { seq: item.id, error, non_finite: false }),
+                }
+                continue;
+            }
             let drawn_here = draws.get(row).is_some_and(|d| d.temperature > 0.0);
             let finite = match logits {
                 _ if drawn_here => drawn[row].logit.is_finite() && drawn[row].log_z.is_finite(),
@@ -562,7 +627,14 @@ impl Engine {
             if prompt_logprobs.is_some() {
                 meta.prompt = None;
             }
-            events.push(StepEvent { seq: item.id, token, logprobs, prompt_logprobs, finish });
+            events.push(StepEvent {
+                seq: item.id,
+                token,
+                logprobs,
+                prompt_logprobs,
+                embedding: None,
+                finish,
+            });
         }
         (events, sampled, failed)
     }
@@ -688,64 +760,5 @@ impl Engine {
             g.positions = layout.positions.clone();
         }
         Step::full_logits(ids, layout, logit_rows)
-    }
-
-    /// Raw logits of the last position of `prompt`, computed on a scratch sequence (tests,
-    /// benchmarks). Leaves no state behind.
-    pub fn prompt_logits(&mut self, prompt: &[u32]) -> Result<Vec<f32>> {
-        let last = prompt.len().checked_sub(1).ok_or_else(|| Error::invalid("prompt", "is empty"))?;
-        self.logits_at(prompt, &[last])
-    }
-
-    /// The natural-log probability the model gives each token of `tokens` after the ones
-    /// before it (teacher forcing, one prefill on a scratch sequence): `tokens.len() − 1`
-    /// values, for perplexity-style comparisons of numerics. Leaves no state behind.
-    pub fn token_logprobs(&mut self, tokens: &[u32]) -> Result<Vec<f64>> {
-        let rows: Vec<usize> = (0..tokens.len().saturating_sub(1)).collect();
-        if rows.is_empty() {
-            return Ok(Vec::new());
-        }
-        let logits = self.logits_at(tokens, &rows)?;
-        let vocab = logits.len() / rows.len();
-        Ok(logits
-            .chunks_exact(vocab)
-            .zip(&tokens[1..])
-            .map(|(row, &next)| {
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-                let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-                row.get(next as usize).map_or(f64::NEG_INFINITY, |&v| v as f64 - max - sum.ln())
-            })
-            .collect())
-    }
-
-    /// `[rows, vocab]` logits of `rows` of `tokens`, run as one scratch sequence.
-    fn logits_at(&mut self, tokens: &[u32], rows: &[usize]) -> Result<Vec<f32>> {
-        // Scratch tables, one per KV group: their blocks go back when they are dropped,
-        // whatever happens.
-        let pool = self.scheduler.pool();
-        let mut tables = Vec::new();
-        let mut layouts = Vec::new();
-        for _ in 0..self.scheduler.num_kv_groups() {
-            let mut blocks = BlockTable::default();
-            pool.grow(&mut blocks, tokens.len())?;
-            layouts.push(BatchLayout {
-                positions: (0..tokens.len() as u32).collect(),
-                slots: (0..tokens.len()).map(|p| pool.slot(&blocks, p)).collect(),
-                seqs: vec![SeqSlice {
-                    token_start: 0,
-                    num_tokens: tokens.len(),
-                    context_before: 0,
-                    block_table: blocks.to_vec(),
-                }],
-                block_size: pool.block_size(),
-                groups: Vec::new(),
-            });
-            tables.push(blocks);
-        }
-        let mut layout = layouts.remove(0);
-        layout.groups = layouts;
-        let logits = self.exec.execute(&Step::full_logits(tokens.to_vec(), layout, rows.to_vec()));
-        drop(tables);
-        logits?.logits.into_full()
     }
 }

@@ -86,37 +86,45 @@ impl StepLogits {
 
 /// What a step returns: the logits its sampled rows asked for, and, when the step drew
 /// rows on the backend ([`draw`]), one pick per sampled row with the drawn token (rows
-/// that were not drawn carry their greedy pick, unused).
+/// that were not drawn carry their greedy pick, unused); and the final hidden states of
+/// its hidden rows (`[rows, hidden]`, after the final norm), when it has any.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepOutput {
     pub logits: StepLogits,
     pub drawn: Vec<Pick>,
+    pub hidden: Vec<f32>,
 }
 
 impl StepOutput {
     /// As `f32`s: the logits as [`StepLogits::into_f32s`] writes them, then the drawn
-    /// picks — the layout of a replayed graph's output and of the last stage's reply to
-    /// the leader.
+    /// picks, then the hidden states — the layout of a replayed graph's output and of the
+    /// last stage's reply to the leader.
     pub fn into_f32s(self, wanted: LogitsWanted) -> Vec<f32> {
         let mut data = self.logits.into_f32s(wanted);
         data.extend(picks_to_f32s(&self.drawn));
+        data.extend(self.hidden);
         data
     }
 
-    /// The inverse of [`StepOutput::into_f32s`], for a step that drew `drawn` rows.
-    pub fn from_f32s(wanted: LogitsWanted, drawn: usize, mut data: Vec<f32>) -> Result<Self> {
+    /// The inverse of [`StepOutput::into_f32s`], for a step that drew `drawn` rows and
+    /// returns `hidden` values of hidden states.
+    pub fn from_f32s(wanted: LogitsWanted, drawn: usize, hidden: usize, mut data: Vec<f32>) -> Result<Self> {
         let picks = 3 * drawn;
-        if data.len() < picks {
-            return Err(Error::Internal(format!("{} values for a step that drew {drawn} rows", data.len())));
+        if data.len() < picks + hidden {
+            return Err(Error::Internal(format!(
+                "{} values for a step that drew {drawn} rows and returns {hidden} hidden values",
+                data.len()
+            )));
         }
+        let hidden = data.split_off(data.len() - hidden);
         let drawn = picks_from_f32s(&data.split_off(data.len() - picks))?;
-        Ok(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn })
+        Ok(StepOutput { logits: StepLogits::from_f32s(wanted, data)?, drawn, hidden })
     }
 }
 
 impl From<StepLogits> for StepOutput {
     fn from(logits: StepLogits) -> Self {
-        StepOutput { logits, drawn: Vec::new() }
+        StepOutput { logits, drawn: Vec::new(), hidden: Vec::new() }
     }
 }
 

@@ -130,7 +130,7 @@ pub fn local_replica(dir: &Path, par: Parallelism, config: &EngineConfig) -> Res
 
 /// The engines built from a model directory compile constraints with its tokenizer.
 fn with_grammars(engine: Result<Engine>, dir: &Path) -> Result<Engine> {
-    engine.map(|e| e.with_grammars_from(dir))
+    engine.map(|e| e.with_grammars_from(dir).with_embed_defaults_from(dir))
 }
 
 /// `local_replica` on backends made by `backend(rank)`, each rank's TCP mesh endpoint

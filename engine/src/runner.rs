@@ -483,8 +483,12 @@ impl Runner {
         if let Some(prompt) = ev.prompt_logprobs {
             let _ = stream.try_send(SeqEvent::Prompt(prompt));
         }
-        let sent =
-            stream.try_send(SeqEvent::Token { token: ev.token, logprobs: ev.logprobs, finish: ev.finish });
+        let sent = match ev.embedding {
+            Some(v) => stream.try_send(SeqEvent::Embedding(v)),
+            None => {
+                stream.try_send(SeqEvent::Token { token: ev.token, logprobs: ev.logprobs, finish: ev.finish })
+            }
+        };
         if finished {
             self.streams.remove(&ev.seq);
         } else if sent.is_err() {

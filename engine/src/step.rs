@@ -90,12 +90,23 @@ pub struct Step {
     /// The leader's step span, so each rank's step joins the trace of the requests it
     /// serves (None when spans are not exported).
     pub trace: Option<TraceContext>,
+    /// Rows whose final hidden states (after the final norm) the step returns, in order:
+    /// what embedding requests pool.
+    pub hidden_rows: Vec<usize>,
 }
 
 impl Step {
     /// A step of `ids` laid out by `layout` whose `logit_rows` return whole rows.
     pub fn full_logits(ids: Vec<u32>, layout: BatchLayout, logit_rows: Vec<usize>) -> Step {
-        Step { ids, layout, logit_rows, wanted: LogitsWanted::Full, draws: Vec::new(), trace: None }
+        Step {
+            ids,
+            layout,
+            logit_rows,
+            wanted: LogitsWanted::Full,
+            draws: Vec::new(),
+            trace: None,
+            hidden_rows: Vec::new(),
+        }
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -141,6 +152,9 @@ impl Step {
         if let Some(r) = self.logit_rows.iter().find(|&&r| r >= n) {
             return Err(Error::Internal(format!("logit row {r} of a {n}-token step")));
         }
+        if let Some(r) = self.hidden_rows.iter().find(|&&r| r >= n) {
+            return Err(Error::Internal(format!("hidden row {r} of a {n}-token step")));
+        }
         if !self.draws.is_empty() && self.draws.len() != self.logit_rows.len() {
             return Err(Error::Internal(format!(
                 "{} draws for {} logit rows",
@@ -184,7 +198,7 @@ mod tests {
         assert!(s.check_shape().is_ok());
         assert_eq!(s.layout.for_group(1).slots, [0, 1, 2]);
         assert_eq!(s.layout.for_group(0).slots, [32, 33, 71]);
-        let cases: [(&str, Edit); 6] = [
+        let cases: [(&str, Edit); 7] = [
             ("positions", |s| s.layout.positions.truncate(2)),
             ("KV group's layout", |s| {
                 grouped(s);
@@ -196,6 +210,7 @@ mod tests {
             }),
             ("rows 2+2", |s| s.layout.seqs[1].num_tokens = 2),
             ("logit row 3", |s| s.logit_rows.push(3)),
+            ("hidden row 5", |s| s.hidden_rows.push(5)),
             ("1 draws for 2", |s| s.draws = vec![Draw::NONE]),
         ];
         for (want, edit) in cases {

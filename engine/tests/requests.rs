@@ -2,7 +2,8 @@
 //! preemption and the prefix cache never change outputs; a caller that does not read is
 //! bounded; a model with broken numbers fails its sequences and its canary; a request
 //! longer than the context is refused on arrival; constrained outputs match their
-//! constraints; prompt logprobs are teacher forcing's.
+//! constraints; prompt logprobs are teacher forcing's; embeddings are HF's pooled hidden
+//! states.
 //!
 //! One test binary of several modules, on the fixture models HF transformers made.
 
@@ -16,6 +17,8 @@ mod broken_models;
 mod constrained;
 #[path = "requests/context.rs"]
 mod context;
+#[path = "requests/embeddings.rs"]
+mod embeddings;
 #[path = "requests/prompt_logprobs.rs"]
 mod prompt_logprobs;
 

@@ -5,6 +5,8 @@
 
 #[path = "serving_suite/batch.rs"]
 mod batch;
+#[path = "serving_suite/embeddings.rs"]
+mod embeddings;
 #[path = "serving_suite/http_api.rs"]
 mod http_api;
 #[path = "serving_suite/metrics.rs"]

@@ -80,7 +80,7 @@ async fn generate(agent: &WorkerAgent, replica: &str, prompt: Vec<u32>, n: usize
         match ev {
             SeqEvent::Token { token, .. } => out.push(token),
             SeqEvent::Failed(e) => panic!("generation failed: {e}"),
-            SeqEvent::Prompt(_) => panic!("prompt logprobs that were not asked for"),
+            SeqEvent::Prompt(_) | SeqEvent::Embedding(_) => panic!("an event that was not asked for"),
         }
     }
     out

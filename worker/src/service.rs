@@ -144,6 +144,7 @@ fn responses(
                 (Ok(wire::token_to_pb(token, logprobs, finish)), finish.is_some())
             }
             Some(SeqEvent::Prompt(prompt)) => (Ok(wire::prompt_to_pb(prompt)), false),
+            Some(SeqEvent::Embedding(v)) => (Ok(wire::embedding_to_pb(v)), true),
             Some(SeqEvent::Failed(e)) => (Err(to_status(e)), true),
             None => (Err(Status::unavailable("the replica stopped before the sequence finished")), true),
         };

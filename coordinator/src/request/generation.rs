@@ -46,6 +46,8 @@ pub struct Chunk {
     /// On the first chunk of a request that asked for them: the prompt's logprobs, one per
     /// prompt token after the first.
     pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
+    /// An embedding request's answer (the only chunk, finished).
+    pub embedding: Option<Vec<f32>>,
     pub finish: Option<FinishReason>,
     /// The model revision that generated it.
     pub revision: u64,
@@ -192,6 +194,8 @@ pub fn retry_elsewhere(e: &Error) -> bool {
 pub enum Turn {
     /// The prompt's logprobs, before the first token.
     Prompt(Vec<TokenLogprobs>),
+    /// An embedding request's answer.
+    Embedding(Vec<f32>),
     /// A token for the caller.
     Token { token: u32, logprobs: Option<TokenLogprobs>, finish: Option<FinishReason> },
     /// The replica was lost mid-stream: resume elsewhere (if failovers remain).
@@ -206,6 +210,7 @@ pub fn turn(event: Option<SeqEvent>, replica: &str) -> Turn {
     match event {
         Some(SeqEvent::Token { token, logprobs, finish }) => Turn::Token { token, logprobs, finish },
         Some(SeqEvent::Prompt(p)) => Turn::Prompt(p),
+        Some(SeqEvent::Embedding(v)) => Turn::Embedding(v),
         Some(SeqEvent::Failed(e)) if e.class() == ErrorClass::Unavailable => Turn::Lost(e),
         Some(SeqEvent::Failed(e)) => Turn::Failed(e),
         None => Turn::Lost(Error::Unavailable(format!("replica {replica} went away mid-stream"))),
@@ -304,6 +309,7 @@ impl Run {
                 None => events.next().await,
             };
             let lost = match turn(next, &replica) {
+                Turn::Embedding(v) => return self.embedded(&tx, &replica, v).await,
                 Turn::Prompt(p) => {
                     if self.job.generated.is_empty() {
                         self.prompt_logprobs = Some(p); // a failed replica's are replaced
@@ -361,6 +367,24 @@ impl Run {
                 }
                 Err(e) => return self.fail(&tx, e).await,
             }
+        }
+    }
+
+    /// Answers an embedding request with `v`, checked against the request and the model.
+    async fn embedded(&mut self, tx: &mpsc::Sender<Result<Chunk>>, replica: &str, v: Vec<f32>) {
+        let width = self.model.config.hidden_size;
+        if self.job.params.embed.is_none() || v.len() != width {
+            let why = format!("replica {replica} answered with {} values where {width} were due", v.len());
+            return self.fail(tx, Error::Internal(why)).await;
+        }
+        let finish = Some(FinishReason::Stop);
+        let chunk =
+            Chunk { embedding: Some(v), finish, revision: self.attempt.revision, ..Default::default() };
+        self.keep(&chunk);
+        if tx.send(Ok(chunk)).await.is_ok() {
+            self.timer.finished(FinishReason::Stop);
+            self.record_end(Ok(FinishReason::Stop));
+            self.store(replica);
         }
     }
 
@@ -438,6 +462,7 @@ fn token_chunk(
         token_ids: vec![token],
         logprobs: logprobs.into_iter().collect(),
         prompt_logprobs: None,
+        embedding: None,
         finish: if delta.stopped { Some(FinishReason::Stop) } else { finish },
         revision: 0,
     };

@@ -16,7 +16,7 @@ use crate::logits::{Draw, LogitsWanted, DRAW_PARAMS};
 use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
 /// Bumped whenever the layout below changes; ranks of one replica must agree.
-pub const PLAN_VERSION: u8 = 4;
+pub const PLAN_VERSION: u8 = 5;
 
 const KIND_STEP: u8 = 1;
 const KIND_SHUTDOWN: u8 = 2;
@@ -111,7 +111,7 @@ impl LeaderMessage {
 
 /// A step message (the leader encodes every step without copying it).
 pub fn encode_step(step: &Step) -> Vec<u8> {
-    let Step { ids, layout, logit_rows, wanted, draws, trace } = step;
+    let Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows } = step;
     let (wanted, trace) = (*wanted, trace.as_ref());
     let mut out = vec![KIND_STEP, PLAN_VERSION];
     put_all(&mut out, ids.iter().map(|&x| x as usize));
@@ -150,6 +150,7 @@ pub fn encode_step(step: &Step) -> Vec<u8> {
             put_all(&mut out, s.block_table.iter().map(|&x| x as usize));
         }
     }
+    put_all(&mut out, hidden_rows.iter().copied());
     out
 }
 
@@ -243,7 +244,8 @@ fn decode_step(r: &mut Reader<'_>) -> Result<Step> {
         let (positions, block_size) = (layout.positions.clone(), layout.block_size);
         layout.groups.push(BatchLayout { positions, slots, seqs, block_size, groups: Vec::new() });
     }
-    Ok(Step { ids, layout, logit_rows, wanted, draws, trace })
+    let hidden_rows = r.vec()?.into_iter().map(|x| x as usize).collect();
+    Ok(Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows })
 }
 
 /// Every slot and block of `l` inside a cache of `num_blocks` blocks, every table long
@@ -316,6 +318,7 @@ mod tests {
             logit_rows: vec![1, 2],
             wanted: LogitsWanted::Greedy,
             draws: Vec::new(),
+            hidden_rows: vec![0, 2],
             trace: Some(TraceContext {
                 traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
                 tracestate: "k=v".into(),
@@ -353,7 +356,10 @@ mod tests {
     fn plans_round_trip() {
         let p = plan();
         let back = step(&LeaderMessage::Step(p.clone()).encode()).unwrap();
-        assert_eq!((back.ids, back.logit_rows, back.wanted), (p.ids, p.logit_rows, p.wanted));
+        assert_eq!(
+            (back.ids, back.logit_rows, back.wanted, back.hidden_rows),
+            (p.ids, p.logit_rows, p.wanted, p.hidden_rows)
+        );
         assert_eq!((back.layout.positions, back.layout.slots), (p.layout.positions, p.layout.slots));
         assert_eq!(back.layout.seqs[1].block_table, vec![4]);
         assert_eq!(back.trace, p.trace);

@@ -238,7 +238,10 @@ impl<B: Backend> Model<B> {
             comm.send(&self.backend, &x, self.next_stage_rank())?;
             return Ok(None);
         }
-        let out = self.step_output(&x, step, comm)?;
+        let mut out = self.step_output(&x, step, comm)?;
+        if lead && !step.hidden_rows.is_empty() {
+            out.hidden = self.final_hidden(&x, &step.hidden_rows)?;
+        }
         Ok(lead.then_some(out))
     }
 
@@ -290,7 +293,7 @@ impl<B: Backend> Model<B> {
         if !output {
             return Ok(Some(StepLogits::Full(Vec::new()).into()));
         }
-        let mut out = StepOutput::from_f32s(wanted, if drawing { step.draws.len() } else { 0 }, data)?;
+        let mut out = StepOutput::from_f32s(wanted, if drawing { step.draws.len() } else { 0 }, 0, data)?;
         if !drawing {
             out.logits = self.merge_shards(out.logits, step.logit_rows.len(), wanted, comm)?;
         }

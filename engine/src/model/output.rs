@@ -39,7 +39,7 @@ impl<B: Backend> Model<B> {
             return Ok(StepLogits::Full(Vec::new()).into());
         }
         let drawn = self.backend.draw_tokens(&head, &step.draws, 0)?;
-        Ok(StepOutput { logits: self.shard_logits(&head, rows.len(), wanted, 0)?, drawn })
+        Ok(StepOutput { logits: self.shard_logits(&head, rows.len(), wanted, 0)?, drawn, hidden: Vec::new() })
     }
 
     /// Logits of this rank's vocabulary shard as the whole vocabulary's: gathered across
@@ -146,6 +146,14 @@ impl<B: Backend> Model<B> {
     }
 
     /// This rank's vocabulary shard of the logits of `rows`: final norm and LM head.
+    /// `[rows, hidden]` final hidden states of `rows` of `x` (after the final norm): what
+    /// the LM head reads, and what embeddings pool.
+    pub(super) fn final_hidden(&self, x: &B::Tensor, rows: &[usize]) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let normed = self.norm.apply(b, &b.gather_rows(x, rows)?)?;
+        b.to_host(&normed)
+    }
+
     pub(super) fn head_logits(&self, x: &B::Tensor, rows: &[usize]) -> Result<B::Tensor> {
         let b = &self.backend;
         let last = b.gather_rows(x, rows)?;

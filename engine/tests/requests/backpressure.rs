@@ -62,7 +62,7 @@ async fn an_unread_stream_is_cancelled_when_its_buffer_fills() {
         match ev {
             SeqEvent::Token { .. } => n += 1,
             SeqEvent::Failed(e) => panic!("{e}"),
-            SeqEvent::Prompt(_) => panic!("prompt logprobs that were not asked for"),
+            SeqEvent::Prompt(_) | SeqEvent::Embedding(_) => panic!("an event that was not asked for"),
         }
     }
     assert_eq!(n, 40);

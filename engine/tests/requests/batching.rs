@@ -253,7 +253,7 @@ async fn a_canary_is_answered_by_the_next_step_idle_or_busy() {
                 }
             }
             SeqEvent::Failed(e) => panic!("{e}"),
-            SeqEvent::Prompt(_) => panic!("prompt logprobs that were not asked for"),
+            SeqEvent::Prompt(_) | SeqEvent::Embedding(_) => panic!("an event that was not asked for"),
         }
     }
     assert_eq!(n, 40);

@@ -134,7 +134,7 @@ async fn the_runner_compiles_off_its_thread_and_reports_refusals_to_the_caller()
         match ev {
             SeqEvent::Token { token, .. } => tokens.push(token),
             SeqEvent::Failed(e) => panic!("{e}"),
-            SeqEvent::Prompt(_) => panic!("prompt logprobs that were not asked for"),
+            SeqEvent::Prompt(_) | SeqEvent::Embedding(_) => panic!("an event that was not asked for"),
         }
     }
     assert_eq!(text(&tokens), "up");

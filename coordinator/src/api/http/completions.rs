@@ -109,6 +109,11 @@ fn choices(
 
 /// The prompts of a /v1/completions body: a string, strings, token ids, or arrays of ids.
 pub(super) fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
+    prompts_bounded(f, MAX_CHOICES)
+}
+
+/// [`prompts`], at most `max` of them.
+pub(super) fn prompts_bounded(f: &Fields, max: usize) -> Result<Vec<Prompt>, ApiError> {
     let bad = || {
         ApiError::invalid(
             "prompt",
@@ -127,8 +132,8 @@ pub(super) fn prompts(f: &Fields) -> Result<Vec<Prompt>, ApiError> {
         Some(Json::Array(items)) if items.is_empty() => {
             Err(ApiError::invalid("prompt", "prompt must not be empty"))
         }
-        Some(Json::Array(items)) if items.len() > MAX_CHOICES => {
-            Err(ApiError::invalid("prompt", format!("at most {MAX_CHOICES} prompts")))
+        Some(Json::Array(items)) if items.len() > max => {
+            Err(ApiError::invalid("prompt", format!("at most {max} prompts")))
         }
         Some(Json::Array(items)) => match &items[0] {
             Json::Number(_) => Ok(vec![Prompt::TokenIds(ids(items)?)]),

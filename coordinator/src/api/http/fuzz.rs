@@ -59,6 +59,7 @@ fn object(rng: &mut impl Rng, depth: usize) -> Map<String, Json> {
         "seed",
         "stream",
         "echo",
+        "prompt_logprobs",
         "tools",
         "best_of",
         "custom_id",

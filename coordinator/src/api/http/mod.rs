@@ -13,6 +13,7 @@
 
 mod anthropic;
 pub mod completions;
+mod embeddings;
 pub mod error;
 #[cfg(test)]
 mod fuzz;
@@ -110,6 +111,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(create_response))
+        .route("/v1/embeddings", post(create_embeddings))
         .route("/v1/models", get(list_models))
         .route("/v1/models/{id}", get(get_model))
         .route("/tokenize", post(utility::tokenize))
@@ -193,6 +195,15 @@ async fn chat_completions(
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// OpenAI's embeddings API ([`embeddings`]).
+async fn create_embeddings(
+    State(state): State<Arc<HttpState>>,
+    Extension(who): Extension<Caller>,
+    body: Bytes,
+) -> Response {
+    embeddings::route(state, who, body).await
 }
 
 /// Anthropic's Messages API, run as a chat request ([`anthropic`]).

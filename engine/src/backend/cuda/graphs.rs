@@ -113,6 +113,7 @@ fn decode_rows(step: &Step) -> Option<usize> {
     (n > 0
         && in_order
         && sampled
+        && step.hidden_rows.is_empty()
         && step.ids.len() == n
         && step.layout.positions.len() == n
         && step.layout.slots.len() == n
@@ -150,6 +151,7 @@ fn pad(step: &Step, draw: bool, rows: usize, scratch_block: u32) -> Padded {
             wanted: step.wanted,
             draws,
             trace: None,
+            hidden_rows: Vec::new(),
         },
         draws: params,
     };
