@@ -137,6 +137,14 @@ fn non_finite() -> Error {
     )
 }
 
+/// A row of a step a sequence's chunk asked for beyond its sampled one: which sequence,
+/// the position it computes, and its row in the step.
+struct ChunkRow {
+    seq: SeqId,
+    position: usize,
+    row: usize,
+}
+
 impl StepEvent {
     /// The answer of embedding request `seq`.
     fn embedding(seq: SeqId, v: Vec<f32>) -> Self {
@@ -720,6 +728,25 @@ impl Engine {
         } else {
             LogitsWanted::Top(k.next_power_of_two().clamp(8, crate::logits::MAX_TOP))
         }
+    }
+
+    /// The rows of `plan`'s step that `positions` picks from each sequence's chunk
+    /// `start..end` (None: none).
+    fn chunk_rows(
+        &self,
+        plan: &Schedule,
+        positions: impl Fn(&SeqMeta, usize, usize) -> Option<std::ops::Range<usize>>,
+    ) -> Vec<ChunkRow> {
+        let mut rows = Vec::new();
+        let mut first_row = 0;
+        for item in &plan.seqs {
+            let picked = self.meta.get(&item.id).and_then(|m| positions(m, item.start, item.end));
+            for position in picked.unwrap_or(0..0) {
+                rows.push(ChunkRow { seq: item.id, position, row: first_row + position - item.start });
+            }
+            first_row += item.end - item.start;
+        }
+        rows
     }
 
     /// The step of `plan`: token ids, their batch layout, and the rows to sample from

@@ -16,9 +16,9 @@ use serde_json::Value as Json;
 use strata_common::files::{read_bounded, MAX_JSON_FILE};
 use strata_common::{Embed, Error, Pooling, Result};
 
-use super::{non_finite, Aborted, Engine};
+use super::{non_finite, Aborted, ChunkRow, Engine};
 use crate::scheduler::Schedule;
-use crate::step::{SeqId, Step};
+use crate::step::Step;
 
 /// How a model's embeddings are made unless a request says otherwise.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,31 +166,17 @@ impl Embedding {
     }
 }
 
-/// A hidden row of a step: which sequence, at which prompt position.
-pub(super) struct HiddenRow {
-    seq: SeqId,
-    position: usize,
-}
-
 impl Engine {
     /// The rows of `step` whose hidden states its embedding requests need.
-    pub(super) fn add_hidden_rows(&self, plan: &Schedule, step: &mut Step) -> Vec<HiddenRow> {
-        let mut rows = Vec::new();
-        let mut first_row = 0;
-        for item in &plan.seqs {
-            let wanted = self.meta.get(&item.id).and_then(|m| m.embed.as_ref());
-            for position in wanted.map_or(0..0, |e| e.positions(item.start, item.end)) {
-                step.hidden_rows.push(first_row + position - item.start);
-                rows.push(HiddenRow { seq: item.id, position });
-            }
-            first_row += item.end - item.start;
-        }
+    pub(super) fn add_hidden_rows(&self, plan: &Schedule, step: &mut Step) -> Vec<ChunkRow> {
+        let rows = self.chunk_rows(plan, |m, start, end| m.embed.as_ref().map(|e| e.positions(start, end)));
+        step.hidden_rows.extend(rows.iter().map(|r| r.row));
         rows
     }
 
     /// Pools the hidden states `hidden` of `rows`; the requests whose states are not
     /// finite, or that came back short, cannot go on.
-    pub(super) fn record_hidden_rows(&mut self, rows: &[HiddenRow], hidden: &[f32]) -> Vec<Aborted> {
+    pub(super) fn record_hidden_rows(&mut self, rows: &[ChunkRow], hidden: &[f32]) -> Vec<Aborted> {
         let mut failed: Vec<Aborted> = Vec::new();
         let width = self.exec.config().hidden_size;
         if hidden.len() != rows.len() * width {

@@ -14,11 +14,11 @@ use std::ops::Range;
 
 use strata_common::TokenLogprobs;
 
-use super::{non_finite, Aborted, Engine};
+use super::{non_finite, Aborted, ChunkRow, Engine};
 use crate::logits::{Draw, LogitsWanted, StepLogits};
 use crate::sampler::logprobs;
 use crate::scheduler::Schedule;
-use crate::step::{SeqId, Step};
+use crate::step::Step;
 
 /// Most bytes of prompt rows' logits one step returns to the host.
 const PROMPT_LOGITS_BYTES: usize = 32 << 20;
@@ -65,26 +65,12 @@ fn ranked(row: &[f32], token: u32, n: usize) -> TokenLogprobs {
     lp
 }
 
-/// A prompt row of a step: which sequence, and the prompt position it is at.
-pub(super) struct PromptRow {
-    seq: SeqId,
-    position: usize,
-}
-
 impl Engine {
     /// Appends to `step` the rows its sequences' prompt logprobs need (after the sampled
     /// rows, so those keep their indices): whole rows then, with no draw of their own.
-    pub(super) fn add_prompt_rows(&self, plan: &Schedule, step: &mut Step) -> Vec<PromptRow> {
-        let mut rows = Vec::new();
-        let mut first_row = 0;
-        for item in &plan.seqs {
-            let wanted = self.meta.get(&item.id).and_then(|m| m.prompt.as_ref());
-            for position in wanted.map_or(0..0, |p| p.positions(item.start, item.end)) {
-                step.logit_rows.push(first_row + position - item.start);
-                rows.push(PromptRow { seq: item.id, position });
-            }
-            first_row += item.end - item.start;
-        }
+    pub(super) fn add_prompt_rows(&self, plan: &Schedule, step: &mut Step) -> Vec<ChunkRow> {
+        let rows = self.chunk_rows(plan, |m, start, end| m.prompt.as_ref().map(|p| p.positions(start, end)));
+        step.logit_rows.extend(rows.iter().map(|r| r.row));
         if !rows.is_empty() {
             step.wanted = LogitsWanted::Full;
             if step.draws_tokens() {
@@ -98,7 +84,7 @@ impl Engine {
     /// rows in `logits`; the sequences whose rows are not finite cannot go on.
     pub(super) fn record_prompt_rows(
         &mut self,
-        rows: &[PromptRow],
+        rows: &[ChunkRow],
         logits: &StepLogits,
         sampled: usize,
     ) -> Vec<Aborted> {
