@@ -43,6 +43,14 @@ pub struct BuildArgs {
     /// context, less where the KV cache cannot hold it].
     #[arg(long)]
     pub max_model_len: Option<u32>,
+    /// A Jinja chat template file the coordinators render this deployment's chat prompts
+    /// with, instead of the model's ('' goes back to the model's own) [deploy: the model's].
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<std::path::PathBuf>,
+    /// The format tool calls are read in: hermes, llama3_json, mistral, deepseek_v3 or
+    /// openai ('' goes back to judging from the template) [deploy: from the template].
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
 }
 
 fn parse_dtype(s: &str) -> Result<pb::DataType, String> {
@@ -70,11 +78,15 @@ impl BuildArgs {
             kv_cache_memory,
             max_waiting,
             max_model_len,
+            chat_template,
+            tool_call_parser,
         } = self;
         [tp, pp, ep, max_num_seqs, max_batched_tokens, max_waiting, max_model_len].iter().any(|v| v.is_some())
             || dtype.is_some()
             || device.is_some()
             || kv_cache_memory.is_some()
+            || chat_template.is_some()
+            || tool_call_parser.is_some()
     }
 
     /// The request's `Build` of `model_dir` (empty: unchanged); unset fields are 0.
@@ -97,8 +109,30 @@ impl BuildArgs {
                 max_waiting: self.max_waiting.unwrap_or(0),
                 max_model_len: self.max_model_len.unwrap_or(0),
             }),
+            chat_template: match &self.chat_template {
+                None => String::new(),
+                Some(p) if p.as_os_str().is_empty() => " ".into(),
+                Some(p) => read_template(p)?,
+            },
+            tool_call_parser: match self.tool_call_parser.as_deref() {
+                None => String::new(),
+                Some("") => " ".into(),
+                Some(name) => name.to_string(),
+            },
         })
     }
+}
+
+/// A chat template file's text, bounded as the coordinators bound it.
+fn read_template(path: &std::path::Path) -> anyhow::Result<String> {
+    let bytes = strata_common::files::read_bounded(path, strata_common::build::MAX_CHAT_TEMPLATE as u64)
+        .with_context(|| format!("--chat-template {}", path.display()))?;
+    let text =
+        String::from_utf8(bytes).with_context(|| format!("--chat-template {}: not UTF-8", path.display()))?;
+    if text.trim().is_empty() {
+        anyhow::bail!("--chat-template {}: the file is empty", path.display());
+    }
+    Ok(text)
 }
 
 /// A build as a status shows it: dtype and device as text ("" for unspecified).

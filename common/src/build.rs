@@ -61,6 +61,29 @@ fn nonzero<T: Copy + PartialEq + Default>(new: T, old: T) -> T {
     }
 }
 
+/// Most bytes of a deployment's chat template.
+pub const MAX_CHAT_TEMPLATE: usize = 256 << 10;
+
+/// What a deployment sets over its model's own chat files: read by the coordinators that
+/// render its prompts and read its replies (workers ignore it). Left out of records while
+/// unset, so coordinators of the version before read them unchanged.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatOverrides {
+    /// A Jinja chat template's source, used instead of the model's ("": the model's).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub template: String,
+    /// The format tool calls are read in, by vLLM's parser names ("": judged from the
+    /// template).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tool_call_parser: String,
+}
+
+impl ChatOverrides {
+    pub fn is_empty(&self) -> bool {
+        self.template.is_empty() && self.tool_call_parser.is_empty()
+    }
+}
+
 /// What `ep` means where a record written before expert parallelism has none.
 fn one() -> u32 {
     1
@@ -86,6 +109,8 @@ pub struct Build {
     pub ep: u32,
     #[serde(default)]
     pub limits: EngineLimits,
+    #[serde(default, skip_serializing_if = "ChatOverrides::is_empty")]
+    pub chat: ChatOverrides,
 }
 
 /// What a request changes in a build: each field set replaces the build's.
@@ -100,6 +125,9 @@ pub struct BuildChange {
     pub ep: u32,
     /// Each nonzero limit replaces the build's.
     pub limits: EngineLimits,
+    /// Some("") goes back to the model's own.
+    pub chat_template: Option<String>,
+    pub tool_call_parser: Option<String>,
 }
 
 impl Build {
@@ -115,6 +143,7 @@ impl Build {
             pp: 1,
             ep: 1,
             limits: EngineLimits::default(),
+            chat: ChatOverrides::default(),
         };
         first.changed(change)
     }
@@ -137,6 +166,12 @@ impl Build {
             pp: nonzero(change.pp, self.pp),
             ep,
             limits: self.limits.overlaid(&change.limits),
+            chat: ChatOverrides {
+                template: change.chat_template.unwrap_or_else(|| self.chat.template.clone()),
+                tool_call_parser: change
+                    .tool_call_parser
+                    .unwrap_or_else(|| self.chat.tool_call_parser.clone()),
+            },
         }
     }
 
@@ -164,6 +199,12 @@ impl Build {
         }
         if self.world() > 1024 {
             return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
+        }
+        if self.chat.template.len() > MAX_CHAT_TEMPLATE {
+            return Err(Error::invalid(
+                "chat_template",
+                format!("{} bytes; at most {MAX_CHAT_TEMPLATE}", self.chat.template.len()),
+            ));
         }
         Ok(())
     }

@@ -295,6 +295,7 @@ mod tests {
                 pp: 1,
                 ep: 1,
                 limits: EngineLimits::default(),
+                chat: Default::default(),
             },
             weight_bytes_per_rank: 0,
             replicas: 1,

@@ -109,3 +109,17 @@ fn a_max_model_len_is_written_only_when_set_and_read_back() {
     let over = EngineLimits { max_model_len: 100, ..Default::default() };
     assert_eq!(spec.build.limits.overlaid(&over).max_model_len, 100, "a rollout's setting wins");
 }
+
+#[test]
+fn chat_settings_are_written_only_when_set_and_read_back() {
+    let mut spec: ModelSpec = decode("k", TODAYS_RECORD.as_bytes()).unwrap();
+    assert!(!String::from_utf8_lossy(&encode(&spec)).contains("chat"), "unset: records as before");
+    spec.build.chat = ChatOverrides { template: "{{ x }}".into(), tool_call_parser: "hermes".into() };
+    let back: ModelSpec = decode("k", &encode(&spec)).unwrap();
+    assert_eq!(back.build.chat, spec.build.chat);
+    let big = spec.build.changed(BuildChange {
+        chat_template: Some("x".repeat(MAX_CHAT_TEMPLATE + 1)),
+        ..Default::default()
+    });
+    assert!(big.validate().unwrap_err().to_string().contains("chat_template"));
+}

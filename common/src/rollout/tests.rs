@@ -14,6 +14,7 @@ fn spec() -> ModelSpec {
             pp: 1,
             ep: 1,
             limits: EngineLimits::default(),
+            chat: Default::default(),
         },
         weight_bytes_per_rank: 0,
         replicas: 2,

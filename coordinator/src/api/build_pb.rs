@@ -35,7 +35,43 @@ pub(super) fn build_to_pb(b: &Build) -> pb::Build {
         pp: b.pp,
         ep: b.ep,
         scheduler: Some(limits_to_pb(&b.limits)),
+        chat_template: b.chat.template.clone(),
+        tool_call_parser: b.chat.tool_call_parser.clone(),
     }
+}
+
+/// A request's chat field: None when empty (unchanged), Some("") for the one space that
+/// asks for the model's own back.
+fn chat_field(v: &str) -> Option<String> {
+    match v {
+        "" => None,
+        " " => Some(String::new()),
+        v => Some(v.to_string()),
+    }
+}
+
+/// Refuses a chat template that does not compile or a tool-call format not known,
+/// naming the field.
+fn check_chat(change: &BuildChange) -> Result<()> {
+    if let Some(t) = change.chat_template.as_ref().filter(|t| !t.is_empty()) {
+        if t.len() > strata_common::build::MAX_CHAT_TEMPLATE {
+            return Err(strata_common::Error::invalid(
+                "chat_template",
+                format!("{} bytes; at most {}", t.len(), strata_common::build::MAX_CHAT_TEMPLATE),
+            ));
+        }
+        crate::request::chat::ChatTemplate::new(vec![("default".into(), t.clone())], Default::default())
+            .map_err(|e| strata_common::Error::invalid("chat_template", e.to_string()))?;
+    }
+    if let Some(p) = change.tool_call_parser.as_ref().filter(|p| !p.is_empty()) {
+        if crate::request::tools::ToolFormat::parse(p).is_none() {
+            return Err(strata_common::Error::invalid(
+                "tool_call_parser",
+                format!("{p:?}: give hermes, llama3_json, mistral, deepseek_v3 or openai"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A request's typed `build` as a change.
@@ -48,6 +84,8 @@ fn change_from_pb(b: &pb::Build) -> Result<BuildChange> {
         pp: b.pp,
         ep: b.ep,
         limits: limits_from_pb(b.scheduler.unwrap_or_default()),
+        chat_template: chat_field(&b.chat_template),
+        tool_call_parser: chat_field(&b.tool_call_parser),
     })
 }
 
@@ -73,6 +111,8 @@ impl Flat<'_> {
             pp: self.pp,
             ep: self.ep,
             limits: limits_from_pb(self.scheduler.unwrap_or_default()),
+            chat_template: None,
+            tool_call_parser: None,
         })
     }
 }
@@ -80,10 +120,12 @@ impl Flat<'_> {
 /// What a request asks to change: its `build` when it has one, else its flat fields.
 /// A dtype or device this coordinator does not know is an error naming the field.
 pub(super) fn requested(build: Option<&pb::Build>, flat: Flat<'_>) -> Result<BuildChange> {
-    match build {
-        Some(b) => change_from_pb(b),
-        None => flat.change(),
-    }
+    let change = match build {
+        Some(b) => change_from_pb(b)?,
+        None => flat.change()?,
+    };
+    check_chat(&change)?;
+    Ok(change)
 }
 
 pub(super) fn deploy_flat(r: &pb::DeployModelRequest) -> Flat<'_> {
@@ -158,6 +200,7 @@ mod tests {
             pp: 1,
             ep: 2,
             scheduler: Some(pb::SchedulerLimits { max_num_seqs: 4, ..Default::default() }),
+            ..Default::default()
         };
         let flat = pb::DeployModelRequest {
             model_dir: "/m".into(),
@@ -191,5 +234,35 @@ mod tests {
         assert!(e.contains("device"), "{e}");
         let flat = pb::DeployModelRequest { dtype: "int4".into(), ..Default::default() };
         assert!(requested(None, deploy_flat(&flat)).unwrap_err().to_string().contains("dtype"));
+    }
+
+    #[test]
+    fn a_deployments_chat_settings_are_checked_kept_and_reset() {
+        let ask = |template: &str, parser: &str| {
+            let b = pb::Build {
+                chat_template: template.into(),
+                tool_call_parser: parser.into(),
+                ..Default::default()
+            };
+            requested(Some(&b), deploy_flat(&Default::default()))
+        };
+        for (template, parser, field) in [
+            ("{% if %}", "", "chat_template"),
+            ("{{ messages }}", "xml", "tool_call_parser"),
+            (&"x".repeat(strata_common::build::MAX_CHAT_TEMPLATE + 1), "", "chat_template"),
+        ] {
+            let e = ask(template, parser).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
+        let first = Build::requested(ask("{{ messages }}", "hermes").unwrap(), None);
+        assert_eq!(
+            (first.chat.template.as_str(), first.chat.tool_call_parser.as_str()),
+            ("{{ messages }}", "hermes")
+        );
+        assert_eq!(build_to_pb(&first).chat_template, "{{ messages }}");
+        let kept = first.changed(ask("", "").unwrap());
+        assert_eq!(kept.chat, first.chat, "empty fields leave them as they were");
+        let reset = first.changed(ask(" ", " ").unwrap());
+        assert!(reset.chat.is_empty(), "one space goes back to the model's own");
     }
 }

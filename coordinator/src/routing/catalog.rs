@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use strata_common::build::ChatOverrides;
 use strata_common::worker_api::ModelFiles;
 use strata_common::{Error, ErrorClass, ModelConfig, ModelName, Result};
 use tokio::sync::watch;
@@ -84,6 +85,8 @@ impl ModelFileCache {
 
 struct Loaded {
     model_dir: String,
+    /// The deployment's chat settings the entry was loaded under.
+    chat: ChatOverrides,
     entry: Arc<ModelEntry>,
     routes: Arc<ClusterRoutes>,
 }
@@ -172,22 +175,25 @@ impl ClusterCatalog {
     /// Loads entries of newly deployed models; drops those of undeployed ones.
     async fn refresh(&self) {
         let view = self.view.borrow().clone();
-        let wanted: Vec<(String, String)> =
-            view.models.values().map(|m| (m.name.to_string(), m.build.model_dir.clone())).collect();
+        let wanted: Vec<(String, String, ChatOverrides)> = view
+            .models
+            .values()
+            .map(|m| (m.name.to_string(), m.build.model_dir.clone(), m.build.chat.clone()))
+            .collect();
         self.entries
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .retain(|name, _| view.models.contains_key(name.as_str()));
-        for (name, dir) in wanted {
-            // A model whose directory changed (a redeploy, a promoted rollout) keeps its
-            // entry and routes until the new files are loaded: requests never find it
-            // missing.
+        for (name, dir, chat) in wanted {
+            // A model whose directory or chat settings changed (a redeploy, a promoted
+            // rollout) keeps its entry and routes until the new files are loaded: requests
+            // never find it missing.
             let routes = match self.entries.lock().unwrap_or_else(|p| p.into_inner()).get(&name) {
-                Some(l) if l.model_dir == dir => continue,
+                Some(l) if l.model_dir == dir && l.chat == chat => continue,
                 Some(l) => Some(l.routes.clone()),
                 None => None,
             };
-            match self.load(&name, &dir, &view, routes).await {
+            match self.load(&name, (&dir, &chat), &view, routes).await {
                 Ok(l) => {
                     info!(model = %name, dir = %dir, "model files loaded");
                     self.errors.lock().unwrap_or_else(|p| p.into_inner()).remove(&name);
@@ -207,12 +213,19 @@ impl ClusterCatalog {
     async fn load(
         &self,
         name: &str,
-        model_dir: &str,
+        (model_dir, over): (&str, &ChatOverrides),
         view: &ClusterView,
         routes: Option<Arc<ClusterRoutes>>,
     ) -> Result<Loaded> {
         let dir = self.files.locate(model_dir, view).await?;
-        let chat = self.chat.clone();
+        // The deployment's settings over the process's over the model's own.
+        let mut chat = self.chat.clone();
+        if !over.template.is_empty() {
+            chat.template = Some(over.template.clone());
+        }
+        if let Some(format) = crate::request::tools::ToolFormat::parse(&over.tool_call_parser) {
+            chat.tool_format = Some(format);
+        }
         let (config, tokenizer) = tokio::task::spawn_blocking(move || -> Result<(ModelConfig, Tokenizer)> {
             Ok((ModelConfig::from_dir(&dir)?, Tokenizer::from_dir_with(&dir, &chat)?))
         })
@@ -223,7 +236,7 @@ impl ClusterCatalog {
         });
         let entry =
             Arc::new(ModelEntry { name: name.to_string(), config, tokenizer, routes: routes.clone() });
-        Ok(Loaded { model_dir: model_dir.to_string(), entry, routes })
+        Ok(Loaded { model_dir: model_dir.to_string(), chat: over.clone(), entry, routes })
     }
 }
 

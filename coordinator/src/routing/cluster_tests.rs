@@ -25,6 +25,7 @@ fn spec(generation: u64, replicas: u32) -> ModelSpec {
             pp: 1,
             ep: 1,
             limits: EngineLimits { max_num_seqs: 8, max_waiting: 20, ..Default::default() },
+            chat: Default::default(),
         },
         weight_bytes_per_rank: 0,
         replicas,

@@ -172,6 +172,7 @@ impl TestCluster {
                 pp: 1,
                 ep: 1,
                 limits: EngineLimits::default(),
+                chat: Default::default(),
             },
             weight_bytes_per_rank: 0,
             replicas,

@@ -12,11 +12,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use strata_proto::admin::v1 as apb;
 use strata_proto::admin::v1::admin_client::AdminClient;
 use strata_proto::inference::v1::inference_client::InferenceClient;
 use strata_tests::cluster::eventually;
-use strata_tests::http::{post, sample, scrape};
+use strata_tests::http::{post, request, sample, scrape};
 use strata_tests::{fixtures_dir, strata_bin, token_request, Server};
 use tonic::transport::Channel;
 
@@ -375,4 +376,64 @@ async fn the_admin_cli_deploys_typed_builds_that_old_and_new_clients_read() {
         (Some("cpu"), Some(v2.as_str())),
         "{r}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deployment_brings_its_own_chat_template_and_tool_call_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let v2 = second_revision(dir.path());
+    let (server, _metrics, http) = serve(dir.path());
+    let ep = server.endpoint();
+    let template = dir.path().join("chat.jinja");
+    let source = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>";
+    std::fs::write(&template, source).unwrap();
+    let t = template.to_str().unwrap();
+    let out = std::process::Command::new(strata_bin())
+        .args(["admin", "--endpoint", &ep, "deploy", "--name", "bad", "--model", &v2])
+        .args(["--chat-template", t, "--tool-call-parser", "xml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "an unknown tool-call format is refused");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tool_call_parser"));
+    admin_cli(
+        &ep,
+        &["deploy", "--name", "chatty", "--model", &v2, "--chat-template", t, "--tool-call-parser", "hermes"],
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let info = loop {
+        let (status, body) = request(&http, "GET", "/tokenizer_info?model=chatty", None, None).unwrap();
+        if status == 200 {
+            break serde_json::from_str::<serde_json::Value>(&body).unwrap();
+        }
+        assert!(Instant::now() < deadline, "chatty never loaded: {status} {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(info["chat_template"], source);
+    let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = post(&http, "/v1/chat/completions", None, &chat("chatty"));
+        if status == 200 {
+            break;
+        }
+        assert!(status == 503 && Instant::now() < deadline, "{status} {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rendered = post(
+        &http,
+        "/tokenize",
+        None,
+        &json!({"model": "chatty", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .1;
+    let direct = post(
+        &http,
+        "/tokenize",
+        None,
+        &json!({"model": "chatty", "prompt": "<user>hi<assistant>", "add_special_tokens": false}),
+    )
+    .1;
+    assert_eq!(rendered["tokens"], direct["tokens"], "rendered with the deployment's template");
+    let (status, e) = post(&http, "/v1/chat/completions", None, &chat("m"));
+    assert_eq!(status, 400, "the other deployment keeps its model's own (none): {e}");
 }

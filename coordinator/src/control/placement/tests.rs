@@ -35,6 +35,7 @@ fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
             pp,
             ep: 1,
             limits: EngineLimits::default(),
+            chat: Default::default(),
         },
         weight_bytes_per_rank: weight_gib * GIB,
         replicas: 1,

@@ -30,6 +30,7 @@ pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
             pp: 1,
             ep: 1,
             limits: EngineLimits::default(),
+            chat: Default::default(),
         },
         weight_bytes_per_rank: 0,
         replicas,
