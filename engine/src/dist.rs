@@ -38,6 +38,11 @@ pub trait StepExecutor: Send {
     fn draws_on_device(&self) -> bool {
         false
     }
+    /// Whether steps take token masks ([`Step::masks`]) and apply them where the logits
+    /// are: a replica of one rank whose backend masks on the device.
+    fn masks_on_device(&self) -> bool {
+        false
+    }
     /// Weight bytes on the leader rank.
     fn weight_bytes(&self) -> usize;
     /// Bytes of one K or V element in the KV cache (every rank runs the same backend).
@@ -211,6 +216,11 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
         if step.draws_tokens() && !self.device_draws {
             return Err(Error::Internal("a step was asked to draw where its replica cannot".into()));
         }
+        if step.masks.is_some() && !self.masks_on_device() {
+            return Err(Error::Internal(
+                "a step brought token masks to a replica that cannot apply them".into(),
+            ));
+        }
         if self.world() > 1 {
             let msg = encode_step(step);
             for r in 1..self.world() {
@@ -230,6 +240,9 @@ impl<B: Backend> StepExecutor for LeaderExecutor<B> {
     }
     fn draws_on_device(&self) -> bool {
         self.device_draws
+    }
+    fn masks_on_device(&self) -> bool {
+        self.world() == 1 && self.rank.model.backend().masks_on_device()
     }
     fn weight_bytes(&self) -> usize {
         self.rank.model.weight_bytes()

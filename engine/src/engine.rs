@@ -29,6 +29,7 @@ pub use crate::step::SeqId;
 use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
 mod embed;
+mod guided;
 mod prompt;
 mod scratch;
 pub use embed::EmbedDefaults;
@@ -129,6 +130,12 @@ pub struct StepEvent {
     pub finish: Option<FinishReason>,
 }
 
+/// Whether a row of logits can be sampled: no NaN or +∞, and some token not at −∞ (a
+/// masked row holds −∞ for what its constraint forbids).
+fn finite_row(row: &[f32]) -> bool {
+    row.iter().all(|x| !x.is_nan() && *x < f32::INFINITY) && row.iter().any(|x| x.is_finite())
+}
+
 /// What a sequence whose model produced NaN or infinite logits fails with.
 fn non_finite() -> Error {
     Error::Internal(
@@ -195,6 +202,8 @@ pub struct Engine {
     embed_defaults: EmbedDefaults,
     /// `--pooling`: the pooling over the model's.
     pooling: Option<strata_common::Pooling>,
+    /// Apply constraints' masks where the logits are, where the executor can.
+    device_masks: bool,
 }
 
 impl Engine {
@@ -252,6 +261,7 @@ impl Engine {
             grammars: None,
             embed_defaults: EmbedDefaults::default(),
             pooling: config.pooling,
+            device_masks: true,
         }
         .with_pooling_override())
     }
@@ -293,6 +303,19 @@ impl Engine {
             }
         };
         self.with_grammars(grammars)
+    }
+
+    /// Whether constrained sequences have their masks applied where the logits are (a
+    /// replica of one rank on a GPU; see [`crate::logits::late`]).
+    pub fn masks_on_device(&self) -> bool {
+        self.device_masks && self.exec.masks_on_device()
+    }
+
+    /// This engine, applying constraints' masks on the host even where the executor could
+    /// apply them on the device (to compare the two; sequences added later).
+    pub fn with_device_masks(mut self, on: bool) -> Self {
+        self.device_masks = on;
+        self
     }
 
     /// The constraint compiler, for compiling off the engine's thread.
@@ -439,7 +462,10 @@ impl Engine {
         let priority = params.priority;
         // A resumed sequence's caller has its prompt logprobs already.
         let prompt_lps = params.prompt_logprobs.filter(|_| generated.is_empty());
-        let sampler = Sampler::resume(params, &prompt, &generated);
+        let mut sampler = Sampler::resume(params, &prompt, &generated);
+        if self.masks_on_device() {
+            sampler.mask_upstream();
+        }
         let lps = prompt_lps.map(|n| PromptLogprobs::new(n, prompt.len()));
         let embed = match sampler.params().embed {
             Some(_) if !generated.is_empty() => {
@@ -523,7 +549,7 @@ impl Engine {
         let hidden_rows = self.add_hidden_rows(&plan, &mut step);
         let span = span_for(&plan.seqs);
         step.trace = strata_common::trace::context_of(&span);
-        let (output, masks) = self.execute_guided(&step, &plan, &span);
+        let (output, masks) = self.execute_guided(&mut step, &plan, &span);
         let StepOutput { logits, drawn, hidden } = output?;
         let (rows, draws) = (step.logit_rows.len(), &step.draws);
         let returned = logits.rows(vocab);
@@ -580,10 +606,19 @@ impl Engine {
                 }
                 continue;
             }
+            let mask = match masks.remove(&item.id).transpose() {
+                Ok(mask) => mask,
+                Err(error) => {
+                    failed.push(Aborted { seq: item.id, error, non_finite: false });
+                    sampled.push((item.id, 0));
+                    continue;
+                }
+            };
             let drawn_here = draws.get(row).is_some_and(|d| d.temperature > 0.0);
             let finite = match logits {
                 _ if drawn_here => drawn[row].logit.is_finite() && drawn[row].log_z.is_finite(),
-                StepLogits::Full(l) => l[row * vocab..(row + 1) * vocab].iter().all(|x| x.is_finite()),
+                // A row masked where the logits are holds −∞ for the tokens it may not take.
+                StepLogits::Full(l) => finite_row(&l[row * vocab..(row + 1) * vocab]),
                 StepLogits::Greedy(p) => p[row].logit.is_finite() && p[row].log_z.is_finite(),
                 StepLogits::Top(c) => c[row].finite(),
             };
@@ -594,14 +629,6 @@ impl Engine {
                 continue;
             }
             let meta = self.meta.get_mut(&item.id).expect("scheduled sequences have metadata");
-            let mask = match masks.remove(&item.id).transpose() {
-                Ok(mask) => mask,
-                Err(error) => {
-                    failed.push(Aborted { seq: item.id, error, non_finite: false });
-                    sampled.push((item.id, 0));
-                    continue;
-                }
-            };
             let (token, logprobs) = match logits {
                 _ if drawn_here => meta.sampler.accept_drawn(drawn[row].token),
                 StepLogits::Full(l) => meta.sampler.sample(&l[row * vocab..(row + 1) * vocab], mask.as_ref()),
@@ -645,41 +672,6 @@ impl Engine {
             });
         }
         (events, sampled, failed)
-    }
-
-    /// Runs `step`; meanwhile, on a helper thread, computes the token mask of every
-    /// constrained sequence it samples, so the masks cost no step time unless they take
-    /// longer than the forward pass.
-    fn execute_guided(
-        &mut self,
-        step: &Step,
-        plan: &Schedule,
-        span: &tracing::Span,
-    ) -> (Result<StepOutput>, HashMap<SeqId, Result<TokenMask>>) {
-        let exec = &mut self.exec;
-        // Most steps have no constrained sequence: nothing to collect.
-        if !self.meta.values().any(|m| m.guide.is_some()) {
-            return (span.in_scope(|| exec.execute(step)), HashMap::new());
-        }
-        let sampled: HashSet<SeqId> = plan.seqs.iter().filter(|s| s.sample).map(|s| s.id).collect();
-        let guides: Vec<(SeqId, &mut Guide)> = self
-            .meta
-            .iter_mut()
-            .filter(|(id, _)| sampled.contains(id))
-            .filter_map(|(&id, m)| m.guide.as_mut().map(|g| (id, g)))
-            .collect();
-        let ids: Vec<SeqId> = guides.iter().map(|g| g.0).collect();
-        if guides.is_empty() {
-            return (span.in_scope(|| exec.execute(step)), HashMap::new());
-        }
-        std::thread::scope(|scope| {
-            let masks = scope.spawn(move || guides.into_iter().map(|(id, g)| (id, g.mask())).collect());
-            let output = span.in_scope(|| exec.execute(step));
-            let masks = masks.join().unwrap_or_else(|_| {
-                ids.iter().map(|&id| (id, Err(Error::Internal("the mask thread panicked".into())))).collect()
-            });
-            (output, masks)
-        })
     }
 
     /// One [`Draw`] per sampled row when the executor draws on the device and some row's

@@ -256,6 +256,11 @@ impl TokenMask {
         TokenMask(v)
     }
 
+    /// The mask as `u32` words (token `t` is bit `t % 32` of word `t / 32`).
+    pub fn words(&self) -> &[u32] {
+        self.0.as_slice()
+    }
+
     pub fn allows(&self, token: u32) -> bool {
         (token as usize) < self.0.len() && self.0.is_allowed(token)
     }

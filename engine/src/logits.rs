@@ -16,6 +16,7 @@
 use strata_common::{Error, Result};
 
 pub mod draw;
+pub mod late;
 pub mod top;
 
 pub use draw::{Draw, DRAW_PARAMS};

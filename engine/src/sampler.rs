@@ -31,6 +31,9 @@ pub struct Sampler {
     seen: HashSet<u32>,
     /// Output token counts (for presence and frequency penalties).
     counts: HashMap<u32, u32>,
+    /// Its constraint's masks are applied where the logits are, before they reach it: its
+    /// rows are reduced and drawn as an unconstrained request's.
+    masked_upstream: bool,
 }
 
 impl Sampler {
@@ -41,7 +44,30 @@ impl Sampler {
         };
         let seen =
             if params.repetition_penalty != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
-        Sampler { params, rng, seen, counts: HashMap::new() }
+        Sampler { params, rng, seen, counts: HashMap::new(), masked_upstream: false }
+    }
+
+    /// Whether a constrained request's masks may be applied where the logits are: a mask
+    /// changes the distribution's log-sum-exp, so a request that reports logprobs (those
+    /// of the raw distribution) has its mask applied on the host.
+    pub fn can_mask_upstream(&self) -> bool {
+        self.params.constraint.is_some() && self.params.logprobs.is_none()
+    }
+
+    /// From now on the logits this sampler gets are masked already (see
+    /// [`Sampler::can_mask_upstream`]).
+    pub fn mask_upstream(&mut self) {
+        self.masked_upstream = self.can_mask_upstream();
+    }
+
+    /// Whether its masks are applied where the logits are.
+    pub fn masked_upstream(&self) -> bool {
+        self.masked_upstream
+    }
+
+    /// A constraint this sampler applies itself, on the host.
+    fn host_constraint(&self) -> bool {
+        self.params.constraint.is_some() && !self.masked_upstream
     }
 
     /// A sampler that continues a generation whose first tokens were `generated`
@@ -122,7 +148,7 @@ impl Sampler {
     /// min-p without top-k need the whole distribution, and so does a constraint's mask).
     pub fn candidates_needed(&self) -> Option<usize> {
         let p = &self.params;
-        if self.penalised() || p.constraint.is_some() {
+        if self.penalised() || self.host_constraint() {
             return None;
         }
         let n = p.logprobs.unwrap_or(0) as usize;
@@ -137,11 +163,12 @@ impl Sampler {
     /// Whether this sequence's tokens can be drawn where the logits are
     /// ([`crate::logits::draw`]): temperature sampling with top-p, min-p or neither, and
     /// nothing else that needs the host — no top-k (its candidates serve it), penalties,
-    /// logprobs or a constraint (its mask is applied to the whole row on the host). A property of the request alone, so whether a token is drawn on the
-    /// device never depends on what shares the batch.
+    /// logprobs or a constraint masked on the host. A property of the request (and its
+    /// replica) alone, so whether a token is drawn on the device never depends on what
+    /// shares the batch.
     pub fn drawable(&self) -> bool {
         let p = &self.params;
-        !p.is_greedy() && p.top_k == 0 && p.logprobs.is_none() && !self.penalised() && p.constraint.is_none()
+        !p.is_greedy() && p.top_k == 0 && p.logprobs.is_none() && !self.penalised() && !self.host_constraint()
     }
 
     /// Whether penalties move this sequence's logits (so its rows go to the host whole).

@@ -93,6 +93,10 @@ pub struct Step {
     /// Rows whose final hidden states (after the final norm) the step returns, in order:
     /// what embedding requests pool.
     pub hidden_rows: Vec<usize>,
+    /// Token masks of the logit rows, applied where the logits are before they are
+    /// reduced or drawn from; they arrive while the step runs. Only on a replica of one
+    /// rank (never sent to others).
+    pub masks: Option<crate::logits::late::LateMasks>,
 }
 
 impl Step {
@@ -106,6 +110,7 @@ impl Step {
             draws: Vec::new(),
             trace: None,
             hidden_rows: Vec::new(),
+            masks: None,
         }
     }
 

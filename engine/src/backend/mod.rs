@@ -326,6 +326,28 @@ pub trait LogitsOps: Tensors {
         let cols = data.len().checked_div(rows).unwrap_or(0);
         Ok(host_logits::host_top(&data, rows, cols, k, first_id))
     }
+    /// Whether [`LogitsOps::mask_logits`] runs where the logits are (a GPU): a replica of
+    /// one rank then applies constrained decoding's masks there, and a constrained row is
+    /// reduced or drawn from like any other instead of going to the host whole.
+    fn masks_on_device(&self) -> bool {
+        false
+    }
+    /// `logits` (one row per mask, a whole vocabulary each) with every token its row's
+    /// mask does not allow at −∞; rows without a mask unchanged.
+    fn mask_logits(
+        &self,
+        logits: Self::Tensor,
+        masks: &crate::logits::late::RowMasks,
+    ) -> Result<Self::Tensor> {
+        let (rows, cols) = self.shape(&logits);
+        let mut data = self.to_host(&logits)?;
+        for (row, mask) in data.chunks_exact_mut(cols.max(1)).zip(masks) {
+            if let Some(m) = mask {
+                crate::logits::late::mask_row(row, m);
+            }
+        }
+        self.upload(data, rows, cols)
+    }
     /// Whether [`LogitsOps::draw_tokens`] runs where the logits are (a GPU): the engine
     /// then draws the tokens of top-p, min-p and temperature sampling there instead of
     /// copying whole rows to the host (see [`crate::logits::draw`]).

@@ -111,7 +111,8 @@ impl LeaderMessage {
 
 /// A step message (the leader encodes every step without copying it).
 pub fn encode_step(step: &Step) -> Vec<u8> {
-    let Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows } = step;
+    // Masks never leave the leader (its executor refuses them with other ranks).
+    let Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows, masks: _ } = step;
     let (wanted, trace) = (*wanted, trace.as_ref());
     let mut out = vec![KIND_STEP, PLAN_VERSION];
     put_all(&mut out, ids.iter().map(|&x| x as usize));
@@ -245,7 +246,7 @@ fn decode_step(r: &mut Reader<'_>) -> Result<Step> {
         layout.groups.push(BatchLayout { positions, slots, seqs, block_size, groups: Vec::new() });
     }
     let hidden_rows = r.vec()?.into_iter().map(|x| x as usize).collect();
-    Ok(Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows })
+    Ok(Step { ids, layout, logit_rows, wanted, draws, trace, hidden_rows, masks: None })
 }
 
 /// Every slot and block of `l` inside a cache of `num_blocks` blocks, every table long
@@ -319,6 +320,7 @@ mod tests {
             wanted: LogitsWanted::Greedy,
             draws: Vec::new(),
             hidden_rows: vec![0, 2],
+            masks: None,
             trace: Some(TraceContext {
                 traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
                 tracestate: "k=v".into(),

@@ -31,10 +31,11 @@ impl<B: Backend> Model<B> {
         let (rows, wanted) = (&step.logit_rows, step.wanted);
         if !step.draws_tokens() {
             let first_id = self.shard.shard.vocab.start as u32;
-            let local = self.shard_logits(&self.head_logits(x, rows)?, rows.len(), wanted, first_id)?;
+            let head = self.masked(self.head_logits(x, rows)?, step)?;
+            let local = self.shard_logits(&head, rows.len(), wanted, first_id)?;
             return Ok(self.merge_shards(local, rows.len(), wanted, comm)?.into());
         }
-        let head = self.whole_vocab(self.head_logits(x, rows)?, comm)?;
+        let head = self.masked(self.whole_vocab(self.head_logits(x, rows)?, comm)?, step)?;
         if self.shard.shard.tp_rank != 0 {
             return Ok(StepLogits::Full(Vec::new()).into());
         }
@@ -146,6 +147,17 @@ impl<B: Backend> Model<B> {
     }
 
     /// This rank's vocabulary shard of the logits of `rows`: final norm and LM head.
+    /// `head` (the whole vocabulary's logits of the step's rows) under the step's token
+    /// masks, waited for here: the last moment before the logits are reduced or drawn
+    /// from. Masks come only to a replica of one rank.
+    fn masked(&self, head: B::Tensor, step: &Step) -> Result<B::Tensor> {
+        let Some(late) = &step.masks else { return Ok(head) };
+        if self.shard.par.world() > 1 {
+            return Err(Error::Internal("token masks were sent to a replica of several ranks".into()));
+        }
+        self.backend.mask_logits(head, &late.wait()?)
+    }
+
     /// `[rows, hidden]` final hidden states of `rows` of `x` (after the final norm): what
     /// the LM head reads, and what embeddings pool.
     pub(super) fn final_hidden(&self, x: &B::Tensor, rows: &[usize]) -> Result<Vec<f32>> {

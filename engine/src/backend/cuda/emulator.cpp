@@ -164,6 +164,7 @@ extern "C" int strata_emu_launch(const char* kernel, unsigned gx, unsigned gy, u
     EMU_KERNEL(gather_rows)
     EMU_KERNEL(copy_block)
     EMU_KERNEL(unshard_rows)
+    EMU_KERNEL(mask_logits)
     EMU_KERNEL(greedy_pick)
     EMU_KERNEL(top_logits)
     EMU_KERNEL(draw_tokens)

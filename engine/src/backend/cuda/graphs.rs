@@ -114,6 +114,7 @@ fn decode_rows(step: &Step) -> Option<usize> {
         && in_order
         && sampled
         && step.hidden_rows.is_empty()
+        && step.masks.is_none()
         && step.ids.len() == n
         && step.layout.positions.len() == n
         && step.layout.slots.len() == n
@@ -152,6 +153,7 @@ fn pad(step: &Step, draw: bool, rows: usize, scratch_block: u32) -> Padded {
             draws,
             trace: None,
             hidden_rows: Vec::new(),
+            masks: None,
         },
         draws: params,
     };

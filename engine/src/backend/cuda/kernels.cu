@@ -335,6 +335,24 @@ DEVICE float block_log_sum_exp(const float* row, int cols, float top, float* scr
     return top == -INFINITY ? top : top + logf(total);
 }
 
+// One block per row of a whole vocabulary's logits: every token the row's mask does not
+// allow becomes -infinity (constrained decoding, before the row is reduced or drawn from).
+// masks holds `words` u32s per row (token t is bit t % 32 of word t / 32); a row whose
+// flag is 0 has no constraint and is left alone.
+KERNEL void mask_logits(float* x, const unsigned* masks, const int* masked, int cols, int words) {
+    if (masked[blockIdx.x] == 0) {
+        return;
+    }
+    float* row = x + (long long)blockIdx.x * cols;
+    const unsigned* mask = masks + (long long)blockIdx.x * words;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        int w = c >> 5;
+        if (w >= words || ((mask[w] >> (c & 31)) & 1u) == 0u) {
+            row[c] = -INFINITY;
+        }
+    }
+}
+
 // One block per row of a vocabulary shard's logits whose first column is token first_id:
 // out[row] = {token of the largest logit (the first on ties), that logit, the row's
 // log-sum-exp}, the token as a float (exact below 2^24). Greedy decoding needs nothing

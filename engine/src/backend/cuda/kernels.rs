@@ -46,6 +46,7 @@ pub enum Kernel {
     GatherRows,
     CopyBlock,
     UnshardRows,
+    MaskLogits,
     GreedyPick,
     TopLogits,
     DrawTokens,
@@ -58,7 +59,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 26] = [
+    pub const ALL: [Kernel; 27] = [
         Kernel::CastBf16,
         Kernel::AddBias,
         Kernel::Add,
@@ -76,6 +77,7 @@ impl Kernel {
         Kernel::GatherRows,
         Kernel::CopyBlock,
         Kernel::UnshardRows,
+        Kernel::MaskLogits,
         Kernel::GreedyPick,
         Kernel::TopLogits,
         Kernel::DrawTokens,
@@ -107,6 +109,7 @@ impl Kernel {
             Kernel::GatherRows => "gather_rows",
             Kernel::CopyBlock => "copy_block",
             Kernel::UnshardRows => "unshard_rows",
+            Kernel::MaskLogits => "mask_logits",
             Kernel::GreedyPick => "greedy_pick",
             Kernel::TopLogits => "top_logits",
             Kernel::DrawTokens => "draw_tokens",

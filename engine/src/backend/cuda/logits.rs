@@ -10,6 +10,7 @@ use super::{dim, CudaBackend, GpuTensor, ROW_THREADS};
 use crate::backend::host_logits::{host_draws, host_top};
 use crate::backend::{LogitsOps, Tensors};
 use crate::logits::draw::draws_to_f32s;
+use crate::logits::late::RowMasks;
 use crate::logits::top::top_from_f32s;
 use crate::logits::{picks_from_f32s, Candidates, Draw, Pick, MAX_TOP};
 
@@ -111,6 +112,41 @@ impl<G: Gpu> LogitsOps for CudaBackend<G> {
     }
     fn draws_on_device(&self) -> bool {
         true
+    }
+    fn masks_on_device(&self) -> bool {
+        true
+    }
+    fn mask_logits(&self, logits: Self::Tensor, masks: &RowMasks) -> Result<Self::Tensor> {
+        if masks.len() != logits.rows {
+            return Err(Error::Internal(format!("{} masks for {} rows of logits", masks.len(), logits.rows)));
+        }
+        if masks.iter().all(Option::is_none) || logits.cols == 0 {
+            return Ok(logits);
+        }
+        let words = logits.cols.div_ceil(32);
+        let mut bits = vec![0u32; logits.rows * words];
+        let mut flags = vec![0i32; logits.rows];
+        for (r, mask) in masks.iter().enumerate() {
+            if let Some(m) = mask {
+                let n = m.len().min(words);
+                bits[r * words..r * words + n].copy_from_slice(&m[..n]);
+                flags[r] = 1;
+            }
+        }
+        let bits = self.gpu.upload(bytemuck::cast_slice(&bits))?;
+        let flags = self.gpu.upload(bytemuck::cast_slice(&flags))?;
+        self.launch(
+            Kernel::MaskLogits,
+            Launch::rows(logits.rows, ROW_THREADS),
+            &[
+                Arg::Buf(&logits.buf),
+                Arg::Buf(&bits),
+                Arg::Buf(&flags),
+                Arg::I32(dim(logits.cols)?),
+                Arg::I32(dim(words)?),
+            ],
+        )?;
+        Ok(logits)
     }
     fn draw_tokens(&self, logits: &Self::Tensor, draws: &[Draw], first_id: u32) -> Result<Vec<Pick>> {
         if draws.len() != logits.rows {
