@@ -12,6 +12,7 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
 use strata_common::TokenLogprobs;
 
 use super::{non_finite, Aborted, ChunkRow, Engine};
@@ -91,20 +92,33 @@ impl Engine {
         let mut failed: Vec<Aborted> = Vec::new();
         let (StepLogits::Full(all), false) = (logits, rows.is_empty()) else { return failed };
         let vocab = self.exec.config().vocab_size;
-        for (i, r) in rows.iter().enumerate() {
-            let row = &all[(sampled + i) * vocab..(sampled + i + 1) * vocab];
-            let Some(next) = self.scheduler.seq(r.seq).and_then(|s| s.tokens.get(r.position + 1).copied())
-            else {
-                continue;
-            };
+        // Each row's value (a pass or three over the vocabulary) on the rayon pool: a
+        // chunk's rows are many, and they are independent.
+        let wanted: Vec<Option<(u32, usize)>> = rows
+            .iter()
+            .map(|r| {
+                let next = self.scheduler.seq(r.seq)?.tokens.get(r.position + 1).copied()?;
+                let p = self.meta.get(&r.seq)?.prompt.as_ref()?;
+                (p.values.len() <= r.position).then_some((next, p.top))
+            })
+            .collect();
+        let values: Vec<Option<TokenLogprobs>> = wanted
+            .par_iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let (next, top) = (*w)?;
+                let row = &all[(sampled + i) * vocab..(sampled + i + 1) * vocab];
+                row.iter().all(|x| x.is_finite()).then(|| ranked(row, next, top))
+            })
+            .collect();
+        for ((r, w), v) in rows.iter().zip(&wanted).zip(values) {
             let Some(p) = self.meta.get_mut(&r.seq).and_then(|m| m.prompt.as_mut()) else { continue };
-            if !row.iter().all(|x| x.is_finite()) {
-                if !failed.iter().any(|f| f.seq == r.seq) {
+            match v {
+                Some(lp) if p.values.len() == r.position => p.values.push(lp),
+                None if w.is_some() && !failed.iter().any(|f| f.seq == r.seq) => {
                     failed.push(Aborted { seq: r.seq, error: non_finite(), non_finite: true });
                 }
-            } else if p.values.len() == r.position {
-                let lp = ranked(row, next, p.top);
-                p.values.push(lp);
+                _ => {}
             }
         }
         failed

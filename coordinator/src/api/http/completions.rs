@@ -132,7 +132,8 @@ pub(super) fn prompts_bounded(f: &Fields, max: usize) -> Result<Vec<Prompt>, Api
         Some(Json::Array(items)) if items.is_empty() => {
             Err(ApiError::invalid("prompt", "prompt must not be empty"))
         }
-        Some(Json::Array(items)) if items.len() > max => {
+        // A list of prompts (not one prompt's token ids) is bounded by count.
+        Some(Json::Array(items)) if items.len() > max && !items[0].is_number() => {
             Err(ApiError::invalid("prompt", format!("at most {max} prompts")))
         }
         Some(Json::Array(items)) => match &items[0] {
@@ -321,4 +322,25 @@ pub(super) fn chat_input(f: &mut Fields) -> Result<ChatInput, ApiError> {
     }
     let add_generation_prompt = params::boolean(f, "add_generation_prompt")?.unwrap_or(true);
     Ok(ChatInput { messages, tools, add_generation_prompt, extra })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_long_token_prompt_is_not_many_prompts() {
+        let fields = |prompt: Json| {
+            params::object(serde_json::json!({"prompt": prompt}).to_string().as_bytes()).unwrap()
+        };
+        let long: Vec<u32> = (0..1000).collect();
+        assert!(
+            matches!(&prompts(&fields(serde_json::json!(long))).unwrap()[..], [Prompt::TokenIds(ids)] if ids.len() == 1000)
+        );
+        let many = vec!["x"; MAX_CHOICES + 1];
+        let e = prompts(&fields(serde_json::json!(many))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let lists = vec![vec![1, 2]; MAX_CHOICES + 1];
+        assert!(prompts(&fields(serde_json::json!(lists))).is_err());
+    }
 }
