@@ -12,6 +12,8 @@ pid=$!
 trap 'kill $pid 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
 addr=$("$(dirname "$0")/ready_address.sh" "$ready" $pid 30) || { cat "$log" >&2; exit 1; }
 echo "strata serve is listening on $addr (model \"demo\" from $model)"
+echo "(a model of random weights, as \`make demo\` writes, answers gibberish: the tokens are real,"
+echo " the words are not; serve a real model directory for real text)"
 for prompt in "Once upon a time" "The quick brown fox" "Strata serves"; do
   echo
   echo "── prompt: $prompt"

@@ -12,11 +12,12 @@ use crate::build_args::{BuildArgs, Shown};
 
 #[derive(Args, Debug)]
 pub struct AdminArgs {
-    /// A coordinator's address, e.g. http://127.0.0.1:50051.
+    /// A coordinator's address, e.g. http://127.0.0.1:50051 (HOST:PORT alone is plaintext).
     #[arg(long, env = "STRATA_ENDPOINT", default_value = "http://127.0.0.1:50051")]
     pub endpoint: String,
-    /// The admin token (sent as "authorization: Bearer <token>").
-    #[arg(long, env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
+    /// The admin token (sent as "authorization: Bearer <token>"); also --admin-token, as
+    /// serve and coordinator call it.
+    #[arg(long, alias = "admin-token", env = "STRATA_ADMIN_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
     /// Print JSON instead of a table.
     #[arg(long, global = true)]
@@ -179,7 +180,7 @@ fn print_models(models: &[pb::ModelStatus], as_json: bool) {
 }
 
 pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
-    let mut c: AdminClient<Channel> = AdminClient::connect(args.endpoint.clone())
+    let mut c: AdminClient<Channel> = AdminClient::connect(crate::client::endpoint_url(&args.endpoint))
         .await
         .with_context(|| format!("cannot connect to --endpoint {}", args.endpoint))?;
     let t = &args.token;

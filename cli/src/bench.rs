@@ -30,9 +30,13 @@ use tonic::metadata::{Ascii, MetadataValue};
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Server to load, e.g. http://127.0.0.1:50051.
+    /// Server to load, e.g. http://127.0.0.1:50051 (HOST:PORT alone is plaintext).
     #[arg(long)]
     pub endpoint: String,
+    /// Let the server answer repeated requests from its response cache (off: the
+    /// requests ask it not to, so the benchmark measures the replicas).
+    #[arg(long)]
+    pub response_cache: bool,
     /// Served model name.
     #[arg(long)]
     pub model: String,
@@ -235,7 +239,7 @@ async fn over_grpc(
         Some(k) => Some(format!("Bearer {k}").parse().context("--api-key: not a valid header value")?),
         None => None,
     };
-    let channel = tonic::transport::Endpoint::from_shared(args.endpoint.clone())
+    let channel = tonic::transport::Endpoint::from_shared(crate::client::endpoint_url(&args.endpoint))
         .with_context(|| format!("--endpoint {:?}", args.endpoint))?
         .connect()
         .await
@@ -261,8 +265,8 @@ async fn over_grpc(
                 prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
                 max_tokens: Some(args.output_len),
                 ignore_eos: true,
-                // A benchmark measures the replicas, never the response cache.
-                cache: Some(false),
+                // A benchmark measures the replicas, not the response cache, unless asked.
+                cache: (!args.response_cache).then_some(false),
                 ..Default::default()
             };
             let req = authed(req, &key);
@@ -287,7 +291,12 @@ async fn over_http(
     let futures: Vec<_> = prompts(args)
         .into_iter()
         .map(|prompt| {
-            let call = (args.model.clone(), args.output_len, chat);
+            let call = crate::bench_http::Call {
+                model: args.model.clone(),
+                max_tokens: args.output_len,
+                chat,
+                response_cache: args.response_cache,
+            };
             crate::bench_http::one(client.clone(), base.clone(), call, prompt, args.api_key.clone())
         })
         .collect();

@@ -46,10 +46,21 @@ pub fn prompts(args: &BenchArgs) -> Vec<String> {
 
 /// The base URL (without `/v1`) of `--endpoint`.
 pub fn base(endpoint: &str) -> anyhow::Result<String> {
+    let endpoint = crate::client::endpoint_url(endpoint);
     if !endpoint.starts_with("http://") {
         bail!("--endpoint {endpoint:?}: --api openai needs the HTTP API's http://HOST:PORT");
     }
     Ok(endpoint.trim_end_matches('/').trim_end_matches("/v1").to_string())
+}
+
+/// What one request of the benchmark asks for.
+pub struct Call {
+    pub model: String,
+    pub max_tokens: u32,
+    /// Chat completions (else completions).
+    pub chat: bool,
+    /// Leave out `cache: false` (Strata's extension; vLLM ignores it).
+    pub response_cache: bool,
 }
 
 /// Checks that `model` is served (GET /v1/models).
@@ -86,11 +97,11 @@ pub async fn check_model(
 pub async fn one(
     client: HttpClient,
     base: String,
-    args: (String, u32, bool),
+    call: Call,
     prompt: String,
     key: Option<String>,
 ) -> anyhow::Result<(Outcome, usize)> {
-    let (model, max_tokens, chat) = args;
+    let Call { model, max_tokens, chat, response_cache } = call;
     let (path, mut body) = if chat {
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}]}))
     } else {
@@ -105,6 +116,9 @@ pub async fn one(
         ("temperature", json!(0)),
     ] {
         body[k] = v;
+    }
+    if !response_cache {
+        body["cache"] = json!(false);
     }
     let mut req =
         hyper::Request::post(format!("{base}{path}")).header(hyper::header::CONTENT_TYPE, "application/json");

@@ -53,8 +53,18 @@ fn status_error(s: tonic::Status) -> anyhow::Error {
     anyhow!("{:?}: {}", s.code(), s.message())
 }
 
+/// A server address as the clients connect to it: `HOST:PORT` alone means plaintext
+/// `http://HOST:PORT` (as grpcurl and vLLM's clients take it).
+pub fn endpoint_url(endpoint: &str) -> String {
+    if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
+}
+
 pub async fn generate_remote(args: &GenerateArgs, endpoint: &str) -> anyhow::Result<()> {
-    let mut client = InferenceClient::connect(endpoint.to_string())
+    let mut client = InferenceClient::connect(endpoint_url(endpoint))
         .await
         .with_context(|| format!("cannot connect to --endpoint {endpoint}"))?;
     let mut req = tonic::Request::new(request_from_args(args));

@@ -101,8 +101,9 @@ pub struct EngineFlags {
     /// Most sequences running at once per replica [default: 64].
     #[arg(long, env = "STRATA_MAX_NUM_SEQS")]
     pub max_num_seqs: Option<usize>,
-    /// Most tokens (prefill chunks + decodes) in one engine step [default: 512].
-    #[arg(long, env = "STRATA_MAX_BATCHED_TOKENS")]
+    /// Most tokens (prefill chunks + decodes) in one engine step (also
+    /// --max-num-batched-tokens) [default: 512].
+    #[arg(long, alias = "max-num-batched-tokens", env = "STRATA_MAX_BATCHED_TOKENS")]
     pub max_batched_tokens: Option<usize>,
     /// Most requests waiting per replica; beyond it calls get RESOURCE_EXHAUSTED [default: 256].
     #[arg(long, env = "STRATA_MAX_WAITING")]
@@ -364,5 +365,44 @@ mod tests {
         };
         let e = bad.engine.in_process(None).unwrap_err().to_string();
         assert!(e.contains("--dtype"), "{e}");
+    }
+
+    #[test]
+    fn serve_takes_vllms_spellings_and_a_positional_model_dir() {
+        let vllm = [
+            "serve",
+            "/models/a",
+            "--model",
+            "/models/b",
+            "--tensor-parallel-size",
+            "2",
+            "--pipeline-parallel-size",
+            "3",
+            "--served-model-name",
+            "x",
+            "--served-model-name",
+            "y",
+            "--max-num-batched-tokens",
+            "64",
+        ];
+        let Command::Serve(s) = parse(&vllm).unwrap().command else { panic!("serve") };
+        let mut cfg = strata_common::config::Config::default();
+        s.overlay(&mut cfg).unwrap();
+        let served: Vec<_> =
+            cfg.serve.models.iter().map(|m| (m.path.display().to_string(), m.name.clone())).collect();
+        assert_eq!(served, [("/models/a".into(), Some("x".into())), ("/models/b".into(), Some("y".into()))]);
+        assert_eq!((cfg.serve.tp, cfg.serve.pp, cfg.engine.max_batched_tokens), (2, 3, 64));
+        let Command::Admin(a) = parse(&["admin", "--admin-token", "t", "models"]).unwrap().command else {
+            panic!("admin")
+        };
+        assert_eq!(a.token.as_deref(), Some("t"));
+        assert_eq!(crate::client::endpoint_url("127.0.0.1:50051"), "http://127.0.0.1:50051");
+        assert_eq!(crate::client::endpoint_url("https://h:1"), "https://h:1");
+        let hint = crate::serve_cli::not_a_model_dir(std::path::Path::new("meta-llama/Llama-3.2-1B"));
+        assert!(hint.contains("hub id") && hint.contains("download"), "{hint}");
+        assert_eq!(
+            crate::serve_cli::not_a_model_dir(std::path::Path::new("/no/such/dir")),
+            "not a directory"
+        );
     }
 }

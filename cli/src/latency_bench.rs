@@ -40,7 +40,7 @@ pub fn in_process(model: &mut LocalModel, requests: usize) -> anyhow::Result<Lat
 }
 
 pub async fn over_grpc(endpoint: &str, model: &str, requests: usize) -> anyhow::Result<LatencyReport> {
-    let mut client = InferenceClient::connect(endpoint.to_string()).await?;
+    let mut client = InferenceClient::connect(crate::client::endpoint_url(endpoint)).await?;
     let req = pb::GenerateRequest {
         model: model.into(),
         prompt: Some(pb::generate_request::Prompt::Text(PROMPT.into())),
@@ -90,7 +90,7 @@ pub async fn streaming_grpc_vs_http(
 ) -> anyhow::Result<Vec<LatencyReport>> {
     use http_body_util::{BodyExt, Full};
     use hyper_util::client::legacy::Client;
-    let grpc = InferenceClient::connect(endpoint.to_string()).await?;
+    let grpc = InferenceClient::connect(crate::client::endpoint_url(endpoint)).await?;
     let client: Client<_, Full<bytes::Bytes>> =
         Client::builder(hyper_util::rt::TokioExecutor::new()).build_http();
     let req = pb::GenerateRequest {

@@ -61,7 +61,7 @@ impl LocalModel {
     /// Loads the model as a `tp × pp` replica whose ranks are threads of this process.
     pub fn load_parallel(dir: &Path, par: Parallelism, engine_config: &EngineConfig) -> Result<Self> {
         if !dir.is_dir() {
-            return Err(Error::model_file(dir, "not a directory"));
+            return Err(Error::model_file(dir, crate::serve_cli::not_a_model_dir(dir)));
         }
         let engine = local_replica(dir, par, engine_config)?;
         let tokenizer =

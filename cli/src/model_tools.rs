@@ -38,6 +38,9 @@ pub fn write_random_model(
     write_tokenizer(dir, spec.vocab, spec.arch)
 }
 
+/// The chat template random models get (ChatML, as Qwen's).
+const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
 fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
     let min_vocab = SPECIALS.len() + 256;
     if vocab < min_vocab {
@@ -105,7 +108,9 @@ fn write_tokenizer(dir: &Path, vocab: usize, arch: Architecture) -> Result<()> {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "add_bos_token": !matches!(arch, Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe),
-        "model_max_length": 1_000_000
+        "model_max_length": 1_000_000,
+        // ChatML, so /v1/chat/completions works on a random model as on a real one.
+        "chat_template": CHATML,
     });
     std::fs::write(&cfg_path, cfg.to_string())
         .map_err(|e| Error::model_file(&cfg_path, format!("cannot write: {e}")))?;

@@ -163,6 +163,14 @@ pub fn routing_policy(c: &CoordinatorSettings) -> anyhow::Result<PolicyKind> {
 pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions> {
     let bytes = strata_common::config::parse_memory_or_zero(&c.response_cache_memory)
         .context("--response-cache-memory (coordinator.response_cache_memory)")?;
+    if bytes > 0 {
+        // Said at start: a benchmark or a test that repeats a greedy request would
+        // otherwise measure the cache without knowing it.
+        tracing::info!(
+            response_cache_bytes = bytes,
+            "response cache on: a repeated deterministic request may be answered from it (--response-cache-memory 0 turns it off; requests may send cache: false)"
+        );
+    }
     // `route_wait_s` is finite and not negative: the settings were validated.
     Ok(FrontEndOptions {
         route: RouteLimits { wait: std::time::Duration::from_secs_f64(c.route_wait_s), ..Default::default() },

@@ -25,21 +25,25 @@ use crate::embedded::{EmbeddedModel, EmbeddedOptions};
 pub struct ServeArgs {
     #[command(flatten)]
     pub config: ConfigArg,
+    /// Model directories to serve, as `vllm serve DIR` takes one (before any --model).
+    #[arg(value_name = "MODEL_DIR")]
+    pub model_dirs: Vec<PathBuf>,
     /// Model directory to serve (repeatable; replaces the config's serve.models).
     #[arg(long)]
     pub model: Vec<PathBuf>,
-    /// Name clients use for each --model, in the same order (default: the directory name).
-    #[arg(long)]
+    /// Name clients use for each model, in the same order (default: the directory name);
+    /// also --served-model-name, as vLLM calls it.
+    #[arg(long, alias = "served-model-name")]
     pub name: Vec<String>,
     /// Address to listen on; port 0 picks a free port (the log says which)
     /// [default: 127.0.0.1:50051].
     #[arg(long, env = "STRATA_LISTEN")]
     pub listen: Option<std::net::SocketAddr>,
-    /// Tensor-parallel ranks per replica [default: 1].
-    #[arg(long, env = "STRATA_TP")]
+    /// Tensor-parallel ranks per replica (also --tensor-parallel-size) [default: 1].
+    #[arg(long, alias = "tensor-parallel-size", env = "STRATA_TP")]
     pub tp: Option<usize>,
-    /// Pipeline stages per replica [default: 1].
-    #[arg(long, env = "STRATA_PP")]
+    /// Pipeline stages per replica (also --pipeline-parallel-size) [default: 1].
+    #[arg(long, alias = "pipeline-parallel-size", env = "STRATA_PP")]
     pub pp: Option<usize>,
     /// Expert parallelism: each MoE layer's experts split across this many ranks (a stage's
     /// TP ranks; alone, it sets --tp) [default: 1].
@@ -98,19 +102,19 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
+    pub(crate) fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         let s = &mut cfg.serve;
-        if !self.model.is_empty() {
-            if !self.name.is_empty() && self.name.len() != self.model.len() {
+        let models: Vec<&PathBuf> = self.model_dirs.iter().chain(&self.model).collect();
+        if !models.is_empty() {
+            if !self.name.is_empty() && self.name.len() != models.len() {
                 bail!(
-                    "--name is given {} times for {} --model flags; give one name per model or none",
+                    "--name is given {} times for {} models; give one name per model or none",
                     self.name.len(),
-                    self.model.len()
+                    models.len()
                 );
             }
-            s.models = self
-                .model
-                .iter()
+            s.models = models
+                .into_iter()
                 .enumerate()
                 .map(|(i, path)| ServedModel { path: path.clone(), name: self.name.get(i).cloned() })
                 .collect();
@@ -142,6 +146,25 @@ impl ServeArgs {
     }
 }
 
+/// Why `path` is no model directory, with what to do when it reads as a Hugging Face hub
+/// id (`org/name`): Strata loads directories, it downloads nothing.
+pub(crate) fn not_a_model_dir(path: &std::path::Path) -> String {
+    let text = path.to_string_lossy();
+    let parts: Vec<&str> = text.split('/').collect();
+    let hub_like = !path.exists()
+        && parts.len() == 2
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)));
+    if hub_like {
+        format!(
+            "not a directory; it reads as a Hugging Face hub id: download it first (`huggingface-cli download {text} --local-dir DIR`, or `hf download`) and serve DIR"
+        )
+    } else {
+        "not a directory".into()
+    }
+}
+
 /// Each model's name: given, or its directory's; names must differ.
 fn model_names(models: &[ServedModel]) -> anyhow::Result<Vec<String>> {
     let mut names: Vec<String> = Vec::with_capacity(models.len());
@@ -153,7 +176,7 @@ fn model_names(models: &[ServedModel]) -> anyhow::Result<Vec<String>> {
                 .canonicalize()
                 .ok()
                 .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_string()))
-                .with_context(|| format!("--model {}: not a directory", m.path.display()))?,
+                .with_context(|| format!("--model {}: {}", m.path.display(), not_a_model_dir(&m.path)))?,
         };
         if names.contains(&name) {
             bail!("model name {name:?} is used twice: give each --model its own --name");

@@ -490,3 +490,30 @@ async fn utility_routes_and_unknown_routes_answer_in_openais_shape() {
         assert!(message.contains(method) && message.contains(path), "{message}");
     }
 }
+
+/// The README's chat example, as written, against a model `strata model random` writes with
+/// `make demo`'s shape: a random model has a chat template too, and the streamed chat ends
+/// with `[DONE]`.
+#[test]
+fn the_readmes_chat_example_works_on_the_demo_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("llama");
+    let shape = ["--arch", "llama", "--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "4"];
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["model", "random"])
+        .args(shape)
+        .args(["--intermediate", "768", "--vocab", "2048", "--out", model.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (_server, http) = serve_http(&model, &[]);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "Hello"}], "stream": true});
+    let (status, text) = request(&http, "POST", "/v1/chat/completions", None, Some(&body)).unwrap();
+    assert_eq!(status, 200, "{text}");
+    let events = sse_data(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let chunks: Vec<serde_json::Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"].is_string()));
+}
