@@ -265,20 +265,43 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
 }
 
 fn print_audit(entries: &[pb::AuditEntry], j: bool) {
-    for e in entries {
-        if j {
+    if j {
+        for e in entries {
             println!(
                 "{}",
                 json!({ "at_ms": e.at_ms, "coordinator": e.coordinator, "caller": e.caller, "action": e.action,
                         "target": e.target, "detail": e.detail, "outcome": e.outcome })
             );
-        } else {
-            println!(
-                "{} {} {} {} {} [{}] {}",
-                e.at_ms, e.coordinator, e.caller, e.action, e.target, e.detail, e.outcome
-            );
         }
+        return;
     }
+    if entries.is_empty() {
+        println!("no entries");
+        return;
+    }
+    println!(
+        "{:<24}  {:<14}  {:<20}  {:<16}  {:<16}  {:<8}  detail",
+        "time", "coordinator", "caller", "action", "target", "outcome"
+    );
+    for e in entries {
+        println!(
+            "{:<24}  {:<14}  {:<20}  {:<16}  {:<16}  {:<8}  {}",
+            rfc3339_ms(e.at_ms),
+            e.coordinator,
+            e.caller,
+            e.action,
+            e.target,
+            e.outcome,
+            e.detail
+        );
+    }
+}
+
+/// Milliseconds since the Unix epoch as RFC 3339 UTC (`2026-12-06T22:49:44.123Z`).
+fn rfc3339_ms(ms: u64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms as i64)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_else(|| ms.to_string())
 }
 
 fn print_replicas(replicas: &[pb::ReplicaStatus], j: bool) {
@@ -345,5 +368,14 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
             if w.shard_state.is_empty() { "-" } else { &w.shard_state },
             if w.draining { "yes" } else { "no" }
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn audit_times_are_rfc3339() {
+        assert_eq!(super::rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(super::rfc3339_ms(1_796_600_477_123), "2026-12-06T23:41:17.123Z");
     }
 }

@@ -63,7 +63,23 @@ impl Audited for pb::SetTenantRequest {
         self.name.clone()
     }
     fn detail(&self) -> String {
-        format!("weight={:?} limits={:?}", self.weight, self.limits)
+        let mut fields = Vec::new();
+        if let Some(w) = self.weight {
+            fields.push(format!("weight={w}"));
+        }
+        if let Some(l) = &self.limits {
+            let mut put = |k: &str, v: Option<String>| {
+                if let Some(v) = v {
+                    fields.push(format!("{k}={v}"));
+                }
+            };
+            put("requests_per_second", l.requests_per_second.map(|v| v.to_string()));
+            put("tokens_per_minute", l.tokens_per_minute.map(|v| v.to_string()));
+            put("max_concurrent", l.max_concurrent.map(|v| v.to_string()));
+            put("max_tokens_per_request", l.max_tokens_per_request.map(|v| v.to_string()));
+            put("models", (!l.models.is_empty()).then(|| l.models.join(",")));
+        }
+        fields.join(" ")
     }
 }
 
@@ -123,5 +139,38 @@ impl Audited for pb::RollbackRolloutRequest {
     const ACTION: &'static str = "RollbackRollout";
     fn target(&self) -> String {
         self.name.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn details_are_key_value_fields_without_debug_text() {
+        let set = pb::SetTenantRequest {
+            name: "acme".into(),
+            weight: Some(2.0),
+            limits: Some(pb::TenantLimits {
+                tokens_per_minute: Some(1000),
+                models: vec!["a".into(), "b".into()],
+                ..Default::default()
+            }),
+        };
+        assert_eq!(set.detail(), "weight=2 tokens_per_minute=1000 models=a,b");
+        let bare = pb::SetTenantRequest { name: "acme".into(), ..Default::default() };
+        assert_eq!(bare.detail(), "");
+        let deploy = pb::DeployModelRequest {
+            name: "m".into(),
+            build: Some(pb::Build {
+                model_dir: "/m".into(),
+                chat_template: "{{ x }}".into(),
+                ..Default::default()
+            }),
+            replicas: 1,
+            ..Default::default()
+        };
+        let d = deploy.detail();
+        assert!(d.contains("chat_template_bytes=7") && !d.contains("{{"), "{d}");
     }
 }

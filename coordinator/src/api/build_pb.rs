@@ -166,7 +166,16 @@ pub(super) fn describe(build: Option<&pb::Build>, flat: Flat<'_>) -> String {
         Some(b) => (b.model_dir.as_str(), b.tp, b.pp, b.ep),
         None => (flat.model_dir, flat.tp, flat.pp, flat.ep),
     };
-    format!("model_dir={dir} dtype={dtype} device={device} tp={tp} pp={pp} ep={ep}")
+    let mut out = format!("model_dir={dir} dtype={dtype} device={device} tp={tp} pp={pp} ep={ep}");
+    if let Some(b) = build.filter(|b| !b.chat_template.is_empty() || !b.tool_call_parser.is_empty()) {
+        // The template by size only: the log keeps what changed, not a copy of it.
+        out.push_str(&format!(
+            " chat_template_bytes={} tool_call_parser={}",
+            b.chat_template.trim().len(),
+            b.tool_call_parser.trim()
+        ));
+    }
+    out
 }
 
 /// The flat fields of a status, for clients from before `Build`.
