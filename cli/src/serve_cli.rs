@@ -203,7 +203,7 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
     let client_auth_for_reload = client_auth.clone();
     let admin_auth =
         AdminAuth::new(cfg.coordinator.admin_token.clone(), &client_auth).context("--admin-token")?;
-    let opts = ServeOptions {
+    let mut opts = ServeOptions {
         listen: s.listen,
         drain_timeout: Duration::from_secs_f64(s.drain_timeout_s),
         client_auth,
@@ -211,8 +211,11 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         id: "serve".into(),
         tls: caller_tls(&cfg.coordinator)?,
         http: http_options(&cfg.coordinator)?,
+        bound: None,
     };
     let _runtime = rt.enter();
+    // Before anything loads: a port in use fails now, not after the models are up.
+    opts.bind_early()?;
     reload_keys_on_sighup(cfg.coordinator.clone(), client_auth_for_reload, admin_auth.clone(), "serve")?;
     if let Some(addr) = crate::metrics_http::parse_listen(&cfg.telemetry.metrics_listen)? {
         rt.block_on(crate::metrics_http::serve(addr, "serve"))?;

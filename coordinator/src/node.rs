@@ -100,6 +100,7 @@ pub async fn run_coordinator(registry: Arc<dyn Registry>, opts: CoordinatorOptio
             id: opts.leader.id.clone(),
             tls: opts.caller_tls.clone(),
             http: opts.http.clone(),
+            bound: None,
         },
     )
     .await;

@@ -38,6 +38,33 @@ pub struct ServeOptions {
     pub tls: Option<tonic::transport::ServerTlsConfig>,
     /// The OpenAI-style HTTP API (None: not served).
     pub http: Option<HttpOptions>,
+    /// Listeners bound before the server starts ([`ServeOptions::bind_early`]); None: bound
+    /// when it starts.
+    pub bound: Option<Listeners>,
+}
+
+/// The gRPC and HTTP listeners, bound ahead of serving.
+#[derive(Debug)]
+pub struct Listeners {
+    grpc: std::net::TcpListener,
+    http: Option<std::net::TcpListener>,
+}
+
+impl ServeOptions {
+    /// Binds the listen addresses now, so a port in use fails at once rather than after
+    /// the models load; connections wait in the backlog until the server starts.
+    pub fn bind_early(&mut self) -> anyhow::Result<()> {
+        let bind = |addr: SocketAddr, flag: &str| -> anyhow::Result<std::net::TcpListener> {
+            let l =
+                std::net::TcpListener::bind(addr).with_context(|| format!("{flag} {addr}: cannot listen"))?;
+            l.set_nonblocking(true)?;
+            Ok(l)
+        };
+        let grpc = bind(self.listen, "--listen")?;
+        let http = self.http.as_ref().map(|h| bind(h.listen, "--http-listen")).transpose()?;
+        self.bound = Some(Listeners { grpc, http });
+        Ok(())
+    }
 }
 
 /// Which command serves: named in the ready log line and announcement.
@@ -68,8 +95,17 @@ impl Role {
 /// Serves inference.v1 (and the HTTP API) through `front` and admin.v1 through `admin`
 /// until SIGTERM.
 pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions) -> anyhow::Result<()> {
-    let listener =
-        TcpListener::bind(opts.listen).await.with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let mut opts = opts;
+    let (grpc, http_listener) = match opts.bound.take() {
+        Some(l) => (Some(l.grpc), l.http),
+        None => (None, None),
+    };
+    let listener = match grpc {
+        Some(l) => TcpListener::from_std(l)?,
+        None => TcpListener::bind(opts.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", opts.listen))?,
+    };
     let addr = listener.local_addr()?;
     let names: Vec<String> = front.models().all().iter().map(|m| m.name.clone()).collect();
 
@@ -90,7 +126,10 @@ pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions)
     let http = match &opts.http {
         Some(h) => {
             let auth = opts.client_auth.clone();
-            Some(RunningHttp::start(h, front.clone(), auth, opts.role.name(), &opts.id).await?)
+            Some(
+                RunningHttp::start(h, http_listener, front.clone(), auth, (opts.role.name(), &opts.id))
+                    .await?,
+            )
         }
         None => None,
     };

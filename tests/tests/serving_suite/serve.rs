@@ -569,3 +569,27 @@ fn bench_measures_the_openai_api_too() {
         .unwrap();
     assert!(!wrong.status.success(), "a wrong key fails the run");
 }
+
+/// The listen addresses are bound before any model loads: a port in use is the error, not
+/// the weights that a load would have found missing.
+#[test]
+fn a_port_in_use_fails_before_the_models_load() {
+    let model = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(strata_tests::fixtures_dir().join("llama_gqa").join(f), model.path().join(f)).unwrap();
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().to_string();
+    let free = "127.0.0.1:0".to_string();
+    for (flag, grpc, http) in [("--listen", &port, &free), ("--http-listen", &free, &port)] {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["serve", model.path().to_str().unwrap(), "--listen", grpc, "--http-listen", http])
+            .env("RUST_LOG", "error")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(stderr.contains(&format!("{flag} {port}")), "{flag}: {stderr}");
+        assert!(!stderr.contains("safetensors"), "{flag}: failed on the weights first: {stderr}");
+    }
+}

@@ -327,10 +327,10 @@ impl RunningHttp {
     /// (`{"event":"http",…}`) and serves in the background.
     pub async fn start(
         opts: &HttpOptions,
+        bound: Option<std::net::TcpListener>,
         front: Arc<FrontEnd>,
         auth: ClientAuth,
-        role: &str,
-        id: &str,
+        (role, id): (&str, &str),
     ) -> anyhow::Result<Self> {
         use anyhow::Context;
         let tenants = auth.tenants().clone();
@@ -340,7 +340,10 @@ impl RunningHttp {
                 .with_context(|| format!("--data-dir {}", dir.display()))?;
             state.batches = Some(batches);
         }
-        let server = HttpServer::bind(opts.listen, Arc::new(state)).await?;
+        let server = match bound {
+            Some(l) => HttpServer::from_std(l, Arc::new(state))?,
+            None => HttpServer::bind(opts.listen, Arc::new(state)).await?,
+        };
         let (address, state) = (server.address, server.state.clone());
         tracing::info!("OpenAI-style HTTP API on http://{address}/v1");
         let announcement =
@@ -375,6 +378,13 @@ impl HttpServer {
         use anyhow::Context;
         let listener =
             tokio::net::TcpListener::bind(listen).await.with_context(|| format!("--http-listen {listen}"))?;
+        let address = listener.local_addr()?;
+        Ok(HttpServer { listener, address, state })
+    }
+
+    /// A listener bound earlier (non-blocking).
+    pub fn from_std(listener: std::net::TcpListener, state: Arc<HttpState>) -> anyhow::Result<Self> {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         let address = listener.local_addr()?;
         Ok(HttpServer { listener, address, state })
     }
