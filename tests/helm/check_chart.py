@@ -16,6 +16,8 @@ DIR as JSON, for the test that starts what the chart renders as local processes.
 
 Exit status 0 when everything holds; each failure is printed.
 """
+import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -46,7 +48,8 @@ CASES = {
         "mode": "cpu",
         "models": MODEL,
         "worker": {"kvCacheMemory": "64MiB", "resources": {}},
-        "auth": {"apiKeys": ["k-run-0123456789abcdef"]},
+        # A plain key and a hashed one (`helm test` has its own).
+        "auth": {"apiKeys": ["k-run-0123456789abcdef", "sha256:c5f60dc2bd4d97ba5931da617e8b79a8aa7d68528565f53068dd52610fc872d3"]},
     },
     "external-etcd": {
         "etcd": {
@@ -71,12 +74,17 @@ CASES = {
         "models": [
             {"name": "a", "path": "a", "tp": 2, "replicas": 1},
             {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
-            {"name": "c", "path": "c", "device": "cpu"},
+            {"name": "c", "path": "c", "device": "cpu", "maxNumSeqs": 8, "maxBatchedTokens": 256,
+             "kvCacheMemory": "2GiB", "maxWaiting": 32, "maxModelLen": 4096, "toolCallParser": "hermes"},
         ]
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
+    # GPU mode with both images built: the CPU one for every role but the workers.
+    "gpu-two-images": {"image": {"repository": "reg.example/strata", "tag": "1.2.3", "cudaTag": "1.2.3-gpu"},
+                       "models": MODEL},
     "api-keys": {"auth": {"apiKeys": ["k-0123456789abcdef", "k-fedcba9876543210"]}},
     "tenants": {
+        "models": [{"name": "llama", "path": "llama"}],
         "tenants": [
             {
                 "name": "search",
@@ -102,6 +110,35 @@ CASES = {
     },
 }
 
+# The laptop values file, as its header says to install it.
+with open(os.path.join(CHART, "values-small.yaml")) as _f:
+    CASES["small"] = {**yaml.safe_load(_f), "models": [{"name": "demo", "path": "demo"}]}
+
+
+def quantity(q):
+    """A Kubernetes quantity (100m, 2, 512Mi, 1Gi) as a number."""
+    q = str(q)
+    for suffix, mul in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("m", 1e-3)):
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * mul
+    return float(q)
+
+
+def check_small(objs):
+    """values-small.yaml fits a laptop: what its long-running pods request, in all."""
+    cpu = mem = 0.0
+    for _, o in objs:
+        if o.get("kind") not in ("Deployment", "StatefulSet"):
+            continue
+        n = o["spec"].get("replicas", 1)
+        for c in o["spec"]["template"]["spec"]["containers"]:
+            req = c.get("resources", {}).get("requests", {})
+            cpu += n * quantity(req.get("cpu", 0))
+            mem += n * quantity(req.get("memory", 0))
+    if cpu > 2 or mem > 3 * 2**30:
+        fail(f"small: the pods request {cpu} CPUs and {mem / 2**30:.2f} GiB")
+
+
 BAD_VALUES = {
     "unknown top-level key": {"replicaz": 3},
     "mode outside the enum": {"mode": "tpu"},
@@ -114,6 +151,9 @@ BAD_VALUES = {
     "negative port": {"coordinator": {"grpcPort": -1}},
     "short API key": {"auth": {"apiKeys": ["short"]}},
     "model device outside the enum": {"models": [{"name": "a", "path": "x", "device": "tpu"}]},
+    "model KV memory not a size": {"models": [{"name": "a", "path": "x", "kvCacheMemory": "lots"}]},
+    "unknown tool-call parser": {"models": [{"name": "a", "path": "x", "toolCallParser": "pythonic"}]},
+    "short test key": {"tests": {"apiKey": "short"}},
     "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
     "response cache size not a size": {"coordinator": {"responseCacheMemory": "lots"}},
     "tenant with a slash": {"tenants": [{"name": "a/b"}]},
@@ -214,6 +254,12 @@ def check_devices(objs):
         devices[name] = [a.split("=", 1)[1] for a in args if a.startswith("--device=")]
     if devices != {"a": ["cuda"], "b": ["cuda"], "c": ["cpu"]}:
         fail(f"three-models: deploy devices {devices}")
+    # Per-model engine settings reach `strata admin deploy` as its flags.
+    c_args = next(c["args"] for c in job["spec"]["template"]["spec"]["initContainers"] if "--name=c" in c["args"])
+    for flag in ["--max-num-seqs=8", "--max-batched-tokens=256", "--kv-cache-memory=2GiB", "--max-waiting=32",
+                 "--max-model-len=4096", "--tool-call-parser=hermes"]:
+        if flag not in c_args:
+            fail(f"three-models: model c's deploy lacks {flag}: {c_args}")
     coord = next(o for (k, n), o in by_kind.items() if k == "Deployment" and n.endswith("-coordinator"))
     if "--default-device=cuda" not in coord["spec"]["template"]["spec"]["containers"][0]["args"]:
         fail("three-models: the coordinator's default device is not cuda in gpu mode")
@@ -222,6 +268,43 @@ def check_devices(objs):
     node = env.get("STRATA_NODE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
     if node != "spec.nodeName":
         fail(f"three-models: workers' STRATA_NODE comes from {node!r}, not spec.nodeName")
+
+
+def pod_images(objs):
+    """Every strata container's image, by the object that runs it (etcd's own image aside)."""
+    images = {}
+    for _, o in objs:
+        spec = o.get("spec", {})
+        pod = spec.get("template", {}).get("spec") if o.get("kind") in ("Deployment", "StatefulSet", "Job") else None
+        if o.get("kind") == "Pod":
+            pod = spec
+        if not pod:
+            continue
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            if "etcd" in o["metadata"]["name"] and "strata" not in c["image"].split("/")[-1]:
+                continue
+            images[f"{o['kind']} {o['metadata']['name']}/{c['name']}"] = c["image"]
+    return images
+
+
+def check_images(rendered, app_version):
+    """GPU mode as the README writes it pulls only the CUDA image; cpu mode only the CPU one;
+    with both tags set, workers take the CUDA one and every other role the CPU one."""
+    want = {
+        "default": lambda where: f"strata:{app_version}-cuda",
+        "cpu": lambda where: f"strata:{app_version}",
+        "gpu-two-images": lambda where: "reg.example/strata:" + ("1.2.3-gpu" if "-worker/" in where else "1.2.3"),
+    }
+    for case, image_for in want.items():
+        images = pod_images(rendered.get(case) or [])
+        roles = {w.split(" ")[0] for w in images}
+        # With a model: the deploy hook (Job) and the test pod too.
+        needed = {"Deployment", "StatefulSet"} | ({"Job", "Pod"} if case != "default" else set())
+        if not needed <= roles:
+            fail(f"{case}: {sorted(needed - roles)} missing among {sorted(images)}")
+        for where, image in images.items():
+            if image != image_for(where):
+                fail(f"{case}: {where} runs {image}, not {image_for(where)}")
 
 
 def check_tenants(objs):
@@ -237,6 +320,16 @@ def check_tenants(objs):
         fail(f"tenants: search renders as {tenants['search']}")
     if tenants["batch-team"]["keys"] != ["k-0123456789abcdef-plain"] or tenants["batch-team"]["limits"]:
         fail(f"tenants: batch-team renders as {tenants['batch-team']}")
+    # `helm test` has a key of its own, accepted by its hash, with tenants (and hashed keys).
+    test_secret = next(o for (k, n), o in by_kind.items() if k == "Secret" and n.endswith("-test-key"))
+    test_key = base64.b64decode(test_secret["data"]["key"]).decode()
+    if conf["coordinator"].get("api_keys") != ["sha256:" + hashlib.sha256(test_key.encode()).hexdigest()]:
+        fail(f"tenants: the configuration accepts {conf['coordinator'].get('api_keys')}, not the test key's hash")
+    pod = next(o for (k, n), o in by_kind.items() if k == "Pod" and n.endswith("-test-generate"))
+    env = {e["name"]: e for e in pod["spec"]["containers"][0].get("env", [])}
+    ref = env.get("STRATA_API_KEY", {}).get("valueFrom", {}).get("secretKeyRef", {})
+    if ref.get("name") != test_secret["metadata"]["name"] or ref.get("key") != "key":
+        fail(f"tenants: the test pod's key comes from {ref}")
     strata = os.environ.get("STRATA_BIN", os.path.join(ROOT, "target", "debug", "strata"))
     if not os.path.exists(strata):
         fail(f"tenants: {strata} is missing: build it (cargo build --bin strata) or set STRATA_BIN")
@@ -318,8 +411,16 @@ def main():
         check_devices(rendered["three-models"])
     if rendered.get("tenants"):
         check_tenants(rendered["tenants"])
+    if rendered.get("small"):
+        check_small(rendered["small"])
+    check_images(rendered, yaml.safe_load(open(os.path.join(CHART, "Chart.yaml")))["appVersion"])
     check_dashboards()
     check_dockerfiles()
+    # The chart's README lists every value as the schema and values.yaml have it.
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "chart_readme.py"), "--check"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"chart README: {r.stdout}{r.stderr}")
     if render_dir and rendered.get("cpu"):
         os.makedirs(render_dir, exist_ok=True)
         with open(os.path.join(render_dir, "manifests.json"), "w") as f:

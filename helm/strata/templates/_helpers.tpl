@@ -21,17 +21,35 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{- define "strata.image" -}}
-{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{/* The CUDA image: image.cudaTag, else the CPU tag with "-cuda" (what `make image-cuda` builds). */}}
+{{- define "strata.cudaImage" -}}
+{{- $tag := .Values.image.cudaTag | default (printf "%s-cuda" (.Values.image.tag | default .Chart.AppVersion)) -}}
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
+{{/* Coordinators, the deploy hook and the test pod. In gpu mode without an image.tag of
+their own they run the CUDA image too: one image for every role, so a GPU install needs
+only the CUDA image built (the CUDA binary runs the CPU roles as well). */}}
+{{- define "strata.image" -}}
+{{- if and (eq .Values.mode "gpu") (not .Values.image.tag) -}}
+{{- include "strata.cudaImage" . -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Workers: the CUDA image in gpu mode, the CPU one in cpu mode. */}}
 {{- define "strata.workerImage" -}}
-{{- if and (eq .Values.mode "gpu") .Values.image.cudaTag -}}
-{{- printf "%s:%s" .Values.image.repository .Values.image.cudaTag -}}
+{{- if eq .Values.mode "gpu" -}}
+{{- include "strata.cudaImage" . -}}
 {{- else -}}
 {{- include "strata.image" . -}}
 {{- end -}}
+{{- end -}}
+
+{{/* "true" when inference needs a key (API keys or tenants are configured), else empty. */}}
+{{- define "strata.keyed" -}}
+{{- if or .Values.auth.apiKeys .Values.auth.apiKeysSecret .Values.tenants -}}true{{- end -}}
 {{- end -}}
 
 {{/* etcd client endpoints, comma-separated. */}}

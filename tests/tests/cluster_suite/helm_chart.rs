@@ -47,6 +47,8 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_schemas() {
         "monitoring",
         "three-models",
         "existing-secrets",
+        "gpu-two-images",
+        "small",
     ] {
         assert!(report.contains(&format!("ok: {case}:")), "case {case} missing:\n{report}");
     }
@@ -195,6 +197,7 @@ fn secrets(objs: &[Value], dir: &Path) -> HashMap<(String, String), String> {
             n if n.ends_with("-cluster-tls") => Some(dir.join("tls")),
             n if n.ends_with("-etcd-tls") => Some(dir.join("etcd-tls")),
             n if n.ends_with("-api-keys") => Some(dir.join("api-keys")),
+            n if n.ends_with("-config") => Some(dir.join("config")),
             _ => None,
         };
         let data =
@@ -345,6 +348,7 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
         ("/etc/strata/tls".into(), tmp.path().join("tls").to_string_lossy().into()),
         ("/etc/strata/etcd".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
         ("/etc/strata/api-keys".into(), tmp.path().join("api-keys").to_string_lossy().into()),
+        ("/etc/strata/config".into(), tmp.path().join("config").to_string_lossy().into()),
         ("/etc/etcd/tls".into(), tmp.path().join("etcd-tls").to_string_lossy().into()),
         ("=/models".into(), format!("={}", models.display())),
         (format!("http://{service}.{ns}.svc:50051"), format!("http://127.0.0.1:{coordinator_port}")),
@@ -360,8 +364,8 @@ async fn what_the_chart_renders_runs_as_a_cluster() {
     let (_strata, health_ports) = start_strata(&world, &objs, coordinator_port, http_port, ns);
     run_hook(&world, object(&objs, "Job", "-deploy-models")).await;
 
-    // `helm test`'s pod, as rendered, gets tokens through the coordinator's Service with
-    // the chart's API key; a caller without one is refused.
+    // `helm test`'s pod, as rendered, gets tokens with the key the chart made for it
+    // (accepted by its hash, beside a hashed API key); a caller without one is refused.
     let test_pod = &object(&objs, "Pod", "-test-generate")["spec"]["containers"][0];
     let out = eventually("tokens through the coordinator", Duration::from_secs(90), || async {
         let (ok, out) = world.run(test_pod, "test-generate");
