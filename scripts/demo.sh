@@ -7,11 +7,12 @@ bin=$1
 model=$2
 log=$(mktemp)
 ready=$(mktemp)
-"$bin" serve --model "$model" --name demo --listen 127.0.0.1:0 >"$ready" 2>"$log" &
+"$bin" serve "$model" --name demo --listen 127.0.0.1:0 --http-listen 127.0.0.1:0 >"$ready" 2>"$log" &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; rm -f "$log" "$ready"' EXIT
 addr=$("$(dirname "$0")/ready_address.sh" "$ready" $pid 30) || { cat "$log" >&2; exit 1; }
-echo "strata serve is listening on $addr (model \"demo\" from $model)"
+http=$(sed -n 's/.*"event":"http".*"address":"\([^"]*\)".*/\1/p' "$ready" | head -n 1)
+echo "strata serve is listening on $addr (gRPC) and http://$http/v1 (OpenAI HTTP; model \"demo\" from $model)"
 echo "(a model of random weights, as \`make demo\` writes, answers gibberish: the tokens are real,"
 echo " the words are not; serve a real model directory for real text)"
 for prompt in "Once upon a time" "The quick brown fox" "Strata serves"; do

@@ -32,13 +32,16 @@ pub enum AdminCommand {
     Deploy(DeployArgs),
     /// Change a model's replica count (scale-down drains first).
     Scale {
+        /// The deployed model's name.
         #[arg(long)]
         name: String,
+        /// Replicas wanted (0 keeps the model deployed with none).
         #[arg(long)]
         replicas: u32,
     },
     /// Drain and remove every replica of a model.
     Undeploy {
+        /// The deployed model's name.
         #[arg(long)]
         name: String,
     },
@@ -46,11 +49,13 @@ pub enum AdminCommand {
     Models,
     /// The audit log of admin actions, newest first.
     Audit {
+        /// Most entries shown.
         #[arg(long, default_value_t = 50)]
         limit: u32,
     },
     /// Replicas and their state (pending, loading, ready, draining, failed).
     Replicas {
+        /// Only this model's replicas.
         #[arg(long)]
         name: Option<String>,
     },
@@ -58,6 +63,7 @@ pub enum AdminCommand {
     Workers,
     /// Stop placing work on a worker and move its replica elsewhere.
     Drain {
+        /// The worker's id (as `strata admin workers` lists it).
         #[arg(long)]
         worker: String,
         /// Clear the drain instead.
@@ -80,11 +86,13 @@ pub enum AdminCommand {
 
 #[derive(clap::Args, Debug)]
 pub struct DeployArgs {
+    /// The name clients use in requests.
     #[arg(long)]
     pub name: String,
     /// Model directory as the workers see it.
     #[arg(long)]
     pub model: String,
+    /// Replicas to run.
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
     #[command(flatten)]
@@ -113,8 +121,23 @@ pub fn request<T>(token: &Option<String>, msg: T) -> anyhow::Result<tonic::Reque
     Ok(r)
 }
 
+/// A refused call as one line: its code and message.
 pub fn status_error(s: tonic::Status) -> anyhow::Error {
-    anyhow!("{:?}: {}", s.code(), s.message())
+    let message: Vec<&str> = s.message().lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    anyhow!("{:?}: {}", s.code(), message.join("; "))
+}
+
+/// Says on stderr (stdout stays the listing) that the answering coordinator has not
+/// reached the registry since `since_ms`, so what it lists may be out of date.
+fn warn_stale(since_ms: u64) {
+    if since_ms == 0 {
+        return;
+    }
+    let secs = strata_common::cluster::now_ms().saturating_sub(since_ms) / 1000;
+    eprintln!(
+        "stale: the coordinator has not reached the registry since {} ({secs}s ago); this is what it knew then",
+        rfc3339_ms(since_ms)
+    );
 }
 
 fn state_name(v: i32) -> &'static str {
@@ -207,7 +230,9 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
         }
         AdminCommand::Models => {
             let r = c.list_models(request(t, pb::ListModelsRequest {})?).await.map_err(status_error)?;
-            print_models(&r.into_inner().models, j);
+            let r = r.into_inner();
+            warn_stale(r.stale_since_ms);
+            print_models(&r.models, j);
         }
         AdminCommand::Replicas { name } => {
             let r = c
@@ -215,6 +240,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
+            warn_stale(r.stale_since_ms);
             print_replicas(&r.replicas, j);
         }
         AdminCommand::Workers => {
@@ -223,6 +249,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(status_error)?
                 .into_inner();
+            warn_stale(r.stale_since_ms);
             print_workers(&r.workers, j);
         }
         AdminCommand::Drain { worker, undo } => {
@@ -252,6 +279,7 @@ pub async fn run(args: AdminArgs) -> anyhow::Result<()> {
         AdminCommand::Leader => {
             let r =
                 c.get_leader(request(t, pb::GetLeaderRequest {})?).await.map_err(status_error)?.into_inner();
+            warn_stale(r.stale_since_ms);
             if j {
                 println!("{}", json!({ "leader": r.leader_id, "answered_by": r.coordinator_id }));
             } else if r.leader_id.is_empty() {
@@ -344,6 +372,7 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
                     "kv_cache_bytes": w.kv_cache_bytes,
                     "replica": w.replica, "rank": w.rank, "shard_state": w.shard_state,
                     "draining": w.draining, "started_ms": w.started_ms,
+                    "state": w.state, "state_since_ms": w.state_since_ms, "reason": w.reason,
                 })
             })
             .collect();
@@ -351,14 +380,24 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
         return;
     }
     println!(
-        "{:<24} {:<22} {:<16} {:<6} {:>9} {:<28} {:<8} DRAINING",
-        "WORKER", "ADDRESS", "NODE", "DEVICE", "FREE GiB", "REPLICA", "SHARD"
+        "{:<24} {:<22} {:<16} {:<6} {:>9} {:<28} {:<8} {:<9} SINCE",
+        "WORKER", "ADDRESS", "NODE", "DEVICE", "FREE GiB", "REPLICA", "SHARD", "STATE"
     );
     for w in workers {
         let replica =
             if w.replica.is_empty() { "-".to_string() } else { format!("{} #{}", w.replica, w.rank) };
+        // Older coordinators send no state: their workers are up, or drained.
+        let state = match (w.state.as_str(), w.draining) {
+            ("", true) => "draining",
+            ("", false) => "up",
+            (s, _) => s,
+        };
+        let since = match w.state_since_ms {
+            0 => "-".to_string(),
+            ms => format!("{} ({})", rfc3339_ms(ms), w.reason),
+        };
         println!(
-            "{:<24} {:<22} {:<16} {:<6} {:>9.1} {:<28} {:<8} {}",
+            "{:<24} {:<22} {:<16} {:<6} {:>9.1} {:<28} {:<8} {:<9} {}",
             w.id,
             w.address,
             if w.node.is_empty() { "-" } else { &w.node },
@@ -366,7 +405,8 @@ fn print_workers(workers: &[pb::WorkerStatus], j: bool) {
             w.memory_bytes as f64 / (1u64 << 30) as f64,
             replica,
             if w.shard_state.is_empty() { "-" } else { &w.shard_state },
-            if w.draining { "yes" } else { "no" }
+            state,
+            since
         );
     }
 }

@@ -58,6 +58,7 @@ pub struct BenchArgs {
     /// Leading prompt tokens shared by every request (e.g. a system prompt).
     #[arg(long, default_value_t = 0)]
     pub shared_prefix: usize,
+    /// Seed of the random prompts (the same seed, the same requests).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print the report as one JSON object.

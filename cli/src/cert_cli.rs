@@ -19,6 +19,7 @@ pub enum CertCommand {
     /// A development set in one go: ca.{crt,key}, coordinator.{crt,key}, worker.{crt,key}.
     Dev {
         /// Directory to write into (created if missing).
+        /// Directory the files are written to (created if missing).
         #[arg(long)]
         out: PathBuf,
         #[command(flatten)]
@@ -26,8 +27,10 @@ pub enum CertCommand {
     },
     /// A new cluster CA: ca.crt and ca.key.
     Ca {
+        /// Directory the files are written to (created if missing).
         #[arg(long)]
         out: PathBuf,
+        /// Days the CA is valid.
         #[arg(long, default_value_t = 365)]
         days: u32,
     },
@@ -43,6 +46,7 @@ pub enum CertCommand {
         /// certificate is a plain server/client certificate (etcd, callers).
         #[arg(long)]
         role: Option<Role>,
+        /// Directory the files are written to (created if missing).
         #[arg(long)]
         out: PathBuf,
         #[command(flatten)]

@@ -61,8 +61,10 @@ pub enum Command {
     GpuCheck(crate::gpu_check::GpuCheckArgs),
     /// Benchmark the TCP communicator's all-reduce against a raw loopback TCP stream.
     CommBench {
+        /// Ranks in the all-reduce group.
         #[arg(long, default_value_t = 2)]
         ranks: usize,
+        /// Repetitions of each size (the median is reported).
         #[arg(long, default_value_t = 7)]
         repeats: usize,
     },
@@ -114,6 +116,7 @@ pub struct LatencyArgs {
     /// A running server to call instead of running the model in-process.
     #[arg(long)]
     pub endpoint: Option<String>,
+    /// Requests sent, one after another.
     #[arg(long, default_value_t = 500)]
     pub requests: usize,
     /// With --endpoint: the same server's HTTP API (http://HOST:PORT); streams the same
@@ -130,6 +133,7 @@ pub struct LatencyArgs {
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// Model directory.
     #[arg(long)]
     pub model: PathBuf,
     /// Prompt length for the prefill measurement.
@@ -179,16 +183,22 @@ pub struct GenerateArgs {
     /// Sampling temperature; 0 or absent is greedy.
     #[arg(long, allow_negative_numbers = true)]
     pub temperature: Option<f32>,
+    /// Sample from the K most likely tokens (0: all).
     #[arg(long, default_value_t = 0)]
     pub top_k: u32,
+    /// Sample from the smallest set of tokens whose probability reaches P.
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub top_p: f32,
+    /// Drop tokens less likely than P × the most likely one's probability.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub min_p: f32,
+    /// Divide the logits of tokens already present (> 1 discourages repeats).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub repetition_penalty: f32,
+    /// Subtract from the logits of tokens already generated.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
+    /// Subtract from the logits of generated tokens, once per occurrence.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// Seed for reproducible sampling.
@@ -342,27 +352,37 @@ pub struct RandomArgs {
     /// A named shape; individual flags override it.
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: PresetArg,
+    /// Hidden size.
     #[arg(long)]
     pub hidden: Option<usize>,
+    /// Decoder layers.
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Attention heads.
     #[arg(long)]
     pub heads: Option<usize>,
+    /// Key/value heads (fewer than --heads: grouped-query attention).
     #[arg(long)]
     pub kv_heads: Option<usize>,
+    /// MLP intermediate size.
     #[arg(long)]
     pub intermediate: Option<usize>,
+    /// Vocabulary size.
     #[arg(long)]
     pub vocab: Option<usize>,
     /// MoE architectures: experts a layer, experts a token, columns an expert.
     #[arg(long)]
     pub experts: Option<usize>,
+    /// MoE: experts each token is routed to.
     #[arg(long)]
     pub top_k: Option<usize>,
+    /// MoE: intermediate size of one expert.
     #[arg(long)]
     pub expert_intermediate: Option<usize>,
+    /// The dtype the weights are written in.
     #[arg(long, value_enum, default_value = "f32")]
     pub dtype: DTypeArg,
+    /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Output directory (created if missing).

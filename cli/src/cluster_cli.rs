@@ -87,6 +87,7 @@ impl CoordinatorArgs {
     fn overlay(&self, cfg: &mut Config) -> anyhow::Result<()> {
         self.registry.apply(&mut cfg.registry);
         self.security.apply(&mut cfg.security);
+        self.callers.check()?;
         self.callers.apply(&mut cfg.coordinator);
         self.telemetry.apply(&mut cfg.telemetry);
         let c = &mut cfg.coordinator;
@@ -202,8 +203,10 @@ pub struct WorkerArgs {
     /// Static mode: the model directory (the same files the leader loads).
     #[arg(long, conflicts_with = "etcd")]
     pub model: Option<PathBuf>,
+    /// Static mode: tensor-parallel ranks of the replica.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
+    /// Static mode: pipeline stages of the replica.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
     /// Static mode: expert parallelism (as `strata serve --ep`).

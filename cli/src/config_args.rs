@@ -95,6 +95,16 @@ pub struct EngineFlags {
     /// of the machine's available memory (0.2) [default: 512MiB].
     #[arg(long, env = "STRATA_KV_CACHE_MEMORY")]
     pub kv_cache_memory: Option<String>,
+    /// The fraction (0, 1] of the device's memory (the host's on the CPU) this process may
+    /// use, weights and activations included: the KV cache gets what is left (vLLM's
+    /// meaning; replaces --kv-cache-memory).
+    #[arg(
+        long,
+        env = "STRATA_GPU_MEMORY_UTILIZATION",
+        value_name = "FRACTION",
+        conflicts_with = "kv_cache_memory"
+    )]
+    pub gpu_memory_utilization: Option<f64>,
     /// Positions per KV cache block [default: 16].
     #[arg(long, env = "STRATA_BLOCK_SIZE")]
     pub block_size: Option<usize>,
@@ -157,6 +167,9 @@ impl EngineArgs {
 impl EngineFlags {
     pub fn apply(&self, e: &mut EngineSettings) {
         set(&mut e.kv_cache_memory, &self.kv_cache_memory);
+        if self.gpu_memory_utilization.is_some() {
+            e.gpu_memory_utilization = self.gpu_memory_utilization;
+        }
         set(&mut e.block_size, &self.block_size);
         set(&mut e.max_num_seqs, &self.max_num_seqs);
         set(&mut e.max_batched_tokens, &self.max_batched_tokens);
@@ -196,6 +209,7 @@ pub fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
 pub fn engine_config(e: &EngineSettings) -> anyhow::Result<(EngineConfig, RunnerLimits)> {
     let engine = EngineConfig {
         kv_cache_bytes: parse_memory(&e.kv_cache_memory).context("engine.kv_cache_memory")?,
+        memory_utilization: e.gpu_memory_utilization,
         block_size: e.block_size,
         scheduler: SchedulerConfig { max_num_seqs: e.max_num_seqs, max_batched_tokens: e.max_batched_tokens },
         prefix_caching: e.prefix_caching,
@@ -239,11 +253,13 @@ pub struct RegistryArgs {
     /// A client certificate for etcd's --client-cert-auth (with --etcd-key).
     #[arg(long, env = "STRATA_ETCD_CERT", value_name = "FILE")]
     pub etcd_cert: Option<PathBuf>,
+    /// The client certificate's private key (with --etcd-cert).
     #[arg(long, env = "STRATA_ETCD_KEY", value_name = "FILE")]
     pub etcd_key: Option<PathBuf>,
     /// etcd user (etcd's authentication; with --etcd-password).
     #[arg(long, env = "STRATA_ETCD_USER")]
     pub etcd_user: Option<String>,
+    /// etcd password (with --etcd-user).
     #[arg(long, env = "STRATA_ETCD_PASSWORD", hide_env_values = true)]
     pub etcd_password: Option<String>,
 }

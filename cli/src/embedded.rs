@@ -183,6 +183,10 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
         workers.push(start_worker(i, &opts.agent, &registry, &keys, &clients).await?);
     }
     let watcher = Watcher::start(registry.clone(), keys.clone());
+    // The cluster gauges as a coordinator reports them: the in-memory registry connected,
+    // this process the leader, its models, replicas and workers.
+    let gauges =
+        tokio::spawn(strata_coordinator::control::metrics::follow(watcher.subscribe(), "serve".into()));
     let catalog = ClusterCatalog::start_with(
         watcher.subscribe(),
         clients.clone(),
@@ -217,6 +221,7 @@ pub async fn run_embedded(opts: EmbeddedOptions) -> anyhow::Result<()> {
     .with_ledger(front.ledger().clone());
     let served = serve(front.clone(), admin, opts.serve).await;
     election.resign().await;
+    gauges.abort();
     following.abort();
     flushing.abort();
     let _ = front.ledger().flush().await;

@@ -58,13 +58,16 @@ pub enum GpuCheckCommand {
         /// Llama-8B-sized shapes and a 3000-position context instead of small ones.
         #[arg(long)]
         large: bool,
+        /// Seed of the random inputs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
     /// Greedy tokens on the device against the CPU backend (and HF's reference.json).
     Tokens {
+        /// Model directories to generate with (repeatable).
         #[arg(long, required = true)]
         model: Vec<PathBuf>,
+        /// Greedy tokens generated per model.
         #[arg(long, default_value_t = 24)]
         tokens: u32,
         /// The device's engine (the CPU reference computes in f32) [KV cache default: 64MiB].
@@ -74,8 +77,10 @@ pub enum GpuCheckCommand {
     /// Batch-1 decode speed against the copy-bandwidth roofline, decode of larger
     /// batches, and prefill speed.
     Decode {
+        /// Model directory.
         #[arg(long)]
         model: PathBuf,
+        /// Tokens decoded at batch 1.
         #[arg(long, default_value_t = 64)]
         tokens: usize,
         /// The engine under test [KV cache default: 1GiB].
@@ -106,6 +111,7 @@ pub enum GpuCheckCommand {
     },
     /// Device-to-device copy bandwidth (reads + writes ÷ time), GB/s.
     Bandwidth {
+        /// Bytes copied, in MiB.
         #[arg(long, default_value_t = 1024)]
         mib: usize,
     },

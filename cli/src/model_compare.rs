@@ -39,6 +39,7 @@ pub struct CompareArgs {
     /// Prompts for the greedy agreement (random token ids, seeded).
     #[arg(long, default_value_t = 16)]
     pub prompts: usize,
+    /// Tokens in each random prompt.
     #[arg(long, default_value_t = 16)]
     pub prompt_len: usize,
     /// Greedy tokens generated per prompt.
@@ -48,6 +49,7 @@ pub struct CompareArgs {
     /// tokenizer and cut at 1024 tokens.
     #[arg(long)]
     pub text: Option<PathBuf>,
+    /// Seed of the random prompts.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }

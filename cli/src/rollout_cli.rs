@@ -39,16 +39,19 @@ pub struct RolloutArgs {
 pub enum RolloutStep {
     /// The canary becomes the serving revision; the old one drains once replaced.
     Promote {
+        /// The deployed model's name.
         #[arg(long)]
         name: String,
     },
     /// Drop the canary; with none, return to the revision served before.
     Rollback {
+        /// The deployed model's name.
         #[arg(long)]
         name: String,
     },
     /// The serving revision, the canary and past revisions.
     Status {
+        /// The deployed model's name.
         #[arg(long)]
         name: String,
     },

@@ -101,9 +101,17 @@ pub struct CallerArgs {
     #[arg(long, env = "STRATA_TLS_CLIENT_CA", value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
     /// Serve the OpenAI-style HTTP API (/v1/completions, /v1/chat/completions, batches)
-    /// here; port 0 picks a free port (announced on stdout) (coordinator.http_listen).
-    #[arg(long, env = "STRATA_HTTP_LISTEN", value_name = "HOST:PORT")]
-    pub http_listen: Option<SocketAddr>,
+    /// here, or `off`; port 0 picks a free port (announced on stdout) [default: serve:
+    /// 127.0.0.1:8000; coordinator: off] (coordinator.http_listen).
+    #[arg(long, env = "STRATA_HTTP_LISTEN", value_name = "HOST:PORT|off", value_parser = parse_http_listen)]
+    pub http_listen: Option<HttpListen>,
+    /// The HTTP API's address, as vLLM's --host names it (with --port; default port 8000).
+    // No STRATA_HOST/STRATA_PORT variables: Kubernetes sets <SERVICE>_PORT in every pod.
+    #[arg(long, value_name = "IP", conflicts_with = "http_listen")]
+    pub host: Option<String>,
+    /// The HTTP API's port, as vLLM's --port names it (with --host; default host 127.0.0.1).
+    #[arg(long, conflicts_with = "http_listen")]
+    pub port: Option<u16>,
     /// Keep batch jobs and their files here; unfinished jobs resume after a restart
     /// (coordinator.data_dir). Without it the batch API is off.
     #[arg(long, env = "STRATA_DATA_DIR", value_name = "DIR")]
@@ -122,6 +130,10 @@ pub struct CallerArgs {
     /// least-outstanding [default: prefix-affinity] (coordinator.routing_policy).
     #[arg(long, env = "STRATA_ROUTING_POLICY", value_name = "POLICY")]
     pub routing_policy: Option<String>,
+    /// Log one info line per finished request: request id, model, tenant, tokens, outcome,
+    /// duration (with --log-format json, its trace_id too).
+    #[arg(long, env = "STRATA_ACCESS_LOG")]
+    pub access_log: bool,
 }
 
 impl CallerArgs {
@@ -137,8 +149,15 @@ impl CallerArgs {
                 *slot = v.clone();
             }
         }
-        if self.http_listen.is_some() {
-            c.http_listen = self.http_listen;
+        match self.http_listen {
+            Some(HttpListen::Off) => c.http_listen = None,
+            Some(HttpListen::At(addr)) => c.http_listen = Some(addr),
+            None => {}
+        }
+        if let Some(ip) = self.host_ip() {
+            c.http_listen = Some(SocketAddr::new(ip, self.port.unwrap_or(DEFAULT_HTTP_LISTEN.port())));
+        } else if let Some(port) = self.port {
+            c.http_listen = Some(SocketAddr::new(DEFAULT_HTTP_LISTEN.ip(), port));
         }
         if let Some(n) = self.batch_concurrency {
             c.batch_concurrency = n;
@@ -149,7 +168,57 @@ impl CallerArgs {
         if let Some(p) = &self.routing_policy {
             c.routing_policy = p.clone();
         }
+        if self.access_log {
+            c.access_log = true;
+        }
     }
+}
+
+/// Where `strata serve` serves the HTTP API unless told otherwise.
+pub const DEFAULT_HTTP_LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8000);
+
+/// `--http-listen`: an address, or `off`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpListen {
+    Off,
+    At(SocketAddr),
+}
+
+fn parse_http_listen(text: &str) -> Result<HttpListen, String> {
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(HttpListen::Off);
+    }
+    text.parse().map(HttpListen::At).map_err(|_| format!("{text:?}: give HOST:PORT (127.0.0.1:8000) or off"))
+}
+
+impl CallerArgs {
+    /// `--http-listen off` was given: no HTTP API, whatever the default.
+    pub fn http_off(&self) -> bool {
+        self.http_listen == Some(HttpListen::Off)
+    }
+
+    /// `--host` as an address (`localhost` is loopback); None when not given. A bad value
+    /// was refused by [`CallerArgs::check`].
+    fn host_ip(&self) -> Option<std::net::IpAddr> {
+        self.host.as_deref().and_then(|h| parse_host(h).ok())
+    }
+
+    /// Values clap cannot check alone.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if let Some(h) = &self.host {
+            parse_host(h).map_err(|e| anyhow::anyhow!("--host {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+fn parse_host(text: &str) -> Result<std::net::IpAddr, String> {
+    if text.eq_ignore_ascii_case("localhost") {
+        return Ok(DEFAULT_HTTP_LISTEN.ip());
+    }
+    let bare = text.strip_prefix('[').and_then(|t| t.strip_suffix(']')).unwrap_or(text);
+    bare.parse().map_err(|_| format!("{text:?}: give an IP address (127.0.0.1, 0.0.0.0, ::) or localhost"))
 }
 
 /// The routing policy `coordinator.routing_policy` names.
@@ -161,6 +230,7 @@ pub fn routing_policy(c: &CoordinatorSettings) -> anyhow::Result<PolicyKind> {
 /// (`coordinator.route_wait_s`) and the response cache's size
 /// (`coordinator.response_cache_memory`).
 pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions> {
+    strata_coordinator::request::generation::set_access_log(c.access_log);
     let bytes = strata_common::config::parse_memory_or_zero(&c.response_cache_memory)
         .context("--response-cache-memory (coordinator.response_cache_memory)")?;
     if bytes > 0 {
@@ -172,8 +242,11 @@ pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions>
         );
     }
     // `route_wait_s` is finite and not negative: the settings were validated.
+    let wait = std::time::Duration::from_secs_f64(c.route_wait_s);
+    let defaults = RouteLimits::default();
     Ok(FrontEndOptions {
-        route: RouteLimits { wait: std::time::Duration::from_secs_f64(c.route_wait_s), ..Default::default() },
+        // Replicas pending for workers hold a request no longer than the route wait.
+        route: RouteLimits { wait, pending_grace: defaults.pending_grace.min(wait), ..defaults },
         response_cache_bytes: bytes,
     })
 }
@@ -202,7 +275,7 @@ pub fn http_options(
 ) -> anyhow::Result<Option<strata_coordinator::api::http::HttpOptions>> {
     let Some(listen) = c.http_listen else {
         if c.data_dir.is_some() {
-            bail!("--data-dir keeps batch jobs for the HTTP API: give --http-listen too");
+            bail!("--data-dir keeps batch jobs for the HTTP API, which is off: give --http-listen");
         }
         return Ok(None);
     };

@@ -80,6 +80,10 @@ pub struct ServeArgs {
     /// chat template].
     #[arg(long, value_name = "NAME")]
     pub tool_call_parser: Option<String>,
+    /// Accepted so that a vLLM command line carries over: tool_choice auto is always
+    /// served when a request sends tools (no flag needed).
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
@@ -140,7 +144,12 @@ impl ServeArgs {
         if !self.model_roots.is_empty() {
             cfg.security.model_roots = self.model_roots.clone();
         }
+        self.callers.check()?;
         self.callers.apply(&mut cfg.coordinator);
+        // One process serving models speaks HTTP too, as `vllm serve` does.
+        if cfg.coordinator.http_listen.is_none() && !self.callers.http_off() {
+            cfg.coordinator.http_listen = Some(crate::security_args::DEFAULT_HTTP_LISTEN);
+        }
         self.telemetry.apply(&mut cfg.telemetry);
         Ok(())
     }
@@ -188,6 +197,9 @@ fn model_names(models: &[ServedModel]) -> anyhow::Result<Vec<String>> {
 
 pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
     let cfg = args.config.resolve(|cfg| args.overlay(cfg))?;
+    if args.enable_auto_tool_choice {
+        tracing::debug!("--enable-auto-tool-choice: tool_choice auto is always served; nothing to turn on");
+    }
     let s = &cfg.serve;
     if s.models.is_empty() {
         bail!("give at least one --model DIR (or serve.models in --config)");
@@ -322,6 +334,56 @@ pub(crate) fn chat_settings(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The settings `strata serve ARGS` runs with (no environment in the way: the test
+    /// runner's own STRATA_* variables would be read).
+    fn overlaid(args: &[&str]) -> anyhow::Result<Config> {
+        use clap::Parser;
+        let cli = crate::cli::Cli::try_parse_from([&["strata", "serve", "m"], args].concat())?;
+        let crate::cli::Command::Serve(serve) = cli.command else { panic!("serve") };
+        let mut cfg = Config::default();
+        serve.overlay(&mut cfg)?;
+        Ok(cfg)
+    }
+
+    fn http(args: &[&str]) -> Option<std::net::SocketAddr> {
+        overlaid(args).unwrap().coordinator.http_listen
+    }
+
+    #[test]
+    fn serve_speaks_http_on_loopback_8000_unless_told_otherwise() {
+        if std::env::var_os("STRATA_HTTP_LISTEN").is_some() {
+            return; // the environment decides; the flags' meaning is tested below
+        }
+        assert_eq!(http(&[]), Some("127.0.0.1:8000".parse().unwrap()));
+        assert_eq!(http(&["--http-listen", "off"]), None);
+        assert_eq!(http(&["--http-listen", "0.0.0.0:9000"]), Some("0.0.0.0:9000".parse().unwrap()));
+        // vLLM's --host and --port, alone or together.
+        assert_eq!(http(&["--port", "8080"]), Some("127.0.0.1:8080".parse().unwrap()));
+        assert_eq!(http(&["--host", "0.0.0.0"]), Some("0.0.0.0:8000".parse().unwrap()));
+        assert_eq!(http(&["--host", "::1", "--port", "0"]), Some("[::1]:0".parse().unwrap()));
+        assert_eq!(http(&["--host", "localhost"]), Some("127.0.0.1:8000".parse().unwrap()));
+        let e = overlaid(&["--host", "example.com"]).unwrap_err().to_string();
+        assert!(e.contains("--host") && e.contains("IP address"), "{e}");
+        let e = overlaid(&["--port", "1", "--http-listen", "off"]).unwrap_err().to_string();
+        assert!(e.contains("--http-listen") && e.contains("--port"), "{e}");
+        let e = overlaid(&["--http-listen", "nowhere"]).unwrap_err().to_string();
+        assert!(e.contains("HOST:PORT") && e.contains("off"), "{e}");
+    }
+
+    #[test]
+    fn vllms_memory_utilization_is_a_fraction_that_replaces_the_kv_size() {
+        let cfg = overlaid(&["--gpu-memory-utilization", "0.85"]).unwrap();
+        assert_eq!(cfg.engine.gpu_memory_utilization, Some(0.85));
+        let (engine, _) = engine_config(&cfg.engine).unwrap();
+        assert_eq!(engine.memory_utilization, Some(0.85));
+        let e = overlaid(&["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1GiB"]).unwrap_err();
+        assert!(e.to_string().contains("--kv-cache-memory"), "{e}");
+        let mut cfg = overlaid(&["--gpu-memory-utilization", "1.2"]).unwrap();
+        cfg.serve.models.clear();
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("gpu_memory_utilization"), "{e}");
+    }
 
     #[test]
     fn chat_flags_are_checked_before_anything_starts() {

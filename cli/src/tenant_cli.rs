@@ -15,11 +15,13 @@ pub enum TenantCommand {
     /// Make a tenant, or change its weight and limits (its keys stay). Limits left out
     /// are no limit.
     Set {
+        /// The tenant's name.
         #[arg(long)]
         name: String,
         /// Share of capacity under overload, relative to other tenants.
         #[arg(long)]
         weight: Option<f64>,
+        /// Requests admitted per second.
         #[arg(long)]
         requests_per_second: Option<f64>,
         /// Prompt plus generated tokens per minute.
@@ -39,6 +41,7 @@ pub enum TenantCommand {
     List,
     /// Remove a tenant made through the admin API, and its keys.
     Delete {
+        /// The tenant's name.
         #[arg(long)]
         name: String,
     },
@@ -48,13 +51,16 @@ pub enum TenantCommand {
 pub enum KeyCommand {
     /// Make a new API key for a tenant; it is printed once (the cluster keeps its hash).
     Create {
+        /// The tenant's name.
         #[arg(long)]
         tenant: String,
     },
     /// Revoke a key by its id (from `strata admin tenant list`).
     Revoke {
+        /// The tenant's name.
         #[arg(long)]
         tenant: String,
+        /// The key's id.
         #[arg(long)]
         id: String,
     },

@@ -76,6 +76,10 @@ pub struct WorkerRecord {
     pub assignment: Option<Assignment>,
     /// Unix milliseconds when the process started (tells a restart from a re-registration).
     pub started_ms: u64,
+    /// It is shutting down (SIGTERM): its replica moves elsewhere now, and nothing new is
+    /// placed on it. Written before it lets go of its shard, so the leader blames no rank.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub leaving: bool,
 }
 
 /// `<prefix>/models/<name>`: what an operator asked for.
@@ -349,6 +353,7 @@ mod tests {
                 error: String::new(),
             }),
             started_ms: 5,
+            leaving: false,
         };
         assert_eq!(decode::<WorkerRecord>("k", &encode(&w)).unwrap(), w);
         let e = decode::<WorkerRecord>("/strata/workers/w1", b"{").unwrap_err().to_string();

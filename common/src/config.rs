@@ -88,6 +88,10 @@ pub struct EngineSettings {
     /// KV cache per replica (serve) or per shard (worker): a size ("512MiB", "2GiB") or a
     /// fraction of the machine's available memory ("0.2").
     pub kv_cache_memory: String,
+    /// vLLM's `--gpu-memory-utilization`: the fraction (0, 1] of the device's memory this
+    /// process may use, weights and activations included; the KV cache gets what is left
+    /// and `kv_cache_memory` is not used. Unset: `kv_cache_memory`.
+    pub gpu_memory_utilization: Option<f64>,
     /// Positions per KV cache block.
     pub block_size: usize,
     /// Most sequences running at once.
@@ -129,6 +133,7 @@ impl Default for EngineSettings {
         EngineSettings {
             device: "cpu".into(),
             kv_cache_memory: format!("{}MiB", Self::KV_CACHE_BYTES >> 20),
+            gpu_memory_utilization: None,
             block_size: crate::prefix::DEFAULT_BLOCK_SIZE,
             max_num_seqs: Self::MAX_NUM_SEQS,
             max_batched_tokens: Self::MAX_BATCHED_TOKENS,
@@ -300,6 +305,8 @@ pub struct CoordinatorSettings {
     /// How a model's router picks among its ready replicas: "prefix-affinity" (where the
     /// prompt's prefix went before, unless much busier) or "least-outstanding".
     pub routing_policy: String,
+    /// One info log line per finished request (`--access-log`).
+    pub access_log: bool,
     /// Tenants: their API keys and limits (`[[coordinator.tenants]]`; more can be made
     /// through the admin API). See docs/TENANTS.md.
     pub tenants: Vec<crate::tenant::TenantConfig>,
@@ -329,6 +336,7 @@ impl Default for CoordinatorSettings {
             default_device: "cpu".into(),
             response_cache_memory: "64MiB".into(),
             routing_policy: "prefix-affinity".into(),
+            access_log: false,
             tenants: Vec::new(),
         }
     }
@@ -391,7 +399,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         let e = &self.engine;
         Device::parse(&e.device).map_err(|err| rename(err, "engine.device"))?;
-        if !matches!(e.dtype.as_str(), "auto" | "bf16" | "f16" | "f32") {
+        if e.dtype != "auto" && crate::DType::parse(&e.dtype).is_err() {
             return Err(Error::invalid(
                 "engine.dtype",
                 format!("{:?}: give auto, bf16, f16 or f32", e.dtype),
@@ -402,6 +410,13 @@ impl Config {
         }
         if e.max_model_len == Some(0) {
             return Err(Error::invalid("engine.max_model_len", "must be at least 1"));
+        }
+        if e.gpu_memory_utilization.is_some_and(|u| !(u > 0.0 && u <= 1.0)) {
+            let u = e.gpu_memory_utilization.unwrap_or_default();
+            return Err(Error::invalid(
+                "engine.gpu_memory_utilization",
+                format!("{u}: a fraction in (0, 1]"),
+            ));
         }
         if let Some(p) = &e.pooling {
             crate::sampling::Pooling::parse(p).map_err(|err| rename(err, "engine.pooling"))?;
@@ -594,6 +609,8 @@ mod tests {
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.block_size"));
         let cfg = Config::from_toml("[registry]\nlease_ttl_s = 3\nlease_keepalive_s = 3\n").unwrap();
         assert!(cfg.validate().unwrap_err().to_string().contains("registry.lease_keepalive_s"));
+        let cfg = Config::from_toml("[engine]\ngpu_memory_utilization = 1.5\n").unwrap();
+        assert!(cfg.validate().unwrap_err().to_string().contains("engine.gpu_memory_utilization"));
         let cfg = Config::from_toml("[engine]\ndevice = \"tpu\"\n").unwrap();
         assert!(cfg.validate().unwrap_err().to_string().contains("engine.device"));
         // Durations are bounded above too: 1e20 seconds was a panic, not an error.

@@ -90,12 +90,13 @@ pub enum DType {
 }
 
 impl DType {
-    /// Parses "bf16", "f16" or "f32" (any case).
+    /// Parses "bf16", "f16" or "f32" (any case), or vLLM's and torch's spellings of them
+    /// ("bfloat16", "float16", "half", "float32", "float").
     pub fn parse(text: &str) -> Result<DType> {
         match text.to_ascii_lowercase().as_str() {
-            "bf16" => Ok(DType::BF16),
-            "f16" | "fp16" => Ok(DType::F16),
-            "f32" | "fp32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::BF16),
+            "f16" | "fp16" | "float16" | "half" => Ok(DType::F16),
+            "f32" | "fp32" | "float32" | "float" => Ok(DType::F32),
             other => Err(Error::invalid("dtype", format!("{other:?}: expected bf16, f16 or f32"))),
         }
     }
@@ -139,6 +140,10 @@ mod tests {
         assert_eq!(Device::parse("cuda").unwrap().to_string(), "cuda:0");
         assert!(Device::parse("tpu").unwrap_err().to_string().contains("device"));
         assert_eq!(DType::parse("BF16").unwrap(), DType::BF16);
+        // vLLM's --dtype spellings carry over.
+        assert_eq!(DType::parse("bfloat16").unwrap(), DType::BF16);
+        assert_eq!(DType::parse("half").unwrap(), DType::F16);
+        assert_eq!(DType::parse("float32").unwrap(), DType::F32);
         assert!(DType::parse("int4").unwrap_err().to_string().contains("dtype"));
     }
 }

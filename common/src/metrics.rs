@@ -3,11 +3,15 @@
 //!
 //! Metrics live next to what they measure (the coordinator's request metrics in its
 //! request path, the engine's in the engine); they register here on first use under the
-//! `strata_` prefix. The `prometheus-client` crate does the types and the encoding.
+//! `strata_` prefix; the process's own (CPU, memory, file descriptors) are read on each
+//! scrape under the usual unprefixed `process_` names. The `prometheus-client` crate does
+//! the types and the encoding.
 
 use std::sync::{Mutex, OnceLock};
 
 use prometheus_client::registry::{Metric, Registry};
+
+pub mod process;
 
 static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
 
@@ -15,9 +19,39 @@ fn registry() -> &'static Mutex<Registry> {
     REGISTRY.get_or_init(|| Mutex::new(Registry::with_prefix("strata")))
 }
 
+/// The unprefixed metrics every Prometheus client library exports: the process's.
+fn process_registry() -> &'static Registry {
+    static PROCESS: OnceLock<Registry> = OnceLock::new();
+    PROCESS.get_or_init(|| {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(process::ProcessCollector));
+        r
+    })
+}
+
 /// Registers `metric` as `strata_<name>` (counters get `_total` in the exposition).
 pub fn register(name: &str, help: &str, metric: impl Metric) {
     registry().lock().unwrap_or_else(|p| p.into_inner()).register(name, help, metric);
+}
+
+type Forget = Box<dyn Fn(&str) + Send + Sync>;
+
+fn forgetters() -> &'static Mutex<Vec<Forget>> {
+    static FORGET: OnceLock<Mutex<Vec<Forget>>> = OnceLock::new();
+    FORGET.get_or_init(Default::default)
+}
+
+/// Registers how a family removes the series of one model, for [`forget_model`] (each
+/// family labelled by model registers this once, where it is made).
+pub fn on_forget_model(forget: impl Fn(&str) + Send + Sync + 'static) {
+    forgetters().lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(forget));
+}
+
+/// Removes every series of `model` (undeployed), so the exposition lists what is served.
+pub fn forget_model(model: &str) {
+    for forget in forgetters().lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        forget(model);
+    }
 }
 
 /// The exposition's content type.
@@ -25,9 +59,13 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 /// Every registered metric in the OpenMetrics text format.
 pub fn encode() -> String {
+    use prometheus_client::encoding::text::{encode_eof, encode_registry};
     let mut out = String::new();
     let registry = registry().lock().unwrap_or_else(|p| p.into_inner());
-    if prometheus_client::encoding::text::encode(&mut out, &registry).is_err() {
+    let encoded = encode_registry(&mut out, &registry)
+        .and_then(|()| encode_registry(&mut out, process_registry()))
+        .and_then(|()| encode_eof(&mut out));
+    if encoded.is_err() {
         out.clear();
     }
     out

@@ -30,29 +30,12 @@ use crate::step::{BatchLayout, KvBlocks, SeqSlice, Step};
 
 mod embed;
 mod guided;
+mod memory;
 mod prompt;
 mod scratch;
 pub use embed::EmbedDefaults;
 use embed::Embedding;
 use prompt::PromptLogprobs;
-
-/// A KV cache in host memory must fit in what the machine has available: asking for more
-/// is an error naming the setting, never an allocation that aborts the process.
-fn check_kv_memory(config: &EngineConfig) -> Result<()> {
-    if config.backend.device != crate::backend::Device::Cpu {
-        return Ok(()); // device memory: the device's allocator answers with an error
-    }
-    match strata_common::host::available_memory() {
-        Some(avail) if config.kv_cache_bytes as u64 > avail => Err(Error::invalid(
-            "kv_cache_memory",
-            format!(
-                "{} bytes exceed the {avail} bytes of memory this machine has available",
-                config.kv_cache_bytes
-            ),
-        )),
-        _ => Ok(()),
-    }
-}
 
 /// The longest sequence an engine accepts: the model's context, cut to `max_model_len`
 /// (which may not exceed it) and to what the KV cache holds for one sequence — with a
@@ -86,6 +69,9 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Memory for the KV cache; the block count follows from it.
     pub kv_cache_bytes: usize,
+    /// `--gpu-memory-utilization`: the KV cache gets what this fraction of the device's
+    /// memory leaves after the weights and activations (instead of `kv_cache_bytes`).
+    pub memory_utilization: Option<f64>,
     pub scheduler: SchedulerConfig,
     /// Reuse cached KV blocks of shared prompt prefixes.
     pub prefix_caching: bool,
@@ -106,6 +92,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: settings.block_size,
             kv_cache_bytes: strata_common::config::EngineSettings::KV_CACHE_BYTES,
+            memory_utilization: None,
             scheduler: SchedulerConfig::default(),
             prefix_caching: settings.prefix_caching,
             backend: Default::default(),
@@ -226,10 +213,13 @@ impl Engine {
                 "max_num_seqs and max_batched_tokens must be at least 1",
             ));
         }
-        check_kv_memory(config)?;
+        // On the CPU an in-process replica's ranks share the host's memory.
+        let sharing = if config.backend.device == crate::backend::Device::Cpu { par.world() } else { 1 };
+        let kv_bytes = memory::kv_cache_bytes(config, exec.config(), sharing)?;
+        memory::check_kv_memory(config, kv_bytes)?;
         let element = exec.kv_element_bytes();
         let bs = config.block_size;
-        let num_blocks = kv_blocks(exec.config(), par, config.kv_cache_bytes, bs, element)?;
+        let num_blocks = kv_blocks(exec.config(), par, kv_bytes, bs, element)?;
         exec.alloc_kv(KvBlocks { num_blocks, block_size: bs })?;
         // A table per KV group, each released behind its window (a global group's never).
         let groups = exec.config().kv_groups();

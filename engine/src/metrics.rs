@@ -78,6 +78,7 @@ struct Families {
     waiting: Family<ReplicaLabels, Gauge>,
     kv_used: Family<ReplicaLabels, Gauge>,
     kv_total: Family<ReplicaLabels, Gauge>,
+    kv_usage: Family<ReplicaLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     preemptions: Family<ReplicaLabels, Counter>,
     prefix_queries: Family<ReplicaLabels, Counter>,
     prefix_hits: Family<ReplicaLabels, Counter>,
@@ -106,6 +107,7 @@ fn families() -> &'static Families {
             waiting: Family::default(),
             kv_used: Family::default(),
             kv_total: Family::default(),
+            kv_usage: Family::default(),
             preemptions: Family::default(),
             prefix_queries: Family::default(),
             prefix_hits: Family::default(),
@@ -129,6 +131,11 @@ fn families() -> &'static Families {
         register("num_requests_waiting", "Sequences queued for the scheduler", f.waiting.clone());
         register("kv_blocks_used", "KV cache blocks held by sequences", f.kv_used.clone());
         register("kv_blocks_total", "KV cache blocks of the replica", f.kv_total.clone());
+        register(
+            "kv_cache_usage",
+            "Fraction of the replica's KV cache blocks held by sequences (0 to 1; vLLM's kv_cache_usage_perc)",
+            f.kv_usage.clone(),
+        );
         register("preemptions", "Sequences preempted for recompute (KV cache full)", f.preemptions.clone());
         register(
             "prefix_cache_queries",
@@ -191,6 +198,7 @@ pub struct RunnerMetrics {
     pub waiting: Gauge,
     pub kv_used: Gauge,
     pub kv_total: Gauge,
+    pub kv_usage: Gauge<f64, std::sync::atomic::AtomicU64>,
     pub preemptions: Counter,
     pub prefix_queries: Counter,
     pub prefix_hits: Counter,
@@ -210,6 +218,7 @@ impl RunnerMetrics {
             waiting: f.waiting.get_or_create_owned(labels),
             kv_used: f.kv_used.get_or_create_owned(labels),
             kv_total: f.kv_total.get_or_create_owned(labels),
+            kv_usage: f.kv_usage.get_or_create_owned(labels),
             preemptions: f.preemptions.get_or_create_owned(labels),
             prefix_queries: f.prefix_queries.get_or_create_owned(labels),
             prefix_hits: f.prefix_hits.get_or_create_owned(labels),
@@ -224,11 +233,29 @@ impl RunnerMetrics {
     }
 }
 
+impl RunnerMetrics {
+    /// Blocks held out of `total`: the count and the fraction.
+    pub fn kv_blocks(&self, used: usize, total: usize) {
+        self.kv_used.set(used as i64);
+        self.kv_usage.set(if total == 0 { 0.0 } else { used as f64 / total as f64 });
+    }
+}
+
 impl Drop for RunnerMetrics {
+    /// An unloaded replica's series go with it, counters and histograms too: a model that
+    /// is undeployed (or a replica replaced) leaves nothing behind on dashboards.
     fn drop(&mut self) {
         let f = families();
+        let l = &self.labels;
         for g in [&f.running, &f.waiting, &f.kv_used, &f.kv_total] {
-            g.remove(&self.labels);
+            g.remove(l);
+        }
+        f.kv_usage.remove(l);
+        for c in [&f.preemptions, &f.prefix_queries, &f.prefix_hits, &f.window_released] {
+            c.remove(l);
+        }
+        for h in [&f.queue_time, &f.prefill_time, &f.decode_time, &f.time_per_output_token, &f.batch_tokens] {
+            h.remove(l);
         }
     }
 }
@@ -245,6 +272,40 @@ pub struct RankMetrics {
     all_to_all: Histogram,
     all_to_all_bytes: Counter,
     expert_tokens: Counter,
+    /// Removes the rank's series when the last clone goes (its shard unloaded).
+    series: std::sync::Arc<RankSeries>,
+}
+
+/// A rank's label sets, and its MoE layers' (layer, experts).
+struct RankSeries {
+    labels: RankLabels,
+    moe_layers: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl Drop for RankSeries {
+    fn drop(&mut self) {
+        let f = families();
+        let l = &self.labels;
+        for h in [&f.rank_step, &f.all_reduce, &f.all_to_all] {
+            h.remove(l);
+        }
+        for c in [&f.all_reduce_bytes, &f.graph_steps, &f.all_to_all_bytes, &f.rank_expert_tokens] {
+            c.remove(l);
+        }
+        let layers = std::mem::take(&mut *self.moe_layers.lock().unwrap_or_else(|p| p.into_inner()));
+        for (layer, experts) in layers {
+            let (model, replica) = (l.model.clone(), l.replica.clone());
+            for expert in 0..experts {
+                f.expert_tokens.remove(&ExpertLabels {
+                    model: model.clone(),
+                    replica: replica.clone(),
+                    layer,
+                    expert,
+                });
+            }
+            f.expert_imbalance.remove(&LayerLabels { model, replica, layer });
+        }
+    }
 }
 
 /// What one MoE layer's routing is counted under: tokens per expert, and how uneven the
@@ -282,6 +343,7 @@ impl RankMetrics {
             all_to_all: f.all_to_all.get_or_create_owned(&l),
             all_to_all_bytes: f.all_to_all_bytes.get_or_create_owned(&l),
             expert_tokens: f.rank_expert_tokens.get_or_create_owned(&l),
+            series: std::sync::Arc::new(RankSeries { labels: l, moe_layers: Default::default() }),
         }
     }
 
@@ -315,6 +377,7 @@ impl RankMetrics {
     /// model and replica).
     pub fn experts(&self, layer: usize, experts: usize) -> ExpertMetrics {
         let f = families();
+        self.series.moe_layers.lock().unwrap_or_else(|p| p.into_inner()).push((layer, experts));
         let (model, replica) = (self.labels.model.clone(), self.labels.replica.clone());
         let tokens = (0..experts)
             .map(|expert| {

@@ -581,7 +581,8 @@ impl Runner {
         self.shared.kv_free.store(free, Ordering::Relaxed);
         self.metrics.running.set((all - waiting) as i64);
         self.metrics.waiting.set(waiting as i64);
-        self.metrics.kv_used.set((self.engine.total_blocks() - free) as i64);
+        let total = self.engine.total_blocks();
+        self.metrics.kv_blocks(total - free, total);
     }
 }
 

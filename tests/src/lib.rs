@@ -154,6 +154,9 @@ impl Server {
         cmd.arg("serve")
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
+            // Tests run side by side: no HTTP API on the default port unless a test asks
+            // for one (its flag overrides this).
+            .env("STRATA_HTTP_LISTEN", "off")
             .env("RUST_LOG", "info,strata_engine::runner=debug")
             .envs(env.iter().copied());
         let (child, out) = spawn_captured(&mut cmd);

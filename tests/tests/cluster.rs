@@ -11,6 +11,8 @@ mod cluster_placement;
 mod cluster_rollouts;
 #[path = "cluster_suite/cluster_security.rs"]
 mod cluster_security;
+#[path = "cluster_suite/cluster_signals.rs"]
+mod cluster_signals;
 #[path = "cluster_suite/cluster_tenants.rs"]
 mod cluster_tenants;
 #[path = "cluster_suite/dashboards.rs"]

@@ -52,13 +52,23 @@ impl AgentConfig {
     pub fn capacity(&self, node: Option<&str>) -> Result<Capacity> {
         let device = self.backend.device;
         let (free, total) = strata_engine::replica::device_memory(device)?;
+        // Under a memory utilization the worker offers what the fraction leaves, and a
+        // shard's KV cache takes whatever its weights leave of that (none is promised).
+        let (memory_bytes, kv_cache_bytes) = match self.engine.memory_utilization {
+            Some(f) => {
+                let cap = (total as f64 * f) as u64;
+                // 0 would read as "not known": a full device offers one byte.
+                (free.min(cap.saturating_sub(total.saturating_sub(free))).max(1), 0)
+            }
+            None => (free, self.engine.kv_cache_bytes as u64),
+        };
         Ok(Capacity {
             device_kind: device.kind(),
             device_count: 1,
-            memory_bytes: free,
+            memory_bytes,
             memory_total_bytes: total,
             node: node.map_or_else(strata_common::host::hostname, str::to_owned),
-            kv_cache_bytes: self.engine.kv_cache_bytes as u64,
+            kv_cache_bytes,
         })
     }
 }
@@ -105,13 +115,31 @@ pub struct WorkerAgent {
     inner: Mutex<Inner>,
     /// Bumped on every change of the assignment (membership re-publishes it).
     changed: watch::Sender<u64>,
+    /// Shutting down: announced in the worker's record; no new shard is loaded.
+    leaving: std::sync::atomic::AtomicBool,
 }
 
 impl WorkerAgent {
     pub fn new(cfg: AgentConfig) -> Result<Arc<Self>> {
         check_device(cfg.backend.device)?;
         let (changed, _) = watch::channel(0);
-        Ok(Arc::new(WorkerAgent { cfg, inner: Mutex::new(Inner::default()), changed }))
+        Ok(Arc::new(WorkerAgent {
+            cfg,
+            inner: Mutex::new(Inner::default()),
+            changed,
+            leaving: Default::default(),
+        }))
+    }
+
+    /// The process is shutting down: say so in the record (membership re-publishes it) and
+    /// load nothing new.
+    pub fn begin_leaving(&self) {
+        self.leaving.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.notify();
+    }
+
+    pub fn leaving(&self) -> bool {
+        self.leaving.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn id(&self) -> &str {
@@ -139,6 +167,9 @@ impl WorkerAgent {
     /// already held; refuses another while one is held.
     pub fn load(self: &Arc<Self>, req: ShardLoad) -> Result<Option<String>> {
         validate(&req, &self.cfg.model_roots)?;
+        if self.leaving() {
+            return Err(Error::Unavailable(format!("worker {} is shutting down", self.cfg.id)));
+        }
         let mut inner = self.lock();
         if let Some(h) = &inner.held {
             if h.request == req && !matches!(h.slot, Slot::Failed(_)) {
@@ -202,7 +233,9 @@ impl WorkerAgent {
                 engine.scheduler.max_batched_tokens = limits.max_batched_tokens as usize;
             }
             if limits.kv_cache_bytes > 0 {
+                // A deployment's own KV size wins over the worker's memory utilization.
                 engine.kv_cache_bytes = usize::try_from(limits.kv_cache_bytes).unwrap_or(usize::MAX);
+                engine.memory_utilization = None;
             }
             if limits.max_model_len > 0 {
                 engine.max_model_len = Some(limits.max_model_len as usize);

@@ -23,6 +23,8 @@ pub struct Membership {
     /// True once the record has been written (it stays true through registry outages:
     /// the worker serves on what it holds).
     registered: tokio::sync::watch::Receiver<bool>,
+    /// The agent's change count the last record written carried.
+    published: tokio::sync::watch::Receiver<u64>,
     task: tokio::task::JoinHandle<()>,
     registry: Arc<dyn Registry>,
 }
@@ -47,8 +49,19 @@ impl Membership {
     ) -> Self {
         let lease = Arc::new(Mutex::new(None));
         let (registered_tx, registered) = tokio::sync::watch::channel(false);
-        let task = tokio::spawn(run(registry.clone(), keys, agent, ann, (lease.clone(), registered_tx)));
-        Membership { lease, registered, task, registry }
+        let (published_tx, published) = tokio::sync::watch::channel(0);
+        let signals = Signals { lease: lease.clone(), registered: registered_tx, published: published_tx };
+        let task = tokio::spawn(run(registry.clone(), keys, agent, ann, signals));
+        Membership { lease, registered, published, task, registry }
+    }
+
+    /// Waits (up to `limit`) until the record written carries every change of the agent so
+    /// far — its leaving, say. False if it did not in time (the registry is away).
+    pub async fn published(&self, agent: &WorkerAgent, limit: Duration) -> bool {
+        let want = *agent.subscribe().borrow();
+        let mut rx = self.published.clone();
+        let waited = tokio::time::timeout(limit, rx.wait_for(|&p| p >= want)).await;
+        matches!(waited, Ok(Ok(_)))
     }
 
     /// Watches whether the worker has registered (false until its first record is written).
@@ -72,13 +85,22 @@ impl Membership {
     }
 }
 
+/// What the registration task tells the process: its lease, whether it registered, and the
+/// agent's change count its last record carried.
+struct Signals {
+    lease: Arc<Mutex<Option<LeaseId>>>,
+    registered: tokio::sync::watch::Sender<bool>,
+    published: tokio::sync::watch::Sender<u64>,
+}
+
 async fn run(
     registry: Arc<dyn Registry>,
     keys: Keys,
     agent: Arc<WorkerAgent>,
     ann: Announcement,
-    (current, registered): (Arc<Mutex<Option<LeaseId>>>, tokio::sync::watch::Sender<bool>),
+    signals: Signals,
 ) {
+    let Signals { lease: current, registered, published } = signals;
     let started_ms = now_ms();
     let key = keys.worker(agent.id());
     let mut changed = agent.subscribe();
@@ -90,6 +112,7 @@ async fn run(
             capacity: ann.capacity.clone(),
             assignment: agent.status().assignment,
             started_ms,
+            leaving: agent.leaving(),
         })
     };
     let mut registered_before = false;
@@ -110,10 +133,11 @@ async fn run(
         let mut dirty = true;
         'lease: loop {
             if dirty {
-                changed.borrow_and_update();
+                let carried = *changed.borrow_and_update();
                 match registry.put(&key, record(&agent), Some(lease)).await {
                     Ok(()) => {
                         dirty = false;
+                        published.send_replace(carried);
                         if unreachable || !registered_before {
                             let held =
                                 agent.status().assignment.map(|a| format!("{} rank {}", a.replica, a.rank));

@@ -86,18 +86,40 @@ async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> a
     Ok(())
 }
 
-/// SIGTERM: lets the held replica's sequences finish (up to `timeout`), then unloads it.
-async fn drain(agent: &Arc<WorkerAgent>, timeout: Duration) {
+/// How long a leaving worker whose sequences are done waits for the leader coordinator to
+/// take its replica off it (drain and release every rank) before letting go itself.
+const HANDOVER: Duration = Duration::from_secs(3);
+
+/// SIGTERM: says in its record that it is leaving (the leader drains its replica, blaming
+/// no rank, and builds a replacement), lets the held replica's sequences finish (up to
+/// `timeout`), and unloads the shard unless the leader released it first.
+async fn drain(agent: &Arc<WorkerAgent>, membership: &Membership, timeout: Duration) {
     info!("shutting down: finishing in-flight sequences");
+    agent.begin_leaving();
+    let started = tokio::time::Instant::now();
+    if !membership.published(agent, HANDOVER).await {
+        warn!("could not record that this worker is leaving; its replica may be reported failed");
+    }
     let Some(a) = agent.status().assignment else { return };
     let _ = agent.drain(&a.replica);
-    let until = tokio::time::Instant::now() + timeout;
+    let until = started + timeout;
+    let mut idle_since: Option<tokio::time::Instant> = None;
     while tokio::time::Instant::now() < until {
-        let s = agent.status().stats;
-        if s.running + s.waiting == 0 {
+        let status = agent.status();
+        if status.assignment.is_none() {
+            return; // released by the leader: the replica moved without blame
+        }
+        let idle = status.stats.running + status.stats.waiting == 0;
+        let since = match (idle, idle_since) {
+            (false, _) => None,
+            (true, None) => Some(tokio::time::Instant::now()),
+            (true, s) => s,
+        };
+        idle_since = since;
+        if since.is_some_and(|s| s.elapsed() >= HANDOVER) {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let replica = a.replica.clone();
     let unloading = agent.clone();
@@ -188,7 +210,7 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
         _ = strata_common::shutdown::signal() => {}
     }
     // Finish what is running, then leave: coordinators move new requests elsewhere.
-    drain(&agent, opts.drain_timeout).await;
+    drain(&agent, &membership, opts.drain_timeout).await;
     membership.leave().await;
     let _ = stop_tx.send(());
     if tokio::time::timeout(Duration::from_secs(5), server).await.is_err() {

@@ -30,7 +30,31 @@ pub struct EtcdRegistry {
 fn unavailable(endpoints: &[String], what: &str) -> impl FnOnce(etcd_client::Error) -> Error {
     let endpoints = endpoints.join(",");
     let what = what.to_string();
-    move |e| Error::Unavailable(format!("etcd {endpoints} ({what}): {e}"))
+    move |e| Error::Unavailable(format!("etcd {endpoints} ({what}): {}", brief(&e)))
+}
+
+/// One line for an etcd client error: a gRPC status's code and message (tonic's own text
+/// adds its metadata and details), a transport error with its causes.
+fn brief(e: &etcd_client::Error) -> String {
+    match e {
+        etcd_client::Error::GRpcStatus(s) => {
+            let message = s.message().lines().next().unwrap_or("").trim();
+            match message.is_empty() {
+                true => format!("{:?}", s.code()),
+                false => format!("{:?}: {message}", s.code()),
+            }
+        }
+        etcd_client::Error::TransportError(t) => {
+            let mut text = t.to_string();
+            let mut cause = std::error::Error::source(t);
+            while let Some(c) = cause {
+                text = format!("{text}: {c}");
+                cause = c.source();
+            }
+            text
+        }
+        other => other.to_string().lines().next().unwrap_or("").to_string(),
+    }
 }
 
 fn entry(kv: &etcd_client::KeyValue) -> Entry {
@@ -236,5 +260,24 @@ impl Registry for EtcdRegistry {
             }
         });
         Ok(out.boxed())
+    }
+}
+
+// tonic comes with the gRPC edge's feature (a workspace build has both).
+#[cfg(all(test, feature = "grpc"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_etcd_error_is_one_line_without_tonics_debug_text() {
+        let mut status = tonic::Status::unavailable("etcdserver: leader changed\nmore");
+        status.metadata_mut().insert("x-trace", "abc".parse().unwrap());
+        let e = unavailable(&["http://127.0.0.1:2379".into()], "put")(etcd_client::Error::GRpcStatus(status));
+        let text = e.to_string();
+        assert!(text.contains("Unavailable: etcdserver: leader changed"), "{text}");
+        assert!(
+            !text.contains("metadata") && !text.contains('\n') && !text.contains("MetadataMap"),
+            "{text}"
+        );
     }
 }

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use serde::{de::DeserializeOwned, Serialize};
-use strata_common::cluster::{decode, encode, now_ms, ModelSpec, ReplicaState, ShardState};
+use strata_common::cluster::{decode, encode, now_ms, ModelSpec, ReplicaState, ShardState, WorkerRecord};
 use strata_common::model_roots::ModelRoots;
 use strata_common::registry::keys::Keys;
 use strata_common::registry::Registry;
@@ -480,7 +480,7 @@ impl Admin for ClusterAdmin {
         self.auth.check(&request)?;
         let view = self.view();
         let models = view.models.values().map(|s| self.status(s)).collect();
-        Ok(Response::new(pb::ListModelsResponse { models }))
+        Ok(Response::new(pb::ListModelsResponse { models, stale_since_ms: view.stale_since_ms.unwrap_or(0) }))
     }
 
     async fn list_replicas(
@@ -517,7 +517,10 @@ impl Admin for ClusterAdmin {
             })
             .collect();
         replicas.sort_by(|a, b| (&a.model, &a.id).cmp(&(&b.model, &b.id)));
-        Ok(Response::new(pb::ListReplicasResponse { replicas }))
+        Ok(Response::new(pb::ListReplicasResponse {
+            replicas,
+            stale_since_ms: view.stale_since_ms.unwrap_or(0),
+        }))
     }
 
     async fn get_leader(
@@ -525,8 +528,13 @@ impl Admin for ClusterAdmin {
         request: Request<pb::GetLeaderRequest>,
     ) -> Result<Response<pb::GetLeaderResponse>, Status> {
         self.auth.check(&request)?;
-        let leader_id = self.view().leader.clone().unwrap_or_default();
-        Ok(Response::new(pb::GetLeaderResponse { leader_id, coordinator_id: self.id.clone() }))
+        let view = self.view();
+        let leader_id = view.leader.clone().unwrap_or_default();
+        Ok(Response::new(pb::GetLeaderResponse {
+            leader_id,
+            coordinator_id: self.id.clone(),
+            stale_since_ms: view.stale_since_ms.unwrap_or(0),
+        }))
     }
 
     async fn list_workers(
@@ -535,31 +543,52 @@ impl Admin for ClusterAdmin {
     ) -> Result<Response<pb::ListWorkersResponse>, Status> {
         self.auth.check(&request)?;
         let view = self.view();
-        let workers = view
+        let mut workers: Vec<pb::WorkerStatus> = view
             .workers
             .values()
-            .map(|w| pb::WorkerStatus {
-                id: w.id.to_string(),
-                address: w.address.clone(),
-                device_kind: w.capacity.device_kind.to_string(),
-                device_count: w.capacity.device_count,
-                memory_bytes: w.capacity.memory_bytes,
-                replica: w.assignment.as_ref().map(|a| a.replica.to_string()).unwrap_or_default(),
-                draining: view.drained.contains(&w.id),
-                rank: w.assignment.as_ref().map(|a| a.rank).unwrap_or(0),
-                shard_state: match w.assignment.as_ref().map(|a| a.state) {
-                    Some(ShardState::Loading) => "loading",
-                    Some(ShardState::Ready) => "ready",
-                    Some(ShardState::Failed) => "failed",
-                    None => "",
-                }
-                .to_string(),
-                started_ms: w.started_ms,
-                memory_total_bytes: w.capacity.memory_total_bytes,
-                node: w.capacity.node.clone(),
-                kv_cache_bytes: w.capacity.kv_cache_bytes,
+            .map(|w| {
+                let state = match (w.leaving, view.drained.contains(&w.id)) {
+                    (true, _) => "leaving",
+                    (false, true) => "draining",
+                    (false, false) => "up",
+                };
+                worker_status(w, &view, state)
             })
             .collect();
-        Ok(Response::new(pb::ListWorkersResponse { workers }))
+        workers.extend(view.departed.values().map(|d| pb::WorkerStatus {
+            state_since_ms: d.since_ms,
+            reason: d.reason().into(),
+            ..worker_status(&d.record, &view, d.state())
+        }));
+        let stale_since_ms = view.stale_since_ms.unwrap_or(0);
+        Ok(Response::new(pb::ListWorkersResponse { workers, stale_since_ms }))
+    }
+}
+
+/// A worker's registration as admin.v1 lists it, in `state`.
+fn worker_status(w: &WorkerRecord, view: &ClusterView, state: &str) -> pb::WorkerStatus {
+    pb::WorkerStatus {
+        id: w.id.to_string(),
+        address: w.address.clone(),
+        device_kind: w.capacity.device_kind.to_string(),
+        device_count: w.capacity.device_count,
+        memory_bytes: w.capacity.memory_bytes,
+        replica: w.assignment.as_ref().map(|a| a.replica.to_string()).unwrap_or_default(),
+        draining: view.drained.contains(&w.id),
+        rank: w.assignment.as_ref().map(|a| a.rank).unwrap_or(0),
+        shard_state: match w.assignment.as_ref().map(|a| a.state) {
+            Some(ShardState::Loading) => "loading",
+            Some(ShardState::Ready) => "ready",
+            Some(ShardState::Failed) => "failed",
+            None => "",
+        }
+        .to_string(),
+        started_ms: w.started_ms,
+        memory_total_bytes: w.capacity.memory_total_bytes,
+        node: w.capacity.node.clone(),
+        kv_cache_bytes: w.capacity.kv_cache_bytes,
+        state: state.into(),
+        state_since_ms: 0,
+        reason: String::new(),
     }
 }

@@ -54,14 +54,15 @@ impl ServeOptions {
     /// Binds the listen addresses now, so a port in use fails at once rather than after
     /// the models load; connections wait in the backlog until the server starts.
     pub fn bind_early(&mut self) -> anyhow::Result<()> {
-        let bind = |addr: SocketAddr, flag: &str| -> anyhow::Result<std::net::TcpListener> {
-            let l =
-                std::net::TcpListener::bind(addr).with_context(|| format!("{flag} {addr}: cannot listen"))?;
+        let bind = |addr: SocketAddr, flag: &str, hint: &str| -> anyhow::Result<std::net::TcpListener> {
+            let l = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("{flag} {addr}: cannot listen{hint}"))?;
             l.set_nonblocking(true)?;
             Ok(l)
         };
-        let grpc = bind(self.listen, "--listen")?;
-        let http = self.http.as_ref().map(|h| bind(h.listen, "--http-listen")).transpose()?;
+        let grpc = bind(self.listen, "--listen", "")?;
+        let http_hint = " (the OpenAI HTTP API: move it with --http-listen HOST:PORT or --port, or turn it off with --http-listen off)";
+        let http = self.http.as_ref().map(|h| bind(h.listen, "--http-listen", http_hint)).transpose()?;
         self.bound = Some(Listeners { grpc, http });
         Ok(())
     }

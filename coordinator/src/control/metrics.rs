@@ -112,6 +112,13 @@ fn metrics() -> &'static ControlMetrics {
             m.admin_actions.clone(),
         );
         register("leader_elections", "Times this coordinator became the leader", m.leader_elections.clone());
+        let (canaries, builds) = (m.canary_failures.clone(), m.replica_builds.clone());
+        strata_common::metrics::on_forget_model(move |model| {
+            canaries.remove(&ModelLabel { model: model.to_string() });
+            for outcome in ["ready", "failed"] {
+                builds.remove(&OutcomeLabels { model: model.to_string(), outcome });
+            }
+        });
         m
     })
 }

@@ -107,7 +107,7 @@ fn free_workers(view: &ClusterView) -> Vec<&WorkerRecord> {
         .values()
         .filter(|w| !reserved.contains(w.id.as_str()))
         .filter(|w| w.assignment.is_none())
-        .filter(|w| !view.drained.contains(&w.id))
+        .filter(|w| !view.drained.contains(&w.id) && !w.leaving)
         .collect();
     free.sort_by(|a, b| b.capacity.memory_bytes.cmp(&a.capacity.memory_bytes).then(a.id.cmp(&b.id)));
     free
@@ -134,7 +134,7 @@ struct ModelState<'v> {
     name: &'v ModelName,
     recs: Vec<&'v ReplicaRecord>,
     busy: HashSet<&'v str>,
-    /// Ready replicas this plan fails (from the view's registrations).
+    /// Ready replicas this plan ends (fails, or drains off a leaving worker).
     failed_now: HashSet<&'v str>,
 }
 
@@ -181,7 +181,12 @@ fn resume_work<'v>(view: &ClusterView, inputs: &Inputs<'_>, st: &mut ModelState<
     let ready: Vec<&'v ReplicaRecord> =
         st.recs.iter().copied().filter(|r| r.state == ReplicaState::Ready && !st.busy(r)).collect();
     for r in ready {
-        if let Some(reason) = rank_trouble(view, r) {
+        // A worker shutting down takes its replica with it: drained, nobody blamed (its
+        // other ranks may already hold nothing once it lets go).
+        if let Some(reason) = leaving(view, r) {
+            out.push(Action::Drain { model: m.clone(), id: r.id.clone(), reason });
+            st.failed_now.insert(&r.id);
+        } else if let Some(reason) = rank_trouble(view, r) {
             out.push(Action::Fail { model: m.clone(), id: r.id.clone(), reason });
             st.failed_now.insert(&r.id);
         }
@@ -222,7 +227,9 @@ fn move_off<'v>(
     st: &ModelState<'v>,
     out: &mut Vec<Action>,
 ) -> Vec<&'v ReplicaRecord> {
-    let on_drained = |r: &ReplicaRecord| r.workers.iter().any(|w| view.drained.contains(w));
+    let on_drained = |r: &ReplicaRecord| {
+        r.workers.iter().any(|w| view.drained.contains(w) || view.workers.get(w).is_some_and(|x| x.leaving))
+    };
     let stale = |r: &ReplicaRecord| r.generation != spec.generation;
     let live =
         st.recs.iter().copied().filter(|r| r.state.is_live() && !st.failed_now.contains(r.id.as_str()));
@@ -312,6 +319,16 @@ fn place(
             out.push(Action::Wait { model: m.clone(), id, reason });
         }
     }
+}
+
+/// Which of a replica's workers is shutting down, as a reason to drain it.
+fn leaving(view: &ClusterView, r: &ReplicaRecord) -> Option<String> {
+    r.workers.iter().enumerate().find_map(|(rank, w)| {
+        view.workers
+            .get(w)
+            .filter(|rec| rec.leaving)
+            .map(|_| format!("worker {w} (rank {rank}) is shutting down"))
+    })
 }
 
 /// Why a ready replica cannot serve, from its workers' registrations: a worker that

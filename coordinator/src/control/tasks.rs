@@ -467,6 +467,7 @@ fn placeholder(id: &WorkerId) -> WorkerRecord {
         capacity: strata_common::cluster::Capacity::default(),
         assignment: None,
         started_ms: 0,
+        leaving: false,
     }
 }
 

@@ -35,7 +35,47 @@ pub struct ClusterView {
     pub revision: i64,
     /// Whether the last contact with the registry succeeded.
     pub connected: bool,
+    /// Unix milliseconds since when the registry has been unreachable (None: reachable):
+    /// what this view shows may be out of date.
+    pub stale_since_ms: Option<u64>,
+    /// Workers whose registration went away lately, kept for a while to be listed (lost
+    /// or left, since when), newest last.
+    pub departed: BTreeMap<WorkerId, Departed>,
 }
+
+/// A worker that is no longer registered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Departed {
+    /// Its last registration.
+    pub record: WorkerRecord,
+    /// Unix milliseconds when this view saw it go.
+    pub since_ms: u64,
+    /// It said it was leaving (a shutdown); otherwise its lease ran out (a crash, a network
+    /// cut, a pause longer than the lease).
+    pub left: bool,
+}
+
+impl Departed {
+    pub fn state(&self) -> &'static str {
+        if self.left {
+            "left"
+        } else {
+            "lost"
+        }
+    }
+
+    pub fn reason(&self) -> &'static str {
+        if self.left {
+            "shut down"
+        } else {
+            "its lease expired: the process died, or could not reach the registry"
+        }
+    }
+}
+
+/// How long a departed worker stays listed, and how many are.
+pub const DEPARTED_RETENTION_MS: u64 = 10 * 60 * 1000;
+pub const MAX_DEPARTED: usize = 256;
 
 impl ClusterView {
     pub fn from_listing(keys: &Keys, listing: &Listing) -> Self {
@@ -66,6 +106,7 @@ impl ClusterView {
                 let w = decode::<WorkerRecord>(key, value).and_then(|w| w.check(id).map(|()| w));
                 match w {
                     Ok(w) => {
+                        self.departed.remove(&w.id);
                         self.workers.insert(w.id.clone(), w);
                     }
                     Err(e) => {
@@ -125,7 +166,9 @@ impl ClusterView {
     fn remove(&mut self, keys: &Keys, key: &str) {
         match keys.parse(key) {
             Some(KeyKind::Worker(w)) => {
-                self.workers.remove(w);
+                if let Some(record) = self.workers.remove(w) {
+                    self.depart(record, strata_common::cluster::now_ms());
+                }
             }
             Some(KeyKind::Model(m)) => {
                 self.models.remove(m);
@@ -150,6 +193,42 @@ impl ClusterView {
             }
             None => {}
         }
+    }
+
+    /// Lists `record` as departed at `now_ms`, forgetting the ones past retention and the
+    /// oldest beyond the bound.
+    pub fn depart(&mut self, record: WorkerRecord, now_ms: u64) {
+        let left = record.leaving;
+        self.departed.insert(record.id.clone(), Departed { record, since_ms: now_ms, left });
+        self.departed.retain(|_, d| now_ms.saturating_sub(d.since_ms) < DEPARTED_RETENTION_MS);
+        while self.departed.len() > MAX_DEPARTED {
+            let oldest = self.departed.iter().min_by_key(|(_, d)| d.since_ms).map(|(id, _)| id.clone());
+            match oldest {
+                Some(id) => self.departed.remove(&id),
+                None => break,
+            };
+        }
+    }
+
+    /// A fresh listing's view, keeping what `before` knew of departed workers and listing
+    /// those registered then and gone now.
+    pub fn refreshed(mut self, before: &ClusterView) -> Self {
+        let now = strata_common::cluster::now_ms();
+        let mut departed = before.departed.clone();
+        departed.retain(|id, _| !self.workers.contains_key(id));
+        self.departed = departed;
+        for (id, w) in &before.workers {
+            if !self.workers.contains_key(id) {
+                self.depart(w.clone(), now);
+            }
+        }
+        self
+    }
+
+    /// Marks the view out of date from `now_ms` (kept if already so).
+    pub fn disconnect(&mut self, now_ms: u64) {
+        self.connected = false;
+        self.stale_since_ms.get_or_insert(now_ms);
     }
 
     /// Every replica of every model.
@@ -206,7 +285,7 @@ async fn run(registry: Arc<dyn Registry>, keys: Keys, tx: watch::Sender<Arc<Clus
                 if !lost {
                     warn!(error = %e, "registry unreachable; routing on the last known state");
                     lost = true;
-                    tx.send_modify(|v| Arc::make_mut(v).connected = false);
+                    tx.send_modify(|v| Arc::make_mut(v).disconnect(strata_common::cluster::now_ms()));
                 }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
@@ -218,7 +297,8 @@ async fn run(registry: Arc<dyn Registry>, keys: Keys, tx: watch::Sender<Arc<Clus
             lost = false;
         }
         backoff = Duration::from_millis(100);
-        let mut view = ClusterView::from_listing(&keys, &listing);
+        let before = tx.borrow().clone();
+        let mut view = ClusterView::from_listing(&keys, &listing).refreshed(&before);
         let from = listing.revision + 1;
         tx.send_replace(Arc::new(view.clone()));
         let mut stream = match registry.watch(&keys.root(), from).await {
@@ -243,7 +323,7 @@ async fn run(registry: Arc<dyn Registry>, keys: Keys, tx: watch::Sender<Arc<Clus
                 }
             }
         }
-        tx.send_modify(|v| Arc::make_mut(v).connected = false);
+        tx.send_modify(|v| Arc::make_mut(v).disconnect(strata_common::cluster::now_ms()));
         lost = true;
         tokio::time::sleep(backoff).await;
     }
@@ -325,6 +405,7 @@ mod tests {
             capacity: Capacity::default(),
             assignment: None,
             started_ms: 0,
+            leaving: false,
         };
         v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", "127.0.0.1:7000")), 5));
         // A record under w1's key naming w2, then one with an unusable address: neither is
@@ -333,6 +414,48 @@ mod tests {
         assert_eq!(v.workers.len(), 1);
         v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", "no port here")), 7));
         assert!(v.workers.is_empty());
+    }
+
+    /// A worker whose key goes stays listed as departed: "left" when it said it was leaving,
+    /// "lost" when its lease ran out; registering again takes it off the list, and the list
+    /// is bounded.
+    #[test]
+    fn departed_workers_stay_listed_for_a_while() {
+        use strata_common::cluster::{Capacity, WorkerRecord};
+        let k = Keys::new("/s");
+        let mut v = ClusterView::default();
+        let worker = |id: &str, leaving: bool| WorkerRecord {
+            id: id.into(),
+            address: "127.0.0.1:7000".into(),
+            capacity: Capacity::default(),
+            assignment: None,
+            started_ms: 0,
+            leaving,
+        };
+        v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", false)), 1));
+        v.apply(&k, &put(k.worker("w2"), encode(&worker("w2", true)), 2));
+        v.apply(&k, &Event::Delete { key: k.worker("w1"), mod_revision: 3 });
+        v.apply(&k, &Event::Delete { key: k.worker("w2"), mod_revision: 4 });
+        assert!(v.workers.is_empty());
+        let states: Vec<(&str, &str)> = v.departed.iter().map(|(id, d)| (id.as_str(), d.state())).collect();
+        assert_eq!(states, [("w1", "lost"), ("w2", "left")]);
+        v.apply(&k, &put(k.worker("w1"), encode(&worker("w1", false)), 5));
+        assert!(!v.departed.contains_key("w1") && v.workers.contains_key("w1"));
+        // A fresh listing that no longer has w1 lists it as departed too.
+        let fresh = ClusterView::default().refreshed(&v);
+        assert!(fresh.departed.contains_key("w1") && fresh.departed.contains_key("w2"));
+        // Bounded in number and in time.
+        let mut v = ClusterView::default();
+        for i in 0..MAX_DEPARTED + 10 {
+            v.depart(worker(&format!("w{i}"), false), 1_000 + i as u64);
+        }
+        assert_eq!(v.departed.len(), MAX_DEPARTED);
+        v.depart(worker("late", false), 1_000 + DEPARTED_RETENTION_MS + 500);
+        assert!(v.departed.len() < MAX_DEPARTED, "{}", v.departed.len());
+        // An outage marks the view stale from its start.
+        v.disconnect(7);
+        v.disconnect(9);
+        assert_eq!((v.connected, v.stale_since_ms), (false, Some(7)));
     }
 
     #[test]

@@ -141,8 +141,10 @@ impl State {
 #[derive(Default)]
 pub struct Gate {
     state: Mutex<State>,
-    /// `strata_admission_waiting{model}` and `strata_admission_in_flight{model}`.
-    gauges: Option<(Gauge, Gauge)>,
+    /// The model `strata_admission_waiting{model}` and `strata_admission_in_flight{model}`
+    /// are published for (resolved on each publish: an undeployed model's series go, and
+    /// come back if it is deployed again).
+    model: Option<String>,
 }
 
 fn gauges(model: &str) -> (Gauge, Gauge) {
@@ -157,6 +159,12 @@ fn gauges(model: &str) -> (Gauge, Gauge) {
             w.clone(),
         );
         register("admission_in_flight", "Requests holding a replica slot of this coordinator", f.clone());
+        let (forget_w, forget_f) = (w.clone(), f.clone());
+        strata_common::metrics::on_forget_model(move |model| {
+            let label = crate::request::metrics::ModelLabel { model: model.to_string() };
+            forget_w.remove(&label);
+            forget_f.remove(&label);
+        });
         (w, f)
     });
     let label = crate::request::metrics::ModelLabel { model: model.to_string() };
@@ -182,12 +190,14 @@ impl Drop for Slot {
 impl Gate {
     /// A gate for `model`, publishing its gauges (a front end keeps one per model).
     pub fn for_model(model: &str) -> Gate {
-        Gate { state: Mutex::default(), gauges: Some(gauges(model)) }
+        gauges(model);
+        Gate { state: Mutex::default(), model: Some(model.to_string()) }
     }
 
     /// Publishes the queue's length and the slots in use.
     fn publish(&self, s: &State) {
-        if let Some((waiting, in_flight)) = &self.gauges {
+        if let Some(model) = &self.model {
+            let (waiting, in_flight) = gauges(model);
             waiting.set(s.queue.len() as i64);
             in_flight.set(s.in_flight as i64);
         }

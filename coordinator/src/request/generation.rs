@@ -20,7 +20,7 @@
 //! **Deadlines.** A caller's gRPC deadline bounds the whole generation: when it passes, the
 //! stream ends with `DEADLINE_EXCEEDED` and the sequence is cancelled on the replica.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +56,18 @@ pub struct Chunk {
 /// Chunks of one generation, in order; the last has `finish` set (or is an error).
 pub type ChunkRx = mpsc::Receiver<Result<Chunk>>;
 
+static ACCESS_LOG: AtomicBool = AtomicBool::new(false);
+
+/// `--access-log`: one info line per finished request (request id, model, tenant, tokens,
+/// outcome, duration; the trace id through its span).
+pub fn set_access_log(on: bool) {
+    ACCESS_LOG.store(on, Ordering::Relaxed);
+}
+
+fn access_log() -> bool {
+    ACCESS_LOG.load(Ordering::Relaxed)
+}
+
 /// How long and how often a request looks for a replica.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteLimits {
@@ -63,11 +75,18 @@ pub struct RouteLimits {
     pub wait: Duration,
     /// Most replicas one request may fail over between.
     pub max_failovers: usize,
+    /// How long a model's replicas may wait for workers (pending) before its requests stop
+    /// waiting with them: after that a request is refused at once, naming why they wait.
+    pub pending_grace: Duration,
 }
 
 impl Default for RouteLimits {
     fn default() -> Self {
-        RouteLimits { wait: Duration::from_secs(60), max_failovers: 8 }
+        RouteLimits {
+            wait: Duration::from_secs(60),
+            max_failovers: 8,
+            pending_grace: Duration::from_secs(10),
+        }
     }
 }
 
@@ -226,6 +245,38 @@ impl Run {
         ))
     }
 
+    /// The refusal for a model no replica will serve soon: it has none to have (scaled to
+    /// 0, undeployed), or they have waited for workers longer than the grace.
+    fn stalled(&self) -> Option<Error> {
+        let unready = self.model.routes.unready()?;
+        let now = strata_common::cluster::now_ms();
+        let pending_for = Duration::from_millis(now.saturating_sub(unready.since_ms));
+        let stalls = match unready.state {
+            None => true,
+            Some(strata_common::cluster::ReplicaState::Pending) => pending_for >= self.limits.pending_grace,
+            Some(_) => false,
+        };
+        stalls.then(|| {
+            Error::Unavailable(format!(
+                "model {:?} has no ready replica: {}",
+                self.model.name,
+                unready.describe(now)
+            ))
+        })
+    }
+
+    /// When the model's pending replicas will have waited out the grace (None unless they
+    /// are what it waits for).
+    fn stalled_at(&self) -> Option<Instant> {
+        let unready = self.model.routes.unready()?;
+        if unready.state != Some(strata_common::cluster::ReplicaState::Pending) {
+            return None;
+        }
+        let pending_for = strata_common::cluster::now_ms().saturating_sub(unready.since_ms);
+        let left = self.limits.pending_grace.saturating_sub(Duration::from_millis(pending_for));
+        Some(Instant::now() + left + Duration::from_millis(1))
+    }
+
     /// Finds a replica that accepts the job.
     async fn submit(&mut self) -> Result<(String, EventStream)> {
         let give_up = Instant::now() + self.limits.wait;
@@ -274,8 +325,16 @@ impl Run {
                     return Err(last.take().expect("checked"));
                 }
             }
+            if let Some(stalled) = self.stalled() {
+                return Err(stalled);
+            }
             let now = Instant::now();
-            let changed = now < give_up && self.model.routes.wait_for_change(give_up - now).await;
+            // Wake when pending replicas would have waited too long, to say so.
+            let until = self.stalled_at().map_or(give_up, |t| t.min(give_up));
+            let changed = now < until && self.model.routes.wait_for_change(until - now).await;
+            if !changed && until < give_up {
+                continue;
+            }
             if !changed {
                 if self.deadline.is_some_and(|d| Instant::now() >= d) {
                     return Err(self.expired());
@@ -439,11 +498,33 @@ impl Run {
     fn record_end(&mut self, end: std::result::Result<FinishReason, &Error>) {
         let a = &self.attempt;
         let tokens = self.job.generated.len();
-        match &end {
-            Ok(reason) => {
-                debug!(finish_reason = reason.as_str(), tokens, replica = %a.replica, "request finished")
+        if access_log() {
+            // One line per request (inside its span: JSON logs carry its trace_id).
+            let (outcome, error) = match &end {
+                Ok(reason) => (reason.as_str(), String::new()),
+                Err(e) => ("error", e.to_string()),
+            };
+            info!(
+                target: "strata::access",
+                request = %self.job.request_id,
+                model = %self.model.name,
+                tenant = self.account.tenant(),
+                prompt_tokens = self.job.prompt.len(),
+                tokens,
+                outcome,
+                error = %error,
+                replica = %a.replica,
+                failovers = self.failovers,
+                duration_ms = self.timer.elapsed().as_millis() as u64,
+                "request"
+            );
+        } else {
+            match &end {
+                Ok(reason) => {
+                    debug!(finish_reason = reason.as_str(), tokens, replica = %a.replica, "request finished")
+                }
+                Err(e) => debug!(error = %e, tokens, "request failed"),
             }
-            Err(e) => debug!(error = %e, tokens, "request failed"),
         }
         span::finished(&self.span, &a.replica, a.ranks, self.failovers, tokens, end);
         self.attempt.span = None;

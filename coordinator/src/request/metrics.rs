@@ -47,6 +47,8 @@ pub struct RequestMetrics {
     pub generation_tokens: Family<ModelLabel, Counter>,
     pub failovers: Family<ModelLabel, Counter>,
     pub revisions: Family<RevisionLabels, Counter>,
+    /// The revisions each model was served by (to forget their series with the model).
+    revisions_seen: std::sync::Mutex<std::collections::HashMap<String, std::collections::BTreeSet<u64>>>,
 }
 
 fn ttft() -> Histogram {
@@ -75,6 +77,7 @@ pub fn metrics() -> &'static RequestMetrics {
             generation_tokens: Family::default(),
             failovers: Family::default(),
             revisions: Family::default(),
+            revisions_seen: Default::default(),
         };
         register("requests", "Requests finished, by model and finish reason", m.requests.clone());
         register(
@@ -109,6 +112,7 @@ pub fn metrics() -> &'static RequestMetrics {
             "Requests (and failover attempts) by the model revision that served them",
             m.revisions.clone(),
         );
+        strata_common::metrics::on_forget_model(forget);
         m
     })
 }
@@ -117,7 +121,49 @@ pub fn metrics() -> &'static RequestMetrics {
 /// response counts for the revision that made it).
 pub fn served_by(model: &str, revision: u64) {
     let labels = RevisionLabels { model: model.to_string(), revision: revision.to_string() };
-    metrics().revisions.get_or_create(&labels).inc();
+    let m = metrics();
+    m.revisions.get_or_create(&labels).inc();
+    let mut seen = m.revisions_seen.lock().unwrap_or_else(|p| p.into_inner());
+    if !seen.get(model).is_some_and(|s| s.contains(&revision)) {
+        seen.entry(model.to_string()).or_default().insert(revision);
+    }
+}
+
+/// Every status code the `code` label takes.
+const CODES: [&str; 9] = [
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "FAILED_PRECONDITION",
+    "DEADLINE_EXCEEDED",
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "INTERNAL",
+];
+
+/// Removes the series of an undeployed model, so dashboards show what is served (a model
+/// deployed again starts from zero, as a restarted process would).
+fn forget(name: &str) {
+    let m = metrics();
+    let label = model(name);
+    for h in [&m.time_to_first_token, &m.inter_token_latency, &m.e2e_latency] {
+        h.remove(&label);
+    }
+    for c in [&m.prompt_tokens, &m.generation_tokens, &m.failovers] {
+        c.remove(&label);
+    }
+    use FinishReason::*;
+    for reason in [Length, Stop, Eos, Cancelled] {
+        m.requests.remove(&FinishLabels { model: name.to_string(), finish_reason: reason.as_str().into() });
+    }
+    for code in CODES {
+        m.errors.remove(&ErrorLabels { model: name.to_string(), code: code.into() });
+    }
+    let seen = m.revisions_seen.lock().unwrap_or_else(|p| p.into_inner()).remove(name).unwrap_or_default();
+    for revision in seen {
+        m.revisions.remove(&RevisionLabels { model: name.to_string(), revision: revision.to_string() });
+    }
 }
 
 fn model(name: &str) -> ModelLabel {
@@ -127,6 +173,7 @@ fn model(name: &str) -> ModelLabel {
 /// The gRPC code name of an error's class, as the `code` label spells it.
 fn code(e: &Error) -> &'static str {
     use strata_common::ErrorClass::*;
+    // Each of these is in CODES.
     match e.class() {
         InvalidInput => "INVALID_ARGUMENT",
         NotFound => "NOT_FOUND",
@@ -179,6 +226,11 @@ impl RequestTimer {
         }
         self.generation_tokens.inc();
         self.last_token = Some(now);
+    }
+
+    /// Time since admission.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
     }
 
     pub fn failover(&self) {

@@ -180,10 +180,13 @@ impl ClusterCatalog {
             .values()
             .map(|m| (m.name.to_string(), m.build.model_dir.clone(), m.build.chat.clone()))
             .collect();
-        self.entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|name, _| view.models.contains_key(name.as_str()));
+        self.entries.lock().unwrap_or_else(|p| p.into_inner()).retain(|name, _| {
+            let kept = view.models.contains_key(name.as_str());
+            if !kept {
+                strata_common::metrics::forget_model(name);
+            }
+            kept
+        });
         for (name, dir, chat) in wanted {
             // A model whose directory or chat settings changed (a redeploy, a promoted
             // rollout) keeps its entry and routes until the new files are loaded: requests

@@ -61,6 +61,7 @@ impl ClusterRoutes {
             loads: Mutex::new(HashMap::new()),
             policy: policy.build(),
             suspects: Mutex::new(Suspects::default()),
+            // 32768 ways of up to a block of tokens: about 3 MiB.
             split: Mutex::new(SplitIndex::new(1 << 15)),
             block_size: AtomicUsize::new(0),
         }
@@ -247,6 +248,11 @@ impl Routes for ClusterRoutes {
         self.ready_replicas().len()
     }
 
+    fn unready(&self) -> Option<super::Unready> {
+        let view = self.view.borrow();
+        unready(&view, &self.model)
+    }
+
     fn max_context(&self) -> Option<usize> {
         // Per request (admission): read the view and the reports in place, no copies.
         let view = self.view.borrow();
@@ -309,6 +315,41 @@ impl Replica for RemoteReplica {
         })
         .boxed())
     }
+}
+
+/// Why `model` has no ready replica in `view` (None when one is ready).
+fn unready(view: &ClusterView, model: &str) -> Option<super::Unready> {
+    use strata_common::cluster::ReplicaState as S;
+    let replicas = view.replicas.get(model);
+    let progress = |s: S| match s {
+        S::Ready => 4,
+        S::Loading => 3,
+        S::Pending => 2,
+        S::Draining => 1,
+        S::Failed => 0,
+    };
+    let Some(best) = replicas.and_then(|rs| rs.values().max_by_key(|r| (progress(r.state), r.since_ms)))
+    else {
+        let reason = match view.models.get(model) {
+            Some(spec) if spec.replicas == 0 => "scaled to 0 replicas",
+            // Deployed, not yet reconciled: as good as pending from now.
+            Some(_) => {
+                let now = strata_common::cluster::now_ms();
+                return Some(super::Unready {
+                    state: Some(S::Pending),
+                    reason: "not placed yet".into(),
+                    since_ms: now,
+                });
+            }
+            None => "not deployed",
+        };
+        return Some(super::Unready { state: None, reason: reason.into(), since_ms: 0 });
+    };
+    (best.state != S::Ready).then(|| super::Unready {
+        state: Some(best.state),
+        reason: best.reason.clone(),
+        since_ms: best.since_ms,
+    })
 }
 
 #[cfg(test)]

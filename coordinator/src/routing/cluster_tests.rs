@@ -145,3 +145,29 @@ async fn the_gate_is_this_coordinators_share_of_the_ready_replicas_slots() {
     tx.send(Arc::new(view(spec(1, 3), &replicas[2..], 3))).unwrap();
     assert_eq!(r.gate_size(), GateSize { slots: usize::MAX, queue: usize::MAX });
 }
+
+/// Without a ready replica, the routes say where the furthest-along one stands; a model to
+/// have none says so without a state.
+#[test]
+fn an_unready_model_says_where_its_replicas_stand() {
+    let pending = |id: &str, since_ms: u64| ReplicaRecord {
+        reason: "waiting for 2 free workers (0 free)".into(),
+        since_ms,
+        ..replica(id, 1, ReplicaState::Pending)
+    };
+    let v = view(spec(1, 2), &[pending("r1", 1_000), replica("r2", 1, ReplicaState::Ready)], 1);
+    assert_eq!(unready(&v, "m"), None);
+    let v = view(spec(1, 2), &[pending("r1", 1_000), replica("r2", 1, ReplicaState::Failed)], 1);
+    let u = unready(&v, "m").unwrap();
+    assert_eq!((u.state, u.since_ms), (Some(ReplicaState::Pending), 1_000));
+    assert_eq!(u.describe(13_500), "pending (waiting for 2 free workers (0 free)) for 12s");
+    // A loading replica is further along than a pending one: that is what a request waits for.
+    let v = view(spec(1, 2), &[pending("r1", 1_000), replica("r2", 1, ReplicaState::Loading)], 1);
+    assert_eq!(unready(&v, "m").unwrap().state, Some(ReplicaState::Loading));
+    let v = view(spec(1, 0), &[], 1);
+    assert_eq!(unready(&v, "m").unwrap().describe(0), "no replica (scaled to 0 replicas)");
+    assert_eq!(unready(&v, "other").unwrap().state, None);
+    // Deployed and not reconciled yet: pending from now, so requests wait for the placement.
+    let v = view(spec(1, 1), &[], 1);
+    assert_eq!(unready(&v, "m").unwrap().state, Some(ReplicaState::Pending));
+}

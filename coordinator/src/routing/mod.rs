@@ -60,6 +60,11 @@ pub trait Routes: Send + Sync {
     }
     /// Ready replicas.
     fn ready(&self) -> usize;
+    /// Why no replica is ready (None while one is): the furthest along of the model's
+    /// replicas, as the registry says.
+    fn unready(&self) -> Option<Unready> {
+        None
+    }
     /// The revision a request with `prompt` goes to (a deployment's spec generation; the
     /// canary's for its share of prompts), decided once when it begins: it is routed
     /// there, failovers included, and its response cached for it.
@@ -82,6 +87,29 @@ pub trait Routes: Send + Sync {
     /// the size of its fair-admission gate for the model.
     fn gate_size(&self) -> GateSize {
         GateSize { slots: usize::MAX, queue: usize::MAX }
+    }
+}
+
+/// Where a model without a ready replica stands: its most advanced replica's state
+/// (loading before pending before draining or failed), why, and since when; no state when
+/// it is to have none (scaled to 0, or no longer deployed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unready {
+    pub state: Option<strata_common::cluster::ReplicaState>,
+    pub reason: String,
+    /// Unix milliseconds of the state's start (0 without a replica).
+    pub since_ms: u64,
+}
+
+impl Unready {
+    /// "pending (waiting for 1 free worker) for 12s", "no replica (scaled to 0)".
+    pub fn describe(&self, now_ms: u64) -> String {
+        let Some(state) = self.state else { return format!("no replica ({})", self.reason) };
+        let secs = now_ms.saturating_sub(self.since_ms) / 1000;
+        match self.reason.is_empty() {
+            true => format!("{} for {secs}s", state.as_str()),
+            false => format!("{} ({}) for {secs}s", state.as_str(), self.reason),
+        }
     }
 }
 

@@ -48,6 +48,21 @@ struct Metrics {
     cached_prompt_tokens: Family<TenantModel, Counter>,
     errors: Family<TenantModel, Counter>,
     rate_limited: Family<TenantModel, Counter>,
+    /// Every (tenant, model) with series, to remove a model's when it is undeployed.
+    seen: Mutex<std::collections::BTreeSet<TenantModel>>,
+}
+
+impl Metrics {
+    fn families(&self) -> [&Family<TenantModel, Counter>; 6] {
+        [
+            &self.requests,
+            &self.prompt_tokens,
+            &self.generated_tokens,
+            &self.cached_prompt_tokens,
+            &self.errors,
+            &self.rate_limited,
+        ]
+    }
 }
 
 fn metrics() -> &'static Metrics {
@@ -60,6 +75,7 @@ fn metrics() -> &'static Metrics {
             cached_prompt_tokens: Family::default(),
             errors: Family::default(),
             rate_limited: Family::default(),
+            seen: Default::default(),
         };
         use strata_common::metrics::register;
         register("tenant_requests", "Admitted requests that ended, by tenant and model", m.requests.clone());
@@ -72,6 +88,17 @@ fn metrics() -> &'static Metrics {
         );
         register("tenant_errors", "Requests that ended in an error, refusals included", m.errors.clone());
         register("tenant_rate_limited", "Requests a tenant's limit refused", m.rate_limited.clone());
+        strata_common::metrics::on_forget_model(|model| {
+            let m = metrics();
+            let mut seen = m.seen.lock().unwrap_or_else(|p| p.into_inner());
+            let gone: Vec<TenantModel> = seen.iter().filter(|l| l.model == model).cloned().collect();
+            for label in gone {
+                for family in m.families() {
+                    family.remove(&label);
+                }
+                seen.remove(&label);
+            }
+        });
         m
     })
 }
@@ -137,6 +164,12 @@ impl Ledger {
     pub fn record(&self, tenant: &str, model: &str, c: &UsageCounts) {
         let m = metrics();
         let label = TenantModel { tenant: tenant.to_string(), model: model.to_string() };
+        {
+            let mut seen = m.seen.lock().unwrap_or_else(|p| p.into_inner());
+            if !seen.contains(&label) {
+                seen.insert(label.clone());
+            }
+        }
         for (family, v) in [
             (&m.requests, c.requests),
             (&m.prompt_tokens, c.prompt_tokens),
@@ -237,6 +270,11 @@ pub struct Account {
 }
 
 impl Account {
+    /// The tenant it is billed to ("" without tenants).
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
     pub fn open(
         ledger: Arc<Ledger>,
         caller: &Caller,

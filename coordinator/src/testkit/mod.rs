@@ -105,6 +105,7 @@ impl TestCluster {
             },
             assignment: None,
             started_ms: 1,
+            leaving: false,
         };
         let key = self.keys.worker(id);
         let lease = self.registry.grant_lease(LEASE).await.unwrap();

@@ -115,7 +115,9 @@ async fn wait_free(admin: &mut Admin, n: usize) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ws = admin.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
-        if ws.iter().filter(|w| w.replica.is_empty()).count() >= n {
+        if ws.iter().filter(|w| w.replica.is_empty() && !matches!(w.state.as_str(), "left" | "lost")).count()
+            >= n
+        {
             return;
         }
         assert!(Instant::now() < deadline, "{n} free workers never came: {ws:?}");

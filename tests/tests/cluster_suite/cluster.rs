@@ -132,7 +132,9 @@ async fn worker_running(cluster: &Cluster, address: &str) -> u32 {
 }
 
 async fn workers(endpoint: &str) -> Vec<apb::WorkerStatus> {
-    admin(endpoint).await.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers
+    let ws =
+        admin(endpoint).await.list_workers(apb::ListWorkersRequest {}).await.unwrap().into_inner().workers;
+    registered(ws)
 }
 
 fn slow_model() -> (tempfile::TempDir, PathBuf) {
@@ -608,7 +610,12 @@ fn with<T>(token: &str, req: T) -> tonic::Request<T> {
 async fn workers_with(endpoint: &str, token: &str) -> Vec<apb::WorkerStatus> {
     let mut r = tonic::Request::new(apb::ListWorkersRequest {});
     r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
-    admin(endpoint).await.list_workers(r).await.unwrap().into_inner().workers
+    registered(admin(endpoint).await.list_workers(r).await.unwrap().into_inner().workers)
+}
+
+/// The workers still registered (not those listed a while after they left or were lost).
+fn registered(ws: Vec<apb::WorkerStatus>) -> Vec<apb::WorkerStatus> {
+    ws.into_iter().filter(|w| !matches!(w.state.as_str(), "left" | "lost")).collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -54,7 +54,7 @@ async fn ranks_go_to_workers_of_the_right_device_with_room_and_tp_groups_share_a
     let a = cluster.coordinators[0].endpoint();
     let workers = eventually("three workers registered", Duration::from_secs(30), || async {
         let ws = admin(&a).await.list_workers(apb::ListWorkersRequest {}).await.ok()?.into_inner().workers;
-        (ws.len() == 3).then_some(ws)
+        (ws.len() == 3 && ws.iter().all(|w| w.state == "up")).then_some(ws)
     })
     .await;
     for w in &workers {

@@ -135,7 +135,7 @@ async fn strangers_are_refused_and_a_worker_certificate_cannot_drive_a_worker() 
             .into_inner()
             .workers
             .iter()
-            .any(|x| x.id == "w0")
+            .any(|x| x.id == "w0" && x.state == "up")
     };
     assert!(worker_listed.await, "the worker is still registered");
     eventually("generation after the junk", Duration::from_secs(10), || async {

@@ -15,6 +15,8 @@ fn model() -> String {
 fn fails(args: &[&str], env: &[(&str, &str)]) -> String {
     let out = Command::new(strata_bin())
         .args(args)
+        // Tests run side by side: no default ports (a test's own flags override these).
+        .envs([("STRATA_LISTEN", "127.0.0.1:0"), ("STRATA_HTTP_LISTEN", "off")])
         .envs(env.iter().copied())
         .env("RUST_LOG", "warn")
         .output()

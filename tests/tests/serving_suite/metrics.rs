@@ -206,3 +206,58 @@ async fn new_revision(endpoint: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// What `strata serve` says of itself: its in-memory registry connected, itself the leader,
+/// its models; the KV cache's use as a fraction; the process's CPU, memory and files; and a
+/// model undeployed leaves no series behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_reports_its_cluster_its_process_and_forgets_undeployed_models() {
+    use strata_proto::admin::v1 as apb;
+    use strata_proto::admin::v1::admin_client::AdminClient;
+    let model = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let args = ["--model", &model, "--name", "m", "--spare-workers", "1", "--metrics-listen", "127.0.0.1:0"];
+    let mut server = Server::spawn(&args);
+    let metrics = server.out.wait_event("metrics", Duration::from_secs(60), "strata serve");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    server.addr = server.wait_ready();
+    let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
+    let q = apb::DeployModelRequest {
+        name: "q".into(),
+        model_dir: model.clone(),
+        tp: 1,
+        pp: 1,
+        replicas: 1,
+        ..Default::default()
+    };
+    admin.deploy_model(q).await.unwrap();
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while c.generate(token_request("q", vec![1, 2, 3], 2)).await.is_err() {
+        assert!(std::time::Instant::now() < deadline, "q never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let text = scrape(&metrics);
+    assert_eq!(sample(&text, "strata_registry_connected", &[]), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "strata_coordinator_leader", &[]), Some(1.0));
+    assert_eq!(sample(&text, "strata_cluster_models", &[]), Some(2.0));
+    let usage = sample(&text, "strata_kv_cache_usage", &[("model", "m")]).expect("KV usage");
+    assert!((0.0..=1.0).contains(&usage), "{usage}");
+    assert!(sample(&text, "process_resident_memory_bytes", &[]).unwrap() > 1e6);
+    assert!(sample(&text, "process_open_fds", &[]).unwrap() > 0.0);
+    assert!(sample(&text, "process_cpu_seconds_total", &[]).unwrap() > 0.0);
+    assert_eq!(
+        sample(&text, "strata_requests_total", &[("model", "q"), ("finish_reason", "length")]),
+        Some(1.0)
+    );
+    admin.undeploy_model(apb::UndeployModelRequest { name: "q".into() }).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let text = scrape(&metrics);
+        if !text.contains("model=\"q\"") {
+            assert!(text.contains("model=\"m\""), "m's series stay: {text}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "q's series stayed after undeploy: {text}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

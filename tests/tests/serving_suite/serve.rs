@@ -453,7 +453,9 @@ async fn the_embedded_cluster_answers_the_admin_api() {
 async fn a_deployment_asking_for_more_memory_than_there_is_waits_and_the_server_lives() {
     use strata_proto::admin::v1 as apb;
     use strata_proto::admin::v1::admin_client::AdminClient;
-    let server = Server::start(&["--model", &fixture("llama_gqa"), "--name", "m", "--spare-workers", "1"]);
+    let args = ["--model", &fixture("llama_gqa"), "--name", "m", "--spare-workers", "1", "--route-wait", "2"];
+    let server = Server::start(&[&args[..], &["--http-listen", "127.0.0.1:0"]].concat());
+    let http = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
     let mut admin = AdminClient::connect(server.endpoint()).await.unwrap();
     let huge = apb::DeployModelRequest {
         name: "huge".into(),
@@ -483,6 +485,25 @@ async fn a_deployment_asking_for_more_memory_than_there_is_waits_and_the_server_
     };
     assert_eq!(pending.state, apb::ReplicaState::Pending as i32, "{pending:?}");
     assert!(pending.reason.ends_with("(1 free: 0 fit, 1 with too little memory)"), "{}", pending.reason);
+    // /ready per model says where each stands; a request for the waiting one is refused
+    // (once it has waited out the grace: the route wait here), naming why.
+    let ready = |path: &str| strata_tests::http::request(&http, "GET", path, None, None).unwrap();
+    assert_eq!(ready("/ready?model=m").0, 200);
+    assert_eq!(ready("/ready?model=nope").0, 404);
+    let (status, body) = ready("/ready?model=huge");
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (status, body["state"].as_str(), body["ready_replicas"].as_u64()),
+        (503, Some("pending"), Some(0))
+    );
+    assert!(body["reason"].as_str().unwrap().contains("memory"), "{body}");
+    let req = serde_json::json!({"model": "huge", "prompt": "hi", "max_tokens": 2});
+    let started = Instant::now();
+    let (status, body) =
+        strata_tests::http::request(&http, "POST", "/v1/completions", None, Some(&req)).unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("pending") && body.contains("memory"), "{body}");
     // The process and its other model are unharmed.
     let r = reference(&fixtures_dir().join("llama_gqa"));
     let got = client(&server).await.generate(request("m", ids(&r["prompt_ids"]), 8)).await.unwrap();
@@ -592,4 +613,48 @@ fn a_port_in_use_fails_before_the_models_load() {
         assert!(stderr.contains(&format!("{flag} {port}")), "{flag}: {stderr}");
         assert!(!stderr.contains("safetensors"), "{flag}: failed on the weights first: {stderr}");
     }
+    // vLLM's --port moves the HTTP API (on by default); the error says how to move it.
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["serve", model.path().to_str().unwrap(), "--listen", &free, "--port"])
+        .arg(taken.local_addr().unwrap().port().to_string())
+        .env("RUST_LOG", "error")
+        .env_remove("STRATA_HTTP_LISTEN")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("--http-listen {port}")) && stderr.contains("--http-listen off"),
+        "{stderr}"
+    );
+}
+
+/// `strata serve DIR` serves the OpenAI HTTP API beside gRPC without being asked: `--port`
+/// alone places it (vLLM's spelling), and `--http-listen off` leaves only gRPC.
+#[test]
+fn serve_speaks_http_beside_grpc_by_default() {
+    let model = strata_tests::fixtures_dir().join("llama_gqa");
+    let spawn = |extra: &[&str]| {
+        let mut cmd = std::process::Command::new(strata_tests::strata_bin());
+        cmd.args(["serve", model.to_str().unwrap(), "--name", "m", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .env_remove("STRATA_HTTP_LISTEN")
+            .env("RUST_LOG", "info");
+        strata_tests::spawn_captured(&mut cmd)
+    };
+    let (mut child, out) = spawn(&["--port", "0"]);
+    let http = out.wait_event("http", std::time::Duration::from_secs(60), "strata serve");
+    let address = http["address"].as_str().unwrap().to_string();
+    out.wait_event("ready", std::time::Duration::from_secs(60), "strata serve");
+    let (status, body) = strata_tests::prometheus::http_get(&address, "/v1/models").unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"m\""), "{body}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (mut child, out) = spawn(&["--http-listen", "off"]);
+    out.wait_event("ready", std::time::Duration::from_secs(60), "strata serve");
+    // The HTTP API is announced before the ready line, when there is one.
+    assert!(out.passed("http").is_none(), "{}", out.log());
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

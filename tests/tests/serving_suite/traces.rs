@@ -189,3 +189,30 @@ async fn json_logs_carry_the_callers_trace_id() {
             .unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {l}"));
     }
 }
+
+/// `--access-log`: one info line per finished request, its fields structured (with
+/// `--log-format json`) and the caller's trace id on it through the request's span.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_access_log_has_a_line_per_request_with_its_trace_id() {
+    let dir = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let server = Server::start(&["--model", &dir, "--name", "m", "--access-log", "--log-format", "json"]);
+    let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let mut req = token_request("m", vec![3, 4, 5], 3);
+    req.request_id = "logged-1".into();
+    c.generate(traced(req, TRACE_ID)).await.expect("request");
+    let line = eventually("the request's access-log line", Duration::from_secs(10), || async {
+        server.log().lines().find_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            (v["target"] == "strata::access" && v["fields"]["request"] == "logged-1").then_some(v)
+        })
+    })
+    .await;
+    let f = &line["fields"];
+    assert_eq!(
+        (f["model"].as_str(), f["tokens"].as_u64(), f["outcome"].as_str()),
+        (Some("m"), Some(3), Some("length"))
+    );
+    assert_eq!(f["prompt_tokens"].as_u64(), Some(3), "{line}");
+    assert_eq!(line["level"], "INFO");
+    assert!(line.to_string().contains(TRACE_ID), "the trace id is on the line: {line}");
+}

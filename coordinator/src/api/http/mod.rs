@@ -304,15 +304,41 @@ async fn get_model(
 
 /// 200 when a request would be served now: not draining, and some model has a ready
 /// replica.
-async fn ready(State(state): State<Arc<HttpState>>) -> Response {
+/// `GET /ready`: 200 while a request would be served now (some model has a ready replica);
+/// `GET /ready?model=NAME`: the same for one model, with 503 naming where its replicas
+/// stand (pending and why, loading) when none is ready. Open, as load balancers probe it.
+async fn ready(
+    State(state): State<Arc<HttpState>>,
+    axum::extract::Query(query): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> Response {
+    if let Some(k) = query.keys().find(|k| k.as_str() != "model") {
+        return ApiError::invalid(k.clone(), format!("/ready takes no parameter {k:?}")).into_response();
+    }
     if state.draining.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, "draining").into_response();
     }
-    if state.front.models().all().iter().any(|m| m.routes.ready() > 0) {
-        (StatusCode::OK, "ready").into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "no model has a ready replica").into_response()
+    let Some(name) = query.get("model") else {
+        return if state.front.models().all().iter().any(|m| m.routes.ready() > 0) {
+            (StatusCode::OK, "ready").into_response()
+        } else {
+            (StatusCode::SERVICE_UNAVAILABLE, "no model has a ready replica").into_response()
+        };
+    };
+    let model = match state.front.models().get(name) {
+        Ok(m) => m,
+        Err(_) => return ApiError::not_found(format!("model {name:?}")).into_response(),
+    };
+    let ready = model.routes.ready();
+    let mut body = json!({"model": model.name, "ready_replicas": ready, "status": "ready"});
+    if ready > 0 {
+        return (StatusCode::OK, axum::Json(body)).into_response();
     }
+    body["status"] = json!("unavailable");
+    if let Some(u) = model.routes.unready() {
+        body["state"] = json!(u.state.map_or("none", |s| s.as_str()));
+        body["reason"] = json!(u.describe(strata_common::cluster::now_ms()));
+    }
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response()
 }
 
 /// The HTTP API while it serves, until [`drain`](RunningHttp::drain).

@@ -21,6 +21,7 @@ fn worker(id: &str, kind: &str, free_gib: u64, node: &str) -> WorkerRecord {
         },
         assignment: None,
         started_ms: 0,
+        leaving: false,
     }
 }
 

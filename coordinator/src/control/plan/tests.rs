@@ -16,6 +16,7 @@ fn worker(id: &str) -> WorkerRecord {
         },
         assignment: None,
         started_ms: 0,
+        leaving: false,
     }
 }
 
@@ -207,6 +208,31 @@ fn a_restarted_worker_fails_its_replica_but_a_missing_one_is_left_to_the_monitor
     v.workers.remove("w2");
     let a = run(&v, &monitored(&["a"]));
     assert!(a.is_empty(), "{a:?}");
+}
+
+/// A worker that says it is leaving takes its replica with it as a drain naming it, even
+/// when its other rank already holds nothing; nothing new is placed on it.
+#[test]
+fn a_leaving_worker_drains_its_replica_and_blames_no_rank() {
+    let mut v = V::new()
+        .workers(&["w1", "w2", "w3"])
+        .model(spec("m", 2, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1", "w2"], 1))
+        .0;
+    v.workers.get_mut("w1").unwrap().leaving = true;
+    v.workers.get_mut("w2").unwrap().assignment = None;
+    let a = run(&v, &monitored(&["a"]));
+    assert!(
+        a.iter().any(|x| matches!(x, Action::Drain { id, reason, .. }
+            if id.as_str() == "a" && reason.contains("w1") && reason.contains("shutting down"))),
+        "{a:?}"
+    );
+    assert!(!a.iter().any(|x| matches!(x, Action::Fail { .. })), "no rank is blamed: {a:?}");
+    // w1 is not free for the replacement.
+    assert!(
+        !a.iter().any(|x| matches!(x, Action::Assign { workers, .. } if workers.iter().any(|w| w == "w1"))),
+        "{a:?}"
+    );
 }
 
 #[test]

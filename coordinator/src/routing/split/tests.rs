@@ -85,3 +85,74 @@ fn the_index_stays_bounded() {
     index.key(&[], BLOCK);
     index.key(&[5], BLOCK);
 }
+
+/// Byte tokens of `text` after a BOS: prompts that share text share tokens, as a
+/// character-level tokenizer makes them.
+fn bytes(text: &str) -> Vec<u32> {
+    std::iter::once(1).chain(text.bytes().map(u32::from)).collect()
+}
+
+/// Whether `n` of `total` is within five standard deviations of `weight` basis points.
+fn plausible(n: usize, total: usize, weight: u32) -> bool {
+    let p = weight as f64 / 10_000.0;
+    let sd = (total as f64 * p * (1.0 - p)).sqrt();
+    (n as f64 - total as f64 * p).abs() <= 5.0 * sd + 0.5
+}
+
+#[test]
+fn distinct_prompts_that_share_their_words_split_by_the_weight() {
+    let mut index = SplitIndex::new(1 << 16);
+    let n = 400;
+    let canary = (0..n)
+        .filter(|i| {
+            to_canary(index.key(&bytes(&format!("Request number {i} is a different prompt")), BLOCK), 5000)
+        })
+        .count();
+    assert!(plausible(canary, n, 5000), "{canary} of {n} went to a 50% canary");
+}
+
+#[test]
+fn short_prompts_after_a_shared_first_block_still_split_by_the_weight() {
+    let mut t = Tokens(5);
+    let mut index = SplitIndex::new(1 << 16);
+    let block = t.take(BLOCK);
+    for _ in 0..20 {
+        index.key(&[block.clone(), t.take(5)].concat(), BLOCK);
+    }
+    let n = 400;
+    let canary =
+        (0..n).filter(|i| to_canary(index.key(&bytes(&format!("Request {i}")), BLOCK), 5000)).count();
+    assert!(plausible(canary, n, 5000), "{canary} of {n} went to a 50% canary");
+}
+
+#[test]
+fn a_short_first_turn_keeps_its_key_while_others_share_its_words() {
+    let mut index = SplitIndex::new(1 << 16);
+    let turn1 = bytes("Request 7");
+    let k1 = index.key(&turn1, BLOCK);
+    // Other conversations with the same first word, some longer than a block.
+    for i in 100..150 {
+        index.key(&bytes(&format!("Request {i} and more words than a block holds")), BLOCK);
+    }
+    let turn2 = bytes("Request 7 -- an answer of some length. And the next question?");
+    assert_eq!(index.key(&turn2, BLOCK), k1);
+    let turn3 = bytes("Request 7 -- an answer of some length. And the next question? Another answer.");
+    assert_eq!(index.key(&turn3, BLOCK), k1);
+    assert_eq!(index.key(&turn1, BLOCK), k1, "the same prompt, the same key");
+}
+
+#[test]
+fn many_conversations_branching_at_one_place_stay_bounded_and_the_recent_ones_sticky() {
+    let mut index = SplitIndex::new(256);
+    let system = "You are a helpful assistant. Answer briefly.";
+    let mut keys = Vec::new();
+    for i in 0..1000 {
+        keys.push(index.key(&bytes(&format!("{system} User {i:04}: hello")), BLOCK));
+    }
+    assert!(index.len() <= 256, "{}", index.len());
+    // The last conversations are remembered: their next turns keep their keys.
+    for (i, key) in keys.iter().enumerate().skip(990) {
+        let turn2 = bytes(&format!("{system} User {i:04}: hello Assistant: hi. User: more"));
+        assert_eq!(index.key(&turn2, BLOCK), *key, "conversation {i}");
+    }
+}
