@@ -106,6 +106,9 @@ pub enum ModelCommand {
     /// Write an int8 copy of a model (every weight matrix, one scale per output row: what
     /// --quantize int8 does at load, from half the bytes of bf16).
     Quantize(crate::model_compare::QuantizeArgs),
+    /// Fetch a model directory from an HTTP(S) URL (a web server or an S3-compatible
+    /// store), every file checked against the directory's SHA256SUMS.
+    Fetch(crate::model_fetch::FetchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -429,6 +432,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             ModelCommand::Latency(args) => latency(args),
             ModelCommand::Compare(args) => crate::model_compare::run(args),
             ModelCommand::Quantize(args) => crate::model_compare::quantize(args),
+            ModelCommand::Fetch(args) => crate::model_fetch::fetch(args),
         },
     }
 }

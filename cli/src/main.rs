@@ -23,6 +23,7 @@ mod latency_bench;
 mod local;
 mod metrics_http;
 mod model_compare;
+mod model_fetch;
 mod model_tools;
 mod rendezvous;
 mod rollout_cli;

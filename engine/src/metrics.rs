@@ -47,6 +47,47 @@ struct LayerLabels {
 
 type Histograms<L> = Family<L, Histogram, fn() -> Histogram>;
 
+/// How many live handles hold each label set: its series are removed when the last goes
+/// (two engines may share labels — tests, benchmarks — and one's end must not take the
+/// other's series).
+struct Holders<L>(std::sync::Mutex<std::collections::HashMap<L, usize>>);
+
+impl<L: std::hash::Hash + Eq + Clone> Holders<L> {
+    fn new() -> Self {
+        Holders(std::sync::Mutex::new(std::collections::HashMap::new()))
+    }
+
+    fn acquire(&self, l: &L) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()).entry(l.clone()).or_default() += 1;
+    }
+
+    /// Whether this was the last holder of `l`.
+    fn release(&self, l: &L) -> bool {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let last = match held.get_mut(l) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            _ => true,
+        };
+        if last {
+            held.remove(l);
+        }
+        last
+    }
+}
+
+fn replica_holders() -> &'static Holders<ReplicaLabels> {
+    static H: OnceLock<Holders<ReplicaLabels>> = OnceLock::new();
+    H.get_or_init(Holders::new)
+}
+
+fn rank_holders() -> &'static Holders<RankLabels> {
+    static H: OnceLock<Holders<RankLabels>> = OnceLock::new();
+    H.get_or_init(Holders::new)
+}
+
 /// Step and collective time: 50 µs to 20 s.
 const STEP_BUCKETS: &[f64] = &[
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -213,6 +254,7 @@ pub struct RunnerMetrics {
 impl RunnerMetrics {
     pub fn new(labels: &ReplicaLabels) -> Self {
         let f = families();
+        replica_holders().acquire(labels);
         RunnerMetrics {
             running: f.running.get_or_create_owned(labels),
             waiting: f.waiting.get_or_create_owned(labels),
@@ -247,6 +289,9 @@ impl Drop for RunnerMetrics {
     fn drop(&mut self) {
         let f = families();
         let l = &self.labels;
+        if !replica_holders().release(l) {
+            return;
+        }
         for g in [&f.running, &f.waiting, &f.kv_used, &f.kv_total] {
             g.remove(l);
         }
@@ -286,6 +331,9 @@ impl Drop for RankSeries {
     fn drop(&mut self) {
         let f = families();
         let l = &self.labels;
+        if !rank_holders().release(l) {
+            return;
+        }
         for h in [&f.rank_step, &f.all_reduce, &f.all_to_all] {
             h.remove(l);
         }
@@ -343,7 +391,10 @@ impl RankMetrics {
             all_to_all: f.all_to_all.get_or_create_owned(&l),
             all_to_all_bytes: f.all_to_all_bytes.get_or_create_owned(&l),
             expert_tokens: f.rank_expert_tokens.get_or_create_owned(&l),
-            series: std::sync::Arc::new(RankSeries { labels: l, moe_layers: Default::default() }),
+            series: {
+                rank_holders().acquire(&l);
+                std::sync::Arc::new(RankSeries { labels: l, moe_layers: Default::default() })
+            },
         }
     }
 

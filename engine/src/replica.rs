@@ -16,9 +16,9 @@ use strata_common::{Error, Parallelism, Result};
 use tracing::{error, info};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::cuda::driver::{memory_info, probe, CudaGpu, CUBLAS, CUBLASLT, DRIVER, NVRTC};
+use crate::backend::cuda::driver::{probe, CudaGpu, CUBLAS, CUBLASLT, DRIVER, NVRTC};
 use crate::backend::cuda::CudaBackend;
-use crate::backend::{Backend, BackendOptions, Device};
+use crate::backend::{on_device, Backend, BackendOptions, Device};
 use crate::comm::nccl::{replica_groups, NcclComm};
 use crate::comm::tcp::{local_group, TcpComm, TcpCommConfig};
 use crate::comm::{DeviceCollectives, HostStaged};
@@ -43,14 +43,6 @@ fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
     CpuBackend::new().with_weight_dtype(weights).with_bf16_compute(bf16_compute).with_quantize(opts.quantize)
 }
 
-/// `--device {device}: ` before an unavailable device's message.
-fn on_device(device: Device) -> impl FnOnce(Error) -> Error {
-    move |e| match e {
-        Error::Unavailable(m) => Error::Unavailable(format!("--device {device}: {m}")),
-        other => other,
-    }
-}
-
 /// Checks that this build and machine can drive `device`, before anything is loaded (a
 /// build without CUDA says so).
 pub fn check_device(device: Device) -> Result<()> {
@@ -60,17 +52,7 @@ pub fn check_device(device: Device) -> Result<()> {
     }
 }
 
-/// Free and total memory of `device`, bytes: the host's for the CPU, the driver's for a
-/// GPU (what a worker offers for weights and KV cache).
-pub fn device_memory(device: Device) -> Result<(u64, u64)> {
-    match device {
-        Device::Cpu => {
-            let free = strata_common::host::available_memory();
-            Ok((free.unwrap_or(0), strata_common::host::total_memory().or(free).unwrap_or(0)))
-        }
-        Device::Cuda(ordinal) => memory_info(ordinal).map_err(on_device(device)),
-    }
-}
+pub use crate::backend::device_memory;
 
 /// A CPU rank's collectives: its TCP mesh endpoint, tensors staged through host memory.
 fn host_staged(mesh: TcpComm) -> Result<Box<dyn DeviceCollectives<CpuBackend>>> {

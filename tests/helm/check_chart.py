@@ -72,13 +72,19 @@ CASES = {
     },
     "three-models": {
         "models": [
-            {"name": "a", "path": "a", "tp": 2, "replicas": 1},
+            {"name": "a", "path": "a", "tp": 2, "replicas": 1, "url": "https://models.example.com/a"},
             {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
             {"name": "c", "path": "c", "device": "cpu", "maxNumSeqs": 8, "maxBatchedTokens": 256,
              "kvCacheMemory": "2GiB", "maxWaiting": 32, "maxModelLen": 4096, "toolCallParser": "hermes"},
         ]
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
+    "ingress": {
+        "ingress": {"enabled": True, "className": "nginx", "host": "llm.example.com",
+                    "tls": [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]},
+        "httpRoute": {"enabled": True, "parentRefs": [{"name": "public", "namespace": "gateways"}],
+                      "hostnames": ["llm.example.com"]},
+    },
     # GPU mode with both images built: the CPU one for every role but the workers.
     "gpu-two-images": {"image": {"repository": "reg.example/strata", "tag": "1.2.3", "cudaTag": "1.2.3-gpu"},
                        "models": MODEL},
@@ -153,7 +159,9 @@ BAD_VALUES = {
     "model device outside the enum": {"models": [{"name": "a", "path": "x", "device": "tpu"}]},
     "model KV memory not a size": {"models": [{"name": "a", "path": "x", "kvCacheMemory": "lots"}]},
     "unknown tool-call parser": {"models": [{"name": "a", "path": "x", "toolCallParser": "pythonic"}]},
+    "model URL not http": {"models": [{"name": "a", "path": "x", "url": "ftp://x/a"}]},
     "short test key": {"tests": {"apiKey": "short"}},
+    "an HTTPRoute without a gateway": {"httpRoute": {"enabled": True}},
     "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
     "response cache size not a size": {"coordinator": {"responseCacheMemory": "lots"}},
     "tenant with a slash": {"tenants": [{"name": "a/b"}]},
@@ -165,9 +173,15 @@ BAD_VALUES = {
 RENDER_FAILURES = {
     "batch on two coordinators": ({"coordinator": {"batch": {"enabled": True, "existingClaim": "c"}}}, "replicas to 1"),
     "batch without a claim": ({"coordinator": {"replicas": 1, "batch": {"enabled": True}}}, "existingClaim"),
+    "a model URL without model storage": ({"modelStorage": {"type": "none"}, "models": [{"name": "a", "path": "a", "url": "https://x/a"}]},
+                                          "modelStorage.type"),
 }
 
-CUSTOM = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("cert-manager.io/v1", "Certificate")}
+CUSTOM = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+}
 
 
 def objects(manifests):
@@ -249,11 +263,25 @@ def check_devices(objs):
     job = next(o for (k, n), o in by_kind.items() if k == "Job" and n.endswith("-deploy-models"))
     devices = {}
     for c in job["spec"]["template"]["spec"]["initContainers"]:
+        if not c["name"].startswith("deploy-"):
+            continue
         args = c["args"]
         name = next(a.split("=", 1)[1] for a in args if a.startswith("--name="))
         devices[name] = [a.split("=", 1)[1] for a in args if a.startswith("--device=")]
     if devices != {"a": ["cuda"], "b": ["cuda"], "c": ["cpu"]}:
         fail(f"three-models: deploy devices {devices}")
+    # A model with a URL is fetched (into the writable models volume) before it is deployed.
+    inits = job["spec"]["template"]["spec"]["initContainers"]
+    names = [c["name"] for c in inits]
+    if names[:2] != ["fetch-0", "deploy-0"] or any(n.startswith("fetch-") for n in names[2:]):
+        fail(f"three-models: init containers {names}")
+    fetch = inits[0]
+    if fetch["args"] != ["model", "fetch", "--url=https://models.example.com/a", "--out=/models/a"]:
+        fail(f"three-models: fetch args {fetch['args']}")
+    mount = next(m for m in fetch["volumeMounts"] if m["name"] == "models")
+    volume = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
+    if mount.get("readOnly") or volume["persistentVolumeClaim"].get("readOnly"):
+        fail(f"three-models: the fetch cannot write: {mount} {volume}")
     # Per-model engine settings reach `strata admin deploy` as its flags.
     c_args = next(c["args"] for c in job["spec"]["template"]["spec"]["initContainers"] if "--name=c" in c["args"])
     for flag in ["--max-num-seqs=8", "--max-batched-tokens=256", "--kv-cache-memory=2GiB", "--max-waiting=32",
@@ -305,6 +333,35 @@ def check_images(rendered, app_version):
         for where, image in images.items():
             if image != image_for(where):
                 fail(f"{case}: {where} runs {image}, not {image_for(where)}")
+
+
+def check_ingress(objs):
+    """The Ingress and the HTTPRoute send to the coordinators' Service on its http port."""
+    by_kind = {o["kind"]: o for _, o in objs}
+    service = next(o for _, o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "strata")
+    http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+    ing = by_kind.get("Ingress")
+    if not ing:
+        fail("ingress: no Ingress rendered")
+    else:
+        rule = ing["spec"]["rules"][0]
+        backend = rule["http"]["paths"][0]["backend"]["service"]
+        if (rule.get("host"), backend["name"], backend["port"]) != ("llm.example.com", "strata", {"name": "http"}):
+            fail(f"ingress: the rule is {rule}")
+        if ing["spec"].get("ingressClassName") != "nginx" or ing["spec"]["tls"][0]["secretName"] != "llm-tls":
+            fail(f"ingress: class or TLS: {ing['spec']}")
+    route = by_kind.get("HTTPRoute")
+    if not route:
+        fail("ingress: no HTTPRoute rendered")
+    else:
+        ref = route["spec"]["rules"][0]["backendRefs"][0]
+        if (ref["name"], ref["port"]) != ("strata", http["port"]) or route["spec"]["parentRefs"][0]["name"] != "public":
+            fail(f"ingress: the route is {route['spec']}")
+    if any(o["kind"] in ("Ingress", "HTTPRoute") for _, o in CASES_RENDERED.get("default", [])):
+        fail("default: an Ingress or HTTPRoute without being asked")
+
+
+CASES_RENDERED = {}
 
 
 def check_tenants(objs):
@@ -413,6 +470,9 @@ def main():
         check_tenants(rendered["tenants"])
     if rendered.get("small"):
         check_small(rendered["small"])
+    CASES_RENDERED.update(rendered)
+    if rendered.get("ingress"):
+        check_ingress(rendered["ingress"])
     check_images(rendered, yaml.safe_load(open(os.path.join(CHART, "Chart.yaml")))["appVersion"])
     check_dashboards()
     check_dockerfiles()

@@ -9,3 +9,5 @@ mod cli_generate;
 mod config;
 #[path = "commands_suite/model_bench.rs"]
 mod model_bench;
+#[path = "commands_suite/model_fetch.rs"]
+mod model_fetch;

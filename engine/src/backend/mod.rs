@@ -473,6 +473,29 @@ pub trait StepGraphs: Tensors {
 }
 
 /// The backend traits, for code that calls their methods on a concrete backend.
+/// `--device {device}: ` before an unavailable device's message.
+pub(crate) fn on_device(device: Device) -> impl FnOnce(strata_common::Error) -> strata_common::Error {
+    move |e| match e {
+        strata_common::Error::Unavailable(m) => {
+            strata_common::Error::Unavailable(format!("--device {device}: {m}"))
+        }
+        other => other,
+    }
+}
+
+/// Free and total memory of `device`, bytes: the host's for the CPU, the driver's for a
+/// GPU (what a worker offers for weights and KV cache, and what a memory utilization is a
+/// fraction of).
+pub fn device_memory(device: Device) -> strata_common::Result<(u64, u64)> {
+    match device {
+        Device::Cpu => {
+            let free = strata_common::host::available_memory();
+            Ok((free.unwrap_or(0), strata_common::host::total_memory().or(free).unwrap_or(0)))
+        }
+        Device::Cuda(ordinal) => cuda::driver::memory_info(ordinal).map_err(on_device(device)),
+    }
+}
+
 pub mod prelude {
     pub use super::{AttentionOps, Backend, ExpertOps, LogitsOps, StepGraphs, TensorOps, Tensors};
 }

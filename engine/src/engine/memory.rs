@@ -43,7 +43,7 @@ pub(super) fn kv_cache_bytes(
     ranks_sharing: usize,
 ) -> Result<usize> {
     let Some(fraction) = config.memory_utilization else { return Ok(config.kv_cache_bytes) };
-    let (free, total) = crate::replica::device_memory(config.backend.device)?;
+    let (free, total) = crate::backend::device_memory(config.backend.device)?;
     let budget = Budget {
         fraction,
         total,

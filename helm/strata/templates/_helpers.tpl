@@ -52,6 +52,11 @@ only the CUDA image built (the CUDA binary runs the CPU roles as well). */}}
 {{- if or .Values.auth.apiKeys .Values.auth.apiKeysSecret .Values.tenants -}}true{{- end -}}
 {{- end -}}
 
+{{/* "true" when a model in values is fetched from a URL, else empty. */}}
+{{- define "strata.fetchesModels" -}}
+{{- range .Values.models }}{{ if .url }}true{{ end }}{{ end -}}
+{{- end -}}
+
 {{/* etcd client endpoints, comma-separated. */}}
 {{- define "strata.etcdEndpoints" -}}
 {{- if .Values.etcd.bundled -}}

@@ -49,6 +49,7 @@ fn the_chart_lints_renders_and_validates_against_kubernetes_schemas() {
         "existing-secrets",
         "gpu-two-images",
         "small",
+        "ingress",
     ] {
         assert!(report.contains(&format!("ok: {case}:")), "case {case} missing:\n{report}");
     }
