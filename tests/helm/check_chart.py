@@ -20,6 +20,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,6 +163,7 @@ BAD_VALUES = {
     "model URL not http": {"models": [{"name": "a", "path": "x", "url": "ftp://x/a"}]},
     "short test key": {"tests": {"apiKey": "short"}},
     "an HTTPRoute without a gateway": {"httpRoute": {"enabled": True}},
+    "renewal window of zero days": {"clusterTls": {"renewBeforeDays": 0}},
     "two GPUs per worker pod": {"worker": {"gpu": {"count": 2}}},
     "response cache size not a size": {"coordinator": {"responseCacheMemory": "lots"}},
     "tenant with a slash": {"tenants": [{"name": "a/b"}]},
@@ -173,6 +175,7 @@ BAD_VALUES = {
 RENDER_FAILURES = {
     "batch on two coordinators": ({"coordinator": {"batch": {"enabled": True, "existingClaim": "c"}}}, "replicas to 1"),
     "batch without a claim": ({"coordinator": {"replicas": 1, "batch": {"enabled": True}}}, "existingClaim"),
+    "renewing every upgrade": ({"clusterTls": {"validityDays": 30, "renewBeforeDays": 30}}, "renewBeforeDays"),
     "a model URL without model storage": ({"modelStorage": {"type": "none"}, "models": [{"name": "a", "path": "a", "url": "https://x/a"}]},
                                           "modelStorage.type"),
 }
@@ -364,6 +367,80 @@ def check_ingress(objs):
 CASES_RENDERED = {}
 
 
+RENEWAL_TEMPLATE = """{{- range $name, $case := .Values.renewalCases }}
+---
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: {{ $name }}
+data:
+  result: {{ include "strata.generatedCerts" (dict "root" $ "name" "test CA" "leaves" (list (dict "prefix" "coordinator" "cn" "strata-coordinator" "dns" (list "strata-coordinator"))) "existing" $case.existing "ca" $case.ca) | quote }}
+{{- end }}
+"""
+
+
+def render_certs(cases):
+    """The chart's certificate helper for each case's existing Secrets (what `lookup` would
+    find on an upgrade, which no check here can reach): the chart copied with a template
+    that calls the helper, rendered without its schema."""
+    with tempfile.TemporaryDirectory() as tmp:
+        chart_dir = os.path.join(tmp, "strata")
+        shutil.copytree(CHART, chart_dir)
+        os.remove(os.path.join(chart_dir, "values.schema.json"))
+        with open(os.path.join(chart_dir, "templates", "zz-renewal.yaml"), "w") as f:
+            f.write(RENEWAL_TEMPLATE)
+        chart = helm.Chart.load(chart_dir)
+        manifests = chart.render({"renewalCases": cases}, name="strata", namespace="inference", is_install=False)
+    out = {}
+    for _, obj in objects(manifests):
+        if obj.get("kind") == "ConfigMap" and obj["metadata"]["name"] in cases:
+            out[obj["metadata"]["name"]] = yaml.safe_load(obj["data"]["result"])
+    return out
+
+
+def openssl(args, files):
+    """Runs openssl on base64 Secret values written as PEM files; returns stdout."""
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, b64 in enumerate(files):
+            p = os.path.join(tmp, f"{i}.pem")
+            with open(p, "wb") as f:
+                f.write(base64.b64decode(b64))
+            paths.append(p)
+        r = subprocess.run(["openssl", *[a.format(*paths) for a in args]], capture_output=True, text=True)
+        return r.stdout + r.stderr
+
+
+def check_renewal():
+    """Generated certificates: made at install with a CA kept apart; kept while valid past
+    renewBeforeDays; issued again by the same CA when about to expire (the old ones still
+    trusted); kept as they are when an older install never kept the CA's key."""
+    import datetime
+    day = lambda n: (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=n)).strftime("%Y-%m-%d")
+    first = render_certs({"install": {"existing": {}, "ca": {}}})["install"]
+    if not first["renewed"] or first["notAfter"] != day(365) or set(first["data"]) != {"ca.crt", "coordinator.crt", "coordinator.key"}:
+        fail(f"certificates at install: {first}")
+    if "OK" not in openssl(["verify", "-CAfile", "{0}", "{1}"], [first["ca"]["ca.crt"], first["data"]["coordinator.crt"]]):
+        fail("certificates at install: the leaf does not verify against the CA")
+    existing = lambda not_after: {"data": first["data"], "metadata": {"annotations": {"strata.io/not-after": not_after} if not_after else {}}}
+    later = render_certs({
+        "fresh": {"existing": existing(day(200)), "ca": {"data": first["ca"]}},
+        "expiring": {"existing": existing(day(10)), "ca": {"data": first["ca"]}},
+        "legacy": {"existing": existing(None), "ca": {}},
+    })
+    fresh, expiring, legacy = later["fresh"], later["expiring"], later["legacy"]
+    if fresh["renewed"] or fresh["data"] != first["data"] or fresh["notAfter"] != day(200):
+        fail(f"certificates valid for 200 days were not kept: {fresh}")
+    if not expiring["renewed"] or expiring["notAfter"] != day(365):
+        fail(f"certificates expiring in 10 days were not renewed: {expiring}")
+    elif expiring["data"]["ca.crt"] != first["data"]["ca.crt"] or expiring["data"]["coordinator.crt"] == first["data"]["coordinator.crt"]:
+        fail("renewal: not a new leaf from the same CA")
+    elif "OK" not in openssl(["verify", "-CAfile", "{0}", "{1}"], [first["ca"]["ca.crt"], expiring["data"]["coordinator.crt"]]):
+        fail("renewal: the new leaf does not verify against the kept CA")
+    if not legacy["stuck"] or legacy["renewed"] or legacy["data"] != first["data"]:
+        fail(f"an older install's certificates: {legacy}")
+
+
 def check_tenants(objs):
     """The tenants Secret is a configuration file strata reads, mounted where --config says."""
     by_kind = {(o["kind"], o["metadata"]["name"]): o for _, o in objs}
@@ -473,6 +550,7 @@ def main():
     CASES_RENDERED.update(rendered)
     if rendered.get("ingress"):
         check_ingress(rendered["ingress"])
+    check_renewal()
     check_images(rendered, yaml.safe_load(open(os.path.join(CHART, "Chart.yaml")))["appVersion"])
     check_dashboards()
     check_dockerfiles()

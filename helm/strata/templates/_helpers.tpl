@@ -194,3 +194,126 @@ seccompProfile: { type: RuntimeDefault }
 {{- .Values.etcd.external.tlsSecret -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+Certificates the chart generates, renewed on upgrade. Arguments: root; name (the CA's
+common name); existing (the certificates' Secret as lookup finds it, or empty); ca (the
+Secret keeping the CA's key, or empty); leaves (a list of {prefix, cn, ips, dns}: each
+becomes <prefix>.crt and <prefix>.key).
+
+While the existing certificates are valid past clusterTls.renewBeforeDays they are kept
+as they are. Otherwise they are issued again with the CA kept in `ca` — the same CA, so
+pods still holding the old ones keep trusting the new ones while they restart — or, at
+first install, with a new CA valid ten times as long (at least ten years). A Secret
+made before the chart kept its CA's key cannot be renewed: it is kept, and `stuck` says
+so. Returns YAML: data (the Secret's data), ca (the CA Secret's data), notAfter (the
+day the certificates expire, 2006-01-02), renewed, stuck.
+*/}}
+{{- define "strata.generatedCerts" -}}
+{{- $values := .root.Values.clusterTls -}}
+{{- $days := int $values.validityDays -}}
+{{- if ge (int $values.renewBeforeDays) $days }}
+{{- fail "clusterTls.renewBeforeDays must be less than clusterTls.validityDays" }}
+{{- end -}}
+{{- $existing := .existing | default dict -}}
+{{- $data := get $existing "data" | default dict -}}
+{{- $annotations := get (get $existing "metadata" | default dict) "annotations" | default dict -}}
+{{- $notAfter := get $annotations "strata.io/not-after" | default "" -}}
+{{- $caData := get (.ca | default dict) "data" | default dict -}}
+{{- $deadline := now | dateModify (printf "+%dh" (mul (int $values.renewBeforeDays) 24)) | unixEpoch | int64 -}}
+{{- $fresh := and $data $notAfter (gt (toDate "2006-01-02" $notAfter | unixEpoch | int64) $deadline) -}}
+{{- $out := dict "renewed" false "stuck" false -}}
+{{- if $fresh -}}
+{{- $_ := set $out "data" $data -}}
+{{- $_ := set $out "ca" $caData -}}
+{{- $_ := set $out "notAfter" $notAfter -}}
+{{- else if and $data (not (get $caData "ca.key")) -}}
+{{- $_ := set $out "data" $data -}}
+{{- $_ := set $out "notAfter" $notAfter -}}
+{{- $_ := set $out "stuck" true -}}
+{{- else -}}
+{{- $ca := dict -}}
+{{- if get $caData "ca.key" -}}
+{{- $ca = buildCustomCert (get $caData "ca.crt") (get $caData "ca.key") -}}
+{{- else -}}
+{{- $ca = genCA .name (max (mul $days 10) 3650 | int) -}}
+{{- end -}}
+{{- $issued := dict "ca.crt" ($ca.Cert | b64enc) -}}
+{{- range .leaves -}}
+{{- $cert := genSignedCert .cn (.ips | default list) (.dns | default list) $days $ca -}}
+{{- $_ := set $issued (printf "%s.crt" .prefix) ($cert.Cert | b64enc) -}}
+{{- $_ := set $issued (printf "%s.key" .prefix) ($cert.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set $out "data" $issued -}}
+{{- $_ := set $out "ca" (dict "ca.crt" ($ca.Cert | b64enc) "ca.key" ($ca.Key | b64enc)) -}}
+{{- $_ := set $out "notAfter" (now | dateModify (printf "+%dh" (mul $days 24)) | date "2006-01-02") -}}
+{{- $_ := set $out "renewed" true -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
+
+{{/*
+The day generated certificates (the Secret `name`, its CA's key in `caName`) expire, as
+the next render writes it: annotated on the pods that use them, so they restart when the
+certificates are renewed, and only then.
+*/}}
+{{- define "strata.certsRoll" -}}
+{{- $root := .root -}}
+{{- $existing := lookup "v1" "Secret" $root.Release.Namespace .name | default dict -}}
+{{- $notAfter := get (get (get $existing "metadata" | default dict) "annotations" | default dict) "strata.io/not-after" | default "" -}}
+{{- $deadline := now | dateModify (printf "+%dh" (mul (int $root.Values.clusterTls.renewBeforeDays) 24)) | unixEpoch | int64 -}}
+{{- if and $notAfter (gt (toDate "2006-01-02" $notAfter | unixEpoch | int64) $deadline) -}}
+{{- $notAfter -}}
+{{- else if and (get $existing "data") (not (lookup "v1" "Secret" $root.Release.Namespace .caName)) -}}
+{{- $notAfter | default "kept" -}}
+{{- else -}}
+{{- now | dateModify (printf "+%dh" (mul (int $root.Values.clusterTls.validityDays) 24)) | date "2006-01-02" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pods' certsRoll annotations: the cluster's certificates (when generated) and the
+bundled etcd's (when generated), for coordinators and workers; etcd's alone for etcd. */}}
+{{- define "strata.certsAnnotations" -}}
+{{- $fullname := include "strata.fullname" .root -}}
+{{- if and (ne .component "etcd") (eq .root.Values.clusterTls.mode "generated") }}
+strata.io/cluster-certs: {{ include "strata.certsRoll" (dict "root" .root "name" (printf "%s-cluster-tls" $fullname) "caName" (printf "%s-cluster-ca" $fullname)) | quote }}
+{{- end }}
+{{- if and .root.Values.etcd.bundled .root.Values.etcd.tls.enabled }}
+strata.io/etcd-certs: {{ include "strata.certsRoll" (dict "root" .root "name" (printf "%s-etcd-tls" $fullname) "caName" (printf "%s-etcd-ca" $fullname)) | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The Secrets of generatedCerts' answer `certs`: the certificates (`name`, annotated
+with the day they expire) and the CA's key (`caName`, mounted by no pod). Both are kept
+when the release is uninstalled. */}}
+{{- define "strata.certSecrets" -}}
+---
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .name }}
+  labels:
+    {{- include "strata.labels" .root | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+    {{- with .certs.notAfter }}
+    strata.io/not-after: {{ . | quote }}
+    {{- end }}
+type: Opaque
+data:
+  {{- toYaml .certs.data | nindent 2 }}
+{{- if .certs.ca }}
+---
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ .caName }}
+  labels:
+    {{- include "strata.labels" .root | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+type: Opaque
+data:
+  {{- toYaml .certs.ca | nindent 2 }}
+{{- end }}
+{{- end -}}
