@@ -159,7 +159,7 @@ fn model_json(m: &pb::ModelStatus) -> serde_json::Value {
         "desired_replicas": m.desired_replicas, "ready_replicas": m.ready_replicas,
         "max_num_seqs": s.max_num_seqs, "max_batched_tokens": s.max_batched_tokens,
         "kv_cache_bytes": s.kv_cache_bytes, "max_waiting": s.max_waiting,
-        "generation": m.generation, "device": b.device,
+        "generation": m.generation, "device": b.device, "quantize": b.quantize,
         "weight_bytes_per_rank": m.weight_bytes_per_rank,
         "canary_revision": m.canary_revision, "canary_percent": m.canary_percent,
     })

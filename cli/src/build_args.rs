@@ -51,6 +51,10 @@ pub struct BuildArgs {
     /// openai ('' goes back to judging from the template) [deploy: from the template].
     #[arg(long)]
     pub tool_call_parser: Option<String>,
+    /// Quantize weight matrices at load: int8 (CPU workers: one scale per output channel,
+    /// half the bytes of bf16) or none [deploy: none].
+    #[arg(long, value_parser = ["int8", "none"])]
+    pub quantize: Option<String>,
 }
 
 fn parse_dtype(s: &str) -> Result<pb::DataType, String> {
@@ -80,6 +84,7 @@ impl BuildArgs {
             max_model_len,
             chat_template,
             tool_call_parser,
+            quantize,
         } = self;
         [tp, pp, ep, max_num_seqs, max_batched_tokens, max_waiting, max_model_len].iter().any(|v| v.is_some())
             || dtype.is_some()
@@ -87,6 +92,7 @@ impl BuildArgs {
             || kv_cache_memory.is_some()
             || chat_template.is_some()
             || tool_call_parser.is_some()
+            || quantize.is_some()
     }
 
     /// The request's `Build` of `model_dir` (empty: unchanged); unset fields are 0.
@@ -119,6 +125,7 @@ impl BuildArgs {
                 Some("") => " ".into(),
                 Some(name) => name.to_string(),
             },
+            quantize: self.quantize.clone().unwrap_or_default(),
         })
     }
 }
@@ -144,6 +151,8 @@ pub struct Shown {
     pub pp: u32,
     pub ep: u32,
     pub scheduler: pb::SchedulerLimits,
+    /// "int8", or "" for none.
+    pub quantize: String,
 }
 
 impl Shown {
@@ -161,6 +170,7 @@ impl Shown {
             pp: b.pp,
             ep: b.ep,
             scheduler: b.scheduler.unwrap_or_default(),
+            quantize: b.quantize.clone(),
         }
     }
 
@@ -173,6 +183,7 @@ impl Shown {
             pp: m.pp,
             ep: m.ep,
             scheduler: m.scheduler.unwrap_or_default(),
+            quantize: String::new(),
         };
         Shown::of(m.build.as_ref(), flat)
     }
@@ -186,6 +197,7 @@ impl Shown {
             pp: v.pp,
             ep: v.ep,
             scheduler: v.scheduler.unwrap_or_default(),
+            quantize: String::new(),
         };
         Shown::of(v.build.as_ref(), flat)
     }

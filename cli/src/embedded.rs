@@ -112,6 +112,7 @@ async fn deploy(opts: &EmbeddedOptions, registry: &Arc<dyn Registry>, keys: &Key
             name: m.name.as_str().into(),
             build: Build {
                 chat: Default::default(),
+                quantize: String::new(),
                 model_dir: m.dir.to_string_lossy().into_owned(),
                 dtype: None,
                 // The in-process workers are all of the command line's device; they were

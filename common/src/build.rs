@@ -111,6 +111,9 @@ pub struct Build {
     pub limits: EngineLimits,
     #[serde(default, skip_serializing_if = "ChatOverrides::is_empty")]
     pub chat: ChatOverrides,
+    /// Weight matrices quantized at load: "int8" (CPU workers), or "" for none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub quantize: String,
 }
 
 /// What a request changes in a build: each field set replaces the build's.
@@ -128,6 +131,8 @@ pub struct BuildChange {
     /// Some("") goes back to the model's own.
     pub chat_template: Option<String>,
     pub tool_call_parser: Option<String>,
+    /// Some("none") goes back to unquantized weights.
+    pub quantize: Option<String>,
 }
 
 impl Build {
@@ -144,6 +149,7 @@ impl Build {
             ep: 1,
             limits: EngineLimits::default(),
             chat: ChatOverrides::default(),
+            quantize: String::new(),
         };
         first.changed(change)
     }
@@ -172,6 +178,11 @@ impl Build {
                     .tool_call_parser
                     .unwrap_or_else(|| self.chat.tool_call_parser.clone()),
             },
+            quantize: match change.quantize.as_deref() {
+                None => self.quantize.clone(),
+                Some("none") => String::new(),
+                Some(q) => q.to_string(),
+            },
         }
     }
 
@@ -199,6 +210,14 @@ impl Build {
         }
         if self.world() > 1024 {
             return Err(Error::invalid("tp", format!("tp × pp = {} ranks is more than 1024", self.world())));
+        }
+        match self.quantize.as_str() {
+            "" => {}
+            "int8" if self.device == Some(DeviceKind::Cuda) => {
+                return Err(Error::invalid("quantize", "int8 runs on CPU workers; deploy to device cpu"));
+            }
+            "int8" => {}
+            other => return Err(Error::invalid("quantize", format!("{other:?}: give int8 or none"))),
         }
         if self.chat.template.len() > MAX_CHAT_TEMPLATE {
             return Err(Error::invalid(

@@ -300,6 +300,7 @@ mod tests {
                 ep: 1,
                 limits: EngineLimits::default(),
                 chat: Default::default(),
+                quantize: String::new(),
             },
             weight_bytes_per_rank: 0,
             replicas: 1,

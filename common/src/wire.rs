@@ -273,6 +273,7 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
         model: l.model.to_string(),
         model_dir: l.model_dir.clone(),
         dtype: l.dtype.map(|d| d.name().to_ascii_lowercase()).unwrap_or_default(),
+        quantize: l.quantize.clone(),
         tp: l.par.tp as u32,
         pp: l.par.pp as u32,
         ep: l.par.ep as u32,
@@ -289,6 +290,10 @@ pub fn load_to_pb(l: &ShardLoad) -> wpb::LoadShardRequest {
 /// A load request off the wire; a dtype this build does not know is an error naming it.
 pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
     let dtype = if r.dtype.is_empty() { None } else { Some(DType::parse(&r.dtype)?) };
+    if !matches!(r.quantize.as_str(), "" | "int8") {
+        let shown: String = r.quantize.chars().take(32).collect();
+        return Err(Error::invalid("quantize", format!("{shown:?}: give int8 or nothing")));
+    }
     if !r.group_secret.is_empty() && !crate::worker_api::GROUP_SECRET_BYTES.contains(&r.group_secret.len()) {
         return Err(Error::invalid("group_secret", "must be 16 to 64 bytes"));
     }
@@ -297,6 +302,7 @@ pub fn load_from_pb(r: wpb::LoadShardRequest) -> Result<ShardLoad> {
         model: r.model.into(),
         model_dir: r.model_dir,
         dtype,
+        quantize: r.quantize,
         par: Parallelism::with_ep(r.tp as usize, r.pp as usize, r.ep.max(1) as usize)?,
         rank: r.rank as usize,
         rendezvous: (!r.rendezvous.is_empty()).then_some(r.rendezvous),
@@ -548,6 +554,11 @@ mod tests {
         };
         let l = load_from_pb(load(2, 2)).unwrap();
         assert_eq!(l.par, Parallelism { tp: 2, pp: 2, ep: 2 });
+        // A deployment's quantization crosses too; one the engine does not know is refused.
+        let q = load_from_pb(wpb::LoadShardRequest { quantize: "int8".into(), ..load(1, 1) }).unwrap();
+        assert_eq!(q.quantize, "int8");
+        let e = load_from_pb(wpb::LoadShardRequest { quantize: "int4".into(), ..load(1, 1) }).unwrap_err();
+        assert!(e.to_string().contains("quantize"), "{e}");
         assert_eq!(load_to_pb(&l).ep, 2);
         // A leader of a version before `ep` sends 0: no expert parallelism.
         assert_eq!(load_from_pb(load(2, 0)).unwrap().par.ep, 1);

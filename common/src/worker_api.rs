@@ -42,6 +42,8 @@ pub struct ShardLoad {
     pub model_dir: String,
     /// Weight dtype; None keeps the checkpoint's.
     pub dtype: Option<DType>,
+    /// Weight matrices quantized at load: "int8", or "" for the worker's own setting.
+    pub quantize: String,
     pub par: Parallelism,
     pub rank: usize,
     /// Rank 0's rendezvous address (ranks > 0 only).

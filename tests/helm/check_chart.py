@@ -76,7 +76,8 @@ CASES = {
             {"name": "a", "path": "a", "tp": 2, "replicas": 1, "url": "https://models.example.com/a"},
             {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
             {"name": "c", "path": "c", "device": "cpu", "maxNumSeqs": 8, "maxBatchedTokens": 256,
-             "kvCacheMemory": "2GiB", "maxWaiting": 32, "maxModelLen": 4096, "toolCallParser": "hermes"},
+             "kvCacheMemory": "2GiB", "maxWaiting": 32, "maxModelLen": 4096, "toolCallParser": "hermes",
+             "quantize": "int8"},
         ]
     },
     "existing-secrets": {"auth": {"existingSecret": "strata-admin", "apiKeysSecret": "strata-keys"}},
@@ -288,7 +289,7 @@ def check_devices(objs):
     # Per-model engine settings reach `strata admin deploy` as its flags.
     c_args = next(c["args"] for c in job["spec"]["template"]["spec"]["initContainers"] if "--name=c" in c["args"])
     for flag in ["--max-num-seqs=8", "--max-batched-tokens=256", "--kv-cache-memory=2GiB", "--max-waiting=32",
-                 "--max-model-len=4096", "--tool-call-parser=hermes"]:
+                 "--max-model-len=4096", "--tool-call-parser=hermes", "--quantize=int8"]:
         if flag not in c_args:
             fail(f"three-models: model c's deploy lacks {flag}: {c_args}")
     coord = next(o for (k, n), o in by_kind.items() if k == "Deployment" and n.endswith("-coordinator"))

@@ -221,6 +221,10 @@ impl WorkerAgent {
         if req.dtype.is_some() {
             backend.dtype = req.dtype;
         }
+        if !req.quantize.is_empty() {
+            // Checked on the wire: only names the engine knows arrive here.
+            backend.quantize = strata_engine::backend::Quantization::parse(&req.quantize).unwrap_or_default();
+        }
         if req.rank == 0 {
             let mut engine = self.cfg.engine.clone();
             engine.backend = backend;

@@ -40,6 +40,7 @@ pub(crate) fn shard(replica: &str, par: Parallelism, rank: usize, rendezvous: Op
         model: "m".into(),
         model_dir: fixture().to_string_lossy().into_owned(),
         dtype: None,
+        quantize: String::new(),
         par,
         rank,
         rendezvous,

@@ -123,3 +123,27 @@ fn chat_settings_are_written_only_when_set_and_read_back() {
     });
     assert!(big.validate().unwrap_err().to_string().contains("chat_template"));
 }
+
+/// A deployment's quantization: set, kept by later changes that leave it out, cleared by
+/// "none"; int8 on a CUDA deployment and unknown names are refused naming the field; a
+/// record without it reads as none and is written without it.
+#[test]
+fn quantization_is_part_of_a_build() {
+    let q = build().changed(BuildChange { quantize: Some("int8".into()), ..Default::default() });
+    assert_eq!(q.quantize, "int8");
+    assert!(q.validate().is_ok());
+    let wider = q.changed(BuildChange { tp: 2, ..Default::default() });
+    assert_eq!(wider.quantize, "int8");
+    assert_eq!(
+        wider.changed(BuildChange { quantize: Some("none".into()), ..Default::default() }).quantize,
+        ""
+    );
+    let cuda = q.changed(BuildChange { device: Some(DeviceKind::Cuda), ..Default::default() });
+    assert!(cuda.validate().unwrap_err().to_string().contains("quantize"));
+    let odd = build().changed(BuildChange { quantize: Some("int4".into()), ..Default::default() });
+    assert!(odd.validate().unwrap_err().to_string().contains("quantize"));
+    let plain = serde_json::to_string(&build()).unwrap();
+    assert!(!plain.contains("quantize"), "{plain}");
+    let back: Build = serde_json::from_str(&plain).unwrap();
+    assert_eq!(back.quantize, "");
+}

@@ -15,6 +15,7 @@ fn spec() -> ModelSpec {
             ep: 1,
             limits: EngineLimits::default(),
             chat: Default::default(),
+            quantize: String::new(),
         },
         weight_bytes_per_rank: 0,
         replicas: 2,

@@ -37,6 +37,7 @@ pub(super) fn build_to_pb(b: &Build) -> pb::Build {
         scheduler: Some(limits_to_pb(&b.limits)),
         chat_template: b.chat.template.clone(),
         tool_call_parser: b.chat.tool_call_parser.clone(),
+        quantize: b.quantize.clone(),
     }
 }
 
@@ -86,7 +87,20 @@ fn change_from_pb(b: &pb::Build) -> Result<BuildChange> {
         limits: limits_from_pb(b.scheduler.unwrap_or_default()),
         chat_template: chat_field(&b.chat_template),
         tool_call_parser: chat_field(&b.tool_call_parser),
+        quantize: quantize_field(&b.quantize)?,
     })
+}
+
+/// A request's quantize field: None when empty (unchanged), "none" or "int8" otherwise.
+fn quantize_field(v: &str) -> Result<Option<String>> {
+    match v {
+        "" => Ok(None),
+        "none" | "int8" => Ok(Some(v.to_string())),
+        other => {
+            let shown: String = other.chars().take(32).collect();
+            Err(strata_common::Error::invalid("quantize", format!("{shown:?}: give int8 or none")))
+        }
+    }
 }
 
 /// The flat build fields of a request from a client that predates `Build`.
@@ -113,6 +127,7 @@ impl Flat<'_> {
             limits: limits_from_pb(self.scheduler.unwrap_or_default()),
             chat_template: None,
             tool_call_parser: None,
+            quantize: None,
         })
     }
 }
@@ -174,6 +189,9 @@ pub(super) fn describe(build: Option<&pb::Build>, flat: Flat<'_>) -> String {
             b.chat_template.trim().len(),
             b.tool_call_parser.trim()
         ));
+    }
+    if let Some(q) = build.map(|b| b.quantize.as_str()).filter(|q| !q.is_empty()) {
+        out.push_str(&format!(" quantize={q}"));
     }
     out
 }

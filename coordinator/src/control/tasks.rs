@@ -314,6 +314,7 @@ async fn try_build(ctx: &Ctx, rec: &ReplicaRecord) -> Result<String> {
         model: rec.model.clone(),
         model_dir: spec.build.model_dir.clone(),
         dtype: spec.build.dtype,
+        quantize: spec.build.quantize.clone(),
         par: spec.parallelism(),
         rank,
         rendezvous,

@@ -26,6 +26,7 @@ fn spec(generation: u64, replicas: u32) -> ModelSpec {
             ep: 1,
             limits: EngineLimits { max_num_seqs: 8, max_waiting: 20, ..Default::default() },
             chat: Default::default(),
+            quantize: String::new(),
         },
         weight_bytes_per_rank: 0,
         replicas,

@@ -174,6 +174,7 @@ impl TestCluster {
                 ep: 1,
                 limits: EngineLimits::default(),
                 chat: Default::default(),
+                quantize: String::new(),
             },
             weight_bytes_per_rank: 0,
             replicas,

@@ -658,3 +658,59 @@ fn serve_speaks_http_beside_grpc_by_default() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// A deployment's own `--quantize int8`: the workers load its weights quantized — its
+/// logprobs are those of the same model quantized in-process, not the f32 model's.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deployment_can_quantize_its_weights() {
+    let dir = fixture("llama_gqa");
+    let server = Server::start(&["--model", &dir, "--name", "m", "--spare-workers", "1"]);
+    let admin = |args: &[&str]| {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["admin", "--endpoint", &server.endpoint(), "--json"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    admin(&["deploy", "--name", "q", "--model", &dir, "--quantize", "int8"]);
+    let models: serde_json::Value = serde_json::from_str(&admin(&["models"])).unwrap();
+    let q = models.as_array().unwrap().iter().find(|m| m["name"] == "q").unwrap().clone();
+    assert_eq!(q["quantize"], "int8", "{models}");
+    let generate = |extra: &[&str]| -> Vec<f64> {
+        let out = std::process::Command::new(strata_tests::strata_bin())
+            .args(["generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--logprobs", "1", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        if !out.status.success() {
+            return Vec::new();
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["logprobs"].as_array().unwrap().iter().map(|l| l["logprob"].as_f64().unwrap()).collect()
+    };
+    let endpoint = server.endpoint();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let served = loop {
+        let got = generate(&["--endpoint", &endpoint, "--model", "q"]);
+        if !got.is_empty() {
+            break got;
+        }
+        assert!(Instant::now() < deadline, "q never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let int8 = generate(&["--model", &dir, "--quantize", "int8"]);
+    let f32 = generate(&["--model", &dir]);
+    let close =
+        |a: &[f64], b: &[f64]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-4);
+    assert!(close(&served, &int8), "served {served:?}, int8 in-process {int8:?}");
+    assert!(!close(&served, &f32), "served {served:?} equals the unquantized {f32:?}");
+    // A CUDA deployment cannot be int8: refused, naming the field.
+    let out = std::process::Command::new(strata_tests::strata_bin())
+        .args(["admin", "--endpoint", &endpoint, "deploy", "--name", "g", "--model", &dir])
+        .args(["--quantize", "int8", "--device", "cuda"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("quantize"));
+}

@@ -37,6 +37,7 @@ fn spec(device: &str, tp: u32, pp: u32, weight_gib: u64) -> ModelSpec {
             ep: 1,
             limits: EngineLimits::default(),
             chat: Default::default(),
+            quantize: String::new(),
         },
         weight_bytes_per_rank: weight_gib * GIB,
         replicas: 1,

@@ -32,6 +32,7 @@ pub(crate) fn spec(name: &str, tp: u32, replicas: u32) -> ModelSpec {
             ep: 1,
             limits: EngineLimits::default(),
             chat: Default::default(),
+            quantize: String::new(),
         },
         weight_bytes_per_rank: 0,
         replicas,
