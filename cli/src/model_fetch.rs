@@ -1,6 +1,8 @@
-//! `strata model fetch`: a model directory from an HTTP(S) URL — a web server, or an
-//! S3-compatible store serving the bucket over HTTPS — checked file by file against the
-//! SHA-256 sums the directory publishes (`SHA256SUMS`, as `sha256sum` writes it).
+//! `strata model fetch`: a model directory from an HTTP(S) URL (a web server, or a bucket
+//! an S3-compatible store serves over HTTP(S)) or an `s3://BUCKET/PREFIX` (requests signed
+//! with AWS Signature V4 from the AWS_* credentials, when set), checked file by file
+//! against the SHA-256 sums the directory publishes (`SHA256SUMS`, as `sha256sum` writes
+//! it).
 //!
 //! Every file is written beside its final name and renamed there only once its sum
 //! matches, so an interrupted or corrupted fetch never leaves a file that looks whole; a
@@ -21,12 +23,16 @@ const MAX_FILES: usize = 10_000;
 
 #[derive(Args, Debug)]
 pub struct FetchArgs {
-    /// Where the directory is served: http(s)://HOST/PATH (its files are PATH/NAME). An
-    /// S3-compatible store: its HTTPS endpoint with the bucket and prefix
-    /// (https://s3.example.com/BUCKET/PREFIX), readable without credentials (a public
-    /// bucket, or one behind a proxy that signs).
+    /// Where the directory is: http(s)://HOST/PATH (its files are PATH/NAME), or
+    /// s3://BUCKET/PREFIX in AWS S3 or an S3-compatible store (--s3-endpoint); S3 requests
+    /// are signed with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN)
+    /// when set, in AWS_REGION (default us-east-1).
     #[arg(long)]
     pub url: String,
+    /// An S3-compatible store's endpoint (http(s)://HOST[:PORT]; buckets addressed by
+    /// path) [default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else AWS S3 itself].
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
     /// The directory to write (made if missing); files already there with the right sum
     /// are kept.
     #[arg(long)]
@@ -96,34 +102,92 @@ fn join(base: &str, name: &str) -> String {
     format!("{}/{}", base.trim_end_matches('/'), name)
 }
 
-fn get(agent: &ureq::Agent, url: &str) -> anyhow::Result<ureq::Body> {
-    let response = agent.get(url).call().with_context(|| format!("GET {url}"))?;
+/// Where the files come from.
+enum Source {
+    Http(String),
+    S3(Box<S3Source>),
+}
+
+struct S3Source {
+    bucket: rusty_s3::Bucket,
+    credentials: Option<rusty_s3::Credentials>,
+    prefix: String,
+}
+
+/// How long a signed S3 URL stays valid (one file's download must start within it).
+const SIGNED_FOR: std::time::Duration = std::time::Duration::from_secs(3600);
+
+impl Source {
+    fn of(args: &FetchArgs) -> anyhow::Result<Source> {
+        if let Some(rest) = args.url.strip_prefix("s3://") {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            if bucket.is_empty() {
+                bail!("--url {}: s3://BUCKET/PREFIX", args.url);
+            }
+            let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+            let region =
+                env("AWS_REGION").or_else(|| env("AWS_DEFAULT_REGION")).unwrap_or("us-east-1".into());
+            let custom = args
+                .s3_endpoint
+                .clone()
+                .or_else(|| env("AWS_ENDPOINT_URL_S3"))
+                .or_else(|| env("AWS_ENDPOINT_URL"));
+            let (endpoint, style) = match custom {
+                Some(e) => (e, rusty_s3::UrlStyle::Path),
+                None => (format!("https://s3.{region}.amazonaws.com"), rusty_s3::UrlStyle::VirtualHost),
+            };
+            let endpoint: url::Url = endpoint.parse().with_context(|| format!("S3 endpoint {endpoint}"))?;
+            let bucket = rusty_s3::Bucket::new(endpoint, style, bucket.to_string(), region)
+                .map_err(|e| anyhow::anyhow!("--url {}: {e:?}", args.url))?;
+            let prefix = prefix.trim_matches('/').to_string();
+            let credentials = rusty_s3::Credentials::from_env();
+            return Ok(Source::S3(Box::new(S3Source { bucket, credentials, prefix })));
+        }
+        if !(args.url.starts_with("http://") || args.url.starts_with("https://")) {
+            bail!("--url {}: an http(s):// or s3:// URL", args.url);
+        }
+        Ok(Source::Http(args.url.clone()))
+    }
+
+    /// The URL of the directory's file `name`, and how errors show it (a signed URL is a
+    /// credential while it lasts: errors name the object instead).
+    fn url(&self, name: &str) -> (String, String) {
+        use rusty_s3::S3Action;
+        match self {
+            Source::Http(base) => (join(base, name), join(base, name)),
+            Source::S3(s) => {
+                let key = if s.prefix.is_empty() { name.to_string() } else { format!("{}/{name}", s.prefix) };
+                let url = s.bucket.get_object(s.credentials.as_ref(), &key).sign(SIGNED_FOR).to_string();
+                (url, format!("s3://{}/{key}", s.bucket.name()))
+            }
+        }
+    }
+}
+
+fn get(agent: &ureq::Agent, (url, shown): &(String, String)) -> anyhow::Result<ureq::Body> {
+    let response = agent.get(url).call().map_err(|e| match e {
+        ureq::Error::StatusCode(code) => anyhow::anyhow!("GET {shown}: HTTP status {code}"),
+        other => anyhow::anyhow!("GET {shown}: {}", other.to_string().replace(url.as_str(), shown)),
+    })?;
     Ok(response.into_body())
 }
 
 pub fn fetch(args: FetchArgs) -> anyhow::Result<()> {
-    if args.url.starts_with("s3://") {
-        bail!(
-            "--url {}: give the store's HTTPS endpoint with the bucket (https://ENDPOINT/BUCKET/PREFIX)",
-            args.url
-        );
-    }
-    if !(args.url.starts_with("http://") || args.url.starts_with("https://")) {
-        bail!("--url {}: an http:// or https:// URL", args.url);
-    }
+    let source = Source::of(&args)?;
     let max_bytes = strata_common::config::parse_memory(&args.max_bytes).context("--max-bytes")? as u64;
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(true).build().into();
-    let manifest_url = join(&args.url, &args.manifest);
+    let manifest = source.url(&args.manifest);
+    let shown = manifest.1.clone();
     let mut text = String::new();
-    get(&agent, &manifest_url)?
+    get(&agent, &manifest)?
         .into_reader()
         .take(MAX_MANIFEST + 1)
         .read_to_string(&mut text)
-        .with_context(|| format!("GET {manifest_url}"))?;
+        .with_context(|| format!("GET {shown}"))?;
     if text.len() as u64 > MAX_MANIFEST {
-        bail!("{manifest_url}: larger than {MAX_MANIFEST} bytes");
+        bail!("{shown}: larger than {MAX_MANIFEST} bytes");
     }
-    let entries = parse_manifest(&text).with_context(|| manifest_url.clone())?;
+    let entries = parse_manifest(&text).with_context(|| shown.clone())?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("--out {}", args.out.display()))?;
     let mut budget = max_bytes;
     let (mut fetched, mut kept) = (0usize, 0usize);
@@ -133,7 +197,7 @@ pub fn fetch(args: FetchArgs) -> anyhow::Result<()> {
             kept += 1;
             continue;
         }
-        let bytes = fetch_file(&agent, &join(&args.url, &e.name), &path, e, budget)?;
+        let bytes = fetch_file(&agent, source.url(&e.name), &path, e, budget)?;
         budget -= bytes;
         fetched += 1;
     }
@@ -143,7 +207,13 @@ pub fn fetch(args: FetchArgs) -> anyhow::Result<()> {
 
 /// Fetches one file to `path` through a `.part` beside it, at most `budget` bytes, and
 /// renames it into place once its sum is `e.sha256`; returns its size.
-fn fetch_file(agent: &ureq::Agent, url: &str, path: &Path, e: &Entry, budget: u64) -> anyhow::Result<u64> {
+fn fetch_file(
+    agent: &ureq::Agent,
+    url: (String, String),
+    path: &Path,
+    e: &Entry,
+    budget: u64,
+) -> anyhow::Result<u64> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).with_context(|| dir.display().to_string())?;
     }
@@ -153,13 +223,13 @@ fn fetch_file(agent: &ureq::Agent, url: &str, path: &Path, e: &Entry, budget: u6
     ));
     let started = Instant::now();
     let result = (|| -> anyhow::Result<u64> {
-        let mut body = get(agent, url)?.into_reader().take(budget + 1);
+        let mut body = get(agent, &url)?.into_reader().take(budget + 1);
         let mut out = std::fs::File::create(&part).with_context(|| part.display().to_string())?;
         let mut h = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut total = 0u64;
         loop {
-            let n = body.read(&mut buf).with_context(|| format!("GET {url}"))?;
+            let n = body.read(&mut buf).with_context(|| format!("GET {}", url.1))?;
             if n == 0 {
                 break;
             }

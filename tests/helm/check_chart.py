@@ -72,9 +72,10 @@ CASES = {
         }
     },
     "three-models": {
+        "modelFetch": {"credentialsSecret": "s3-credentials"},
         "models": [
             {"name": "a", "path": "a", "tp": 2, "replicas": 1, "url": "https://models.example.com/a"},
-            {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16"},
+            {"name": "b", "path": "b", "tp": 1, "pp": 2, "replicas": 2, "dtype": "bf16", "url": "s3://models/b"},
             {"name": "c", "path": "c", "device": "cpu", "maxNumSeqs": 8, "maxBatchedTokens": 256,
              "kvCacheMemory": "2GiB", "maxWaiting": 32, "maxModelLen": 4096, "toolCallParser": "hermes",
              "quantize": "int8"},
@@ -277,8 +278,10 @@ def check_devices(objs):
     # A model with a URL is fetched (into the writable models volume) before it is deployed.
     inits = job["spec"]["template"]["spec"]["initContainers"]
     names = [c["name"] for c in inits]
-    if names[:2] != ["fetch-0", "deploy-0"] or any(n.startswith("fetch-") for n in names[2:]):
+    if names[:4] != ["fetch-0", "deploy-0", "fetch-1", "deploy-1"] or any(n.startswith("fetch-") for n in names[4:]):
         fail(f"three-models: init containers {names}")
+    if inits[2].get("envFrom") != [{"secretRef": {"name": "s3-credentials"}}]:
+        fail(f"three-models: the fetch of an s3:// model gets {inits[2].get('envFrom')}")
     fetch = inits[0]
     if fetch["args"] != ["model", "fetch", "--url=https://models.example.com/a", "--out=/models/a"]:
         fail(f"three-models: fetch args {fetch['args']}")
