@@ -68,6 +68,15 @@ fn access_log() -> bool {
     ACCESS_LOG.load(Ordering::Relaxed)
 }
 
+/// Whether a request stops waiting for its model's replicas (see `Run::stall`).
+enum Stall {
+    /// Refused now, with why.
+    Now(Error),
+    /// Refused at this instant unless a replica is ready first.
+    At(Instant),
+    No,
+}
+
 /// How long and how often a request looks for a replica.
 #[derive(Debug, Clone, Copy)]
 pub struct RouteLimits {
@@ -245,36 +254,29 @@ impl Run {
         ))
     }
 
-    /// The refusal for a model no replica will serve soon: it has none to have (scaled to
-    /// 0, undeployed), or they have waited for workers longer than the grace.
-    fn stalled(&self) -> Option<Error> {
-        let unready = self.model.routes.unready()?;
+    /// Whether the model's replicas will not serve soon: refused now (none to have —
+    /// scaled to 0, undeployed — or pending for workers past the grace), or when pending
+    /// ones will have waited out the grace. Read from the view once.
+    fn stall(&self) -> Stall {
+        use strata_common::cluster::ReplicaState;
+        let Some(unready) = self.model.routes.unready() else { return Stall::No };
         let now = strata_common::cluster::now_ms();
         let pending_for = Duration::from_millis(now.saturating_sub(unready.since_ms));
-        let stalls = match unready.state {
-            None => true,
-            Some(strata_common::cluster::ReplicaState::Pending) => pending_for >= self.limits.pending_grace,
-            Some(_) => false,
-        };
-        stalls.then(|| {
-            Error::Unavailable(format!(
+        let refuse = || {
+            Stall::Now(Error::Unavailable(format!(
                 "model {:?} has no ready replica: {}",
                 self.model.name,
                 unready.describe(now)
-            ))
-        })
-    }
-
-    /// When the model's pending replicas will have waited out the grace (None unless they
-    /// are what it waits for).
-    fn stalled_at(&self) -> Option<Instant> {
-        let unready = self.model.routes.unready()?;
-        if unready.state != Some(strata_common::cluster::ReplicaState::Pending) {
-            return None;
+            )))
+        };
+        match unready.state {
+            None => refuse(),
+            Some(ReplicaState::Pending) if pending_for >= self.limits.pending_grace => refuse(),
+            Some(ReplicaState::Pending) => Stall::At(
+                Instant::now() + (self.limits.pending_grace - pending_for) + Duration::from_millis(1),
+            ),
+            Some(_) => Stall::No,
         }
-        let pending_for = strata_common::cluster::now_ms().saturating_sub(unready.since_ms);
-        let left = self.limits.pending_grace.saturating_sub(Duration::from_millis(pending_for));
-        Some(Instant::now() + left + Duration::from_millis(1))
     }
 
     /// Finds a replica that accepts the job.
@@ -325,12 +327,13 @@ impl Run {
                     return Err(last.take().expect("checked"));
                 }
             }
-            if let Some(stalled) = self.stalled() {
-                return Err(stalled);
-            }
-            let now = Instant::now();
             // Wake when pending replicas would have waited too long, to say so.
-            let until = self.stalled_at().map_or(give_up, |t| t.min(give_up));
+            let until = match self.stall() {
+                Stall::Now(e) => return Err(e),
+                Stall::At(t) => t.min(give_up),
+                Stall::No => give_up,
+            };
+            let now = Instant::now();
             let changed = now < until && self.model.routes.wait_for_change(until - now).await;
             if !changed && until < give_up {
                 continue;
