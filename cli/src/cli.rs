@@ -167,6 +167,12 @@ pub struct BenchArgs {
     /// The KV cache in MiB (the older spelling of --kv-cache-memory).
     #[arg(long, hide = true, conflicts_with = "kv_cache_memory")]
     pub kv_cache_mib: Option<usize>,
+    /// Instead of the full report, alternate two CPU kernel levels in this process (e.g.
+    /// avx512,amx): --repeats rounds of prefill (and decode at --batch-sizes) under each,
+    /// medians and their ratio. Both must read the weights as loaded: bf16 weights packed
+    /// for AVX512-BF16 take avx512 or amx.
+    #[arg(long, value_delimiter = ',', value_name = "A,B")]
+    pub kernels_ab: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -501,16 +507,63 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     }
     let config = args.engine.in_process(args.kv_cache_mib)?;
     let par = strata_common::Parallelism::with_ep(args.tp, args.pp, args.ep).context("--ep")?;
+    let ab = kernels_ab_levels(&args.kernels_ab)?;
+    if let Some([_, high]) = ab {
+        // Loaded under the higher level: the layout it packs is what both must read.
+        strata_engine::backend::cpu::CpuBackend::set_kernels(high).context("--kernels-ab")?;
+    }
     let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
+    let dtype = model.engine.executor().config().dtype.clone();
+    let bf16_weights = config.backend.quantize.is_none()
+        && match config.backend.dtype {
+            Some(d) => d == DType::BF16,
+            None => dtype.as_deref() == Some("bfloat16"),
+        };
     let cfg = crate::engine_bench::EngineBenchConfig {
         batch_sizes: args.batch_sizes.clone(),
         prompt_len: args.prompt_len,
         decode_tokens: args.decode_tokens,
         repeats: args.repeats,
+        bf16_weights,
     };
+    if let Some([low, _]) = ab {
+        use strata_engine::backend::cpu::roofline::Compute;
+        let packed = matches!(Compute::for_prefill(bf16_weights), Compute::AmxBf16 | Compute::Avx512Bf16);
+        if packed && KERNEL_LEVELS.iter().position(|l| *l == low) < Some(2) {
+            bail!("--kernels-ab: this model's bf16 weights are packed for AVX512-BF16, which {low} cannot read; compare avx512 with amx, or load with --dtype float32");
+        }
+        let [a, b] = [args.kernels_ab[0].as_str(), args.kernels_ab[1].as_str()];
+        let report = crate::engine_bench::kernels_ab(&mut model.engine, &cfg, [a, b])?;
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
     let report = crate::engine_bench::run(&mut model.engine, &cfg)?;
     println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+/// CPU kernel levels from lowest to highest, as `STRATA_CPU_KERNELS` names them.
+const KERNEL_LEVELS: [&str; 4] = ["portable", "avx2", "avx512", "amx"];
+
+/// The two levels of `--kernels-ab`, lower first; None when not given.
+fn kernels_ab_levels(names: &[String]) -> anyhow::Result<Option<[&'static str; 2]>> {
+    if names.is_empty() {
+        return Ok(None);
+    }
+    if names.len() != 2 {
+        bail!("--kernels-ab takes two levels, A,B (e.g. avx512,amx), not {}", names.join(","));
+    }
+    let rank = |name: &str| {
+        KERNEL_LEVELS
+            .iter()
+            .position(|l| *l == name)
+            .with_context(|| format!("--kernels-ab: {name:?} is not one of {}", KERNEL_LEVELS.join(", ")))
+    };
+    let (a, b) = (rank(&names[0])?, rank(&names[1])?);
+    if a == b {
+        bail!("--kernels-ab: two different levels, not {} twice", names[0]);
+    }
+    Ok(Some([KERNEL_LEVELS[a.min(b)], KERNEL_LEVELS[a.max(b)]]))
 }
 
 fn random_model(args: RandomArgs) -> anyhow::Result<()> {

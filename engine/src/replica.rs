@@ -40,6 +40,15 @@ fn cpu_backend(opts: &BackendOptions) -> CpuBackend {
         Some(DType::F32) => (None, false),
         other => (other, true),
     };
+    static SAID: std::sync::Once = std::sync::Once::new();
+    SAID.call_once(|| {
+        tracing::info!(
+            kernels = CpuBackend::kernels(),
+            bf16_dot_products = CpuBackend::bf16_compute_available(),
+            unpacked_prefill_gemm = CpuBackend::prefill_gemm_kernels(),
+            "CPU kernels (STRATA_CPU_KERNELS caps them)"
+        )
+    });
     CpuBackend::new().with_weight_dtype(weights).with_bf16_compute(bf16_compute).with_quantize(opts.quantize)
 }
 

@@ -56,7 +56,9 @@ pub fn paged_attention(
             match super::simd::level() {
                 // SAFETY: the CPU has what each function is compiled for (checked at run
                 // time).
-                super::simd::Level::Avx512 => return unsafe { attend_avx512(&job, &mut scratch.scores, o) },
+                super::simd::Level::Avx512 | super::simd::Level::Amx => {
+                    return unsafe { attend_avx512(&job, &mut scratch.scores, o) }
+                }
                 super::simd::Level::Avx2 => return unsafe { attend_avx2(&job, &mut scratch.scores, o) },
                 super::simd::Level::Portable => {}
             }

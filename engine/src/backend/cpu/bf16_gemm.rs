@@ -22,6 +22,7 @@ use std::arch::x86_64::*;
 use half::bf16;
 use rayon::prelude::*;
 
+use super::amx::{self, Activations, Op, Panels, Tiles};
 use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
 
@@ -30,7 +31,7 @@ const NR: usize = 32;
 pub fn available() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| super::simd::available() && is_x86_feature_detected!("avx512bf16"))
+    super::simd::available() && *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
 }
 
 /// A `[m, k]` bf16 weight packed into panels of [`NR`] rows for the tile kernel.
@@ -78,10 +79,24 @@ impl PackedBf16 {
     }
 }
 
+/// Activation rows from which a matmul runs on the AMX tiles where the CPU has them: below,
+/// the AVX512-BF16 tiles read each panel once per 8 rows from L1/L2 and keep up.
+pub const AMX_MIN_ROWS: usize = 16;
+
 /// `x · wᵀ` with `w` packed at load, activations rounded to bf16.
 pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     assert!(available(), "bf16 GEMM needs AVX512-BF16");
     assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
+    if x.rows >= AMX_MIN_ROWS {
+        if let Some(tiles) = super::amx::Amx::enabled() {
+            return matmul_tiles(&tiles, x, w);
+        }
+    }
+    matmul_vector(x, w)
+}
+
+/// `x · wᵀ` on the AVX512-BF16 register tiles, whatever the row count.
+fn matmul_vector(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
     let xb = activations(x, k, kp);
     let mut y = vec![0f32; n * m];
@@ -92,6 +107,29 @@ pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
         let cols = NR.min(m - j0);
         let packed = &w.panels[p * panel..(p + 1) * panel];
         run_tiles(&xb, n, kp, packed, &y_ptr, m, j0, cols);
+    });
+    CpuTensor::new(y, n, m)
+}
+
+/// `x · wᵀ` on matrix tiles (the CPU's, or their model in tests): the same panels, the
+/// same bf16 rounding of the activations, f32 accumulation.
+pub(super) fn matmul_tiles<T: Tiles>(tiles: &T, x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
+    assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
+    let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
+    let acts = Activations::new(n, kp / 2, |r, out| to_pairs(&x.data[r * k..(r + 1) * k], out));
+    let panels = Panels { data: &w.panels, count: m.div_ceil(NR), steps: kp / 32 };
+    let mut y = vec![0f32; n * m];
+    let y_ptr = SendPtr(y.as_mut_ptr());
+    amx::gemm(tiles, Op::Bf16, &acts, &panels, |t, p, c| {
+        let y_ptr = &y_ptr;
+        let (j0, rows) = (p * NR, (n - t).min(amx::BLOCK));
+        let cols = NR.min(m - j0);
+        for (r, c_row) in c[..rows].iter().enumerate() {
+            // SAFETY: each (row block, panel) is emitted once, so this writes columns
+            // j0..j0+cols of row t+r of y (inside it) from this task alone.
+            let out = unsafe { std::slice::from_raw_parts_mut(y_ptr.0.add((t + r) * m + j0), cols) };
+            out.iter_mut().zip(c_row).for_each(|(o, &bits)| *o = f32::from_bits(bits));
+        }
     });
     CpuTensor::new(y, n, m)
 }
@@ -131,9 +169,9 @@ fn activations(x: &CpuTensor, k: usize, kp: usize) -> Vec<u32> {
 /// `row` rounded to bf16 (as `bf16::from_f32`: to nearest even, NaN kept quiet) in pairs,
 /// `out[i] = row[2i] | row[2i + 1] << 16`; `out` past the row's pairs is left alone.
 fn to_pairs(row: &[f32], out: &mut [u32]) {
-    let main = row.len() / 32 * 32;
-    // SAFETY: callers hold AVX512-BF16, so AVX-512 F/BW are there; `out` has a pair for
-    // every two elements of `row` (at least `main / 2` of them).
+    let main = if super::simd::available() { row.len() / 32 * 32 } else { 0 };
+    // SAFETY: AVX-512 F/BW are there; `out` has a pair for every two elements of `row`
+    // (at least `main / 2` of them).
     unsafe { to_pairs_avx512(&row[..main], &mut out[..main / 2]) };
     for (i, pair) in row[main..].chunks(2).enumerate() {
         let lo = bf16::from_f32(pair[0]).to_bits() as u32;
@@ -261,6 +299,45 @@ mod tests {
         let mut row = vec![0f32; k];
         packed.row_to_f32(37, &mut row);
         assert!(row.iter().zip(&w[37 * k..38 * k]).all(|(a, b)| *a == b.to_f32()));
+    }
+
+    /// Odd shapes for the tiles: two blocks of rows with a partial one, k not a multiple
+    /// of a step (padding), a partial last panel.
+    fn odd_problem() -> (CpuTensor, Vec<bf16>, PackedBf16) {
+        let (n, k, m) = (37, 75, 70);
+        let x: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 37.0).collect();
+        let w: Vec<bf16> = (0..m * k).map(|i| bf16::from_f32(((i * 53 % 89) as f32 - 44.0) / 61.0)).collect();
+        let packed = PackedBf16::pack(&w, m, k);
+        (CpuTensor::new(x, n, k), w, packed)
+    }
+
+    #[test]
+    fn tiles_match_a_bf16_rounded_reference() {
+        let (x, w, packed) = odd_problem();
+        let (n, k, m) = (x.rows, x.cols, packed.m);
+        let y = matmul_tiles(&amx::Sim, &x, &packed);
+        for t in 0..n {
+            for j in 0..m {
+                let want: f64 = (0..k)
+                    .map(|i| bf16::from_f32(x.data[t * k + i]).to_f32() as f64 * w[j * k + i].to_f32() as f64)
+                    .sum();
+                let got = y.data[t * m + j] as f64;
+                assert!((got - want).abs() < 1e-3 * (1.0 + want.abs()), "({t},{j}): {got} vs {want}");
+            }
+        }
+        // The AVX512-BF16 kernels and the CPU's tiles, where this host has them, agree.
+        let close = |other: &CpuTensor, what: &str| {
+            for (a, b) in other.data.iter().zip(&y.data) {
+                assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{what} {a} vs the tiles' model {b}");
+            }
+        };
+        if available() {
+            close(&matmul_vector(&x, &packed), "AVX512-BF16");
+        }
+        match amx::Amx::enabled() {
+            Some(tiles) => close(&matmul_tiles(&tiles, &x, &packed), "the CPU's tiles"),
+            None => eprintln!("no AMX tiles on this CPU (or capped): their model ran"),
+        }
     }
 
     #[test]

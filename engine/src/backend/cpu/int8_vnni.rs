@@ -21,11 +21,8 @@ const CHUNK: usize = 32;
 pub fn available() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        super::simd::available()
-            && is_x86_feature_detected!("avx512vnni")
-            && is_x86_feature_detected!("avx512bw")
-    })
+    super::simd::available()
+        && *HAS.get_or_init(|| is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw"))
 }
 
 /// Σ of each weight row's int8 values (for the unsigned-activation correction).

@@ -12,6 +12,7 @@
 //! cache through block tables (see [`attention`]); `exp`, SiLU and the logits normaliser
 //! run in vectors ([`vmath`]).
 
+mod amx;
 mod attention;
 mod attention_tiles;
 mod bf16_gemm;
@@ -134,6 +135,39 @@ impl CpuBackend {
         return simd::level().name();
         #[cfg(not(target_arch = "x86_64"))]
         "portable"
+    }
+
+    /// Runs the kernels of level `name` (as `STRATA_CPU_KERNELS` names them) from now on,
+    /// at most what the CPU has: for benchmarks that alternate levels in one process.
+    /// Weights keep the layout they were loaded in, so both levels must read it (bf16
+    /// weights packed for AVX512-BF16 need `avx512` or `amx`); the caller checks.
+    pub fn set_kernels(name: &str) -> Result<()> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let invalid = |reason: String| Error::InvalidArgument { field: "CPU kernels".into(), reason };
+            let level = match name {
+                "native" => simd::detected(),
+                _ => simd::Level::parse(name).ok_or_else(|| {
+                    invalid(format!("{name:?} is not amx, avx512, avx2, portable or native"))
+                })?,
+            };
+            if level > simd::detected() {
+                return Err(invalid(format!(
+                    "this CPU runs kernels up to {}, not {name}",
+                    simd::detected().name()
+                )));
+            }
+            simd::set_cap(level);
+            Ok(())
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        match name {
+            "portable" | "native" => Ok(()),
+            _ => Err(Error::InvalidArgument {
+                field: "CPU kernels".into(),
+                reason: format!("this CPU runs portable kernels only, not {name}"),
+            }),
+        }
     }
 
     /// The kernels the prefill GEMM of weights kept unpacked (the `gemm` crate) picks on

@@ -89,3 +89,120 @@ pub fn gemm_gflops(repeats: usize) -> f64 {
     }
     median(&rates)
 }
+
+/// What a prefill matmul multiplies with on this CPU, at the kernels this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Compute {
+    /// AMX tiles, bf16 pairs (`tdpbf16ps`).
+    AmxBf16,
+    /// AVX512-BF16 pairs (`vdpbf16ps`).
+    Avx512Bf16,
+    /// AVX-512 f32 FMA.
+    Avx512F32,
+    /// AVX2 f32 FMA.
+    Avx2F32,
+    /// Whatever the compiler makes of an f32 loop.
+    Portable,
+}
+
+impl Compute {
+    /// The unit the prefill matmuls of a model run on: bf16 products where its weights
+    /// are packed for them (`bf16_weights`: bf16 weights with bf16 compute), else f32.
+    pub fn for_prefill(bf16_weights: bool) -> Compute {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::simd::{level, Level};
+            if bf16_weights && CpuBackend::bf16_compute_available() {
+                return if level() == Level::Amx { Compute::AmxBf16 } else { Compute::Avx512Bf16 };
+            }
+            // Unpacked weights run the gemm crate's kernels (not capped by the level).
+            return match CpuBackend::prefill_gemm_kernels() {
+                "avx512" => Compute::Avx512F32,
+                "avx2" => Compute::Avx2F32,
+                _ => Compute::Portable,
+            };
+        }
+        #[allow(unreachable_code)]
+        Compute::Portable
+    }
+}
+
+/// The most GFLOP/s `compute` reaches on every thread of the pool at once: each thread
+/// runs independent chains of the unit's multiply-adds on registers (no memory), the best
+/// of `repeats` runs — prefill's compute roofline, as [`read_bandwidth`] is decode's.
+pub fn peak_gflops(compute: Compute, repeats: usize) -> f64 {
+    const ROUNDS: usize = 1 << 22;
+    let mut best: f64 = 0.0;
+    for _ in 0..repeats.max(1) {
+        let t = Instant::now();
+        let flops: f64 = rayon::broadcast(|_| peak_flops_on_thread(compute, ROUNDS)).iter().sum();
+        best = best.max(flops / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
+}
+
+/// FLOPs of `rounds` rounds of `compute`'s multiply-add chains on this thread.
+fn peak_flops_on_thread(compute: Compute, rounds: usize) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: each unit runs only where `Compute::for_prefill` found it (or the CPU has
+    // it: the kernels check nothing else).
+    unsafe {
+        match compute {
+            Compute::AmxBf16 => return super::amx::peak_flops(rounds / 16),
+            Compute::Avx512Bf16 => return peak_avx512_bf16(rounds),
+            Compute::Avx512F32 => return peak_avx512_f32(rounds),
+            Compute::Avx2F32 => return peak_avx2_f32(rounds),
+            Compute::Portable => {}
+        }
+    }
+    let mut acc = [[0f32; 16]; 8];
+    let (a, b) = (std::hint::black_box(1.000_001f32), std::hint::black_box(0.999_999f32));
+    for _ in 0..rounds / 8 {
+        for lane in acc.iter_mut() {
+            lane.iter_mut().for_each(|v| *v = *v * a + b);
+        }
+    }
+    std::hint::black_box(acc);
+    (rounds / 8 * 8 * 16 * 2) as f64
+}
+
+/// Chains of multiply-adds on registers: `$n` independent accumulators, each round one
+/// `$op` on each (so latency never limits throughput).
+#[cfg(target_arch = "x86_64")]
+macro_rules! peak_loop {
+    ($name:ident, $features:literal, $n:literal, $flops:literal, $zero:expr, $one:expr, $op:expr) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name(rounds: usize) -> f64 {
+            use std::arch::x86_64::*;
+            let mut acc = [$zero; $n];
+            let (a, b) = (std::hint::black_box($one), std::hint::black_box($one));
+            for _ in 0..rounds {
+                for v in acc.iter_mut() {
+                    *v = $op(*v, a, b);
+                }
+            }
+            std::hint::black_box(acc);
+            (rounds * $n * $flops) as f64
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+peak_loop!(peak_avx512_f32, "avx512f,fma", 12, 32, _mm512_setzero_ps(), _mm512_set1_ps(1e-7), |c, a, b| {
+    _mm512_fmadd_ps(a, b, c)
+});
+#[cfg(target_arch = "x86_64")]
+peak_loop!(peak_avx2_f32, "avx2,fma", 10, 16, _mm256_setzero_ps(), _mm256_set1_ps(1e-7), |c, a, b| {
+    _mm256_fmadd_ps(a, b, c)
+});
+#[cfg(target_arch = "x86_64")]
+peak_loop!(
+    peak_avx512_bf16,
+    "avx512f,avx512bf16",
+    12,
+    64,
+    _mm512_setzero_ps(),
+    std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(0x3380_3380)),
+    |c, a, b| _mm512_dpbf16_ps(c, a, b)
+);

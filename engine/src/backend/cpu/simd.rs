@@ -59,6 +59,10 @@ pub enum Level {
     /// AVX-512 F/BW with FMA and F16C (this module; AVX512-BF16 and -VNNI kernels
     /// where the CPU also has those).
     Avx512,
+    /// AVX-512 as above, and the AMX tile unit for matmuls with many rows
+    /// ([`super::amx`]): where the CPU has AMX-BF16, the kernel grants the tile state and
+    /// the tiles passed their check at start-up.
+    Amx,
 }
 
 impl Level {
@@ -68,21 +72,34 @@ impl Level {
             Level::Portable => "portable",
             Level::Avx2 => "avx2",
             Level::Avx512 => "avx512",
+            Level::Amx => "amx",
         }
+    }
+
+    /// The level a name (as [`Level::name`] gives it, or `native`) stands for; `native`
+    /// is the highest.
+    pub fn parse(name: &str) -> Option<Level> {
+        Some(match name {
+            "portable" => Level::Portable,
+            "avx2" => Level::Avx2,
+            "avx512" => Level::Avx512,
+            "amx" | "native" | "" => Level::Amx,
+            _ => return None,
+        })
     }
 }
 
-/// Environment variable that caps [`level`]: `avx2` or `portable` make a larger CPU run
-/// the kernels a smaller host would (to measure or test them); unset or `native`, the CPU
-/// decides.
+/// Environment variable that caps [`level`]: `avx512`, `avx2` or `portable` make a larger
+/// CPU run the kernels a smaller host would (to measure or test them); unset or `native`
+/// (or `amx`), the CPU decides.
 pub const KERNELS_ENV: &str = "STRATA_CPU_KERNELS";
 
-/// What the CPU supports, capped by [`KERNELS_ENV`]; decided once per process.
-pub fn level() -> Level {
+/// What the CPU supports (AMX only where the tiles work), decided once per process.
+pub fn detected() -> Level {
     use std::sync::OnceLock;
     static LEVEL: OnceLock<Level> = OnceLock::new();
     *LEVEL.get_or_init(|| {
-        let has = if is_x86_feature_detected!("avx512f")
+        let vector = if is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
@@ -96,24 +113,63 @@ pub fn level() -> Level {
         } else {
             Level::Portable
         };
-        let cap = match std::env::var(KERNELS_ENV).as_deref() {
-            Ok("portable") => Level::Portable,
-            Ok("avx2") => Level::Avx2,
-            Ok("avx512" | "native" | "") | Err(_) => Level::Avx512,
-            Ok(other) => {
-                tracing::warn!("{KERNELS_ENV}={other:?} is not avx512, avx2, portable or native; ignored");
-                Level::Avx512
-            }
-        };
-        let level = has.min(cap);
-        tracing::debug!(?level, "CPU kernels");
-        level
+        // The tile check runs only where the environment leaves AMX allowed: a process
+        // capped below it never asks the kernel for the tile state.
+        if vector == Level::Avx512 && cap() == Level::Amx && super::amx::usable() {
+            Level::Amx
+        } else {
+            vector
+        }
     })
 }
 
-/// Whether the AVX-512 kernels run.
+/// The cap [`KERNELS_ENV`] sets, or [`set_cap`] since; `Amx` when nothing caps.
+fn cap() -> Level {
+    use std::sync::atomic::Ordering;
+    use std::sync::OnceLock;
+    static FROM_ENV: OnceLock<()> = OnceLock::new();
+    FROM_ENV.get_or_init(|| {
+        let cap = match std::env::var(KERNELS_ENV) {
+            Err(_) => Level::Amx,
+            Ok(name) => Level::parse(&name).unwrap_or_else(|| {
+                tracing::warn!(
+                    "{KERNELS_ENV}={name:?} is not amx, avx512, avx2, portable or native; ignored"
+                );
+                Level::Amx
+            }),
+        };
+        CAP.store(cap as u8, Ordering::Relaxed);
+    });
+    match CAP.load(Ordering::Relaxed) {
+        0 => Level::Portable,
+        1 => Level::Avx2,
+        2 => Level::Avx512,
+        _ => Level::Amx,
+    }
+}
+
+static CAP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(Level::Amx as u8);
+
+/// Caps the kernels from now on, in place of [`KERNELS_ENV`] (benchmarks that alternate
+/// levels inside one process, `strata model bench --kernels-ab`). Weights keep the layout
+/// they were loaded in: a caller that caps below the level its weights were packed for
+/// (bf16 panels need AVX-512) must load them again under the new cap.
+pub fn set_cap(level: Level) {
+    cap();
+    CAP.store(level as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// What the CPU supports, capped by [`KERNELS_ENV`] or [`set_cap`].
+pub fn level() -> Level {
+    let level = detected().min(cap());
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    LOGGED.call_once(|| tracing::debug!(?level, "CPU kernels"));
+    level
+}
+
+/// Whether the AVX-512 kernels run (on their own or beside AMX).
 pub fn available() -> bool {
-    level() == Level::Avx512
+    level() >= Level::Avx512
 }
 
 /// `out[t] = dot(w, x[t*k..(t+1)*k])` for `t < out.len()` (at most 8).
