@@ -514,21 +514,22 @@ fn bench_model(args: BenchArgs) -> anyhow::Result<()> {
     }
     let mut model = LocalModel::load_parallel(&args.model, par, &config)?;
     let dtype = model.engine.executor().config().dtype.clone();
-    let bf16_weights = config.backend.quantize.is_none()
-        && match config.backend.dtype {
-            Some(d) => d == DType::BF16,
-            None => dtype.as_deref() == Some("bfloat16"),
-        };
+    use strata_engine::backend::cpu::roofline::{Compute, PrefillWeights};
+    let weights = match (config.backend.quantize, config.backend.dtype) {
+        (Some(_), _) => PrefillWeights::Int8,
+        (None, Some(DType::BF16)) => PrefillWeights::Bf16,
+        (None, None) if dtype.as_deref() == Some("bfloat16") => PrefillWeights::Bf16,
+        _ => PrefillWeights::Other,
+    };
     let cfg = crate::engine_bench::EngineBenchConfig {
         batch_sizes: args.batch_sizes.clone(),
         prompt_len: args.prompt_len,
         decode_tokens: args.decode_tokens,
         repeats: args.repeats,
-        bf16_weights,
+        weights,
     };
     if let Some([low, _]) = ab {
-        use strata_engine::backend::cpu::roofline::Compute;
-        let packed = matches!(Compute::for_prefill(bf16_weights), Compute::AmxBf16 | Compute::Avx512Bf16);
+        let packed = matches!(Compute::for_prefill(weights), Compute::AmxBf16 | Compute::Avx512Bf16);
         if packed && KERNEL_LEVELS.iter().position(|l| *l == low) < Some(2) {
             bail!("--kernels-ab: this model's bf16 weights are packed for AVX512-BF16, which {low} cannot read; compare avx512 with amx, or load with --dtype float32");
         }

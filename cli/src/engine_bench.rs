@@ -17,7 +17,7 @@ use std::time::Instant;
 use serde::Serialize;
 use strata_common::ModelConfig;
 use strata_common::{Result, SamplingParams};
-use strata_engine::backend::cpu::roofline::{self, Compute};
+use strata_engine::backend::cpu::roofline::{self, Compute, PrefillWeights};
 use strata_engine::backend::cpu::CpuBackend;
 use strata_engine::Engine;
 use tracing::info;
@@ -50,7 +50,8 @@ pub struct EngineBenchReport {
     pub gemm_gflops: f64,
     pub roofline_decode_tokens_per_s: f64,
     pub decode_share_of_roofline: f64,
-    /// The unit prefill's matmuls run on (`amx-bf16`, `avx512-bf16`, `avx512-f32`, ...).
+    /// The unit prefill's matmuls run on (`amx-bf16`, `amx-int8`, `avx512-bf16`,
+    /// `avx512-f32`, `avx2-f32`, `portable`).
     pub compute_unit: Compute,
     /// Its peak rate on every thread at once: prefill's compute roofline.
     pub compute_peak_gflops: f64,
@@ -64,8 +65,8 @@ pub struct EngineBenchConfig {
     pub prompt_len: usize,
     pub decode_tokens: usize,
     pub repeats: usize,
-    /// Whether the model's weights are bf16 computed in bf16 (what its prefill runs on).
-    pub bf16_weights: bool,
+    /// The weights the model's prefill matmuls read (what decides the unit they run on).
+    pub weights: PrefillWeights,
 }
 
 pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchReport> {
@@ -126,7 +127,7 @@ pub fn run(engine: &mut Engine, cfg: &EngineBenchConfig) -> Result<EngineBenchRe
     let gemv = roofline::gemv_bandwidth(cfg.repeats.max(5));
     info!("measuring GEMM peak");
     let gemm = roofline::gemm_gflops(cfg.repeats.max(3));
-    let compute_unit = Compute::for_prefill(cfg.bf16_weights);
+    let compute_unit = Compute::for_prefill(cfg.weights);
     info!(unit = ?compute_unit, "measuring the compute peak");
     let peak = roofline::peak_gflops(compute_unit, cfg.repeats.max(3));
     let prefill_gflops = prefill_flops(engine.executor().config(), cfg.prompt_len) / 1e9 * median(&prefill)

@@ -94,6 +94,12 @@ impl Amx {
     pub fn enabled() -> Option<Amx> {
         (super::simd::level() == super::simd::Level::Amx).then_some(Amx(()))
     }
+
+    /// The tiles, where they run and the CPU also has AMX-INT8.
+    pub fn enabled_int8() -> Option<Amx> {
+        static INT8: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        Self::enabled().filter(|_| *INT8.get_or_init(cpu_has_amx_int8))
+    }
 }
 
 /// Palette 1, eight tiles of 16 rows × 64 bytes: `tmm0`–`tmm3` accumulate, `tmm4`–`tmm5`
@@ -301,9 +307,33 @@ impl Activations {
 
 /// Weight panels: `count` panels of `steps · 16` rows × 32 columns of 4-byte groups.
 pub struct Panels<'a> {
-    pub data: &'a [u32],
+    pub source: PanelSource<'a>,
     pub count: usize,
     pub steps: usize,
+}
+
+/// Where [`gemm`]'s panels come from.
+pub enum PanelSource<'a> {
+    /// Packed at load, one after another.
+    Packed(&'a [u32]),
+    /// int8 rows `[m][k]` as `--quantize int8` keeps them (the decode kernels stream
+    /// rows): each task packs the quad panels it multiplies, one pass over its rows, so
+    /// memory holds one copy of the weights.
+    Int8Rows { q: &'a [i8], m: usize, k: usize },
+}
+
+/// Packs rows `j0..j0 + 32` of `q` (`[m][k]` int8; rows past `m` and k past its end are
+/// zeros) as a quad panel: `out[g · 32 + j]` holds `q[j0 + j][4g..4g + 4]`.
+fn pack_int8_panel(q: &[i8], m: usize, k: usize, j0: usize, out: &mut [u32]) {
+    out.fill(0);
+    for j in 0..BLOCK.min(m.saturating_sub(j0)) {
+        let row = &q[(j0 + j) * k..(j0 + j + 1) * k];
+        for (g, quad) in row.chunks(4).enumerate() {
+            let mut b = [0u8; 4];
+            quad.iter().zip(&mut b).for_each(|(v, b)| *b = *v as u8);
+            out[g * BLOCK + j] = u32::from_le_bytes(b);
+        }
+    }
 }
 
 /// Bytes of weight panels a task keeps in L2 while its blocks of rows pass over them.
@@ -321,23 +351,40 @@ pub fn gemm<T: Tiles>(
     emit: impl Fn(usize, usize, &Block) + Sync,
 ) {
     let panel_len = w.steps * STEP_ROWS * BLOCK;
-    assert!(w.data.len() >= w.count * panel_len && w.steps >= 1, "panels shorter than their shape");
-    assert!(x.lda >= w.steps * STEP_ROWS, "activation rows shorter than the panels");
+    assert!(w.steps >= 1 && x.lda >= w.steps * STEP_ROWS, "activation rows shorter than the panels");
+    match w.source {
+        PanelSource::Packed(d) => assert!(d.len() >= w.count * panel_len, "panels shorter than their shape"),
+        PanelSource::Int8Rows { q, m, k } => {
+            assert!(
+                q.len() == m * k && m.div_ceil(BLOCK) == w.count && k <= w.steps * STEP_BYTES,
+                "int8 rows unlike their panels"
+            )
+        }
+    }
     let fit = (PANELS_PER_TASK_BYTES / (panel_len * 4)).max(1);
     let spread = w.count.div_ceil(4 * rayon::current_num_threads()).max(1);
     let group = fit.min(spread);
-    (0..w.count.div_ceil(group)).into_par_iter().for_each(|g| {
+    (0..w.count.div_ceil(group)).into_par_iter().for_each_init(Vec::new, |local, g| {
+        let panels = g * group..((g + 1) * group).min(w.count);
+        let base: &[u32] = match w.source {
+            PanelSource::Packed(d) => &d[panels.start * panel_len..panels.end * panel_len],
+            PanelSource::Int8Rows { q, m, k } => {
+                local.resize(panels.len() * panel_len, 0);
+                for (i, out) in local.chunks_mut(panel_len).enumerate() {
+                    pack_int8_panel(q, m, k, (panels.start + i) * BLOCK, out);
+                }
+                local
+            }
+        };
         let _session = tiles.session();
         let mut c: Block = [[0; BLOCK]; BLOCK];
-        let panels = g * group..((g + 1) * group).min(w.count);
         for t in (0..x.rows).step_by(BLOCK) {
             let a = x.data[t * x.lda..].as_ptr().cast::<u8>();
-            for p in panels.clone() {
-                let b = w.data[p * panel_len..].as_ptr().cast::<u8>();
+            for (i, panel) in base.chunks(panel_len).enumerate() {
                 // SAFETY: `x.data` holds whole blocks of 32 rows of `lda` groups, at least
                 // `steps · 16` of them; the panel holds `steps · 16` rows; inside a session.
-                unsafe { tiles.block(op, (a, x.lda * 4), b, w.steps, &mut c, false) };
-                emit(t, p, &c);
+                unsafe { tiles.block(op, (a, x.lda * 4), panel.as_ptr().cast(), w.steps, &mut c, false) };
+                emit(t, panels.start + i, &c);
             }
         }
     });
@@ -475,33 +522,49 @@ impl<T: Tiles> TilesDyn for T {
     }
 }
 
-/// FLOPs of `rounds` rounds of four independent `tdpbf16ps` on registers (the tiles' peak,
-/// `super::roofline::peak_gflops`).
+/// Operations of `rounds` rounds of four independent tile products on registers (the
+/// tiles' peak, `super::roofline::peak_gflops`).
 ///
 /// # Safety
-/// The process must have the tiles ([`Amx::enabled`]).
-pub unsafe fn peak_flops(rounds: usize) -> f64 {
+/// The process must have the tiles ([`Amx::enabled`]; for `Op::Int8`,
+/// [`Amx::enabled_int8`]).
+pub unsafe fn peak_flops(op: Op, rounds: usize) -> f64 {
     if rounds == 0 {
         return 0.0;
     }
     let _session = Amx(()).session();
-    // SAFETY: inside a session; registers only.
-    unsafe {
-        asm!(
-            "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
-            "tilezero tmm4", "tilezero tmm5", "tilezero tmm6", "tilezero tmm7",
-            "2:",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "dec {n}",
-            "jnz 2b",
-            n = inout(reg) rounds => _,
-            options(nostack, nomem),
-        )
+    macro_rules! products {
+        ($dp:literal) => {
+            // SAFETY: inside a session; registers only.
+            unsafe {
+                asm!(
+                    "tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3",
+                    "tilezero tmm4", "tilezero tmm5", "tilezero tmm6", "tilezero tmm7",
+                    "2:",
+                    concat!($dp, " tmm0, tmm4, tmm6"),
+                    concat!($dp, " tmm1, tmm4, tmm7"),
+                    concat!($dp, " tmm2, tmm5, tmm6"),
+                    concat!($dp, " tmm3, tmm5, tmm7"),
+                    "dec {n}",
+                    "jnz 2b",
+                    n = inout(reg) rounds => _,
+                    options(nostack, nomem),
+                )
+            }
+        };
+    }
+    // A tile product is 16 × 16 outputs of 32 bf16 (or 64 int8) multiply-adds.
+    let per_product = match op {
+        Op::Bf16 => {
+            products!("tdpbf16ps");
+            16 * 16 * 32 * 2
+        }
+        Op::Int8 => {
+            products!("tdpbssd");
+            16 * 16 * 64 * 2
+        }
     };
-    (rounds * 4 * 16 * 16 * 32 * 2) as f64
+    (rounds * 4 * per_product) as f64
 }
 
 #[cfg(test)]

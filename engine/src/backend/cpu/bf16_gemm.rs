@@ -22,7 +22,7 @@ use std::arch::x86_64::*;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::amx::{self, Activations, Op, Panels, Tiles};
+use super::amx::{self, Activations, Op, PanelSource, Panels, Tiles};
 use super::huge::HugeVec;
 use super::{CpuTensor, SendPtr};
 
@@ -117,7 +117,7 @@ pub(super) fn matmul_tiles<T: Tiles>(tiles: &T, x: &CpuTensor, w: &PackedBf16) -
     assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
     let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
     let acts = Activations::new(n, kp / 2, |r, out| to_pairs(&x.data[r * k..(r + 1) * k], out));
-    let panels = Panels { data: &w.panels, count: m.div_ceil(NR), steps: kp / 32 };
+    let panels = Panels { source: PanelSource::Packed(&w.panels), count: m.div_ceil(NR), steps: kp / 32 };
     let mut y = vec![0f32; n * m];
     let y_ptr = SendPtr(y.as_mut_ptr());
     amx::gemm(tiles, Op::Bf16, &acts, &panels, |t, p, c| {

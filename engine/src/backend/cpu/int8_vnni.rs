@@ -13,7 +13,8 @@ use std::arch::x86_64::*;
 
 use rayon::prelude::*;
 
-use super::CpuTensor;
+use super::amx::{self, Activations, Op, PanelSource, Panels, Tiles, BLOCK, STEP_BYTES};
+use super::{CpuTensor, SendPtr};
 
 /// Output rows per rayon task.
 const CHUNK: usize = 32;
@@ -77,6 +78,44 @@ pub fn matmul(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) -
     super::matmul::from_transposed(out_t, n, m)
 }
 
+/// `y = x · wᵀ` for `w ≈ q · scales` on matrix tiles (AMX-INT8, or their model in tests):
+/// activations quantized per row as for the decode kernels (kept signed: `tdpbssd` takes
+/// both operands signed), integer sums, the same scaling. `q` stays in rows; the tiles'
+/// driver packs quad panels from them task by task.
+pub fn matmul_tiles<T: Tiles>(tiles: &T, x: &CpuTensor, q: &[i8], scales: &[f32], m: usize) -> CpuTensor {
+    let (n, k) = (x.rows, x.cols);
+    let kp = k.div_ceil(STEP_BYTES) * STEP_BYTES;
+    let (xq, xs) = quantize_rows(x, |q| q as i8);
+    let acts = Activations::new(n, kp / 4, |r, out| {
+        for (o, quad) in out.iter_mut().zip(xq[r * k..(r + 1) * k].chunks(4)) {
+            let mut b = [0u8; 4];
+            quad.iter().zip(&mut b).for_each(|(v, b)| *b = *v as u8);
+            *o = u32::from_le_bytes(b);
+        }
+    });
+    let panels = Panels {
+        source: PanelSource::Int8Rows { q, m, k },
+        count: m.div_ceil(BLOCK),
+        steps: kp / STEP_BYTES,
+    };
+    let mut y = vec![0f32; n * m];
+    let y_ptr = SendPtr(y.as_mut_ptr());
+    amx::gemm(tiles, Op::Int8, &acts, &panels, |t, p, c| {
+        let y_ptr = &y_ptr;
+        let (j0, rows) = (p * BLOCK, (n - t).min(BLOCK));
+        let cols = BLOCK.min(m - j0);
+        for (r, c_row) in c[..rows].iter().enumerate() {
+            // SAFETY: each (row block, panel) is emitted once, so this writes columns
+            // j0..j0+cols of row t+r of y (inside it) from this task alone.
+            let out = unsafe { std::slice::from_raw_parts_mut(y_ptr.0.add((t + r) * m + j0), cols) };
+            for (j, (o, &acc)) in out.iter_mut().zip(c_row).enumerate() {
+                *o = acc as i32 as f32 * xs[t + r] * scales[j0 + j];
+            }
+        }
+    });
+    CpuTensor::new(y, n, m)
+}
+
 /// `out[t] = Σ_i xu[t·k + i] · w[i]` for `t < out.len()` (at most 8).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn dot_rows(w: &[i8], xu: &[u8], k: usize, out: &mut [i32]) {
@@ -102,6 +141,46 @@ unsafe fn dot_rows(w: &[i8], xu: &[u8], k: usize, out: &mut [i32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiles_sum_the_same_quantized_products_as_the_decode_kernels() {
+        // Two blocks of rows with a partial one, k with a tail past whole steps, a partial
+        // last panel.
+        let (n, k, m) = (37, 200, 70);
+        let x: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 37.0).collect();
+        let q: Vec<i8> = (0..m * k).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
+        let scales: Vec<f32> = (0..m).map(|j| 0.01 + j as f32 * 1e-3).collect();
+        let x = CpuTensor::new(x, n, k);
+        let y = matmul_tiles(&amx::Sim, &x, &q, &scales, m);
+        for t in 0..n {
+            let row = &x.data[t * k..(t + 1) * k];
+            let s = row.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+            for j in 0..m {
+                let exact: i32 =
+                    (0..k).map(|i| (row[i] * (1.0 / s)).round() as i32 * q[j * k + i] as i32).sum();
+                assert_eq!(y.data[t * m + j], exact as f32 * s * scales[j], "({t},{j})");
+            }
+        }
+        // The decode kernels this host has give the very same numbers on these rows.
+        let first = CpuTensor::new(x.data[..8 * k].to_vec(), 8, k);
+        let decode = if available() {
+            Some(matmul(&first, &q, &scales, &row_sums(&q, k), m))
+        } else if is_x86_feature_detected!("avx2") {
+            Some(super::super::int8_avx2::matmul(&first, &q, &scales, m))
+        } else {
+            None
+        };
+        if let Some(d) = decode {
+            assert_eq!(d.data, y.data[..8 * m].to_vec());
+        }
+        if let Some(tiles) = amx::Amx::enabled_int8() {
+            assert_eq!(
+                matmul_tiles(&tiles, &x, &q, &scales, m).data,
+                y.data,
+                "the CPU's tiles vs their model"
+            );
+        }
+    }
 
     #[test]
     fn integer_dots_match_the_dequantized_product() {

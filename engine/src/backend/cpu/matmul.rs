@@ -287,32 +287,39 @@ pub fn matmul(x: &CpuTensor, w: &CpuWeight) -> CpuTensor {
         WeightData::F32(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::Bf16(e) => matmul_typed(x, e.as_slice(), w.rows),
         WeightData::F16(e) => matmul_typed(x, e.as_slice(), w.rows),
-        #[cfg(target_arch = "x86_64")]
-        WeightData::Int8 { q, scales, sums }
-            if x.rows > 0 && x.rows <= STREAM_MAX_ROWS && super::int8_vnni::available() =>
-        {
-            super::int8_vnni::matmul(x, q, scales, sums, w.rows)
-        }
-        #[cfg(target_arch = "x86_64")]
-        WeightData::Int8 { q, scales, .. }
-            if x.rows > 0
-                && x.rows <= STREAM_MAX_ROWS
-                && super::simd::level() >= super::simd::Level::Avx2 =>
-        {
-            super::int8_avx2::matmul(x, q, scales, w.rows)
-        }
-        WeightData::Int8 { q, scales, .. } => {
-            let mut y = matmul_typed(x, q, w.rows);
-            y.data.par_chunks_mut(w.rows.max(1)).for_each(|row| {
-                row.iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
-            });
-            y
-        }
+        WeightData::Int8 { q, scales, sums } => matmul_int8(x, q, scales, sums, w.rows),
         #[cfg(target_arch = "x86_64")]
         WeightData::Bf16Packed(_) if x.rows == 0 => CpuTensor::zeros(0, w.rows),
         #[cfg(target_arch = "x86_64")]
         WeightData::Bf16Packed(p) => super::bf16_gemm::matmul_packed(x, p),
     }
+}
+
+/// `x · wᵀ` for int8 weights: on AMX-INT8 tiles from 16 rows where the CPU has them, in
+/// integer dot products for decode rows (VNNI or AVX2; activations quantized per row as on
+/// the tiles), else in f32 with the weights widened.
+fn matmul_int8(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) -> CpuTensor {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let decode = x.rows > 0 && x.rows <= STREAM_MAX_ROWS;
+        if x.rows >= super::bf16_gemm::AMX_MIN_ROWS && x.cols > 0 {
+            if let Some(tiles) = super::amx::Amx::enabled_int8() {
+                return super::int8_vnni::matmul_tiles(&tiles, x, q, scales, m);
+            }
+        }
+        if decode && super::int8_vnni::available() {
+            return super::int8_vnni::matmul(x, q, scales, sums, m);
+        }
+        if decode && super::simd::level() >= super::simd::Level::Avx2 {
+            return super::int8_avx2::matmul(x, q, scales, m);
+        }
+    }
+    let _ = sums;
+    let mut y = matmul_typed(x, q, m);
+    y.data.par_chunks_mut(m.max(1)).for_each(|row| {
+        row.iter_mut().zip(scales).for_each(|(v, s)| *v *= s);
+    });
+    y
 }
 
 fn matmul_typed<T: Kernel>(x: &CpuTensor, w: &[T], out_features: usize) -> CpuTensor {

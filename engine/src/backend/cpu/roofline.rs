@@ -96,6 +96,8 @@ pub fn gemm_gflops(repeats: usize) -> f64 {
 pub enum Compute {
     /// AMX tiles, bf16 pairs (`tdpbf16ps`).
     AmxBf16,
+    /// AMX tiles, int8 quads (`tdpbssd`; integer operations).
+    AmxInt8,
     /// AVX512-BF16 pairs (`vdpbf16ps`).
     Avx512Bf16,
     /// AVX-512 f32 FMA.
@@ -106,15 +108,29 @@ pub enum Compute {
     Portable,
 }
 
+/// The weights a model's prefill matmuls read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillWeights {
+    /// bf16 computed in bf16 (packed for it where the CPU has AVX512-BF16).
+    Bf16,
+    /// `--quantize int8`.
+    Int8,
+    /// Anything widened to f32 in the matmul.
+    Other,
+}
+
 impl Compute {
-    /// The unit the prefill matmuls of a model run on: bf16 products where its weights
-    /// are packed for them (`bf16_weights`: bf16 weights with bf16 compute), else f32.
-    pub fn for_prefill(bf16_weights: bool) -> Compute {
+    /// The unit the prefill matmuls of a model with `weights` run on.
+    pub fn for_prefill(weights: PrefillWeights) -> Compute {
         #[cfg(target_arch = "x86_64")]
         {
             use super::simd::{level, Level};
-            if bf16_weights && CpuBackend::bf16_compute_available() {
-                return if level() == Level::Amx { Compute::AmxBf16 } else { Compute::Avx512Bf16 };
+            let amx = level() == Level::Amx;
+            if weights == PrefillWeights::Bf16 && CpuBackend::bf16_compute_available() {
+                return if amx { Compute::AmxBf16 } else { Compute::Avx512Bf16 };
+            }
+            if weights == PrefillWeights::Int8 && super::amx::Amx::enabled_int8().is_some() {
+                return Compute::AmxInt8;
             }
             // Unpacked weights run the gemm crate's kernels (not capped by the level).
             return match CpuBackend::prefill_gemm_kernels() {
@@ -149,7 +165,8 @@ fn peak_flops_on_thread(compute: Compute, rounds: usize) -> f64 {
     // it: the kernels check nothing else).
     unsafe {
         match compute {
-            Compute::AmxBf16 => return super::amx::peak_flops(rounds / 16),
+            Compute::AmxBf16 => return super::amx::peak_flops(super::amx::Op::Bf16, rounds / 16),
+            Compute::AmxInt8 => return super::amx::peak_flops(super::amx::Op::Int8, rounds / 16),
             Compute::Avx512Bf16 => return peak_avx512_bf16(rounds),
             Compute::Avx512F32 => return peak_avx512_f32(rounds),
             Compute::Avx2F32 => return peak_avx2_f32(rounds),
