@@ -26,6 +26,9 @@ pub const TILE: usize = 16;
 const KEYS: usize = 8;
 /// Tokens whose outputs accumulate together in the V pass.
 const TOKENS: usize = 4;
+/// Fewest keys whose products run on AMX tiles where the CPU has them (packing the keys
+/// and values for the tiles is a pass over them per tile; shorter spans stay on vectors).
+const AMX_MIN_KEYS: usize = 128;
 /// Most bytes of scores one tile may hold; a longer context takes the per-token kernel.
 const MAX_SCORE_BYTES: usize = 16 << 20;
 
@@ -93,7 +96,20 @@ pub unsafe fn attend(
     }
     scratch.scores.clear();
     scratch.scores.resize(group * span * TILE, 0.0);
-    scores(&scratch.qt, &cache.k, &scratch.keys, group, hd, &mut scratch.scores);
+    // Long spans on AMX tiles (both products in bf16), else on vectors in f32.
+    let tiles = super::amx::Amx::enabled().filter(|_| span >= AMX_MIN_KEYS && super::attention_amx::fits(hd));
+    match &tiles {
+        Some(t) => super::attention_amx::scores(
+            t,
+            &scratch.qt,
+            &cache.k,
+            &scratch.keys,
+            group,
+            hd,
+            &mut scratch.scores,
+        ),
+        None => scores(&scratch.qt, &cache.k, &scratch.keys, group, hd, &mut scratch.scores),
+    }
     if let Some(c) = softcap {
         scratch.scores.iter_mut().for_each(|s| *s = c * (*s / c).tanh());
     }
@@ -101,6 +117,13 @@ pub unsafe fn attend(
     scratch.inv.resize(group * TILE, 0.0);
     softmax(&mut scratch.scores, &mut scratch.inv, span, first_key, &pos, &lo, sinks);
 
+    if let Some(t) = &tiles {
+        let at =
+            super::attention_amx::Out { ptr: out.0, ld: q.cols, row0: seq.token_start + tile.first, col0 };
+        let (e, v, keys, inv) = (&scratch.scores, cache.values(), &scratch.keys, &scratch.inv);
+        // SAFETY: the tile's rows and its KV head's columns of `out` are this task's alone.
+        return super::attention_amx::values(t, e, v, keys, inv, (group, hd, tile.rows), &at);
+    }
     let at = Out { ptr: out, ld: q.cols, row0: seq.token_start + tile.first, col0 };
     for dc in (0..hd).step_by(64) {
         let values = match (hd - dc).min(64) / 16 {

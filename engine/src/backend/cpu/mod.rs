@@ -14,6 +14,7 @@
 
 mod amx;
 mod attention;
+mod attention_amx;
 mod attention_tiles;
 mod bf16_gemm;
 mod huge;
