@@ -28,6 +28,7 @@ pub fn paged_attention(
     layout: &BatchLayout,
     shape: AttentionShape,
     sinks: Option<&[f32]>,
+    bf16: bool,
 ) -> CpuTensor {
     let AttentionShape { num_heads, num_kv_heads, head_dim, .. } = shape;
     let group = num_heads / num_kv_heads;
@@ -73,7 +74,7 @@ pub fn paged_attention(
                 super::attention_tiles::attend(
                     q,
                     cache,
-                    layout.block_size,
+                    (layout.block_size, bf16),
                     shape,
                     sinks,
                     tile,

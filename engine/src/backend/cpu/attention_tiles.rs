@@ -43,7 +43,8 @@ pub fn fits(shape: &AttentionShape, keys: usize) -> bool {
 
 /// The tile's outputs: `tile.rows` rows of `group · head_dim` values, written at column
 /// `kv_head · group · head_dim` of rows `token_start + first ..` of `out` (`[n, num_heads ·
-/// head_dim]`, row stride `ld`).
+/// head_dim]`, row stride `ld`). `bf16`: the model computes in bf16, so long spans may run
+/// on AMX tiles.
 ///
 /// # Safety
 /// AVX-512F/BW and FMA must be available ([`fits`]); no other task writes that part of
@@ -53,7 +54,7 @@ pub fn fits(shape: &AttentionShape, keys: usize) -> bool {
 pub unsafe fn attend(
     q: &CpuTensor,
     cache: &CpuKvLayer,
-    block_size: usize,
+    (block_size, bf16): (usize, bool),
     shape: AttentionShape,
     sinks: Option<&[f32]>,
     tile: &Tile,
@@ -96,8 +97,9 @@ pub unsafe fn attend(
     }
     scratch.scores.clear();
     scratch.scores.resize(group * span * TILE, 0.0);
-    // Long spans on AMX tiles (both products in bf16), else on vectors in f32.
-    let tiles = super::amx::Amx::enabled().filter(|_| span >= AMX_MIN_KEYS && super::attention_amx::fits(hd));
+    // A bf16 model's long spans on AMX tiles (both products in bf16), else on vectors in f32.
+    let amx = bf16 && span >= AMX_MIN_KEYS && super::attention_amx::fits(hd);
+    let tiles = super::amx::Amx::enabled().filter(|_| amx);
     match &tiles {
         Some(t) => super::attention_amx::scores(
             t,

@@ -90,7 +90,7 @@ impl CpuKvLayer {
 /// Below this many rows, elementwise ops run on the calling thread.
 const PAR_ROWS: usize = 16;
 
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 pub struct CpuBackend {
     /// Run bf16 weights as bf16 × bf16 (packed at load), not widened to f32.
     bf16_compute: bool,
@@ -98,6 +98,10 @@ pub struct CpuBackend {
     weight_dtype: Option<DType>,
     /// Quantize weight matrices at load.
     quantize: Option<super::Quantization>,
+    /// Set when a weight was packed for bf16 compute: the model computes in bf16, so
+    /// prefill attention may too (on AMX tiles), as HF transformers does for bf16 models;
+    /// an f32 model's attention stays f32.
+    computes_bf16: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl CpuBackend {
@@ -216,6 +220,7 @@ impl Tensors for CpuBackend {
         if self.bf16_compute && matches!(w.data, matmul::WeightData::Bf16(_)) {
             #[cfg(target_arch = "x86_64")]
             if bf16_gemm::available() {
+                self.computes_bf16.store(true, std::sync::atomic::Ordering::Relaxed);
                 return Ok(w.packed_bf16());
             }
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -467,7 +472,8 @@ impl AttentionOps for CpuBackend {
         if sinks.is_some_and(|s| s.len() != shape.num_heads) {
             return Err(Error::Internal(format!("attention sinks for {} heads", shape.num_heads)));
         }
-        Ok(attention::paged_attention(q, cache, layout, shape, sinks))
+        let bf16 = self.computes_bf16.load(std::sync::atomic::Ordering::Relaxed);
+        Ok(attention::paged_attention(q, cache, layout, shape, sinks, bf16))
     }
 }
 
