@@ -257,7 +257,8 @@ fn token_logprobs_match_transformers() {
 }
 
 /// `--quantize int8` (one scale per output channel; int8 × int8 VNNI dots at decode
-/// sizes, widened int8 for prefill): the logits of every fixture stay within a small share
+/// sizes, widened int8 for prefill, or AMX-INT8 tiles from 16 rows — their model under
+/// `STRATA_CPU_TILES=model`): the logits of every fixture stay within a small share
 /// of their scale of HF's float32 ones, and where the greedy choice moves, it moves only
 /// between tokens the quantization error band covers. Prints the greedy agreement rate.
 #[test]

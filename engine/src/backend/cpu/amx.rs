@@ -102,6 +102,42 @@ impl Amx {
     }
 }
 
+/// Environment variable that, set to `model`, makes [`matrix_engine`] hand out the model
+/// of the tiles ([`Sim`]) where the CPU's tiles do not run: the test suite runs the tile
+/// paths of the engine that way on hosts without AMX (slowly; for tests only).
+pub const MODEL_ENV: &str = "STRATA_CPU_TILES";
+
+fn model_requested() -> bool {
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| {
+        let asked = std::env::var(MODEL_ENV).is_ok_and(|v| v == "model");
+        if asked && Amx::enabled().is_none() {
+            tracing::warn!("{MODEL_ENV}=model: matmuls of many rows run on a software model of AMX tiles (slow; for tests)");
+        }
+        asked
+    })
+}
+
+static AMX: Amx = Amx(());
+
+/// The matrix engine that matmuls of many rows run on: the CPU's tiles where they run
+/// ([`Amx::enabled`]), else their model where [`MODEL_ENV`] asks for it, else none (the
+/// vector kernels).
+pub fn matrix_engine() -> Option<&'static dyn Tiles> {
+    if Amx::enabled().is_some() {
+        return Some(&AMX);
+    }
+    model_requested().then_some(&Sim as &dyn Tiles)
+}
+
+/// [`matrix_engine`] for int8 products: none on a CPU whose tiles lack AMX-INT8.
+pub fn matrix_engine_int8() -> Option<&'static dyn Tiles> {
+    if Amx::enabled_int8().is_some() {
+        return Some(&AMX);
+    }
+    (Amx::enabled().is_none() && model_requested()).then_some(&Sim as &dyn Tiles)
+}
+
 /// Palette 1, eight tiles of 16 rows × 64 bytes: `tmm0`–`tmm3` accumulate, `tmm4`–`tmm5`
 /// hold activation rows, `tmm6`–`tmm7` weight columns.
 #[repr(C, align(64))]
@@ -343,7 +379,7 @@ const PANELS_PER_TASK_BYTES: usize = 1 << 20;
 /// handed to `emit(first row, panel, block)` (which writes the valid part of it).
 /// Panels are split across rayon tasks in groups that fit L2, so a block of activation
 /// rows is read once per group.
-pub fn gemm<T: Tiles>(
+pub fn gemm<T: Tiles + ?Sized>(
     tiles: &T,
     op: Op,
     x: &Activations,

@@ -34,7 +34,7 @@ unsafe impl Sync for Shared {}
 /// `s[(h · span + i) · TILE + t] = Σ_d qt[(h · hd + d) · TILE + t] · K[keys[i]][d]`, the
 /// layout the vector softmax reads: `qt` holds the tile's scaled queries transposed, `k`
 /// the cache's keys at the offsets `keys`.
-pub fn scores<T: Tiles>(
+pub fn scores<T: Tiles + ?Sized>(
     tiles: &T,
     qt: &[f32],
     k: &[f32],
@@ -92,7 +92,7 @@ pub struct Out {
 /// # Safety
 /// `out` must be valid for those rows and columns, written by this call alone.
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn values<T: Tiles>(
+pub unsafe fn values<T: Tiles + ?Sized>(
     tiles: &T,
     e: &[f32],
     v: &[f32],

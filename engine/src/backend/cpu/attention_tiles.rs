@@ -99,8 +99,8 @@ pub unsafe fn attend(
     scratch.scores.resize(group * span * TILE, 0.0);
     // A bf16 model's long spans on AMX tiles (both products in bf16), else on vectors in f32.
     let amx = bf16 && span >= AMX_MIN_KEYS && super::attention_amx::fits(hd);
-    let tiles = super::amx::Amx::enabled().filter(|_| amx);
-    match &tiles {
+    let tiles = super::amx::matrix_engine().filter(|_| amx);
+    match tiles {
         Some(t) => super::attention_amx::scores(
             t,
             &scratch.qt,
@@ -119,7 +119,7 @@ pub unsafe fn attend(
     scratch.inv.resize(group * TILE, 0.0);
     softmax(&mut scratch.scores, &mut scratch.inv, span, first_key, &pos, &lo, sinks);
 
-    if let Some(t) = &tiles {
+    if let Some(t) = tiles {
         let at =
             super::attention_amx::Out { ptr: out.0, ld: q.cols, row0: seq.token_start + tile.first, col0 };
         let (e, v, keys, inv) = (&scratch.scores, cache.values(), &scratch.keys, &scratch.inv);

@@ -88,8 +88,8 @@ pub fn matmul_packed(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     assert!(available(), "bf16 GEMM needs AVX512-BF16");
     assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
     if x.rows >= AMX_MIN_ROWS {
-        if let Some(tiles) = super::amx::Amx::enabled() {
-            return matmul_tiles(&tiles, x, w);
+        if let Some(tiles) = amx::matrix_engine() {
+            return matmul_tiles(tiles, x, w);
         }
     }
     matmul_vector(x, w)
@@ -113,7 +113,7 @@ fn matmul_vector(x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
 
 /// `x · wᵀ` on matrix tiles (the CPU's, or their model in tests): the same panels, the
 /// same bf16 rounding of the activations, f32 accumulation.
-pub(super) fn matmul_tiles<T: Tiles>(tiles: &T, x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
+pub(super) fn matmul_tiles<T: Tiles + ?Sized>(tiles: &T, x: &CpuTensor, w: &PackedBf16) -> CpuTensor {
     assert_eq!(x.cols, w.k, "matmul: x has {} columns, weight has {}", x.cols, w.k);
     let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
     let acts = Activations::new(n, kp / 2, |r, out| to_pairs(&x.data[r * k..(r + 1) * k], out));

@@ -82,7 +82,13 @@ pub fn matmul(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) -
 /// activations quantized per row as for the decode kernels (kept signed: `tdpbssd` takes
 /// both operands signed), integer sums, the same scaling. `q` stays in rows; the tiles'
 /// driver packs quad panels from them task by task.
-pub fn matmul_tiles<T: Tiles>(tiles: &T, x: &CpuTensor, q: &[i8], scales: &[f32], m: usize) -> CpuTensor {
+pub fn matmul_tiles<T: Tiles + ?Sized>(
+    tiles: &T,
+    x: &CpuTensor,
+    q: &[i8],
+    scales: &[f32],
+    m: usize,
+) -> CpuTensor {
     let (n, k) = (x.rows, x.cols);
     let kp = k.div_ceil(STEP_BYTES) * STEP_BYTES;
     let (xq, xs) = quantize_rows(x, |q| q as i8);

@@ -303,8 +303,8 @@ fn matmul_int8(x: &CpuTensor, q: &[i8], scales: &[f32], sums: &[i32], m: usize) 
     {
         let decode = x.rows > 0 && x.rows <= STREAM_MAX_ROWS;
         if x.rows >= super::bf16_gemm::AMX_MIN_ROWS && x.cols > 0 {
-            if let Some(tiles) = super::amx::Amx::enabled_int8() {
-                return super::int8_vnni::matmul_tiles(&tiles, x, q, scales, m);
+            if let Some(tiles) = super::amx::matrix_engine_int8() {
+                return super::int8_vnni::matmul_tiles(tiles, x, q, scales, m);
             }
         }
         if decode && super::int8_vnni::available() {
