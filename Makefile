@@ -16,7 +16,8 @@ STRATA_RELEASE := target/release/strata
 ## The build without them is checked by clippy (type checks and lints of the stubs).
 ## A full run builds every target from scratch: incremental caches (as large again as the
 ## build itself) would only fill the disk. The kernel reruns select tests across the
-## workspace with the same features (not `-p`), so they reuse the build. The tiles rerun
+## workspace with the same features (not `-p`), so they reuse the build; an AMX host also
+## reruns them capped at avx512 (its vector kernels for many rows). The tiles rerun
 ## runs the AMX paths on a software model of the tiles where the CPU has none.
 CUDA_FEATURES := strata-cli/cuda,strata-engine/cuda-emulator
 test: export CARGO_INCREMENTAL ?= 0
@@ -25,7 +26,8 @@ test: prerequisites
 	scripts/check_crate_map.sh
 	$(CARGO) build --workspace --all-targets --features $(CUDA_FEATURES)
 	LD_LIBRARY_PATH="$$(scripts/nvrtc_lib_dir.sh)" $(CARGO) test --workspace --features $(CUDA_FEATURES)
-	for k in avx2 portable; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --features $(CUDA_FEATURES) --lib backend::cpu \
+	levels="avx2 portable"; grep -qw amx_tile /proc/cpuinfo 2>/dev/null && levels="avx512 $$levels"; \
+	for k in $$levels; do STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --features $(CUDA_FEATURES) --lib backend::cpu \
 		&& STRATA_CPU_KERNELS=$$k $(CARGO) test --workspace --features $(CUDA_FEATURES) --test engine hf_reference:: || exit 1; done
 	STRATA_CPU_TILES=model $(CARGO) test --workspace --features $(CUDA_FEATURES) --lib backend::cpu \
 		&& STRATA_CPU_TILES=model $(CARGO) test --workspace --features $(CUDA_FEATURES) --test engine hf_reference::
