@@ -364,10 +364,8 @@ fn pack_int8_panel(q: &[i8], m: usize, k: usize, j0: usize, out: &mut [u32]) {
     out.fill(0);
     for j in 0..BLOCK.min(m.saturating_sub(j0)) {
         let row = &q[(j0 + j) * k..(j0 + j + 1) * k];
-        for (g, quad) in row.chunks(4).enumerate() {
-            let mut b = [0u8; 4];
-            quad.iter().zip(&mut b).for_each(|(v, b)| *b = *v as u8);
-            out[g * BLOCK + j] = u32::from_le_bytes(b);
+        for (g, values) in row.chunks(4).enumerate() {
+            out[g * BLOCK + j] = quad(values);
         }
     }
 }
@@ -424,6 +422,42 @@ pub fn gemm<T: Tiles + ?Sized>(
             }
         }
     });
+}
+
+/// [`gemm`] into a row-major `[x.rows, m]` output: each element of each block inside it
+/// becomes `value(row, column, bits)`.
+pub fn gemm_rows<T: Tiles + ?Sized>(
+    tiles: &T,
+    op: Op,
+    x: &Activations,
+    w: &Panels<'_>,
+    m: usize,
+    value: impl Fn(usize, usize, u32) -> f32 + Sync,
+) -> Vec<f32> {
+    let n = x.rows;
+    let mut y = vec![0f32; n * m];
+    let y_ptr = super::SendPtr(y.as_mut_ptr());
+    gemm(tiles, op, x, w, |t, p, c| {
+        let y_ptr = &y_ptr;
+        let (j0, rows) = (p * BLOCK, (n - t).min(BLOCK));
+        let cols = BLOCK.min(m - j0);
+        for (r, c_row) in c[..rows].iter().enumerate() {
+            // SAFETY: each (row block, panel) is emitted once, so this writes columns
+            // j0..j0+cols of row t+r of y (inside it) from this task alone.
+            let out = unsafe { std::slice::from_raw_parts_mut(y_ptr.0.add((t + r) * m + j0), cols) };
+            for (j, (o, &bits)) in out.iter_mut().zip(c_row).enumerate() {
+                *o = value(t + r, j0 + j, bits);
+            }
+        }
+    });
+    y
+}
+
+/// Four int8 values (fewer at a row's end, zeros after) as one little-endian group.
+pub fn quad(values: &[i8]) -> u32 {
+    let mut b = [0u8; 4];
+    values.iter().zip(&mut b).for_each(|(v, b)| *b = *v as u8);
+    u32::from_le_bytes(b)
 }
 
 /// Whether this process can use AMX-BF16 tiles: the CPU has them, the OS enabled the tile
@@ -496,7 +530,7 @@ fn request_tile_state() -> std::io::Result<()> {
 /// Runs `tiles` on a small problem in both ops (int8 only where the CPU has it) with and
 /// without accumulation, against [`Sim`]; the first difference is the error. Sequential:
 /// it runs while the process decides its kernels, maybe on a rayon worker.
-pub fn check(tiles: &dyn TilesDyn) -> Result<(), String> {
+pub fn check<T: Tiles + ?Sized>(tiles: &T) -> Result<(), String> {
     let steps = 3;
     let lda = steps * STEP_BYTES + 64;
     let a: Vec<u8> = (0..BLOCK * lda).map(|i| (i * 37 % 251) as u8).collect();
@@ -512,8 +546,8 @@ pub fn check(tiles: &dyn TilesDyn) -> Result<(), String> {
         let (a, b) = if op == Op::Bf16 { (bf16ify(&a), bf16ify(&b)) } else { (a.clone(), b.clone()) };
         let (mut got, mut want) = ([[0u32; BLOCK]; BLOCK], [[0u32; BLOCK]; BLOCK]);
         for accumulate in [false, true] {
-            tiles.block_dyn(op, (&a, lda), &b, steps, &mut got, accumulate);
-            Sim.block_dyn(op, (&a, lda), &b, steps, &mut want, accumulate);
+            block_on(tiles, op, (&a, lda), &b, steps, &mut got, accumulate);
+            block_on(&Sim, op, (&a, lda), &b, steps, &mut want, accumulate);
         }
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             for (j, (&g, &w)) in g.iter().zip(w).enumerate() {
@@ -533,29 +567,22 @@ pub fn check(tiles: &dyn TilesDyn) -> Result<(), String> {
     Ok(())
 }
 
-/// [`Tiles`] over slices, for the check and its tests.
-pub trait TilesDyn {
-    fn block_dyn(&self, op: Op, a: (&[u8], usize), b: &[u8], steps: usize, c: &mut Block, accumulate: bool);
-}
-
-impl<T: Tiles> TilesDyn for T {
-    fn block_dyn(
-        &self,
-        op: Op,
-        (a, lda): (&[u8], usize),
-        b: &[u8],
-        steps: usize,
-        c: &mut Block,
-        accumulate: bool,
-    ) {
-        assert!(
-            a.len() >= (BLOCK - 1) * lda + steps * STEP_BYTES
-                && b.len() >= steps * STEP_ROWS * PANEL_ROW_BYTES
-        );
-        let _session = self.session();
-        // SAFETY: sizes asserted above; inside a session.
-        unsafe { self.block(op, (a.as_ptr(), lda), b.as_ptr(), steps, c, accumulate) };
-    }
+/// One [`Tiles::block`] on slices, in its own session: for the check and its tests.
+pub fn block_on<T: Tiles + ?Sized>(
+    tiles: &T,
+    op: Op,
+    (a, lda): (&[u8], usize),
+    b: &[u8],
+    steps: usize,
+    c: &mut Block,
+    accumulate: bool,
+) {
+    assert!(
+        a.len() >= (BLOCK - 1) * lda + steps * STEP_BYTES && b.len() >= steps * STEP_ROWS * PANEL_ROW_BYTES
+    );
+    let _session = tiles.session();
+    // SAFETY: sizes asserted above; inside a session.
+    unsafe { tiles.block(op, (a.as_ptr(), lda), b.as_ptr(), steps, c, accumulate) };
 }
 
 /// Operations of `rounds` rounds of four independent tile products on registers (the
@@ -643,7 +670,7 @@ mod tests {
         let a: Vec<u8> = (0..BLOCK * lda).map(|i| (i * 31 % 253) as u8).collect();
         let b: Vec<u8> = (0..STEP_ROWS * PANEL_ROW_BYTES).map(|i| (i * 17 % 239) as u8).collect();
         let mut c = [[0u32; BLOCK]; BLOCK];
-        Sim.block_dyn(Op::Int8, (&a, lda), &b, 1, &mut c, false);
+        block_on(&Sim, Op::Int8, (&a, lda), &b, 1, &mut c, false);
         for (r, row) in c.iter().enumerate() {
             for (j, &got) in row.iter().enumerate() {
                 // Column j of the panel is bytes j·4..j·4+4 of each panel row (a k-quad).
@@ -665,8 +692,8 @@ mod tests {
         let b: Vec<u8> = (0..STEP_ROWS * BLOCK)
             .flat_map(|i| if i < BLOCK { pair(2.0, 4.0) } else { pair(0.0, 0.0) })
             .collect();
-        Sim.block_dyn(Op::Bf16, (&a, 64), &b, 1, &mut c, false);
-        Sim.block_dyn(Op::Bf16, (&a, 64), &b, 1, &mut c, true);
+        block_on(&Sim, Op::Bf16, (&a, 64), &b, 1, &mut c, false);
+        block_on(&Sim, Op::Bf16, (&a, 64), &b, 1, &mut c, true);
         assert!(c.iter().flatten().all(|&v| f32::from_bits(v) == 2.0));
         // Denormal inputs read as zero.
         assert_eq!(f32::from_bits(bf16_pair_step(0, 0x0001, 0x3f80)), 0.0);

@@ -118,19 +118,7 @@ pub(super) fn matmul_tiles<T: Tiles + ?Sized>(tiles: &T, x: &CpuTensor, w: &Pack
     let (n, k, kp, m) = (x.rows, w.k, w.kp, w.m);
     let acts = Activations::new(n, kp / 2, |r, out| to_pairs(&x.data[r * k..(r + 1) * k], out));
     let panels = Panels { source: PanelSource::Packed(&w.panels), count: m.div_ceil(NR), steps: kp / 32 };
-    let mut y = vec![0f32; n * m];
-    let y_ptr = SendPtr(y.as_mut_ptr());
-    amx::gemm(tiles, Op::Bf16, &acts, &panels, |t, p, c| {
-        let y_ptr = &y_ptr;
-        let (j0, rows) = (p * NR, (n - t).min(amx::BLOCK));
-        let cols = NR.min(m - j0);
-        for (r, c_row) in c[..rows].iter().enumerate() {
-            // SAFETY: each (row block, panel) is emitted once, so this writes columns
-            // j0..j0+cols of row t+r of y (inside it) from this task alone.
-            let out = unsafe { std::slice::from_raw_parts_mut(y_ptr.0.add((t + r) * m + j0), cols) };
-            out.iter_mut().zip(c_row).for_each(|(o, &bits)| *o = f32::from_bits(bits));
-        }
-    });
+    let y = amx::gemm_rows(tiles, Op::Bf16, &acts, &panels, m, |_, _, bits| f32::from_bits(bits));
     CpuTensor::new(y, n, m)
 }
 

@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 use rayon::prelude::*;
 
 use super::amx::{self, Activations, Op, PanelSource, Panels, Tiles, BLOCK, STEP_BYTES};
-use super::{CpuTensor, SendPtr};
+use super::CpuTensor;
 
 /// Output rows per rayon task.
 const CHUNK: usize = 32;
@@ -93,10 +93,8 @@ pub fn matmul_tiles<T: Tiles + ?Sized>(
     let kp = k.div_ceil(STEP_BYTES) * STEP_BYTES;
     let (xq, xs) = quantize_rows(x, |q| q as i8);
     let acts = Activations::new(n, kp / 4, |r, out| {
-        for (o, quad) in out.iter_mut().zip(xq[r * k..(r + 1) * k].chunks(4)) {
-            let mut b = [0u8; 4];
-            quad.iter().zip(&mut b).for_each(|(v, b)| *b = *v as u8);
-            *o = u32::from_le_bytes(b);
+        for (o, values) in out.iter_mut().zip(xq[r * k..(r + 1) * k].chunks(4)) {
+            *o = amx::quad(values);
         }
     });
     let panels = Panels {
@@ -104,21 +102,8 @@ pub fn matmul_tiles<T: Tiles + ?Sized>(
         count: m.div_ceil(BLOCK),
         steps: kp / STEP_BYTES,
     };
-    let mut y = vec![0f32; n * m];
-    let y_ptr = SendPtr(y.as_mut_ptr());
-    amx::gemm(tiles, Op::Int8, &acts, &panels, |t, p, c| {
-        let y_ptr = &y_ptr;
-        let (j0, rows) = (p * BLOCK, (n - t).min(BLOCK));
-        let cols = BLOCK.min(m - j0);
-        for (r, c_row) in c[..rows].iter().enumerate() {
-            // SAFETY: each (row block, panel) is emitted once, so this writes columns
-            // j0..j0+cols of row t+r of y (inside it) from this task alone.
-            let out = unsafe { std::slice::from_raw_parts_mut(y_ptr.0.add((t + r) * m + j0), cols) };
-            for (j, (o, &acc)) in out.iter_mut().zip(c_row).enumerate() {
-                *o = acc as i32 as f32 * xs[t + r] * scales[j0 + j];
-            }
-        }
-    });
+    let y =
+        amx::gemm_rows(tiles, Op::Int8, &acts, &panels, m, |t, j, acc| acc as i32 as f32 * xs[t] * scales[j]);
     CpuTensor::new(y, n, m)
 }
 
