@@ -11,6 +11,7 @@ use strata_common::config::{CoordinatorSettings, SecuritySettings};
 use strata_common::ready::{announce, Announcement};
 use strata_common::tls::{ClusterCredentials, ClusterTls, Role};
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
+use strata_coordinator::frontend::texts::{TextBudgetOptions, SMALL_TEXT};
 use strata_coordinator::frontend::FrontEndOptions;
 use strata_coordinator::request::generation::RouteLimits;
 use strata_coordinator::routing::policy::PolicyKind;
@@ -125,6 +126,11 @@ pub struct CallerArgs {
     /// (coordinator.response_cache_memory).
     #[arg(long, env = "STRATA_RESPONSE_CACHE_MEMORY", value_name = "SIZE")]
     pub response_cache_memory: Option<String>,
+    /// Bytes of caller text parsed, rendered and tokenized at once, across gRPC, HTTP and
+    /// batch jobs (tokenizing costs ~220× the text in memory; texts of 64 KiB and less
+    /// have a lane of their own) [default: 16MiB] (coordinator.text_in_flight).
+    #[arg(long, env = "STRATA_TEXT_IN_FLIGHT", value_name = "SIZE")]
+    pub text_in_flight: Option<String>,
     /// How a model's router picks among its ready replicas: prefix-affinity (where the
     /// prompt's prefix went before, unless that replica is much busier) or
     /// least-outstanding [default: prefix-affinity] (coordinator.routing_policy).
@@ -164,6 +170,9 @@ impl CallerArgs {
         }
         if let Some(m) = &self.response_cache_memory {
             c.response_cache_memory = m.clone();
+        }
+        if let Some(m) = &self.text_in_flight {
+            c.text_in_flight = m.clone();
         }
         if let Some(p) = &self.routing_policy {
             c.routing_policy = p.clone();
@@ -241,6 +250,8 @@ pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions>
             "response cache on: a repeated deterministic request may be answered from it (--response-cache-memory 0 turns it off; requests may send cache: false)"
         );
     }
+    let text = strata_common::config::parse_memory(&c.text_in_flight)
+        .context("--text-in-flight (coordinator.text_in_flight)")?;
     // `route_wait_s` is finite and not negative: the settings were validated.
     let wait = std::time::Duration::from_secs_f64(c.route_wait_s);
     let defaults = RouteLimits::default();
@@ -248,6 +259,7 @@ pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions>
         // Replicas pending for workers hold a request no longer than the route wait.
         route: RouteLimits { wait, pending_grace: defaults.pending_grace.min(wait), ..defaults },
         response_cache_bytes: bytes,
+        texts: TextBudgetOptions { total_bytes: text, small_bytes: (text / 4).max(SMALL_TEXT * 4) },
     })
 }
 

@@ -302,6 +302,10 @@ pub struct CoordinatorSettings {
     /// Memory for responses to deterministic requests, replayed when an identical
     /// request comes again (a size: "64MiB"; "0": off).
     pub response_cache_memory: String,
+    /// Bytes of caller text parsed, rendered and tokenized at once across every API (a
+    /// size: "16MiB"; tokenizing costs ~220× the text in memory). A quarter more is kept
+    /// for texts of 64 KiB and less, so they never wait behind large ones.
+    pub text_in_flight: String,
     /// How a model's router picks among its ready replicas: "prefix-affinity" (where the
     /// prompt's prefix went before, unless much busier) or "least-outstanding".
     pub routing_policy: String,
@@ -335,6 +339,7 @@ impl Default for CoordinatorSettings {
             drain_timeout_s: 30.0,
             default_device: "cpu".into(),
             response_cache_memory: "64MiB".into(),
+            text_in_flight: "16MiB".into(),
             routing_policy: "prefix-affinity".into(),
             access_log: false,
             tenants: Vec::new(),
@@ -468,6 +473,7 @@ impl Config {
         }
         parse_memory_or_zero(&c.response_cache_memory)
             .map_err(|err| rename(err, "coordinator.response_cache_memory"))?;
+        parse_memory(&c.text_in_flight).map_err(|err| rename(err, "coordinator.text_in_flight"))?;
         if !matches!(c.default_device.as_str(), "cpu" | "cuda") {
             return Err(Error::invalid(
                 "coordinator.default_device",

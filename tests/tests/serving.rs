@@ -7,6 +7,8 @@
 mod batch;
 #[path = "serving_suite/embeddings.rs"]
 mod embeddings;
+#[path = "serving_suite/hardening.rs"]
+mod hardening;
 #[path = "serving_suite/http_api.rs"]
 mod http_api;
 #[path = "serving_suite/metrics.rs"]

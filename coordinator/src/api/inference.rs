@@ -216,8 +216,19 @@ impl Inference for InferenceService {
         let model = self.front.models().get(&req.model).map_err(to_status)?;
         who.may_use(&model.name).map_err(to_status)?;
         let text = req.text;
+        // Bounded by the context as generation is, under the front end's text budget.
+        let permit = self.front.texts().acquire(who.tenant(), text.len()).await;
         let token_ids = tokio::task::spawn_blocking(move || {
-            model.tokenizer.encode(&text, model.config.max_position_embeddings.max(1 << 20))
+            let _permit = permit;
+            let context = model.max_context();
+            let ids = model.tokenizer.encode(&text, context)?;
+            if ids.len() > context {
+                return Err(strata_common::Error::invalid(
+                    "text",
+                    format!("{} tokens; the model's context is {context} tokens", ids.len()),
+                ));
+            }
+            Ok(ids)
         })
         .await
         .map_err(|e| Status::internal(format!("tokenize: {e}")))?

@@ -126,7 +126,10 @@ async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input:
     let request_id = format!("{batch_id}-{index}");
     // Off the async runtime: a line's chat template may run long on its data.
     let (models, at) = (batches.front.models().clone(), line.clone());
+    // Under the front end's budget of text worked on at once, as an online request's body.
+    let permit = batches.front.texts().acquire(&owner.tenant, line.range.len()).await;
     let parsed = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
         let body = at.body(&input).map_err(|e| ApiError::invalid("body", e))?;
         match api {
             Api::Chat => completions::chat(&*models, body),

@@ -35,10 +35,12 @@ use tracing::{Instrument, Span};
 pub mod admission;
 pub mod cache;
 pub mod fair;
+pub mod texts;
 
 use self::admission::{admit, Admitted, GenerateRequest, Prompt};
 use self::cache::{Key, Response, ResponseCache};
 use self::fair::{Gate, Slot, Ticket};
+use self::texts::{TextBudget, TextBudgetOptions};
 use crate::request::generation::{self, ChunkRx, RouteLimits, Target};
 use crate::request::metrics::{failed, served_by, RequestTimer};
 use crate::request::span;
@@ -53,11 +55,17 @@ pub struct FrontEndOptions {
     pub route: RouteLimits,
     /// Bytes of responses the response cache keeps (0: none).
     pub response_cache_bytes: usize,
+    /// Caller text parsed and tokenized at once ([`texts`]).
+    pub texts: TextBudgetOptions,
 }
 
 impl Default for FrontEndOptions {
     fn default() -> Self {
-        FrontEndOptions { route: RouteLimits::default(), response_cache_bytes: DEFAULT_CACHE_BYTES }
+        FrontEndOptions {
+            route: RouteLimits::default(),
+            response_cache_bytes: DEFAULT_CACHE_BYTES,
+            texts: TextBudgetOptions::default(),
+        }
     }
 }
 
@@ -79,6 +87,7 @@ pub struct FrontEnd {
     gates: Mutex<HashMap<String, Arc<Gate>>>,
     ledger: Arc<Ledger>,
     online: Arc<AtomicUsize>,
+    texts: TextBudget,
 }
 
 impl FrontEnd {
@@ -90,6 +99,7 @@ impl FrontEnd {
             gates: Mutex::default(),
             ledger: Arc::default(),
             online: Arc::default(),
+            texts: TextBudget::new(opts.texts),
         })
     }
 
@@ -105,6 +115,11 @@ impl FrontEnd {
     /// What each tenant used, as this process counts it.
     pub fn ledger(&self) -> &Arc<Ledger> {
         &self.ledger
+    }
+
+    /// The caller text parsed and tokenized at once, across every API.
+    pub fn texts(&self) -> &TextBudget {
+        &self.texts
     }
 
     pub fn cache(&self) -> &ResponseCache {
@@ -220,12 +235,16 @@ impl FrontEnd {
                 ));
             }
         }
-        let admitted = match request.prompt {
-            Some(Prompt::Text(_) | Prompt::Chat(_)) => {
+        let admitted = match &request.prompt {
+            Some(Prompt::Text(text) | Prompt::Chat(text)) => {
+                let permit = self.texts.acquire(caller.tenant(), text.len()).await;
                 let entry = model.clone();
-                tokio::task::spawn_blocking(move || admit(&request, &entry))
-                    .await
-                    .map_err(|e| Error::Internal(format!("admission: {e}")))?
+                tokio::task::spawn_blocking(move || {
+                    let _permit = permit;
+                    admit(&request, &entry)
+                })
+                .await
+                .map_err(|e| Error::Internal(format!("admission: {e}")))?
             }
             _ => admit(&request, model),
         };

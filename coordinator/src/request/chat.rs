@@ -42,19 +42,27 @@ thread_local! {
 }
 
 /// The rendering's output, refusing bytes past `max`.
-struct Bounded {
+struct Bounded<'a> {
     out: Vec<u8>,
     max: usize,
     over: bool,
+    /// Told the output so far after each write; its error stops the rendering.
+    watch: &'a mut dyn FnMut(&[u8], bool) -> Result<()>,
+    /// The watcher's error, once it gave one.
+    stopped: Option<Error>,
 }
 
-impl std::io::Write for Bounded {
+impl std::io::Write for Bounded<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if self.out.len() + buf.len() > self.max {
             self.over = true;
             return Err(std::io::Error::other("the rendered prompt is too long"));
         }
         self.out.extend_from_slice(buf);
+        if let Err(e) = (self.watch)(&self.out, false) {
+            self.stopped = Some(e);
+            return Err(std::io::Error::other("the rendered prompt is too long"));
+        }
         Ok(buf.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -250,6 +258,18 @@ impl ChatTemplate {
     /// `raise_exception`, any rendering error, and an output (or one `tojson`) past
     /// `max_bytes` become the request's error, naming `messages`.
     pub fn render(&self, input: &ChatInput, max_bytes: usize) -> Result<String> {
+        self.render_watched(input, max_bytes, &mut |_, _| Ok(()))
+    }
+
+    /// [`render`](Self::render), telling `watch` the output so far after each write (and
+    /// once more at the end, `true`): its error, such as a token count past the context
+    /// ([`crate::request::tokenizer::Counter`]), stops the rendering and is the result.
+    pub fn render_watched(
+        &self,
+        input: &ChatInput,
+        max_bytes: usize,
+        watch: &mut dyn FnMut(&[u8], bool) -> Result<()>,
+    ) -> Result<String> {
         let name = if input.tools.is_some() && self.has_tool_use { "tool_use" } else { "default" };
         let template = self.env.get_template(name).map_err(|e| Error::Internal(describe(&e)))?;
         let inputs = [Some(&input.messages), input.tools.as_ref()];
@@ -273,10 +293,13 @@ impl ChatTemplate {
             Some(tools) => minijinja::context! { tools => Value::from_serialize(tools), ..base },
             None => base,
         };
-        let mut out = Bounded { out: Vec::new(), max: max_bytes, over: false };
+        let mut out = Bounded { out: Vec::new(), max: max_bytes, over: false, watch, stopped: None };
         TOJSON_BUDGET.with(|b| b.set(Some(max_bytes)));
         let rendered = template.render_captured_to(ctx, &mut out).map(drop);
         let tojson_over = TOJSON_BUDGET.with(|b| b.replace(Some(usize::MAX))).is_none();
+        if let Some(e) = out.stopped.take() {
+            return Err(e);
+        }
         if out.over || tojson_over {
             return Err(Error::invalid(
                 "messages",
@@ -286,6 +309,7 @@ impl ChatTemplate {
         rendered.map_err(|e| {
             Error::invalid("messages", format!("the model's chat template: {}", describe(&e)))
         })?;
+        (out.watch)(&out.out, true)?;
         String::from_utf8(out.out).map_err(|e| Error::Internal(format!("chat template output: {e}")))
     }
 }

@@ -284,8 +284,7 @@ pub fn chat(models: &dyn Catalog, mut f: Fields) -> Result<Job, ApiError> {
         common.params.constraint = Some(forced);
         common.constraint_field = Some("tool_choice".into());
     }
-    let text =
-        template.render(&input, model.tokenizer.max_text_bytes(model.config.max_position_embeddings))?;
+    let text = model.tokenizer.render_chat(&input, model.config.max_position_embeddings)?;
     let reply = ReplyReader { tools, reasoning: template.reasoning(&text) };
     let reply = (!reply.is_plain()).then_some(reply);
     let choices = choices(models, &common, vec![Prompt::Chat(text)], true)?;

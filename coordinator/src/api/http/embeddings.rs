@@ -178,7 +178,7 @@ pub async fn route(
     body: bytes::Bytes,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let job = match super::build_job(&state, body, build).await {
+    let job = match super::build_job(&state, &who, body, build).await {
         Ok(job) => job,
         Err(e) => return e.into_response(),
     };

@@ -52,10 +52,6 @@ use strata_common::conn_limits::LimitedListener;
 /// Largest JSON request body (prompts are bounded again by the context on admission).
 pub const MAX_JSON_BODY: usize = 16 << 20;
 
-/// Bytes of request bodies being parsed and built at once (a body takes its size, at
-/// least 4 KiB): one largest body, or thousands of small ones.
-pub const BUILD_BYTES: usize = MAX_JSON_BODY;
-
 /// Where and how the HTTP API serves.
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
@@ -78,10 +74,6 @@ pub struct HttpState {
     pub batches: Option<Arc<crate::batch::Batches>>,
     /// Stored Responses conversations (`previous_response_id`).
     responses: Arc<responses::ResponseStore>,
-    /// Bytes of request bodies parsed and built (chat templates rendered) at once, on the
-    /// blocking pool: a body may be megabytes of JSON, ~50× that once parsed and handed
-    /// to a template, and a template runs long on a caller's data.
-    builds: tokio::sync::Semaphore,
 }
 
 impl HttpState {
@@ -94,7 +86,6 @@ impl HttpState {
             prefix: format!("{:08x}", rand::random::<u32>()),
             batches: None,
             responses: Arc::default(),
-            builds: tokio::sync::Semaphore::new(BUILD_BYTES),
         }
     }
 
@@ -158,18 +149,22 @@ fn caller(headers: &HeaderMap) -> Option<strata_common::trace::TraceContext> {
     strata_common::trace::TraceContext::from_headers(get("traceparent"), get("tracestate"))
 }
 
-/// `build` over a parsed body on the blocking pool, a bounded number at once.
+/// `build` over a parsed body on the blocking pool, under the front end's budget of text
+/// worked on at once ([`crate::frontend::texts`]): a body may be megabytes of JSON, ~50×
+/// that once parsed and handed to a template, and tokenizing costs more still.
 async fn build_job<T: Send + 'static>(
     state: &HttpState,
+    who: &Caller,
     body: Bytes,
     build: impl FnOnce(&dyn Catalog, params::Fields) -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let weight = body.len().clamp(4096, BUILD_BYTES) as u32;
-    let permit = state.builds.acquire_many(weight).await;
+    let permit = state.front.texts().acquire(who.tenant(), body.len()).await;
     let models = state.front.models().clone();
-    let built =
-        tokio::task::spawn_blocking(move || params::object(&body).and_then(|f| build(&*models, f))).await;
-    drop(permit);
+    let built = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        params::object(&body).and_then(|f| build(&*models, f))
+    })
+    .await;
     built.map_err(|e| ApiError::from(strata_common::Error::Internal(format!("building the request: {e}"))))?
 }
 
@@ -179,7 +174,7 @@ async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    match build_job(&state, body, |models, f| completions::completion(models, &f)).await {
+    match build_job(&state, &who, body, |models, f| completions::completion(models, &f)).await {
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
@@ -191,7 +186,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    match build_job(&state, body, completions::chat).await {
+    match build_job(&state, &who, body, completions::chat).await {
         Ok(job) => respond::run(state.clone(), job, who, caller(&headers)).await,
         Err(e) => e.into_response(),
     }
@@ -214,7 +209,7 @@ async fn messages(
     body: Bytes,
 ) -> Response {
     let build = |models: &dyn Catalog, f| anthropic::to_chat(f).and_then(|f| completions::chat(models, f));
-    let job = match build_job(&state, body, build).await {
+    let job = match build_job(&state, &who, body, build).await {
         Ok(job) => job,
         Err(e) => return anthropic::error(e),
     };
@@ -245,7 +240,7 @@ async fn create_response(
         let job = completions::chat(models, std::mem::take(&mut t.chat))?;
         Ok((job, t))
     };
-    let (job, t) = match build_job(&state, body, build).await {
+    let (job, t) = match build_job(&state, &who, body, build).await {
         Ok(built) => built,
         Err(e) => return e.into_response(),
     };

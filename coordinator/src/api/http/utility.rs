@@ -36,9 +36,6 @@ const TOKENIZE_FIELDS: &[&str] = &[
 /// What `/detokenize` reads.
 const DETOKENIZE_FIELDS: &[&str] = &["model", "tokens"];
 
-/// Most tokens one `/tokenize` answers (a body is at most 16 MiB of text anyway).
-const MAX_TOKENIZED: usize = 1 << 22;
-
 pub async fn version() -> Response {
     axum::Json(json!({"version": env!("CARGO_PKG_VERSION")})).into_response()
 }
@@ -84,7 +81,8 @@ async fn route(
     answer: fn(&ModelEntry, Fields) -> Result<Json, ApiError>,
 ) -> Response {
     let models = state.front.models().clone();
-    let done = blocking(state, body, move |f| {
+    let tenant = who.tenant().to_string();
+    let done = blocking(state, &tenant, body, move |f| {
         known(&f, fields, route)?;
         let model = model(&*models, &f, &who)?;
         answer(&model, f)
@@ -112,16 +110,20 @@ fn detokenize_fields(model: &ModelEntry, f: Fields) -> Result<Json, ApiError> {
     Ok(json!({"prompt": text}))
 }
 
-/// The parsed body's answer, computed on the blocking pool under the bound on bodies
-/// being built at once (tokenizing megabytes is not for the async threads).
+/// The parsed body's answer, computed on the blocking pool under the front end's budget
+/// of text worked on at once (tokenizing megabytes is not for the async threads).
 async fn blocking(
     state: &HttpState,
+    tenant: &str,
     body: Bytes,
     answer: impl FnOnce(Fields) -> Result<Json, ApiError> + Send + 'static,
 ) -> Result<Response, ApiError> {
-    let weight = body.len().clamp(4096, super::BUILD_BYTES) as u32;
-    let _permit = state.builds.acquire_many(weight).await;
-    let done = tokio::task::spawn_blocking(move || params::object(&body).and_then(answer)).await;
+    let permit = state.front.texts().acquire(tenant, body.len()).await;
+    let done = tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        params::object(&body).and_then(answer)
+    })
+    .await;
     let json =
         done.map_err(|e| ApiError::from(strata_common::Error::Internal(format!("answering: {e}"))))??;
     Ok(axum::Json(json).into_response())
@@ -196,29 +198,38 @@ pub async fn tokenizer_info(
 }
 
 fn tokenize_fields(model: &ModelEntry, mut f: Fields) -> Result<Json, ApiError> {
+    // Bounded by the context as generation is: text past it is refused, not tokenized whole.
+    let context = model.max_context();
     let chat = f.contains_key("messages");
     let text = match (f.get("prompt"), chat) {
         (Some(_), true) => return Err(ApiError::invalid("messages", "give prompt or messages, not both")),
         (Some(Json::String(p)), false) => p.clone(),
         (Some(_), false) => return Err(ApiError::invalid("prompt", "prompt must be a string")),
-        (None, true) => render(model, &mut f)?,
+        (None, true) => render(model, &mut f, context)?,
         (None, false) => return Err(ApiError::invalid("prompt", "prompt (or messages) is required")),
     };
     // A rendered chat carries its special tokens already (as vLLM's default says).
     let special = params::boolean(&f, "add_special_tokens")?.unwrap_or(!chat);
-    let ids = model.tokenizer.encode_with(&text, MAX_TOKENIZED, special).map_err(ApiError::from)?;
+    let ids = model.tokenizer.encode_with(&text, context, special).map_err(ApiError::from)?;
+    if ids.len() > context {
+        let field = if chat { "messages" } else { "prompt" };
+        return Err(ApiError::invalid(
+            field,
+            format!("{} tokens; the model's context is {context} tokens", ids.len()),
+        ));
+    }
     let strs = match params::boolean(&f, "return_token_strs")? {
         Some(true) => Json::from(ids.iter().map(|&t| model.tokenizer.token_text(t)).collect::<Vec<_>>()),
         _ => Json::Null,
     };
-    Ok(json!({"count": ids.len(), "max_model_len": model.max_context(), "tokens": ids, "token_strs": strs}))
+    Ok(json!({"count": ids.len(), "max_model_len": context, "tokens": ids, "token_strs": strs}))
 }
 
 /// Chat messages as the model's template renders them for a chat completion.
-fn render(model: &ModelEntry, f: &mut Fields) -> Result<String, ApiError> {
+fn render(model: &ModelEntry, f: &mut Fields, context: usize) -> Result<String, ApiError> {
     let input = super::completions::chat_input(f)?;
-    let Some(template) = model.tokenizer.chat_template() else {
+    if model.tokenizer.chat_template().is_none() {
         return Err(ApiError::invalid("messages", format!("model {:?} has no chat template", model.name)));
-    };
-    Ok(template.render(&input, model.tokenizer.max_text_bytes(MAX_TOKENIZED))?)
+    }
+    Ok(model.tokenizer.render_chat(&input, context)?)
 }

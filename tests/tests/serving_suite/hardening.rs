@@ -1,0 +1,123 @@
+//! Attacks an ordinary key holder or a stranger can make with small requests, against a
+//! real `strata serve`: each must get a clear error (or be shed) while the server's memory
+//! stays bounded and other callers are answered.
+
+use std::path::Path;
+
+use serde_json::json;
+use strata_proto::inference::v1 as pb;
+use strata_proto::inference::v1::inference_client::InferenceClient;
+use strata_tests::{fixtures_dir, http, Server};
+
+/// The server's peak resident memory so far (VmHWM), in MiB.
+pub fn peak_rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("the server's status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kib / 1024
+}
+
+/// The GQA fixture with Llama 3.1's tool template (`tools | tojson(indent=4)`) and a
+/// 512-byte token in its vocabulary, as real vocabularies have (runs of spaces, `=`):
+/// the bytes the context could hold as text then far exceed what real text holds.
+fn model_with_tool_template(dir: &Path) {
+    let src = fixtures_dir().join("llama_gqa");
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    let template = fixtures_dir().join("../chat_templates/templates/llama31_tools.jinja");
+    std::fs::copy(template, dir.join("chat_template.jinja")).unwrap();
+    let path = dir.join("tokenizer.json");
+    let mut tok: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let long = "=".repeat(512);
+    tok["added_tokens"].as_array_mut().unwrap().push(json!({
+        "id": 384, "content": long, "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": false
+    }));
+    std::fs::write(&path, tok.to_string()).unwrap();
+}
+
+/// `n` tools whose parameters nest `depth` deep with `width` keys at the bottom:
+/// `tojson(indent=4)` writes each bottom key behind `4 × depth` spaces.
+fn nested_tools(n: usize, depth: usize, width: usize) -> serde_json::Value {
+    let mut leaf = serde_json::Map::new();
+    for k in 0..width {
+        leaf.insert(format!("k{k}"), json!(k));
+    }
+    let mut v = serde_json::Value::Object(leaf);
+    for _ in 0..depth {
+        v = json!({ "p": v });
+    }
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": v}});
+    json!(vec![tool; n])
+}
+
+/// Tokenizing is bounded by the model's context on every path: a small chat body whose
+/// template multiplies its tools, a prompt far past the context, and concurrent gRPC
+/// `Tokenize` calls are refused after a piece of their text is counted (never tokenized
+/// whole), naming the field; the server's memory stays within a bound; and a text that
+/// fits still gets its ids.
+#[test]
+fn tokenizing_is_bounded_by_the_context_on_every_path() {
+    let dir = tempfile::tempdir().unwrap();
+    model_with_tool_template(dir.path());
+    let model = dir.path().to_string_lossy().to_string();
+    let server = Server::start(&["--model", &model, "--name", "m", "--http-listen", "127.0.0.1:0"]);
+    let addr = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let before = peak_rss_mib(server.child.id());
+
+    // ~60 KB of JSON that the template writes out as megabytes.
+    let tools = nested_tools(8, 60, 120);
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let body = json!({"model": "m", "messages": messages, "tools": tools});
+    assert!(body.to_string().len() < 100_000);
+    for path in ["/tokenize", "/v1/chat/completions"] {
+        let (status, reply) = http::post(&addr, path, None, &body);
+        assert_eq!(status, 400, "{path}: {reply}");
+        let message = reply["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("more than 512 tokens"), "{path}: {reply}");
+        assert_eq!(reply["error"]["param"], "messages", "{path}: {reply}");
+    }
+
+    // A prompt of ~400 KB: within the bytes 512 tokens of the long token could be, far
+    // past what they are.
+    let long = "lorem ipsum dolor sit amet ".repeat(15_000);
+    let (status, reply) = http::post(&addr, "/tokenize", None, &json!({"model": "m", "prompt": long}));
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply["error"]["message"].as_str().unwrap().contains("more than 512 tokens"), "{reply}");
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = InferenceClient::connect(server.endpoint()).await.unwrap();
+        let calls = (0..8).map(|_| {
+            let mut c = client.clone();
+            let text = long.clone();
+            async move { c.tokenize(pb::TokenizeRequest { model: "m".into(), text }).await }
+        });
+        for r in futures::future::join_all(calls).await {
+            let e = r.expect_err("a text past the context");
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+            assert!(e.message().contains("more than 512 tokens"), "{e:?}");
+        }
+        // A text that fits: the same ids over gRPC and HTTP.
+        let mut c = client.clone();
+        let short = "lorem ipsum ".repeat(20);
+        let ids = c
+            .tokenize(pb::TokenizeRequest { model: "m".into(), text: short.clone() })
+            .await
+            .unwrap()
+            .into_inner()
+            .token_ids;
+        let (status, reply) = http::post(&addr, "/tokenize", None, &json!({"model": "m", "prompt": short}));
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(strata_tests::ids(&reply["tokens"]), ids);
+        assert_eq!(reply["max_model_len"], 512);
+    });
+
+    let grew = peak_rss_mib(server.child.id()).saturating_sub(before);
+    assert!(grew < 300, "the server's peak memory grew by {grew} MiB");
+}
