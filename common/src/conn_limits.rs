@@ -8,6 +8,9 @@
 //! has not sent its opening bytes ([`ConnLimits::opening_bytes`]: for gRPC, the HTTP/2
 //! preface and the first frame's header) within [`ConnLimits::first_bytes`] of being
 //! accepted is closed — a preface sent in part and left there holds no slot either.
+//!
+//! gRPC listeners also watch their connections' calls ([`crate::conn_calls`]): one that
+//! makes no call in time is closed, and at the cap the least useful idle one makes room.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -21,6 +24,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::conn_calls::{CallsLayer, Connections, IdleWatch};
+
 /// A listener's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnLimits {
@@ -32,6 +37,24 @@ pub struct ConnLimits {
     pub first_bytes: Duration,
     /// How many bytes count as the opening (at least 1).
     pub opening_bytes: usize,
+    /// How long a connection may go without a call (gRPC listeners; None: no bound, and no
+    /// room made at the cap).
+    pub calls: Option<CallBounds>,
+}
+
+/// How long a connection may go without a call ([`crate::conn_calls`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CallBounds {
+    /// From being accepted to its first call.
+    pub first_call: Duration,
+    /// From the end of its last call.
+    pub idle: Duration,
+}
+
+impl Default for CallBounds {
+    fn default() -> Self {
+        CallBounds { first_call: Duration::from_secs(20), idle: Duration::from_secs(300) }
+    }
 }
 
 /// An HTTP/2 connection's opening: the 24-byte client preface, then the 9-byte header of
@@ -46,14 +69,16 @@ impl Default for ConnLimits {
             max_per_peer: 512,
             first_bytes: Duration::from_secs(10),
             opening_bytes: 1,
+            calls: None,
         }
     }
 }
 
 impl ConnLimits {
-    /// A gRPC listener's: the whole HTTP/2 opening within the deadline.
+    /// A gRPC listener's: the whole HTTP/2 opening within the deadline, and calls within
+    /// [`CallBounds`].
     pub fn grpc() -> Self {
-        ConnLimits { opening_bytes: HTTP2_OPENING, ..Default::default() }
+        ConnLimits { opening_bytes: HTTP2_OPENING, calls: Some(CallBounds::default()), ..Default::default() }
     }
 }
 
@@ -66,12 +91,19 @@ pub struct LimitedListener {
     limits: ConnLimits,
     open: Arc<Semaphore>,
     peers: Peers,
+    connections: Connections,
 }
 
 impl LimitedListener {
     pub fn new(listener: TcpListener, limits: ConnLimits) -> Self {
         let open = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-        LimitedListener { listener, limits, open, peers: Arc::default() }
+        LimitedListener { listener, limits, open, peers: Arc::default(), connections: Connections::default() }
+    }
+
+    /// The layer a tonic server over this listener counts its calls with
+    /// ([`crate::conn_calls`]); without it every connection is closed as never used.
+    pub fn calls_layer(&self) -> CallsLayer {
+        self.connections.layer()
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -79,13 +111,11 @@ impl LimitedListener {
     }
 
     /// The next connection within the limits (`TCP_NODELAY` set: streams write small
-    /// events). Waits while the listener is at its cap; closes a connection whose peer
-    /// is at its own; retries after accept errors (out of descriptors: a moment later).
+    /// events). Waits while the listener is at its cap ([`Self::room`]); closes a
+    /// connection whose peer is at its own; retries after accept errors (out of
+    /// descriptors: a moment later).
     pub async fn accept(&self) -> (Limited, SocketAddr) {
         loop {
-            let Ok(permit) = self.open.clone().acquire_owned().await else {
-                unreachable!("the semaphore is never closed")
-            };
             let (stream, peer) = match self.listener.accept().await {
                 Ok(accepted) => accepted,
                 Err(e) => {
@@ -103,11 +133,39 @@ impl LimitedListener {
                 }
                 *n += 1;
             }
+            let permit = self.room().await;
             let _ = stream.set_nodelay(true);
             let first = Box::pin(tokio::time::sleep(self.limits.first_bytes));
-            let held = Held { _permit: permit, peers: self.peers.clone(), ip: peer.ip() };
+            let watch = self.limits.calls.map(|b| IdleWatch {
+                activity: self.connections.opened(peer),
+                first_call: b.first_call,
+                idle: b.idle,
+                timer: Box::pin(tokio::time::sleep(b.first_call)),
+            });
+            let held = Held {
+                _permit: permit,
+                peers: self.peers.clone(),
+                peer,
+                connections: watch.is_some().then(|| self.connections.clone()),
+            };
             let opening = self.limits.opening_bytes.max(1);
-            return (Limited { io: stream, first: Some(first), opening, _held: held }, peer);
+            return (Limited { io: stream, first: Some(first), opening, watch, _held: held }, peer);
+        }
+    }
+
+    /// A place among the open connections. At the cap this waits for one to close (the
+    /// new connection is held meanwhile, further ones wait in the kernel's backlog); where
+    /// calls are counted, the least useful idle connection is closed to make room.
+    async fn room(&self) -> OwnedSemaphorePermit {
+        if let Ok(permit) = self.open.clone().try_acquire_owned() {
+            return permit;
+        }
+        if self.limits.calls.is_some() && self.connections.evict_one() {
+            tracing::debug!("the listener is at its connection cap: closing an idle connection");
+        }
+        match self.open.clone().acquire_owned().await {
+            Ok(permit) => permit,
+            Err(_) => unreachable!("the semaphore is never closed"),
         }
     }
 
@@ -124,16 +182,21 @@ impl LimitedListener {
 struct Held {
     _permit: OwnedSemaphorePermit,
     peers: Peers,
-    ip: IpAddr,
+    peer: SocketAddr,
+    /// Where the connection's calls are counted, when they are.
+    connections: Option<Connections>,
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
+        if let Some(c) = &self.connections {
+            c.closed(self.peer);
+        }
         let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = peers.get_mut(&self.ip) {
+        if let Some(n) = peers.get_mut(&self.peer.ip()) {
             *n -= 1;
             if *n == 0 {
-                peers.remove(&self.ip);
+                peers.remove(&self.peer.ip());
             }
         }
     }
@@ -146,6 +209,8 @@ pub struct Limited {
     first: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Opening bytes still to come.
     opening: usize,
+    /// Its calls, on a listener that bounds the time between them.
+    watch: Option<IdleWatch>,
     _held: Held,
 }
 
@@ -174,6 +239,12 @@ impl AsyncRead for Limited {
                     std::io::ErrorKind::TimedOut,
                     "the connection did not send its opening in time",
                 )));
+            }
+        }
+        if read.is_pending() {
+            if let Some(e) = this.watch.as_mut().and_then(|w| w.expired(cx)) {
+                tracing::debug!(error = %e, "closing a connection");
+                return Poll::Ready(Err(e));
             }
         }
         read
@@ -257,6 +328,7 @@ mod tests {
             max_per_peer: 2,
             first_bytes: Duration::from_millis(300),
             opening_bytes: 1,
+            calls: None,
         };
         let (l, addr) = listener(limits).await;
         serve(l);

@@ -138,7 +138,8 @@ pub fn code_name(code: tonic::Code) -> &'static str {
     }
 }
 
-fn status_in(headers: &http::HeaderMap) -> Option<tonic::Code> {
+/// The status a response carries in its headers (a trailers-only response), if any.
+pub(crate) fn status_in(headers: &http::HeaderMap) -> Option<tonic::Code> {
     let v = headers.get("grpc-status")?.to_str().ok()?.parse::<i32>().ok()?;
     Some(tonic::Code::from_i32(v))
 }

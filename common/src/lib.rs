@@ -11,6 +11,8 @@ pub mod build;
 pub mod cluster;
 pub mod config;
 #[cfg(feature = "grpc")]
+pub mod conn_calls;
+#[cfg(feature = "grpc")]
 pub mod conn_limits;
 pub mod constraint;
 pub mod device;

@@ -69,9 +69,13 @@ async fn serve_health<T: Health>(addr: SocketAddr, health: HealthServer<T>) -> a
     tokio::spawn(async move {
         // The same caps and opening deadline as every other listener: the probe port must
         // keep answering however many idle connections arrive.
-        let incoming =
-            strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc()).incoming();
-        let served = tonic::transport::Server::builder().add_service(health).serve_with_incoming(incoming);
+        // Only health is served here, and health calls keep no connection: each is closed
+        // within the first-call bound (the kubelet opens one a probe).
+        let listener = strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc());
+        let served = tonic::transport::Server::builder()
+            .layer(listener.calls_layer())
+            .add_service(health)
+            .serve_with_incoming(listener.incoming());
         if let Err(e) = served.await {
             warn!(error = %e, "the health endpoint stopped");
         }
@@ -171,17 +175,16 @@ pub async fn run_worker(registry: Arc<dyn Registry>, mut opts: WorkerOptions) ->
     } else {
         warn!("worker.v1 accepts calls from anyone who can reach {bound}: no cluster credentials");
     }
+    let listener = strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc());
     let server = builder
         .layer(strata_common::grpc_metrics::GrpcMetricsLayer)
+        .layer(listener.calls_layer())
         .layer(RoleGateLayer)
         .add_service(health)
         .add_service(worker_server(agent.clone()))
-        .serve_with_incoming_shutdown(
-            strata_common::conn_limits::LimitedListener::new(listener, ConnLimits::grpc()).incoming(),
-            async {
-                let _ = stop_rx.await;
-            },
-        );
+        .serve_with_incoming_shutdown(listener.incoming(), async {
+            let _ = stop_rx.await;
+        });
     let membership = Membership::start(
         registry.clone(),
         opts.keys.clone(),

@@ -138,11 +138,18 @@ pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions)
     if let Some(tls) = opts.tls.clone() {
         builder = builder.tls_config(tls).context("caller TLS (--tls-cert, --tls-key, --tls-client-ca)")?;
     }
+    // Connections that make no call in time are closed, and at the cap an idle one makes
+    // room (strata_common::conn_calls).
+    let listener = strata_common::conn_limits::LimitedListener::new(
+        listener,
+        strata_common::conn_limits::ConnLimits::grpc(),
+    );
     let server = builder
         .max_concurrent_streams(Some(MAX_CONCURRENT_STREAMS))
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .layer(strata_common::grpc_metrics::GrpcMetricsLayer)
+        .layer(listener.calls_layer())
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
@@ -151,16 +158,9 @@ pub async fn serve<A: Admin>(front: Arc<FrontEnd>, admin: A, opts: ServeOptions)
             CallerLayer(opts.client_auth),
         ))
         .add_service(AdminServer::new(admin))
-        .serve_with_incoming_shutdown(
-            strata_common::conn_limits::LimitedListener::new(
-                listener,
-                strata_common::conn_limits::ConnLimits::grpc(),
-            )
-            .incoming(),
-            async {
-                let _ = stop_rx.await;
-            },
-        );
+        .serve_with_incoming_shutdown(listener.incoming(), async {
+            let _ = stop_rx.await;
+        });
     info!(address = %addr, models = %names.join(","), "{} ready, listening on {addr}", opts.role.log_name());
     let address = addr.to_string();
     announce(&Announcement { event: "ready", role: opts.role.name(), address: &address, id: &opts.id });
