@@ -121,3 +121,45 @@ fn tokenizing_is_bounded_by_the_context_on_every_path() {
     let grew = peak_rss_mib(server.child.id()).saturating_sub(before);
     assert!(grew < 300, "the server's peak memory grew by {grew} MiB");
 }
+
+/// Request bodies that trickle in cannot hold the HTTP listener: a tenant's bodies past
+/// its 256 arriving at once are refused at once (429, connection closed), the rest are
+/// cut once they fall behind the minimum rate, and `/health` and completions are answered
+/// throughout and after.
+#[test]
+fn trickling_request_bodies_cannot_hold_the_http_api() {
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let gqa = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let server = Server::start(&["--model", &gqa, "--name", "m", "--http-listen", "127.0.0.1:0"]);
+    let addr = server.out.passed("http").unwrap()["address"].as_str().unwrap().to_string();
+    let started = std::time::Instant::now();
+    let slow: Vec<TcpStream> = (0..300)
+        .map(|_| {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            let head = "POST /v1/completions HTTP/1.1\r\nHost: s\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{";
+            s.write_all(head.as_bytes()).unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_secs(30))).unwrap();
+            s
+        })
+        .collect();
+    let (status, _) = http::request(&addr, "GET", "/health", None, None).unwrap();
+    assert_eq!(status, 200, "health while bodies trickle");
+    let mut refused = 0;
+    for mut s in slow {
+        let mut reply = Vec::new();
+        let _ = s.read_to_end(&mut reply);
+        let reply = String::from_utf8_lossy(&reply);
+        if reply.starts_with("HTTP/1.1 429") {
+            refused += 1;
+        } else {
+            assert!(reply.starts_with("HTTP/1.1 400"), "a trickling body: {reply}");
+            assert!(reply.contains("too slowly"), "{reply}");
+        }
+    }
+    assert_eq!(refused, 300 - 256, "bodies past the tenant's bound are refused");
+    assert!(started.elapsed() < std::time::Duration::from_secs(25), "held for {:?}", started.elapsed());
+    let body = json!({"model": "m", "prompt": "hello", "max_tokens": 2});
+    let (status, reply) = http::post(&addr, "/v1/completions", None, &body);
+    assert_eq!(status, 200, "{reply}");
+}

@@ -12,6 +12,7 @@
 //! route but the two probes and `/version` when keys are configured.
 
 mod anthropic;
+pub mod arrival;
 pub mod completions;
 mod embeddings;
 pub mod error;
@@ -74,6 +75,8 @@ pub struct HttpState {
     pub batches: Option<Arc<crate::batch::Batches>>,
     /// Stored Responses conversations (`previous_response_id`).
     responses: Arc<responses::ResponseStore>,
+    /// Request bodies on their way in, per tenant ([`arrival`]).
+    arrivals: arrival::Arrivals,
 }
 
 impl HttpState {
@@ -86,6 +89,7 @@ impl HttpState {
             prefix: format!("{:08x}", rand::random::<u32>()),
             batches: None,
             responses: Arc::default(),
+            arrivals: arrival::Arrivals::default(),
         }
     }
 
@@ -126,7 +130,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
 }
 
 /// Authenticates the caller and hands its [`Caller`] to the handlers (an extension).
-async fn authenticate(State(state): State<Arc<HttpState>>, mut request: Request, next: Next) -> Response {
+async fn authenticate(State(state): State<Arc<HttpState>>, request: Request, next: Next) -> Response {
     let headers = request.headers();
     // Anthropic's clients send the key as `x-api-key`.
     let token = headers
@@ -134,13 +138,24 @@ async fn authenticate(State(state): State<Arc<HttpState>>, mut request: Request,
         .and_then(|v| v.to_str().ok())
         .and_then(bearer_token)
         .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
-    match state.auth.check_token(token, "header") {
-        Ok(caller) => {
-            request.extensions_mut().insert(caller);
-            next.run(request).await
+    let caller = match state.auth.check_token(token, "header") {
+        Ok(caller) => caller,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    // The body arrives at a minimum rate, a bounded number per tenant at once.
+    let (parts, body) = request.into_parts();
+    let body = match state.arrivals.admit(caller.tenant(), body) {
+        Ok(body) => body,
+        Err(e) => {
+            let mut refused = e.into_response();
+            // Its body is never read: the connection cannot carry another request.
+            refused.headers_mut().insert(axum::http::header::CONNECTION, "close".parse().unwrap());
+            return refused;
         }
-        Err(e) => ApiError::from(e).into_response(),
-    }
+    };
+    let mut request = Request::from_parts(parts, body);
+    request.extensions_mut().insert(caller);
+    next.run(request).await
 }
 
 /// The caller's W3C trace context, if it sent one.
