@@ -12,7 +12,8 @@ use axum::{Extension, Json, Router};
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
-use super::store::{check_id, new_id};
+use super::index::FileQuery;
+use super::store::{check_id, new_id, MAX_FILENAME_BYTES};
 use super::{Batches, MAX_FILE_BYTES};
 use crate::api::http::error::ApiError;
 use crate::api::http::params;
@@ -44,12 +45,8 @@ fn multipart_error(e: axum::extract::multipart::MultipartError) -> ApiError {
 }
 
 /// `POST /v1/files`: a multipart form with `purpose` and `file`, written to disk as it
-/// arrives (never held whole in memory).
-/// Most files one tenant keeps (uploads and batch results).
-pub const MAX_TENANT_FILES: usize = 1000;
-/// Most bytes of files one tenant keeps.
-pub const MAX_TENANT_BYTES: u64 = 10 << 30;
-
+/// arrives (never held whole in memory), each chunk's bytes taken from the tenant's quota
+/// before they are written.
 async fn upload(
     State(batches): State<Arc<Batches>>,
     Extension(who): Extension<Caller>,
@@ -72,22 +69,26 @@ async fn receive(
     form: &mut Multipart,
     owner: &crate::tenant::Owner,
 ) -> Result<super::store::FileObject, ApiError> {
-    // A tenant's files (uploads and results) are bounded in number and bytes.
-    let held = batches.files(owner).map_err(ApiError::from)?;
-    let held_bytes: u64 = held.iter().map(|f| f.bytes).sum();
-    if held.len() >= MAX_TENANT_FILES {
-        return Err(ApiError::invalid(
-            "file",
-            format!("the tenant has {} files, at most {MAX_TENANT_FILES}: delete some first", held.len()),
-        ));
-    }
+    // A tenant's files (uploads and results) are bounded in number and bytes: the place
+    // and each chunk are taken before they are written (see batch::index).
+    let mut reserved = batches.reserve_file(owner)?;
     let mut purpose = None;
     let mut file: Option<(String, u64)> = None;
     while let Some(mut field) = form.next_field().await.map_err(multipart_error)? {
         match field.name() {
-            Some("purpose") => purpose = Some(field.text().await.map_err(multipart_error)?),
+            Some("purpose") => purpose = Some(short_text(field).await?),
+            Some("file") if file.is_some() => {
+                return Err(ApiError::invalid("file", "the form has more than one file field"))
+            }
             Some("file") => {
                 let name = field.file_name().unwrap_or("upload.jsonl").to_string();
+                if name.len() > MAX_FILENAME_BYTES {
+                    return Err(ApiError::invalid(
+                        "file",
+                        format!("a file name of {} bytes; at most {MAX_FILENAME_BYTES}", name.len()),
+                    ));
+                }
+                reserved.take(name.len() as u64)?;
                 let path = batches.store().upload_path(id);
                 let mut out = tokio::fs::File::create(&path)
                     .await
@@ -101,14 +102,7 @@ async fn receive(
                             format!("files may be at most {MAX_FILE_BYTES} bytes"),
                         ));
                     }
-                    if held_bytes + bytes > MAX_TENANT_BYTES {
-                        return Err(ApiError::invalid(
-                            "file",
-                            format!(
-                                "the tenant's files would pass {MAX_TENANT_BYTES} bytes ({held_bytes} held): delete some first"
-                            ),
-                        ));
-                    }
+                    reserved.take(chunk.len() as u64)?;
                     out.write_all(&chunk)
                         .await
                         .map_err(|e| ApiError::from(strata_common::Error::Internal(e.to_string())))?;
@@ -118,7 +112,13 @@ async fn receive(
                     .map_err(|e| ApiError::from(strata_common::Error::Internal(e.to_string())))?;
                 file = Some((name, bytes));
             }
-            _ => {}
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    other.to_string(),
+                    "the upload form takes only purpose and file",
+                ))
+            }
+            None => return Err(ApiError::invalid("file", "a form field without a name")),
         }
     }
     let Some((name, bytes)) = file else {
@@ -128,13 +128,65 @@ async fn receive(
         Some("batch") => {}
         _ => return Err(ApiError::invalid("purpose", "purpose must be batch")),
     }
-    Ok(batches.add_file(id, &name, "batch", bytes, owner)?)
+    Ok(batches.add_file(id, (&name, "batch"), bytes, reserved, owner)?)
+}
+
+/// A short text field (`purpose`), read at most 64 bytes of.
+async fn short_text(mut field: axum::extract::multipart::Field<'_>) -> Result<String, ApiError> {
+    let mut text = Vec::new();
+    while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
+        text.extend_from_slice(&chunk);
+        if text.len() > 64 {
+            return Err(ApiError::invalid("purpose", "purpose must be batch"));
+        }
+    }
+    String::from_utf8(text).map_err(|_| ApiError::invalid("purpose", "purpose must be batch"))
 }
 
 type Who = Extension<Caller>;
 
-async fn list_files(State(batches): State<Arc<Batches>>, Extension(who): Who) -> Response {
-    answer(batches.files(&who.owner()).map(|data| json!({"object": "list", "data": data})))
+/// `GET /v1/files?limit=&after=&order=&purpose=`: the caller's files, newest first unless
+/// `order=asc`, paged by id (only the page is copied).
+async fn list_files(
+    State(batches): State<Arc<Batches>>,
+    Extension(who): Who,
+    Query(q): Query<FilesQuery>,
+) -> Response {
+    if q.purpose.as_deref().is_some_and(|p| p != "batch" && p != "batch_output") {
+        return ApiError::invalid("purpose", "batch files only: purpose batch or batch_output")
+            .into_response();
+    }
+    let oldest_first = match q.order.as_deref() {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(other) => {
+            return ApiError::invalid("order", format!("{other:?}: give asc or desc")).into_response()
+        }
+    };
+    let query = FileQuery {
+        after: q.after,
+        limit: q.limit.unwrap_or(10_000).clamp(1, 10_000),
+        oldest_first,
+        purpose: q.purpose,
+    };
+    let (data, has_more) = batches.files(&who.owner(), &query);
+    Json(json!({
+        "object": "list",
+        "first_id": data.first().map(|f| f.id.clone()),
+        "last_id": data.last().map(|f| f.id.clone()),
+        "has_more": has_more,
+        "data": data,
+    }))
+    .into_response()
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FilesQuery {
+    limit: Option<usize>,
+    after: Option<String>,
+    order: Option<String>,
+    purpose: Option<String>,
 }
 
 async fn get_file(
@@ -150,7 +202,7 @@ async fn delete_file(
     Extension(who): Who,
     Path(id): Path<String>,
 ) -> Response {
-    let deleted = batches.file(&id, &who.owner()).and_then(|_| batches.store().delete_file(&id));
+    let deleted = batches.delete_file(&id, &who.owner());
     answer(deleted.map(|_| json!({"id": id, "object": "file", "deleted": true})))
 }
 
@@ -210,9 +262,6 @@ async fn create(
             (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e.into_response(),
         };
     let metadata = f.get("metadata").filter(|v| !v.is_null()).cloned();
-    if metadata.as_ref().is_some_and(|m| !m.is_object()) {
-        return ApiError::invalid("metadata", "metadata must be an object").into_response();
-    }
     answer(batches.create(&input, &endpoint, &window, metadata, &who.owner()))
 }
 
@@ -228,14 +277,8 @@ async fn list_batches(
     Extension(who): Who,
     Query(q): Query<ListQuery>,
 ) -> Response {
-    let all = batches.list(&who.owner());
-    let start = match &q.after {
-        Some(after) => all.iter().position(|b| &b.id == after).map_or(all.len(), |i| i + 1),
-        None => 0,
-    };
     let limit = q.limit.unwrap_or(20).clamp(1, 100);
-    let page: Vec<_> = all.iter().skip(start).take(limit).cloned().collect();
-    let has_more = start + page.len() < all.len();
+    let (page, has_more) = batches.list(&who.owner(), q.after.as_deref(), limit);
     let body: Value = json!({
         "object": "list",
         "first_id": page.first().map(|b| b.id.clone()),

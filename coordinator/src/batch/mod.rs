@@ -13,6 +13,7 @@
 //! (or give them one shared directory and one batch runner: see docs/HTTP_API.md).
 
 pub mod http;
+pub mod index;
 pub mod run;
 pub mod store;
 
@@ -24,12 +25,20 @@ use serde_json::Value as Json;
 use strata_common::{Error, Result};
 use tracing::warn;
 
+use self::index::{FileIndex, FileQuery, Reservation};
 use self::store::{new_id, now, BatchObject, Counts, FileObject, Store};
 use crate::frontend::FrontEnd;
 use crate::tenant::{Caller, Owner, Tenants};
 
 /// Largest file one upload may be.
 pub const MAX_FILE_BYTES: u64 = 100 << 20;
+
+/// Batches run at once, all tenants together; more wait their turn (each running batch
+/// keeps its input's line index in memory and reads its lines from disk).
+pub const MAX_RUNNING_BATCHES: usize = 8;
+
+/// Unfinished batches (waiting or running) one tenant may have; more are refused.
+pub const MAX_TENANT_UNFINISHED: usize = 16;
 
 /// A batch being run: its object and whether it was cancelled.
 pub struct Job {
@@ -44,6 +53,12 @@ impl Job {
 
     fn cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// Whether `owner` owns the batch and it has not ended.
+    fn owned_unfinished(&self, owner: &Owner) -> bool {
+        let b = self.object.lock().unwrap_or_else(|p| p.into_inner());
+        b.tenant == owner.tenant && b.tenant_incarnation == owner.incarnation && b.unfinished()
     }
 
     /// Changes the object and writes it to disk.
@@ -84,6 +99,10 @@ pub struct Batches {
     running: std::sync::atomic::AtomicUsize,
     jobs: Mutex<HashMap<String, Arc<Job>>>,
     tenants: Tenants,
+    /// Each tenant's files ([`index`]).
+    index: Arc<FileIndex>,
+    /// Places among the batches running at once ([`MAX_RUNNING_BATCHES`]).
+    runs: Arc<tokio::sync::Semaphore>,
 }
 
 impl Batches {
@@ -95,6 +114,7 @@ impl Batches {
         tenants: Tenants,
     ) -> Result<Arc<Self>> {
         let store = Store::open(dir)?;
+        let index = Arc::new(FileIndex::of(store.files()?));
         let mut jobs = HashMap::new();
         for b in store.batches()? {
             jobs.insert(
@@ -109,6 +129,8 @@ impl Batches {
             running: Default::default(),
             jobs: Mutex::new(jobs),
             tenants,
+            index,
+            runs: Arc::new(tokio::sync::Semaphore::new(MAX_RUNNING_BATCHES)),
         });
         let unfinished: Vec<Arc<Job>> =
             batches.jobs().into_iter().filter(|j| j.snapshot().unfinished()).collect();
@@ -142,16 +164,25 @@ impl Batches {
     /// The file `id` if `owner` owns it.
     pub fn file(&self, id: &str, owner: &Owner) -> Result<FileObject> {
         store::check_id(id)?;
-        self.store
-            .file(id)
-            .ok()
-            .filter(|f| f.owned_by(owner))
-            .ok_or_else(|| Error::NotFound(format!("no such file {id:?}")))
+        self.index.get(owner, id).ok_or_else(|| Error::NotFound(format!("no such file {id:?}")))
     }
 
-    /// Every file `owner` owns.
-    pub fn files(&self, owner: &Owner) -> Result<Vec<FileObject>> {
-        Ok(self.store.files()?.into_iter().filter(|f| f.owned_by(owner)).collect())
+    /// A page of `owner`'s files, and whether more follow.
+    pub fn files(&self, owner: &Owner, q: &FileQuery) -> (Vec<FileObject>, bool) {
+        self.index.page(owner, q)
+    }
+
+    /// Deletes `owner`'s file `id`.
+    pub fn delete_file(&self, id: &str, owner: &Owner) -> Result<()> {
+        self.file(id, owner)?;
+        self.store.delete_file(id)?;
+        self.index.remove(owner, id);
+        Ok(())
+    }
+
+    /// A place for one more of `owner`'s files (see [`index`]).
+    pub fn reserve_file(&self, owner: &Owner) -> Result<Reservation> {
+        self.index.reserve(owner)
     }
 
     /// The caller a batch's requests run as: its tenant, held to its rates, paced by the
@@ -175,16 +206,18 @@ impl Batches {
             tenant_incarnation: owner.incarnation.clone(),
         };
         self.store.save_file(&f)?;
+        self.index.insert(f.clone());
         Ok(f.id)
     }
 
-    /// Registers an uploaded file whose bytes are at `upload` (moved into place).
+    /// Registers an uploaded file whose bytes are at `upload` (moved into place), in the
+    /// place `reserved` for it.
     pub fn add_file(
         &self,
         upload_id: &str,
-        filename: &str,
-        purpose: &str,
+        (filename, purpose): (&str, &str),
         bytes: u64,
+        reserved: Reservation,
         owner: &Owner,
     ) -> Result<FileObject> {
         let f = FileObject {
@@ -201,6 +234,7 @@ impl Batches {
         let (from, to) = (self.store.upload_path(upload_id), self.store.data_path(upload_id));
         std::fs::rename(&from, &to).map_err(|e| Error::Internal(format!("{}: {e}", to.display())))?;
         self.store.save_file(&f)?;
+        reserved.commit(f.clone());
         Ok(f)
     }
 
@@ -228,6 +262,15 @@ impl Batches {
             .map_err(|_| Error::invalid("input_file_id", format!("no uploaded file {input_file_id:?}")))?;
         if file.purpose != "batch" {
             return Err(Error::invalid("input_file_id", "the file's purpose must be batch"));
+        }
+        if let Some(m) = &metadata {
+            store::check_metadata(m)?;
+        }
+        let unfinished = self.jobs().iter().filter(|j| j.owned_unfinished(owner)).count();
+        if unfinished >= MAX_TENANT_UNFINISHED {
+            return Err(Error::Overloaded(format!(
+                "the tenant has {unfinished} unfinished batches, at most {MAX_TENANT_UNFINISHED}: wait for some to end"
+            )));
         }
         let created = now();
         let b = BatchObject {
@@ -266,12 +309,24 @@ impl Batches {
         Ok(self.job(id, owner)?.snapshot())
     }
 
-    /// Every batch of `owner`, newest first.
-    pub fn list(&self, owner: &Owner) -> Vec<BatchObject> {
-        let mut all: Vec<BatchObject> =
-            self.jobs().iter().map(|j| j.snapshot()).filter(|b| &b.owner() == owner).collect();
-        all.sort_by(|a, b| b.created_at.cmp(&a.created_at).then_with(|| b.id.cmp(&a.id)));
-        all
+    /// Up to `limit` of `owner`'s batches, newest first, after batch `after` (only the
+    /// page is copied); and whether more follow.
+    pub fn list(&self, owner: &Owner, after: Option<&str>, limit: usize) -> (Vec<BatchObject>, bool) {
+        let mut mine: Vec<(u64, String, Arc<Job>)> = self
+            .jobs()
+            .into_iter()
+            .filter_map(|j| {
+                let b = j.object.lock().unwrap_or_else(|p| p.into_inner());
+                (b.tenant == owner.tenant && b.tenant_incarnation == owner.incarnation)
+                    .then(|| (b.created_at, b.id.clone()))
+                    .map(|(at, id)| (at, id, j.clone()))
+            })
+            .collect();
+        mine.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
+        let start = after.map_or(0, |a| mine.iter().position(|m| m.1 == a).map_or(mine.len(), |i| i + 1));
+        let page: Vec<BatchObject> = mine.iter().skip(start).take(limit).map(|m| m.2.snapshot()).collect();
+        let more = start + page.len() < mine.len();
+        (page, more)
     }
 
     /// Asks a running batch to stop: it ends as `cancelled`, with the results so far.

@@ -41,20 +41,32 @@ const MAX_CUSTOM_ID: usize = 512;
 /// Longest line of an input file, bytes (one request; OpenAI's are of this order).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
-/// One request of a batch's input: its id and where its line lies. Lines stay text while
-/// a batch runs — parsed, a file takes tens of times its size — and each is parsed
-/// again when its request starts.
+/// One request of a batch's input: its id and where its line lies in the input file.
+/// Lines stay on disk while a batch runs — a batch holds only this index of them, however
+/// large its file — and each is read and parsed when its request starts.
 #[derive(Debug, Clone)]
 pub struct Line {
     pub custom_id: String,
-    range: std::ops::Range<usize>,
+    range: std::ops::Range<u64>,
 }
 
 impl Line {
-    /// The request's body (`stream` off), from the input the line was found in.
-    pub fn body(&self, input: &str) -> std::result::Result<Fields, String> {
-        let raw = input.get(self.range.clone()).ok_or("the line is outside the input")?;
-        let v: Json = serde_json::from_str(raw).map_err(|e| format!("not valid JSON: {e}"))?;
+    /// The line's bytes, read from the input file.
+    pub fn read(&self, input: &std::fs::File) -> std::io::Result<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let mut raw = vec![0u8; (self.range.end - self.range.start) as usize];
+        input.read_exact_at(&mut raw, self.range.start)?;
+        Ok(raw)
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        (self.range.end - self.range.start) as usize
+    }
+
+    /// The request's body (`stream` off), from a line's bytes.
+    pub fn body(raw: &[u8]) -> std::result::Result<Fields, String> {
+        let v: Json = serde_json::from_slice(raw).map_err(|e| format!("not valid JSON: {e}"))?;
         let Json::Object(mut line) = v else { return Err("a line must be a JSON object".into()) };
         let Some(Json::Object(mut body)) = line.remove("body") else {
             return Err("body must be an object".into());
@@ -64,48 +76,80 @@ impl Line {
     }
 }
 
-/// The requests of an input file for `endpoint`, each line checked (and its parse let
-/// go); the first bad line is the error, naming its line number.
-pub fn parse_input(text: &str, endpoint: &str) -> std::result::Result<Vec<Line>, (usize, String)> {
+/// The requests of an input file for `endpoint`, read a line at a time, each line
+/// checked (and its parse let go); the first bad line is the error, naming its line
+/// number.
+pub fn parse_input(
+    input: impl std::io::BufRead,
+    endpoint: &str,
+) -> std::result::Result<Vec<Line>, (usize, String)> {
+    use std::io::Read;
+    let mut input = input;
     let mut lines = Vec::new();
     let mut seen = HashSet::new();
-    let mut offset = 0;
-    for (i, with_end) in text.split_inclusive('\n').enumerate() {
-        let (n, start) = (i + 1, offset);
-        offset += with_end.len();
-        let raw = with_end.trim_end_matches(['\n', '\r']);
-        if raw.trim().is_empty() {
-            continue;
+    let (mut offset, mut raw) = (0u64, Vec::new());
+    for n in 1.. {
+        raw.clear();
+        // One byte past the longest line and its end: a longer one is refused unread.
+        let limit = (MAX_LINE_BYTES + 3) as u64;
+        let got = std::io::BufRead::read_until(&mut (&mut input).take(limit), b'\n', &mut raw)
+            .map_err(|e| (n, format!("reading the input file: {e}")))?;
+        if got == 0 {
+            break;
         }
-        if raw.len() > MAX_LINE_BYTES {
-            return Err((n, format!("a line of {} bytes; at most {MAX_LINE_BYTES}", raw.len())));
+        let start = offset;
+        offset += got as u64;
+        let text = trim_line_end(&raw);
+        if text.len() > MAX_LINE_BYTES {
+            return Err((
+                n,
+                format!("a line of more than {MAX_LINE_BYTES} bytes; lines are at most {MAX_LINE_BYTES}"),
+            ));
+        }
+        if text.iter().all(u8::is_ascii_whitespace) {
+            continue;
         }
         if lines.len() == MAX_REQUESTS {
             return Err((n, format!("more than {MAX_REQUESTS} requests")));
         }
-        let v: Json = serde_json::from_str(raw).map_err(|e| (n, format!("not valid JSON: {e}")))?;
-        let custom_id = match v.get("custom_id") {
-            Some(Json::String(s)) if !s.is_empty() && s.len() <= MAX_CUSTOM_ID => s.clone(),
-            _ => return Err((n, format!("custom_id must be a string of 1 to {MAX_CUSTOM_ID} bytes"))),
-        };
+        let custom_id = check_line(text, endpoint).map_err(|e| (n, e))?;
         if !seen.insert(custom_id.clone()) {
             return Err((n, format!("custom_id {custom_id:?} is used twice")));
         }
-        if v.get("method").and_then(Json::as_str).is_some_and(|m| m != "POST") {
-            return Err((n, "method must be POST".into()));
-        }
-        if v.get("url").and_then(Json::as_str) != Some(endpoint) {
-            return Err((n, format!("url must be the batch's endpoint {endpoint}")));
-        }
-        if !matches!(v.get("body"), Some(Json::Object(_))) {
-            return Err((n, "body must be an object".into()));
-        }
-        lines.push(Line { custom_id, range: start..start + raw.len() });
+        lines.push(Line { custom_id, range: start..start + text.len() as u64 });
     }
     if lines.is_empty() {
         return Err((0, "the input file has no requests".into()));
     }
     Ok(lines)
+}
+
+/// A line without its `\n` or `\r\n`.
+fn trim_line_end(raw: &[u8]) -> &[u8] {
+    let mut end = raw.len();
+    while end > 0 && matches!(raw[end - 1], b'\n' | b'\r') {
+        end -= 1;
+    }
+    &raw[..end]
+}
+
+/// One line's request checked against the batch: its `custom_id`.
+fn check_line(text: &[u8], endpoint: &str) -> std::result::Result<String, String> {
+    let v: Json = serde_json::from_slice(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    let custom_id = match v.get("custom_id") {
+        Some(Json::String(s)) if !s.is_empty() && s.len() <= MAX_CUSTOM_ID => s.clone(),
+        _ => return Err(format!("custom_id must be a string of 1 to {MAX_CUSTOM_ID} bytes")),
+    };
+    if v.get("method").and_then(Json::as_str).is_some_and(|m| m != "POST") {
+        return Err("method must be POST".into());
+    }
+    if v.get("url").and_then(Json::as_str) != Some(endpoint) {
+        return Err(format!("url must be the batch's endpoint {endpoint}"));
+    }
+    if !matches!(v.get("body"), Some(Json::Object(_))) {
+        return Err("body must be an object".into());
+    }
+    Ok(custom_id)
 }
 
 /// What one request came to: its result line, and whether it succeeded.
@@ -121,16 +165,23 @@ struct Head {
     index: usize,
 }
 
-async fn execute(batches: Arc<Batches>, api: Api, head: Head, line: Line, input: Arc<str>) -> Outcome {
+async fn execute(
+    batches: Arc<Batches>,
+    api: Api,
+    head: Head,
+    line: Line,
+    input: Arc<std::fs::File>,
+) -> Outcome {
     let Head { batch_id, owner, index } = head;
     let request_id = format!("{batch_id}-{index}");
     // Off the async runtime: a line's chat template may run long on its data.
     let (models, at) = (batches.front.models().clone(), line.clone());
     // Under the front end's budget of text worked on at once, as an online request's body.
-    let permit = batches.front.texts().acquire(&owner.tenant, line.range.len()).await;
+    let permit = batches.front.texts().acquire(&owner.tenant, line.len()).await;
     let parsed = tokio::task::spawn_blocking(move || {
         let _permit = permit;
-        let body = at.body(&input).map_err(|e| ApiError::invalid("body", e))?;
+        let raw = at.read(&input).map_err(|e| Error::Internal(format!("reading the batch's input: {e}")))?;
+        let body = Line::body(&raw).map_err(|e| ApiError::invalid("body", e))?;
         match api {
             Api::Chat => completions::chat(&*models, body),
             Api::Completion => completions::completion(&*models, &body),
@@ -187,9 +238,11 @@ impl Results {
     }
 }
 
-/// Runs batch `job` to its end (or until it is cancelled).
+/// Runs batch `job` to its end (or until it is cancelled), once one of the places among
+/// the batches running at once is free.
 pub async fn run(batches: Arc<Batches>, job: Arc<Job>) {
     let id = job.snapshot().id;
+    let Ok(_place) = batches.runs.clone().acquire_owned().await else { return };
     if let Err(e) = drive(&batches, &job).await {
         warn!(batch = %id, "batch failed: {e}");
         job.update(&batches, |b| {
@@ -240,11 +293,18 @@ async fn drive(batches: &Arc<Batches>, job: &Arc<Job>) -> Result<()> {
     }
     job.update(batches, |b| b.runs_without_progress += 1);
     let api = if b.endpoint == "/v1/chat/completions" { Api::Chat } else { Api::Completion };
-    let input = tokio::fs::read(batches.store.data_path(&b.input_file_id))
-        .await
+    let path = batches.store.data_path(&b.input_file_id);
+    let input = std::fs::File::open(&path)
         .map_err(|e| Error::Internal(format!("reading input file {}: {e}", b.input_file_id)))?;
-    let input: Arc<str> = String::from_utf8_lossy(&input).into();
-    let lines = match parse_input(&input, &b.endpoint) {
+    let endpoint = b.endpoint.clone();
+    let (input, parsed) = tokio::task::spawn_blocking(move || {
+        let parsed = parse_input(std::io::BufReader::new(&input), &endpoint);
+        (input, parsed)
+    })
+    .await
+    .map_err(|e| Error::Internal(format!("reading input file: {e}")))?;
+    let input = Arc::new(input);
+    let lines = match parsed {
         Ok(lines) => lines,
         Err((line, message)) => {
             job.update(batches, |b| {
@@ -343,7 +403,7 @@ async fn dispatch(
     batches: &Arc<Batches>,
     job: &Arc<Job>,
     api: Api,
-    (todo, input): (Vec<(usize, Line)>, Arc<str>),
+    (todo, input): (Vec<(usize, Line)>, Arc<std::fs::File>),
     files: &mut (Results, Results),
 ) -> Result<()> {
     let (id, owner) = {
@@ -435,11 +495,15 @@ mod tests {
     fn bad_input_lines_are_named() {
         let ok =
             r#"{"custom_id":"a","method":"POST","url":"/v1/completions","body":{"model":"m","prompt":"x"}}"#;
-        assert_eq!(parse_input(ok, "/v1/completions").unwrap().len(), 1);
-        // Lines are kept as places in the text and parsed again when they run.
+        assert_eq!(parse_input(ok.as_bytes(), "/v1/completions").unwrap().len(), 1);
+        // Lines are kept as places in the file and read and parsed again when they run.
         let text = format!("{ok}\r\n\n{}\n", ok.replace("\"a\"", "\"b\"").replace("\"x\"", "\"y\""));
-        let lines = parse_input(&text, "/v1/completions").unwrap();
-        let prompts: Vec<Json> = lines.iter().map(|l| l.body(&text).unwrap()["prompt"].clone()).collect();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("in"), &text).unwrap();
+        let file = std::fs::File::open(dir.path().join("in")).unwrap();
+        let lines = parse_input(std::io::BufReader::new(&file), "/v1/completions").unwrap();
+        let prompts: Vec<Json> =
+            lines.iter().map(|l| Line::body(&l.read(&file).unwrap()).unwrap()["prompt"].clone()).collect();
         assert_eq!((lines[1].custom_id.as_str(), prompts), ("b", vec![Json::from("x"), Json::from("y")]));
         let cases = [
             (format!("{ok}\n{ok}"), 2, "used twice"),
@@ -451,7 +515,7 @@ mod tests {
             (format!("{ok}\r\n{}", "x".repeat(MAX_LINE_BYTES + 1)), 2, "at most"),
         ];
         for (text, line, words) in cases {
-            let (n, message) = parse_input(&text, "/v1/completions").unwrap_err();
+            let (n, message) = parse_input(text.as_bytes(), "/v1/completions").unwrap_err();
             assert_eq!(n, line, "{message}");
             assert!(message.contains(words), "{message}");
         }

@@ -41,6 +41,52 @@ impl FileObject {
     pub fn owned_by(&self, owner: &Owner) -> bool {
         self.tenant == owner.tenant && self.tenant_incarnation == owner.incarnation
     }
+
+    /// What the file costs its tenant's quota: its bytes and its name's.
+    pub fn charged(&self) -> u64 {
+        self.bytes + self.filename.len() as u64
+    }
+}
+
+/// Longest file name an upload may give, bytes (as a file system's).
+pub const MAX_FILENAME_BYTES: usize = 255;
+
+/// Most `metadata` pairs of a batch, and their keys' and values' longest (OpenAI's).
+pub const MAX_METADATA_PAIRS: usize = 16;
+pub const MAX_METADATA_KEY: usize = 64;
+pub const MAX_METADATA_VALUE: usize = 512;
+
+/// A batch's `metadata`: an object of at most [`MAX_METADATA_PAIRS`] string values, keys of
+/// at most [`MAX_METADATA_KEY`] bytes and values of at most [`MAX_METADATA_VALUE`].
+pub fn check_metadata(m: &Json) -> Result<()> {
+    let Json::Object(pairs) = m else {
+        return Err(Error::invalid("metadata", "metadata must be an object of strings"));
+    };
+    if pairs.len() > MAX_METADATA_PAIRS {
+        return Err(Error::invalid(
+            "metadata",
+            format!("{} pairs; at most {MAX_METADATA_PAIRS}", pairs.len()),
+        ));
+    }
+    for (k, v) in pairs {
+        if k.len() > MAX_METADATA_KEY {
+            return Err(Error::invalid(
+                "metadata",
+                format!("a key of {} bytes; at most {MAX_METADATA_KEY}", k.len()),
+            ));
+        }
+        match v {
+            Json::String(v) if v.len() <= MAX_METADATA_VALUE => {}
+            Json::String(v) => {
+                return Err(Error::invalid(
+                    format!("metadata.{k}"),
+                    format!("a value of {} bytes; at most {MAX_METADATA_VALUE}", v.len()),
+                ))
+            }
+            _ => return Err(Error::invalid(format!("metadata.{k}"), "metadata values must be strings")),
+        }
+    }
+    Ok(())
 }
 
 fn default_tenant() -> String {
@@ -220,22 +266,30 @@ impl Store {
 }
 
 /// The `custom_id`s of the complete lines in a results file, after cutting off a
-/// half-written last line.
+/// half-written last line. Read a line at a time (a results file may be gigabytes).
 pub fn finished_ids(path: &Path) -> Result<Vec<String>> {
-    let Ok(bytes) = std::fs::read(path) else { return Ok(Vec::new()) };
-    let complete = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-    if complete < bytes.len() {
-        let f = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| io(path, e))?;
-        f.set_len(complete as u64).map_err(|e| io(path, e))?;
-    }
-    let mut ids = Vec::new();
-    for line in bytes[..complete].split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
-        let v: Json = serde_json::from_slice(line).map_err(|e| io(path, std::io::Error::other(e)))?;
-        if let Some(id) = v.get("custom_id").and_then(Json::as_str) {
-            ids.push(id.to_string());
+    use std::io::BufRead;
+    let Ok(file) = std::fs::File::open(path) else { return Ok(Vec::new()) };
+    let mut reader = std::io::BufReader::new(file);
+    let (mut ids, mut line, mut complete) = (Vec::new(), Vec::new(), 0u64);
+    loop {
+        line.clear();
+        let n = reader.read_until(b'\n', &mut line).map_err(|e| io(path, e))?;
+        if n == 0 || line.last() != Some(&b'\n') {
+            if n > 0 {
+                let f = std::fs::OpenOptions::new().write(true).open(path).map_err(|e| io(path, e))?;
+                f.set_len(complete).map_err(|e| io(path, e))?;
+            }
+            return Ok(ids);
+        }
+        complete += n as u64;
+        if line.len() > 1 {
+            let v: Json = serde_json::from_slice(&line).map_err(|e| io(path, std::io::Error::other(e)))?;
+            if let Some(id) = v.get("custom_id").and_then(Json::as_str) {
+                ids.push(id.to_string());
+            }
         }
     }
-    Ok(ids)
 }
 
 #[cfg(test)]
@@ -247,6 +301,23 @@ mod tests {
         assert!(check_id("file-abc_1").is_ok());
         for bad in ["", "../x", "a/b", "a.b", &"x".repeat(65)] {
             assert!(check_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn metadata_is_bounded_as_openai_bounds_it() {
+        use serde_json::json;
+        assert!(check_metadata(&json!({"a": "b"})).is_ok());
+        let many: serde_json::Map<String, Json> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+        for (bad, words) in [
+            (json!("x"), "object"),
+            (Json::Object(many), "at most 16"),
+            (json!({"k".repeat(65): "v"}), "at most 64"),
+            (json!({"k": "v".repeat(513)}), "at most 512"),
+            (json!({"k": {"nested": 1}}), "strings"),
+        ] {
+            let e = check_metadata(&bad).unwrap_err().to_string();
+            assert!(e.contains(words), "{e}");
         }
     }
 

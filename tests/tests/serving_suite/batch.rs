@@ -315,9 +315,10 @@ fn batches_share_one_concurrency_budget() {
     assert!(most <= 3.0, "{most} batch requests in flight against a budget of 3");
 }
 
-/// A tenant's files are bounded (4,000 uploads once went through in two seconds): the
-/// upload past the count is refused naming the limit, and goes through once one is
-/// deleted.
+/// A tenant's files are bounded (4,000 uploads once went through in two seconds, and
+/// uploads side by side once passed the limit together): of 1,040 uploads sent 16 at a
+/// time exactly 1,000 are kept, the rest refused naming the limit; one more goes through
+/// once one is deleted. A name longer than 255 bytes is refused.
 #[test]
 fn a_tenants_files_are_bounded() {
     let data = tempfile::tempdir().unwrap();
@@ -325,15 +326,78 @@ fn a_tenants_files_are_bounded() {
     let (_server, http) = serve(model.to_str().unwrap(), data.path().to_str().unwrap());
     let line =
         json!({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body(0)}).to_string();
-    let first = upload(&http, None, "f.jsonl", &line);
-    for _ in 1..1000 {
-        upload(&http, None, "f.jsonl", &line);
-    }
-    let (status, refused) = strata_tests::http::try_upload(&http, None, "f.jsonl", &line);
+    let (status, refused) = strata_tests::http::try_upload(&http, None, &"n".repeat(256), &line);
     assert_eq!(status, 400, "{refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("at most 255"), "{refused}");
+    let first = upload(&http, None, "f.jsonl", &line);
+    let outcomes: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let senders: Vec<_> = (0..16)
+            .map(|_| {
+                s.spawn(|| {
+                    (0..65)
+                        .map(|_| strata_tests::http::try_upload(&http, None, "f.jsonl", &line))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        senders.into_iter().flat_map(|t| t.join().unwrap()).collect()
+    });
+    let kept = outcomes.iter().filter(|(status, _)| *status == 200).count();
+    assert_eq!(kept, 999, "uploads side by side kept past the limit");
+    let (status, refused) = outcomes.iter().find(|(status, _)| *status != 200).unwrap();
+    assert_eq!(*status, 400, "{refused}");
     assert!(refused["error"]["message"].as_str().unwrap().contains("at most 1000"), "{refused}");
+    let (status, listed) = request(&http, "GET", "/v1/files?limit=7", None, None).unwrap();
+    assert_eq!(status, 200, "{listed}");
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!((listed["data"].as_array().unwrap().len(), listed["has_more"].as_bool()), (7, Some(true)));
     let id = first["id"].as_str().unwrap();
     let (status, _) = request(&http, "DELETE", &format!("/v1/files/{id}"), None, None).unwrap();
     assert_eq!(status, 200);
     assert!(upload(&http, None, "f.jsonl", &line)["id"].is_string());
+}
+
+/// What a batch keeps is bounded: `metadata` as OpenAI bounds it (16 pairs of short
+/// strings; 2 MB of it once took gigabytes and the owner's listing took the server down),
+/// a tenant's unfinished batches (16), and a restart finds every file and batch again from
+/// the per-tenant index.
+#[test]
+fn batch_metadata_and_unfinished_batches_are_bounded() {
+    let data = tempfile::tempdir().unwrap();
+    let model = tempfile::tempdir().unwrap();
+    write_slow_model(model.path());
+    let (server, http) = serve(model.path().to_str().unwrap(), data.path().to_str().unwrap());
+    let lines: Vec<String> = (0..40)
+        .map(|i| {
+            json!({"custom_id": format!("c{i}"), "method": "POST", "url": "/v1/completions", "body": body(i)})
+                .to_string()
+        })
+        .collect();
+    let file = upload(&http, None, "requests.jsonl", &lines.join("\n"));
+    let create = |metadata: Value| {
+        let b = json!({"input_file_id": file["id"], "endpoint": "/v1/completions", "completion_window": "24h", "metadata": metadata});
+        post(&http, "/v1/batches", None, &b)
+    };
+    let (status, refused) = create(json!({"note": "x".repeat(1 << 20)}));
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["param"], "metadata.note", "{refused}");
+    let many: serde_json::Map<String, Value> = (0..17).map(|i| (format!("k{i}"), json!("v"))).collect();
+    assert_eq!(create(Value::Object(many)).0, 400);
+    for i in 0..16 {
+        let (status, created) = create(json!({"n": i.to_string()}));
+        assert_eq!(status, 200, "{created}");
+    }
+    let (status, refused) = create(json!({}));
+    assert_eq!(status, 429, "the 17th unfinished batch: {refused}");
+    assert!(refused["error"]["message"].as_str().unwrap().contains("at most 16"), "{refused}");
+    drop(server);
+    let (_server, http) = serve(model.path().to_str().unwrap(), data.path().to_str().unwrap());
+    let (status, listed) = request(&http, "GET", "/v1/files", None, None).unwrap();
+    assert_eq!(status, 200, "{listed}");
+    let listed: Value = serde_json::from_str(&listed).unwrap();
+    assert!(listed["data"].as_array().unwrap().iter().any(|f| f["id"] == file["id"]), "{listed}");
+    let (status, page) = request(&http, "GET", "/v1/batches?limit=5", None, None).unwrap();
+    assert_eq!(status, 200, "{page}");
+    let page: Value = serde_json::from_str(&page).unwrap();
+    assert_eq!((page["data"].as_array().unwrap().len(), page["has_more"].as_bool()), (5, Some(true)));
 }

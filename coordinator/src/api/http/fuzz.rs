@@ -99,7 +99,7 @@ fn random_bodies_templates_and_batch_lines_never_panic() {
             }
         }
         let line = Json::Object(f).to_string();
-        let _ = parse_input(&format!("{line}\n{line}\r\n"), "/v1/completions");
+        let _ = parse_input(format!("{line}\n{line}\r\n").as_bytes(), "/v1/completions");
         let _ = params::object(line.as_bytes());
         let cut = rng.random_range(0..=line.len());
         let _ = params::object(&line.as_bytes()[..cut]);
