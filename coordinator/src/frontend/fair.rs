@@ -19,6 +19,11 @@
 //!
 //! Requests never wait while slots are free (the gate is work-conserving), and a request
 //! answered from the response cache takes no slot.
+//!
+//! A request's `n` choices enter together ([`Gate::enter_many`]): all their slots at once or
+//! none, so a request never holds part of its choices' slots while it waits for the rest
+//! (holding them starved other tenants, then failed); more choices than the tenant may
+//! hold now are refused at once, and a waiting group is not passed by later requests.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -66,6 +71,8 @@ type QueueKey = (u8, u64, u64);
 struct Waiter {
     tenant: String,
     finish: f64,
+    /// Slots it takes together.
+    count: usize,
     tx: oneshot::Sender<()>,
 }
 
@@ -107,7 +114,9 @@ impl State {
         self.tenants.entry(tenant.to_string()).or_default().in_flight += 1;
     }
 
-    /// Hands free slots to the best waiting requests that may take one.
+    /// Hands free slots to the best waiting requests that may take theirs: in queue order,
+    /// skipping those whose tenant would pass its cap; a request whose slots are not all
+    /// free yet stops the handing out, so later ones never pass it.
     fn dispatch(&mut self, now: Instant) {
         let active = self.active(now);
         while self.in_flight < self.slots {
@@ -115,16 +124,23 @@ impl State {
             let next = self
                 .queue
                 .iter()
-                .find(|(_, w)| held(&w.tenant) < self.cap(&w.tenant, active, now))
-                .map(|(k, _)| *k);
-            let Some(key) = next else { return };
+                .find(|(_, w)| held(&w.tenant) + w.count <= self.cap(&w.tenant, active, now))
+                .map(|(k, w)| (*k, w.count));
+            let Some((key, count)) = next else { return };
+            if self.in_flight + count > self.slots {
+                return;
+            }
             let w = self.queue.remove(&key).expect("found above");
             if w.tx.is_closed() {
                 continue; // it gave up waiting
             }
-            self.admit(&w.tenant, w.finish);
+            for _ in 0..count {
+                self.admit(&w.tenant, w.finish);
+            }
             if w.tx.send(()).is_err() {
-                self.release(&w.tenant);
+                for _ in 0..count {
+                    self.release(&w.tenant);
+                }
             }
         }
     }
@@ -210,18 +226,42 @@ impl Gate {
     /// Waits for a slot (`size`: the model's slots and waiting room now) until `give_up`;
     /// refused at once when the waiting room is full.
     pub async fn enter(self: &Arc<Self>, t: &Ticket, size: GateSize, give_up: Instant) -> Result<Slot> {
+        let mut slots = self.enter_many(t, 1, size, give_up).await?;
+        Ok(slots.pop().expect("one slot"))
+    }
+
+    /// Waits for `n` slots taken together (a request's choices); refused at once when the
+    /// tenant may not hold that many now, or when the waiting room is full.
+    pub async fn enter_many(
+        self: &Arc<Self>,
+        t: &Ticket,
+        n: usize,
+        size: GateSize,
+        give_up: Instant,
+    ) -> Result<Vec<Slot>> {
+        let n = n.max(1);
+        let slots = || (0..n).map(|_| Slot { gate: self.clone(), tenant: t.tenant.clone() }).collect();
         let rx = {
             let now = Instant::now();
             let mut s = self.state();
             s.slots = size.slots.max(1);
             s.tenants.entry(t.tenant.clone()).or_default().last_seen = Some(now);
             s.dispatch(now); // the slots may have grown since the last release
+            let cap = s.cap(&t.tenant, s.active(now), now);
+            if n > cap {
+                return Err(Error::Overloaded(format!(
+                    "{n} choices cannot run together: tenant {:?} may hold {cap} of the model's {} slots while other tenants use it",
+                    t.tenant, s.slots
+                )));
+            }
             let finish = s.tag(t);
             let held = s.tenants.get(&t.tenant).map_or(0, |x| x.in_flight);
-            if s.queue.is_empty() && s.in_flight < s.slots && held < s.cap(&t.tenant, s.active(now), now) {
-                s.admit(&t.tenant, finish);
+            if s.queue.is_empty() && s.in_flight + n <= s.slots && held + n <= cap {
+                for _ in 0..n {
+                    s.admit(&t.tenant, finish);
+                }
                 self.publish(&s);
-                return Ok(Slot { gate: self.clone(), tenant: t.tenant.clone() });
+                return Ok(slots());
             }
             // The waiting room is shared by the tenants using the model: a full room
             // refuses a tenant only once it has its share of it waiting, so one tenant
@@ -244,21 +284,20 @@ impl Gate {
             };
             s.arrivals += 1;
             let key = (class, finish.to_bits(), s.arrivals);
-            s.queue.insert(key, Waiter { tenant: t.tenant.clone(), finish, tx });
+            s.queue.insert(key, Waiter { tenant: t.tenant.clone(), finish, count: n, tx });
             s.dispatch(now);
             self.publish(&s);
             rx
         };
         let mut rx = rx;
-        let slot = || Slot { gate: self.clone(), tenant: t.tenant.clone() };
         match tokio::time::timeout_at(give_up, &mut rx).await {
-            Ok(Ok(())) => Ok(slot()),
+            Ok(Ok(())) => Ok(slots()),
             _ => {
                 // Closed first, so no slot is handed over after the check below; one
                 // handed over just before is this request's after all.
                 rx.close();
                 if rx.try_recv().is_ok() {
-                    return Ok(slot());
+                    return Ok(slots());
                 }
                 Err(Error::Overloaded("no replica slot came free while the request waited".into()))
             }
@@ -402,5 +441,41 @@ mod tests {
         // More slots (a replica came up) admit at once.
         let _x = gate.enter(&ticket("a", 1.0, Priority::Online), size(1), far()).await.unwrap();
         let _y = gate.enter(&ticket("a", 1.0, Priority::Online), size(2), far()).await.unwrap();
+    }
+
+    /// Probed: `n` equal to the slots held part of them while waiting for the rest, and
+    /// another tenant waited tens of seconds. A group takes all its slots at once or none.
+    #[tokio::test]
+    async fn choices_enter_together_or_not_at_all() {
+        let gate = Arc::new(Gate::default());
+        let four = size(4);
+        let a = gate.enter_many(&ticket("a", 1.0, Priority::Online), 2, four, far()).await.unwrap();
+        let g = gate.clone();
+        let b =
+            tokio::spawn(
+                async move { g.enter_many(&ticket("b", 1.0, Priority::Online), 3, four, far()).await },
+            );
+        while gate.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(gate.state().in_flight, 2, "the waiting group holds no slot");
+        drop(a);
+        let b = tokio::time::timeout(Duration::from_secs(5), b).await.unwrap().unwrap().unwrap();
+        assert_eq!((b.len(), gate.state().in_flight), (3, 3));
+        drop(b);
+        assert_eq!(gate.state().in_flight, 0, "every slot comes back");
+    }
+
+    #[tokio::test]
+    async fn more_choices_than_the_tenant_may_hold_are_refused_at_once() {
+        let gate = Arc::new(Gate::default());
+        let _a = gate.enter(&ticket("a", 1.0, Priority::Online), size(4), far()).await.unwrap();
+        let started = Instant::now();
+        let refused = gate.enter_many(&ticket("b", 1.0, Priority::Online), 4, size(4), far()).await;
+        let e = refused.err().expect("four choices while another tenant uses the model");
+        assert!(e.to_string().contains("cannot run together"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(1), "refused at once");
+        assert_eq!(gate.state().in_flight, 1);
+        assert!(gate.enter_many(&ticket("b", 1.0, Priority::Online), 3, size(4), far()).await.is_ok());
     }
 }

@@ -37,7 +37,7 @@ pub mod cache;
 pub mod fair;
 pub mod texts;
 
-use self::admission::{admit, Admitted, GenerateRequest, Prompt};
+use self::admission::{admit, Admitted, GenerateRequest, Priority, Prompt};
 use self::cache::{Key, Response, ResponseCache};
 use self::fair::{Gate, Slot, Ticket};
 use self::texts::{TextBudget, TextBudgetOptions};
@@ -150,6 +150,19 @@ impl FrontEnd {
         deadline: Option<Instant>,
         caller: &Caller,
     ) -> Result<Started> {
+        self.begin_in(request, request_id, deadline, caller, None).await
+    }
+
+    /// [`begin`](Self::begin) in a slot already taken for it ([`FrontEnd::take_slots`]), if
+    /// given (a request's choices take theirs together).
+    pub async fn begin_in(
+        &self,
+        request: GenerateRequest,
+        request_id: String,
+        deadline: Option<Instant>,
+        caller: &Caller,
+        slot: Option<Slot>,
+    ) -> Result<Started> {
         Span::current().record("strata.tenant", caller.tenant());
         // Unknown names share one label, so a caller cannot grow the metrics without bound.
         let model = self.models.get(&request.model).inspect_err(|e| self.refuse(caller, "(unknown)", e))?;
@@ -167,7 +180,11 @@ impl FrontEnd {
             let rx = replay(&model, &admitted, response, account);
             return Ok(Started { model, prompt_ids, rx });
         }
-        match self.take_slot(&model, &admitted, caller, &request_id, deadline).await {
+        let slot = match slot {
+            Some(slot) => Ok(slot),
+            None => self.take_slot(&model, &admitted, caller, &request_id, deadline).await,
+        };
+        match slot {
             Ok(slot) => account.hold(slot),
             Err(e) => {
                 failed(&model.name, &e);
@@ -208,6 +225,23 @@ impl FrontEnd {
             )),
             _ => e,
         })
+    }
+
+    /// `n` of `model`'s slots for one request's choices, taken together or not at all (see
+    /// [`fair`]); `cost` is their prompts' and outputs' tokens together.
+    pub async fn take_slots(
+        &self,
+        model: &str,
+        caller: &Caller,
+        (n, cost, priority): (usize, u64, Priority),
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Slot>> {
+        let entry = self.models.get(model)?;
+        caller.may_use(&entry.name)?;
+        let ticket = Ticket { tenant: caller.tenant().to_string(), weight: caller.weight(), priority, cost };
+        let give_up = Instant::now() + self.limits.wait;
+        let give_up = deadline.map_or(give_up, |d| d.min(give_up));
+        self.gate(&entry.name).enter_many(&ticket, n, entry.routes.gate_size(), give_up).await
     }
 
     /// A request refused before admission: counted in the request metrics and the

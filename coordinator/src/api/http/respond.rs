@@ -88,12 +88,34 @@ async fn start_all(
             ));
         }
     }
+    // Several choices take their slots together, or wait holding none (see frontend::fair).
+    let mut slots = match n {
+        1 => Vec::new(),
+        _ => {
+            let cost = job.choices.iter().map(|c| choice_cost(&c.request)).sum();
+            let priority = job.choices[0].request.priority;
+            let taken = front.take_slots(&job.common.model, who, (n, cost, priority), None).await;
+            taken.map_err(|e| ApiError::from_domain(e, rename(job)))?
+        }
+    };
     let starts = job.choices.iter().map(|c| {
         let request_id = format!("{}-{}", head.id, c.index);
         let span = request_span(&c.request.model, &request_id, job.common.stream, caller);
-        front.begin(c.request.clone(), request_id, None, who).instrument(span)
+        front.begin_in(c.request.clone(), request_id, None, who, slots.pop()).instrument(span)
     });
     futures::future::try_join_all(starts).await.map_err(|e| ApiError::from_domain(e, rename(job)))
+}
+
+/// What a choice costs in the fair gate: its prompt's tokens and its most output.
+fn choice_cost(r: &crate::frontend::admission::GenerateRequest) -> u64 {
+    let prompt = match &r.prompt {
+        Some(crate::frontend::admission::Prompt::TokenIds(ids)) => ids.len(),
+        Some(crate::frontend::admission::Prompt::Text(t) | crate::frontend::admission::Prompt::Chat(t)) => {
+            t.len() / 4
+        }
+        None => 0,
+    };
+    (prompt + r.max_tokens.unwrap_or(crate::frontend::admission::DEFAULT_MAX_TOKENS) as usize) as u64
 }
 
 impl Head {
