@@ -269,6 +269,7 @@ pub fn worker(
             rendezvous,
             secret: &secret,
             labels: engine.labels.clone(),
+            threads: strata_engine::replica::RankThreads::Process,
         };
         strata_engine::replica::run_worker_rank(model, join, &engine.backend, || {})
             .with_context(|| format!("worker rank {rank}"))?;
@@ -293,6 +294,7 @@ pub fn worker(
             engine,
             runner,
             model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
+            rank_threads: strata_engine::replica::RankThreads::Process,
         },
         drain_timeout: Duration::from_secs_f64(w.drain_timeout_s),
         tls,

@@ -81,7 +81,8 @@ fn load(r: StaticReplica<'_>) -> Result<ModelEntry> {
     let id = format!("{}-0", r.name);
     let mut engine_config = r.engine.clone();
     engine_config.labels = ReplicaLabels { model: r.name.to_string(), replica: id.clone() };
-    let engine = leader_with_external_ranks(r.dir, r.par, &engine_config, r.listener, &r.secret)?;
+    let threads = strata_engine::replica::RankThreads::Process;
+    let engine = leader_with_external_ranks(r.dir, r.par, &engine_config, (r.listener, &r.secret), threads)?;
     let handle = EngineHandle::spawn(engine, r.limits.clone(), &id)?;
     Ok(ModelEntry {
         name: r.name.to_string(),

@@ -276,6 +276,8 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
             engine,
             runner: limits,
             model_roots: roots.clone(),
+            // Every in-process worker's ranks share this process's threads.
+            rank_threads: strata_engine::replica::RankThreads::Own,
         },
         // The deployments say how many sequences a replica runs: the coordinator's
         // fair-admission gate has that many slots per replica.

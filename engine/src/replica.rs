@@ -190,14 +190,37 @@ where
     with_grammars(engine, dir)
 }
 
+/// Whose threads a rank's parallel loops run on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RankThreads {
+    /// The process's pool: the rank is the only one in its process.
+    #[default]
+    Process,
+    /// A pool of its own (the process's threads divided among its replica's ranks): other
+    /// ranks share the process (`strata serve`'s in-process workers), and a rank blocked in
+    /// a collective on a pool thread must not hold a thread its peers need — with more
+    /// ranks than threads, the replica's first step never came back.
+    Own,
+}
+
+impl RankThreads {
+    fn pool(self, rank: usize, world: usize) -> Result<Option<rayon::ThreadPool>> {
+        match self {
+            RankThreads::Process => Ok(None),
+            RankThreads::Own => rank_pool(rank, world).map(Some),
+        }
+    }
+}
+
 /// The leader of a replica whose other ranks are worker processes joining at
-/// `rendezvous` (already bound by the caller, so port 0 works) and proving `secret`.
+/// `rendezvous` (already bound by the caller, so port 0 works) and proving `secret`; its
+/// parallel loops run on `threads`.
 pub fn leader_with_external_ranks(
     dir: &Path,
     par: Parallelism,
     config: &EngineConfig,
-    rendezvous: TcpListener,
-    secret: &[u8],
+    (rendezvous, secret): (TcpListener, &[u8]),
+    threads: RankThreads,
 ) -> Result<Engine> {
     let addr = rendezvous.local_addr().map_err(|e| Error::Internal(format!("rendezvous address: {e}")))?;
     info!(%addr, world = par.world(), "waiting for worker ranks at the rendezvous");
@@ -213,7 +236,12 @@ pub fn leader_with_external_ranks(
         let comm = comm(TcpComm::connect(&cfg, Some(rendezvous))?, 0, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, 0)?;
         model.label(&config.labels);
-        let engine = Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, None)), par, config);
+        let pool = if crate::backend::Tensors::uses_thread_pool(model.backend()) {
+            threads.pool(0, par.world())?
+        } else {
+            None
+        };
+        let engine = Engine::with_executor(Box::new(LeaderExecutor::new(model, comm, pool)), par, config);
         with_grammars(engine, dir)
     })
 }
@@ -229,6 +257,8 @@ pub struct RankJoin<'a> {
     pub secret: &'a [u8],
     /// The model and replica its metrics are filed under.
     pub labels: ReplicaLabels,
+    /// Whose threads its parallel loops run on.
+    pub threads: RankThreads,
 }
 
 /// Runs rank `join.rank` (> 0) of a replica until the leader shuts it down or a peer
@@ -240,7 +270,7 @@ pub fn run_worker_rank(
     opts: &BackendOptions,
     joined: impl FnOnce(),
 ) -> Result<()> {
-    let RankJoin { par, rank, rendezvous, secret, labels } = join;
+    let RankJoin { par, rank, rendezvous, secret, labels, threads } = join;
     if rank == 0 || rank >= par.world() {
         return Err(Error::invalid("rank", format!("must be in 1..{} (rank 0 is the leader)", par.world())));
     }
@@ -256,8 +286,13 @@ pub fn run_worker_rank(
         let comm = comm(TcpComm::connect(&cfg, None)?, 0, par)?;
         let mut model = Model::load_shard(dir, make(0)?, par, rank)?;
         model.label(&labels);
+        let pool = if crate::backend::Tensors::uses_thread_pool(model.backend()) {
+            threads.pool(rank, par.world())?
+        } else {
+            None
+        };
         info!(rank, device = %opts.device, "worker rank ready");
         joined();
-        follower_loop(model, comm, None)
+        follower_loop(model, comm, pool)
     })
 }

@@ -23,7 +23,7 @@ use strata_common::{EngineStats, Error, Parallelism, Result};
 use strata_engine::backend::BackendOptions;
 use strata_engine::metrics::ReplicaLabels;
 use strata_engine::replica::{
-    check_device, leader_with_external_ranks, local_replica, run_worker_rank, RankJoin,
+    check_device, leader_with_external_ranks, local_replica, run_worker_rank, RankJoin, RankThreads,
 };
 use strata_engine::{EngineConfig, EngineHandle, RunnerLimits};
 use tokio::sync::watch;
@@ -44,6 +44,8 @@ pub struct AgentConfig {
     pub runner: RunnerLimits,
     /// Directories a shard may be loaded from (and model files read from).
     pub model_roots: ModelRoots,
+    /// Whose threads its ranks run on: their own where other workers share the process.
+    pub rank_threads: RankThreads,
 }
 
 impl AgentConfig {
@@ -245,7 +247,13 @@ impl WorkerAgent {
                 engine.max_model_len = Some(limits.max_model_len as usize);
             }
             let built = match listener {
-                Some(l) => leader_with_external_ranks(&dir, req.par, &engine, l, &req.group_secret),
+                Some(l) => leader_with_external_ranks(
+                    &dir,
+                    req.par,
+                    &engine,
+                    (l, &req.group_secret),
+                    self.cfg.rank_threads,
+                ),
                 None => local_replica(&dir, Parallelism::NONE, &engine),
             };
             let slot = match built.and_then(|e| EngineHandle::spawn(e, self.cfg.runner.clone(), &req.replica))
@@ -269,8 +277,14 @@ impl WorkerAgent {
             return self.set(epoch, Slot::Failed(format!("bad rendezvous address {:?}", req.rendezvous)));
         };
         let joined = || self.set(epoch, Slot::Follower);
-        let join =
-            RankJoin { par: req.par, rank: req.rank, rendezvous: addr, secret: &req.group_secret, labels };
+        let join = RankJoin {
+            par: req.par,
+            rank: req.rank,
+            rendezvous: addr,
+            secret: &req.group_secret,
+            labels,
+            threads: self.cfg.rank_threads,
+        };
         match run_worker_rank(&dir, join, &backend, joined) {
             Ok(()) => {
                 info!(replica = %req.replica, rank = req.rank, "rank 0 shut the replica down");

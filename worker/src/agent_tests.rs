@@ -30,6 +30,7 @@ pub(crate) fn agent(id: &str, roots: ModelRoots) -> Arc<WorkerAgent> {
         engine: EngineConfig { kv_cache_bytes: 16 << 20, ..Default::default() },
         runner: Default::default(),
         model_roots: roots,
+        rank_threads: Default::default(),
     })
     .unwrap()
 }

@@ -163,3 +163,24 @@ fn trickling_request_bodies_cannot_hold_the_http_api() {
     let (status, reply) = http::post(&addr, "/v1/completions", None, &body);
     assert_eq!(status, 200, "{reply}");
 }
+
+/// `strata serve` runs replicas with more ranks than the process has threads: with two
+/// pool threads, `--tp 4` and `--tp 2 --pp 2` once failed their first canary (two ranks
+/// blocked in a collective held both threads the others needed). Each rank now has a pool
+/// of its own, and the output is HF's.
+#[tokio::test(flavor = "multi_thread")]
+async fn serve_runs_replicas_with_more_ranks_than_threads() {
+    let dir = fixtures_dir().join("llama_gqa");
+    let model = dir.to_string_lossy().to_string();
+    let r = strata_tests::reference(&dir);
+    let (prompt, want) = (strata_tests::ids(&r["prompt_ids"]), strata_tests::ids(&r["greedy_ids"]));
+    for split in [&["--tp", "4"][..], &["--tp", "2", "--pp", "2"]] {
+        let mut args = vec!["--model", &model, "--name", "m"];
+        args.extend_from_slice(split);
+        let server = Server::start_with_env(&args, &[("RAYON_NUM_THREADS", "2")]);
+        let mut c = InferenceClient::connect(server.endpoint()).await.unwrap();
+        let request = strata_tests::token_request("m", prompt.clone(), want.len() as u32);
+        let got = c.generate(request).await.unwrap_or_else(|e| panic!("{split:?}: {e:?}")).into_inner();
+        assert_eq!(got.token_ids, want, "{split:?}");
+    }
+}
