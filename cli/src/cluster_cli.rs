@@ -113,17 +113,22 @@ impl CoordinatorArgs {
     }
 }
 
-pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
-    let cfg = args.config.resolve(|cfg| args.overlay(cfg))?;
-    let c = &cfg.coordinator;
+/// The leader's canary and replica timings from the (validated) settings.
+pub fn timings(c: &strata_common::config::CoordinatorSettings) -> Timings {
     let secs = Duration::from_secs_f64;
-    let timings = Timings {
+    Timings {
         canary_interval: secs(c.canary_interval_s),
         canary_timeout: secs(c.canary_timeout_s),
         load_timeout: secs(c.load_timeout_s),
         drain_timeout: secs(c.replica_drain_timeout_s),
         failed_retention: secs(c.failed_retention_s),
-    };
+    }
+}
+
+pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()> {
+    let cfg = args.config.resolve(|cfg| args.overlay(cfg))?;
+    let c = &cfg.coordinator;
+    let timings = timings(c);
     let client_auth = ClientAuth::with_tenants(client_keys(c)?, c.tenants.clone())
         .context("--api-key, coordinator.tenants")?;
     let reload = (c.clone(), client_auth.clone());
@@ -141,7 +146,7 @@ pub fn coordinator(args: CoordinatorArgs, rt: tokio::runtime::Runtime) -> anyhow
         routing_policy: crate::security_args::routing_policy(c)?,
         client_auth,
         admin_auth,
-        drain_timeout: secs(c.drain_timeout_s),
+        drain_timeout: Duration::from_secs_f64(c.drain_timeout_s),
         tls,
         model_roots: ModelRoots::new(cfg.security.model_roots.clone()),
         default_device: strata_common::DeviceKind::parse(&c.default_device)

@@ -15,7 +15,6 @@ use strata_common::ready::Announcement;
 use strata_common::Parallelism;
 use strata_coordinator::api::auth::{AdminAuth, ClientAuth};
 use strata_coordinator::api::server::{Role, ServeOptions};
-use strata_coordinator::control::tasks::Timings;
 use strata_worker::agent::AgentConfig;
 
 use crate::config_args::{engine_config, set, ConfigArg, EngineArgs};
@@ -87,6 +86,14 @@ pub struct ServeArgs {
     /// Seconds in-flight calls get to finish after SIGTERM [default: 30].
     #[arg(long, env = "STRATA_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<f64>,
+    /// Seconds between canaries of each ready replica [default: 5]
+    /// (coordinator.canary_interval_s).
+    #[arg(long, env = "STRATA_CANARY_INTERVAL")]
+    pub canary_interval: Option<f64>,
+    /// Seconds a canary may take before its replica is failed, unless the replica is still
+    /// completing steps [default: 10] (coordinator.canary_timeout_s).
+    #[arg(long, env = "STRATA_CANARY_TIMEOUT")]
+    pub canary_timeout: Option<f64>,
     /// Seconds a request waits for a ready replica (at start or after one failed)
     /// [default: 60] (coordinator.route_wait_s).
     #[arg(long, env = "STRATA_ROUTE_WAIT")]
@@ -132,6 +139,8 @@ impl ServeArgs {
         set(&mut s.replicas, &self.replicas);
         set(&mut s.drain_timeout_s, &self.drain_timeout);
         set(&mut cfg.coordinator.route_wait_s, &self.route_wait);
+        set(&mut cfg.coordinator.canary_interval_s, &self.canary_interval);
+        set(&mut cfg.coordinator.canary_timeout_s, &self.canary_timeout);
         set(&mut s.spare_workers, &self.spare_workers);
         self.engine.apply(&mut cfg.engine);
         // serve's coordinator checks credentials as `strata coordinator` does.
@@ -291,7 +300,8 @@ pub fn serve(args: ServeArgs, rt: tokio::runtime::Runtime) -> anyhow::Result<()>
         routing_policy,
         admin_auth,
         model_roots: roots,
-        timings: Timings::default(),
+        // The canary and replica timings of the config, as a coordinator's.
+        timings: crate::cluster_cli::timings(&cfg.coordinator),
     };
     rt.block_on(crate::embedded::run_embedded(embedded))
 }

@@ -75,6 +75,35 @@ struct Shared {
     open: AtomicUsize,
     /// Set once a step failed for lack of a rank; the replica cannot serve again.
     broken: std::sync::Mutex<Option<String>>,
+    /// Steps completed, how long the last took, and when the one running began.
+    steps: std::sync::Mutex<Progress>,
+}
+
+/// How a replica's steps are going: what a canary that timed out looks at before it
+/// blames the replica (a healthy replica under load takes seconds a step).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Progress {
+    /// Steps completed so far.
+    pub steps: u64,
+    /// How long the last completed step took.
+    pub last_step: std::time::Duration,
+    /// When the step running now began, if one is.
+    pub running_since: Option<Instant>,
+}
+
+impl Progress {
+    /// Whether a replica that was at `before` when a canary was sent, and is at `self`
+    /// now that the canary's time is up, is still working: a step has completed since,
+    /// or the step running now has not run past three times the last one's length.
+    pub fn still_working(&self, before: &Progress) -> bool {
+        if self.steps > before.steps {
+            return true;
+        }
+        match self.running_since {
+            Some(since) => since.elapsed() <= self.last_step * 3,
+            None => false,
+        }
+    }
 }
 
 /// Cloneable handle to a runner thread.
@@ -233,6 +262,11 @@ impl EngineHandle {
     /// Why the replica can no longer run steps, if it cannot.
     pub fn broken(&self) -> Option<String> {
         self.shared.broken.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// How its steps are going ([`Progress`]).
+    pub fn progress(&self) -> Progress {
+        *self.shared.steps.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Resolves once a step has gone through every rank after this call (an error if the
@@ -505,7 +539,13 @@ impl Runner {
 
     fn step(&mut self) {
         let streams = &self.streams;
+        let began = Instant::now();
+        self.shared.steps.lock().unwrap_or_else(|p| p.into_inner()).running_since = Some(began);
         let result = self.engine.step_traced(|seqs| step_span(streams, seqs));
+        {
+            let mut p = self.shared.steps.lock().unwrap_or_else(|p| p.into_inner());
+            *p = Progress { steps: p.steps + 1, last_step: began.elapsed(), running_since: None };
+        }
         let mut non_finite = false;
         for a in self.engine.take_aborted() {
             non_finite |= a.non_finite;

@@ -250,3 +250,20 @@ fn a_request_the_engine_refuses_fails_its_stream_not_the_runner() {
     run_dry(&mut h);
     assert_eq!(tokens(&drain(&mut good)), 1);
 }
+
+/// A canary that timed out blames the replica only when its steps stopped: a step that
+/// completed meanwhile, or one running no longer than three of the last, means a healthy
+/// replica under load (a 0.9B MoE replica whose steps took ~7 s was failed 7 times).
+#[test]
+fn a_timed_out_canary_blames_only_a_replica_whose_steps_stopped() {
+    use std::time::Duration;
+    let ago = |s: u64| Some(Instant::now() - Duration::from_secs(s));
+    let before = Progress { steps: 5, last_step: Duration::from_secs(2), running_since: ago(1) };
+    assert!(Progress { steps: 6, running_since: None, ..before }.still_working(&before));
+    assert!(Progress { running_since: ago(5), ..before }.still_working(&before), "a long step still running");
+    assert!(
+        !Progress { running_since: ago(7), ..before }.still_working(&before),
+        "a step stuck past 3× the last"
+    );
+    assert!(!Progress { running_since: None, ..before }.still_working(&before), "no step ran at all");
+}

@@ -184,3 +184,38 @@ async fn serve_runs_replicas_with_more_ranks_than_threads() {
         assert_eq!(got.token_ids, want, "{split:?}");
     }
 }
+
+/// `strata serve` honours the canary timings (flags and `[coordinator]` alike; it once
+/// used the defaults whatever was set): canaries every 0.2 s show as steps of an idle
+/// replica, ten within seconds where the default interval gives one.
+#[test]
+fn serve_runs_canaries_at_the_configured_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("strata.toml");
+    std::fs::write(&config, "[coordinator]\ncanary_interval_s = 0.2\ncanary_timeout_s = 5.0\n").unwrap();
+    let model = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let config = config.to_string_lossy().to_string();
+    let mut server = Server::spawn(&[
+        "--config",
+        &config,
+        "--model",
+        &model,
+        "--name",
+        "m",
+        "--metrics-listen",
+        "127.0.0.1:0",
+    ]);
+    let metrics = server.out.wait_event("metrics", std::time::Duration::from_secs(60), "strata serve");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    server.addr = server.wait_ready();
+    let steps = || {
+        let text = strata_tests::http::scrape(&metrics);
+        strata_tests::http::sample(&text, "strata_batch_tokens_count", &[("model", "m")]).unwrap_or(0.0)
+    };
+    let first = steps();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while steps() < first + 10.0 {
+        assert!(std::time::Instant::now() < deadline, "canaries not at 0.2 s: {} steps", steps() - first);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
