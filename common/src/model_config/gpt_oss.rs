@@ -1,7 +1,8 @@
 //! What gpt-oss's config.json says beyond the Llama shape, read as transformers reads it
 //! (`GptOssConfig`), defaults included: 64-wide heads, sliding and full layers alternating
 //! (`layer_types`, a 128-position window), rope base 150 000 with YaRN (factor 32 over
-//! 4096 positions when the file names no rope), and the experts' clamped SwiGLU
+//! 4096 positions when the file names no rope; see [`null_means_plain_rope`] for a null
+//! one), and the experts' clamped SwiGLU
 //! (`swiglu_alpha`, `swiglu_limit`). Attention sinks and the experts' layout are the
 //! architecture's own: see `moe` and the engine's attention.
 
@@ -26,6 +27,22 @@ pub(super) fn default_rope() -> RopeScaling {
         truncate: false,
         attention_factor: yarn_mscale(32.0, 1.0),
     }
+}
+
+/// Whether the file's rope is plain rope, not the default YaRN: transformers 4.x reads an
+/// explicit `"rope_scaling": null` as no scaling (the argument's YaRN default is replaced
+/// by the null), while 5.x reads a null (or missing) `rope_scaling` and `rope_parameters`
+/// as the default YaRN. The version is the file's `transformers_version`; a file that
+/// names none is read as the current (5.x) transformers reads it.
+pub(super) fn null_means_plain_rope(obj: &Map<String, Value>) -> bool {
+    let explicit_null =
+        obj.get("rope_scaling").is_some_and(Value::is_null) && !obj.contains_key("rope_parameters");
+    let major = obj
+        .get("transformers_version")
+        .and_then(Value::as_str)
+        .and_then(|v| v.split('.').next())
+        .and_then(|m| m.trim().parse::<u32>().ok());
+    explicit_null && major.is_some_and(|m| m < 5)
 }
 
 /// Which layers attend within the window (`layer_types`; absent, alternating from a
@@ -56,6 +73,24 @@ mod tests {
                 "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,
                 "vocab_size":300,"num_local_experts":4,"num_experts_per_tok":2{extra}}}"#
         ))
+    }
+
+    /// gpt-oss configs written by transformers 4.57 say `"rope_scaling": null`; 4.x reads it
+    /// as plain rope (every token differed when Strata applied the default YaRN), 5.x as the
+    /// default YaRN.
+    #[test]
+    fn a_null_rope_scaling_is_read_as_the_writing_transformers_reads_it() {
+        let yarn =
+            |c: &ModelConfig| matches!(c.rope_scaling, RopeScaling::Yarn { factor, .. } if factor == 32.0);
+        let written_by =
+            |v: &str| gpt_oss(&format!(r#","rope_scaling":null,"transformers_version":"{v}""#)).unwrap();
+        assert_eq!(written_by("4.57.1").rope_scaling, RopeScaling::None, "4.x: null is plain rope");
+        assert_eq!(written_by("4.55.0").rope_scaling, RopeScaling::None);
+        assert!(yarn(&written_by("5.0.0")), "5.x: null is the default YaRN");
+        assert!(yarn(&gpt_oss(r#","rope_scaling":null"#).unwrap()), "no version: read as 5.x");
+        assert!(yarn(&gpt_oss(r#","transformers_version":"4.57.1""#).unwrap()), "absent: the default");
+        let nested = r#","rope_scaling":null,"rope_parameters":null,"transformers_version":"4.57.1""#;
+        assert!(yarn(&gpt_oss(nested).unwrap()), "rope_parameters is 5.x's key: its null is the default");
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub(super) fn rope_keys(
     let kind = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(|v| v.as_str());
     let scaling = match (architecture, rope) {
         (Architecture::Gemma3, _) => RopeScaling::None, // by layer type (`gemma`)
+        (Architecture::GptOss, None) if gpt_oss::null_means_plain_rope(obj) => RopeScaling::None,
         (Architecture::GptOss, None) => gpt_oss::default_rope(),
         (_, Some(r)) if matches!(kind, Some("longrope" | "su")) => {
             let rot = rotary_dim(partial, head_dim)?;
