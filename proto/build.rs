@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(files, ["."])?;
     let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("strata_descriptor.bin"), fds.encode_to_vec())?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // Decode errors are the sender's (INVALID_ARGUMENT), not INTERNAL: see src/codec.rs.
+    tonic_prost_build::configure().codec_path("crate::codec::StrictCodec").compile_fds(fds)?;
     Ok(())
 }

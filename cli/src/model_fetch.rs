@@ -43,6 +43,10 @@ pub struct FetchArgs {
     /// Most bytes fetched in all (a size: 500GiB).
     #[arg(long, default_value = "2048GiB")]
     pub max_bytes: String,
+    /// Seconds the server may send nothing — before a response's head, or between reads
+    /// of a file — before the fetch fails (connecting has 30 s).
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub read_timeout: f64,
 }
 
 /// One file the manifest names.
@@ -172,10 +176,25 @@ fn get(agent: &ureq::Agent, (url, shown): &(String, String)) -> anyhow::Result<u
     Ok(response.into_body())
 }
 
+/// How long connecting to the model server may take.
+const FETCH_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 pub fn fetch(args: FetchArgs) -> anyhow::Result<()> {
     let source = Source::of(&args)?;
     let max_bytes = strata_common::config::parse_memory(&args.max_bytes).context("--max-bytes")? as u64;
-    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(true).build().into();
+    // A server that stops answering is an error, not a hang: connecting, the response's
+    // head, and every read of a body (however long the whole file takes) are bounded.
+    if !(args.read_timeout.is_finite() && args.read_timeout > 0.0 && args.read_timeout < 1e9) {
+        anyhow::bail!("--read-timeout {}: give a positive number of seconds", args.read_timeout);
+    }
+    let read_timeout = std::time::Duration::from_secs_f64(args.read_timeout);
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(true)
+        .timeout_connect(Some(FETCH_CONNECT_TIMEOUT))
+        .timeout_recv_response(Some(read_timeout))
+        .timeout_per_read(Some(read_timeout))
+        .timeout_per_write(Some(read_timeout))
+        .build()
+        .into();
     let manifest = source.url(&args.manifest);
     let shown = manifest.1.clone();
     let mut text = String::new();

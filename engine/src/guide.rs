@@ -96,7 +96,7 @@ impl Grammars {
                 )
             })?;
         }
-        Ok(Guide { matcher, eos: self.eos.clone() })
+        Ok(Guide { matcher, eos: self.eos.clone(), field: constraint.field() })
     }
 
     /// Constraints compiled (or refused) and kept.
@@ -201,15 +201,17 @@ pub fn prepare_guide(
 pub struct Guide {
     matcher: Matcher,
     eos: Arc<[u32]>,
+    /// The caller's field the constraint came in: the parser's limits are the caller's
+    /// grammar's (an over-ambiguous one gives up), so its errors are invalid input there.
+    field: &'static str,
 }
 
 impl Guide {
     /// The tokens allowed next (every end-of-sequence id where the output may end).
     pub fn mask(&mut self) -> Result<TokenMask> {
-        let mut allowed = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| Error::Internal(format!("constraint mask: {e}")))?;
+        let mut allowed = self.matcher.compute_mask_or_eos().map_err(|e| {
+            Error::invalid(self.field, format!("the constraint's parser gave up on it: {e} (simplify it)"))
+        })?;
         if self.eos.iter().any(|&t| allowed.is_allowed(t)) {
             for &t in self.eos.iter() {
                 if (t as usize) < allowed.len() {
@@ -218,7 +220,7 @@ impl Guide {
             }
         }
         if allowed.is_zero() {
-            return Err(Error::Internal("the constraint allows no token".into()));
+            return Err(Error::invalid(self.field, "the constraint allows no token of this model here"));
         }
         Ok(TokenMask(allowed))
     }
@@ -228,7 +230,10 @@ impl Guide {
         if self.eos.contains(&token) {
             return Ok(());
         }
-        self.matcher.consume_token(token).map_err(|e| Error::Internal(format!("constraint: {e}")))
+        let field = self.field;
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| Error::invalid(field, format!("the constraint's parser gave up on it: {e}")))
     }
 
     /// Whether the constraint is complete and allows nothing more.

@@ -1,4 +1,7 @@
-//! Generated gRPC code for Strata's three services. Nothing else lives here.
+//! Generated gRPC code for Strata's three services, and the codec it is generated with
+//! ([`codec`]). Nothing else lives here.
+
+pub mod codec;
 
 pub mod inference {
     pub mod v1 {

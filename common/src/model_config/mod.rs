@@ -523,7 +523,12 @@ fn family_options(architecture: Architecture, obj: &Map<String, Value>) -> Resul
     };
     let sliding_window = match architecture {
         Architecture::Mistral | Architecture::Mixtral | Architecture::Phi3 => {
-            opt_usize(obj, "sliding_window")?
+            match opt_usize(obj, "sliding_window")? {
+                Some(0) => {
+                    return Err(Error::invalid("sliding_window", "must be positive (null for no window)"))
+                }
+                w => w,
+            }
         }
         Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen3Moe => {
             if opt_bool(obj, "use_sliding_window")?.unwrap_or(false) {
@@ -674,6 +679,9 @@ mod tests {
 
     #[test]
     fn phi3_fuses_its_projections_and_rotates_part_of_each_head() {
+        let mistral = with(r#"{"sliding_window":0}"#).replace("LlamaForCausalLM", "MistralForCausalLM");
+        let e = ModelConfig::from_json_str(&mistral).unwrap_err().to_string();
+        assert!(e.contains("sliding_window") && e.contains("positive"), "a zero window is refused: {e}");
         let phi3 = with(r#"{"sliding_window":2047}"#).replace("LlamaForCausalLM", "Phi3ForCausalLM");
         let c = ModelConfig::from_json_str(&phi3).unwrap();
         assert_eq!(c.architecture, Architecture::Phi3);

@@ -127,6 +127,8 @@ fn hostile_constraints_are_refused_quickly_and_refusals_are_cached() {
         ),
         Constraint::JsonSchema(json!({"$ref": "#/$defs/missing"}).to_string()),
         Constraint::Grammar("start: start start | ".into()),
+        Constraint::Grammar("start: x x x x x x x x\nx: x x | x x x | \"a\" | \"a\" \"a\" | ".into()),
+        Constraint::Grammar("start: s\ns: s s s | s s | \"a\" | \"b\" | \"a\" s \"b\" | ".into()),
         Constraint::Regex("[".into()),
     ];
     for c in &hostile {
@@ -136,6 +138,7 @@ fn hostile_constraints_are_refused_quickly_and_refusals_are_cached() {
         assert!(took < Duration::from_secs(5), "{c:?} took {took:?}");
         if let Err(e) = result {
             assert!(e.to_string().contains(c.field()) || e.to_string().contains("constraint"), "{e}");
+            assert_eq!(e.class(), strata_common::ErrorClass::InvalidInput, "the caller's constraint: {e}");
         }
     }
     let refused = &hostile[hostile.len() - 1];
@@ -177,4 +180,33 @@ fn masks_allow_every_end_of_sequence_id_where_the_output_may_end() {
         mask.apply(&mut logits);
         assert_eq!(logits.iter().filter(|l| l.is_finite()).count(), 2);
     }
+}
+
+/// An over-ambiguous grammar makes the parser give up partway: that is the caller's
+/// constraint's error (a 400 naming `guided_grammar`), never an internal one (a 500).
+#[test]
+fn a_parser_that_gives_up_is_the_callers_constraint_error() {
+    let g = grammars();
+    // Every "a" can end or start any number of empty `s`: the parser's rows grow past
+    // llguidance's bound after a few hundred tokens.
+    let c = Constraint::Grammar("start: s*\ns: s? s? s? \"a\"?".into());
+    let mut guide = g.guide(&c, &[]).unwrap();
+    let mut gave_up = None;
+    for _ in 0..400 {
+        let mask = match guide.mask() {
+            Ok(m) => m,
+            Err(e) => {
+                gave_up = Some(e);
+                break;
+            }
+        };
+        let a = (0..384).find(|&t| mask.allows(t) && g.decode(&[t]) == b"a").expect("\"a\" is allowed");
+        if let Err(e) = guide.consume(a) {
+            gave_up = Some(e);
+            break;
+        }
+    }
+    let e = gave_up.expect("the parser gives up on this grammar");
+    assert_eq!(e.class(), strata_common::ErrorClass::InvalidInput, "{e}");
+    assert!(e.to_string().contains("guided_grammar"), "{e}");
 }

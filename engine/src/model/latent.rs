@@ -158,6 +158,20 @@ impl<B: Backend> ShardLoader<'_, B> {
         let (bias, qk) = (c.qkv_bias, nope + r);
         let order = rope_order(r, dims.rope_interleave);
         let a = format!("{p}.self_attn");
+        // The config's dims against the checkpoint first: the row lists below are sized by
+        // them (a kv_lora_rank of 10⁹ once allocated gigabytes before any shape check).
+        let q_in = dims.q_lora_rank.unwrap_or(h);
+        let (q_checked, qk_rows) = match dims.q_lora_rank {
+            Some(rank) => {
+                self.ckpt.check_shape(&format!("{a}.q_a_proj.weight"), &[rank, h])?;
+                (format!("{a}.q_b_proj.weight"), n.saturating_mul(qk))
+            }
+            None => (format!("{a}.q_proj.weight"), n.saturating_mul(qk)),
+        };
+        self.ckpt.check_shape(&q_checked, &[qk_rows, q_in])?;
+        self.ckpt.check_shape(&format!("{a}.kv_a_proj_with_mqa.weight"), &[l.saturating_add(r), h])?;
+        self.ckpt
+            .check_shape(&format!("{a}.kv_b_proj.weight"), &[n.saturating_mul(nope.saturating_add(v)), l])?;
         let (q_a, q_name, q_in) = match dims.q_lora_rank {
             Some(rank) => {
                 let proj =

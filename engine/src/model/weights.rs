@@ -142,6 +142,28 @@ impl Checkpoint {
         }
     }
 
+    /// Checks that tensor `name` has the shape the model config implies, without reading or
+    /// dequantizing it: call it before sizing anything by a config's dimensions (a config
+    /// value of 10⁹ must be a shape error, not a 8 GB allocation).
+    pub fn check_shape(&self, name: &str, shape: &[usize]) -> Result<()> {
+        let t = match (self.tensors.get(name), self.packed.get(name)) {
+            (Some(t), _) | (None, Some((_, t))) => t,
+            (None, None) => {
+                return Err(Error::model_file(
+                    &self.dir,
+                    format!("tensor {name:?} is missing from the checkpoint"),
+                ))
+            }
+        };
+        if t.shape != shape {
+            return Err(Error::model_file(
+                t.file.as_path(),
+                format!("tensor {name:?} has shape {:?}, config.json implies {shape:?}", t.shape),
+            ));
+        }
+        Ok(())
+    }
+
     /// The tensor `name`, checked against the shape the model config implies.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let owned;

@@ -274,6 +274,28 @@ fn bad_model_files_get_clear_errors() {
     std::fs::write(dir.join("config.json"), "{not json").unwrap();
     let e = gen_fail(&dir, &[]);
     assert!(e.contains("config.json"), "{e}");
+
+    // A zero window once ran, masking every key: NaN logits, not a config error.
+    let (_t, dir) = scratch_copy("mistral_window");
+    edit_config(&dir, |v| v["sliding_window"] = serde_json::json!(0));
+    let e = gen_fail(&dir, &[]);
+    assert!(e.contains("sliding_window") && e.contains("positive"), "{e}");
+
+    // A latent rank of 10⁹ once sized a list of row indices (8 GB) before any shape check:
+    // under a 2 GiB address-space limit the process died; now the checkpoint's shape answers.
+    let (_t, dir) = scratch_copy("deepseek_v3_mla");
+    edit_config(&dir, |v| v["kv_lora_rank"] = serde_json::json!(1_000_000_000u64));
+    let d = dir.to_string_lossy().to_string();
+    let out = Command::new("sh")
+        .args(["-c", "ulimit -v 2097152 && exec \"$0\" \"$@\""])
+        .arg(strata_bin())
+        .args(["generate", "--json", "--model", &d, "--prompt-ids", "1,2,3"])
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("run strata");
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !e.contains("panicked") && !e.contains("memory allocation"), "{e}");
+    assert!(e.contains("kv_a_proj_with_mqa") && e.contains("shape"), "{e}");
 }
 
 #[test]

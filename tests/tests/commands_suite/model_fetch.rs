@@ -215,3 +215,30 @@ fn a_file_that_does_not_match_its_sum_fails_the_fetch_and_leaves_nothing() {
     assert!(String::from_utf8_lossy(&run.stderr).contains("leaves the directory"));
     assert_eq!(server.count("escape"), 0);
 }
+
+/// A server that accepts and then sends nothing (or stops mid-file) fails the fetch after
+/// `--read-timeout`, instead of hanging it for as long as the server likes.
+#[test]
+fn a_stalled_server_fails_the_fetch_in_time() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let held = std::thread::spawn(move || {
+        // Read the request, answer nothing; hold the connection until the client leaves.
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        while matches!(std::io::Read::read(&mut s, &mut buf), Ok(n) if n > 0) {}
+    });
+    let out = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let run = std::process::Command::new(strata_bin())
+        .args(["model", "fetch", "--url", &format!("http://{addr}/m/"), "--read-timeout", "1"])
+        .args(["--out", out.path().join("m").to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{e}");
+    assert!(e.to_lowercase().contains("timeout") || e.to_lowercase().contains("timed out"), "{e}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "took {:?}", started.elapsed());
+    held.join().unwrap();
+}

@@ -219,3 +219,37 @@ fn serve_runs_canaries_at_the_configured_interval() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
+
+/// A request whose bytes are not a whole protobuf message (truncated mid-field) is the
+/// caller's error, INVALID_ARGUMENT, not INTERNAL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_truncated_protobuf_request_is_invalid_argument() {
+    let model = fixtures_dir().join("llama_gqa").to_string_lossy().to_string();
+    let server = Server::start(&["--model", &model, "--name", "m"]);
+    let tcp = tokio::net::TcpStream::connect(&server.addr).await.unwrap();
+    let (send, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let req = tonic::codegen::http::Request::post(format!(
+        "http://{}/strata.inference.v1.Inference/Tokenize",
+        server.addr
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (response, mut body) = send.ready().await.unwrap().send_request(req, false).unwrap();
+    // Field 1 (model) says 10 bytes and 2 follow.
+    let message = [0x0a, 10, b'm', b'x'];
+    let mut frame = vec![0u8, 0, 0, 0, message.len() as u8];
+    frame.extend_from_slice(&message);
+    body.send_data(frame.into(), true).unwrap();
+    let response = response.await.unwrap();
+    let headers = response.headers().clone();
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        chunk.unwrap();
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or_default();
+    let status = headers.get("grpc-status").or_else(|| trailers.get("grpc-status")).expect("a grpc-status");
+    assert_eq!(status, "3", "INVALID_ARGUMENT: {headers:?} {trailers:?}");
+}

@@ -53,7 +53,8 @@ fn error_body(e: &ApiError) -> Json {
         503 | 529 => "overloaded_error",
         _ => "api_error",
     };
-    json!({"type": "error", "error": {"type": kind, "message": e.message}})
+    // Cut as OpenAI-shaped errors are: a message may quote what the caller sent.
+    json!({"type": "error", "error": {"type": kind, "message": super::error::cut(&e.message)}})
 }
 
 /// The chat completions body of a Messages body.
@@ -375,4 +376,20 @@ pub fn stream(
         futures::stream::iter(std::mem::take(&mut state.out))
     });
     Sse::new(first.chain(rest).map(Ok))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Probed: a 1 MB model name came back whole in the error. Messages are cut as
+    /// OpenAI-shaped errors are.
+    #[test]
+    fn errors_do_not_echo_megabytes_of_the_request() {
+        let e = ApiError::not_found(format!("model {:?}", "m".repeat(1 << 20)));
+        let body = error_body(&e);
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.len() < 2048, "{} bytes", message.len());
+        assert!(message.starts_with("model \"mmm"), "{message:.40}");
+    }
 }

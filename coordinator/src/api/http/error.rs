@@ -12,7 +12,7 @@ use strata_common::{Error, ErrorClass};
 pub const MAX_MESSAGE: usize = 1024;
 
 /// `text` cut at [`MAX_MESSAGE`] bytes (on a character boundary), marked when cut.
-fn cut(text: &str) -> String {
+pub(super) fn cut(text: &str) -> String {
     if text.len() <= MAX_MESSAGE {
         return text.to_string();
     }
