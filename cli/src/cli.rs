@@ -284,6 +284,7 @@ impl GenerateArgs {
             priority: Default::default(),
             constraint: self.constraint(),
             embed: None,
+            cache_salt: None,
         }
     }
 

@@ -50,6 +50,12 @@ pub struct SamplingParams {
     /// nothing is generated. None generates.
     #[serde(default)]
     pub embed: Option<Embed>,
+    /// Whose cached prefix blocks the prompt may read and add to: blocks are shared only
+    /// among sequences of the same salt (None is a salt too: the unsalted). The front end
+    /// sets the caller's tenant's, mixed with a request's own `cache_salt` (vLLM's), so
+    /// one tenant cannot learn by timing what another sent.
+    #[serde(default)]
+    pub cache_salt: Option<u64>,
 }
 
 /// How an embedding request pools and scales its prompt's final hidden states.
@@ -124,6 +130,7 @@ impl Default for SamplingParams {
             priority: Priority::Online,
             constraint: None,
             embed: None,
+            cache_salt: None,
         }
     }
 }

@@ -95,6 +95,7 @@ pub fn job_to_pb(replica: &str, job: &Job) -> wpb::WorkerGenerateRequest {
             pooling: e.pooling.map(|p| p.as_str().to_string()).unwrap_or_default(),
             normalize: e.normalize,
         }),
+        cache_salt: p.cache_salt,
     }
 }
 
@@ -140,6 +141,7 @@ pub fn job_from_pb(r: wpb::WorkerGenerateRequest) -> Result<(ReplicaId, Job)> {
         priority: if r.batch { crate::sampling::Priority::Batch } else { crate::sampling::Priority::Online },
         constraint: r.constraint.map(constraint_from_pb).transpose()?,
         embed: r.embed.map(embed_from_pb).transpose()?,
+        cache_salt: r.cache_salt,
         ..SamplingParams::default()
     };
     apply_sampling(&r.sampling.unwrap_or_default(), &mut params);
@@ -454,6 +456,7 @@ mod tests {
                 priority: crate::sampling::Priority::Batch,
                 constraint: Some(Constraint::Choice(vec!["a".into(), "b".into()])),
                 embed: None,
+                cache_salt: Some(0xfeed),
             },
         };
         let (replica, back) = job_from_pb(job_to_pb("m-0", &job)).unwrap();

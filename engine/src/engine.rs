@@ -453,6 +453,8 @@ impl Engine {
         // A resumed sequence's caller has its prompt logprobs already.
         let prompt_lps = params.prompt_logprobs.filter(|_| generated.is_empty());
         let mut sampler = Sampler::resume(params, &prompt, &generated);
+        // Its cached prefix blocks are its salt's alone (strata_common::prefix::salt_root).
+        let root = strata_common::prefix::salt_root(sampler.params().cache_salt);
         if self.masks_on_device() {
             sampler.mask_upstream();
         }
@@ -471,6 +473,7 @@ impl Engine {
         tokens.extend(generated);
         let mut seq = SeqData::new(id, tokens).with_priority(priority);
         seq.reads_cache = reads_cache;
+        seq.root = root;
         if prompt_lps.is_some() {
             seq.max_chunk = prompt::max_chunk(vocab);
         }

@@ -64,6 +64,9 @@ pub struct SeqData {
     pub group_blocks: Vec<BlockTable>,
     /// Hashes of this sequence's full blocks registered so far.
     hashes: Vec<BlockHash>,
+    /// The root its block hashes chain from: its cache salt's
+    /// ([`strata_common::prefix::salt_root`]; 0 unsalted).
+    pub root: BlockHash,
     /// Online sequences are admitted before batch ones and preempted after them.
     pub priority: Priority,
     /// Whether its prompt may start from cached blocks (false: every position is computed,
@@ -82,6 +85,7 @@ impl SeqData {
             blocks: BlockTable::default(),
             group_blocks: Vec::new(),
             hashes: Vec::new(),
+            root: 0,
             priority: Priority::Online,
             reads_cache: true,
             max_chunk: usize::MAX,
@@ -383,7 +387,7 @@ impl Scheduler {
             seq.computed = item.end;
             while seq.hashes.len() < seq.computed / bs {
                 let b = seq.hashes.len();
-                let parent = seq.hashes.last().copied().unwrap_or(0);
+                let parent = seq.hashes.last().copied().unwrap_or(seq.root);
                 let h = chain_hash(parent, &seq.tokens[b * bs..(b + 1) * bs]);
                 seq.hashes.push(h);
                 self.pool.register(seq.blocks[b], h);
@@ -413,7 +417,7 @@ impl Scheduler {
 fn reuse_prefix(pool: &BlockPool, groups: &[Option<usize>], seq: &mut SeqData) {
     let bs = pool.block_size();
     let usable = (seq.tokens.len() - 1) / bs;
-    let hashes = pool.block_hashes(&seq.tokens[..usable * bs]);
+    let hashes = strata_common::prefix::block_hashes_from(seq.root, &seq.tokens[..usable * bs], bs);
     seq.blocks = pool.acquire_prefix(&hashes);
     let mut n = seq.blocks.len();
     if !groups.is_empty() {

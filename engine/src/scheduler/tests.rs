@@ -171,6 +171,28 @@ fn cached_prefixes_skip_their_prefill() {
     assert_eq!((third.start, third.end), (8, 12));
 }
 
+/// Probed: a prompt another tenant sent answered in milliseconds against a second unseen.
+/// Cached blocks are shared only among sequences of one salt.
+#[test]
+fn cached_prefixes_are_shared_only_within_a_salt() {
+    let salted = |id: u64, salt: Option<u64>| {
+        let mut seq = SeqData::new(SeqId(id), prompt(13, 0));
+        seq.root = strata_common::prefix::salt_root(salt);
+        seq
+    };
+    let mut s = sched(8, 100, 32, 4, true);
+    s.add(salted(1, Some(1)));
+    step(&mut s);
+    s.remove(SeqId(1));
+    s.add(salted(2, Some(2)));
+    let p = step(&mut s);
+    assert_eq!(p.seqs[0].start, 0, "another salt's blocks were read");
+    s.remove(SeqId(2));
+    s.add(salted(3, Some(1)));
+    let p = step(&mut s);
+    assert_eq!(p.seqs[0].start, 12, "the same salt reuses its 3 cached blocks");
+}
+
 #[test]
 fn every_block_returns_after_finish_cancel_and_preemption() {
     let mut s = sched(4, 16, 8, 4, true);

@@ -397,3 +397,40 @@ async fn fair_admission_keeps_a_slot_for_other_tenants() {
         "steady's p50 TTFT {after:?} under the flood vs {before:?} unloaded (bound {bound:?})"
     );
 }
+
+/// Probed: a prompt another tenant sent answered in milliseconds against a second for an
+/// unseen one. A tenant's prompts read only its own cached blocks (the coordinator salts
+/// every request with its tenant): the engine's prefix-cache hits grow for the tenant that
+/// repeats its prompt, not for another sending the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn tenants_share_no_cached_prefix() {
+    use strata_tests::http::{sample, scrape};
+    let dir = tempfile::tempdir().unwrap();
+    let tenants = "[[coordinator.tenants]]\nname = \"a\"\nkeys = [\"a-key\"]\n\
+                   [[coordinator.tenants]]\nname = \"b\"\nkeys = [\"b-key\"]\n";
+    let mut server = {
+        let config = dir.path().join("strata.toml");
+        std::fs::write(&config, tenants).unwrap();
+        let model = fixtures_dir().join("llama_gqa");
+        let args = ["--config", config.to_str().unwrap(), "--model", model.to_str().unwrap(), "--name", "m"];
+        Server::spawn(&[&args[..], &["--metrics-listen", "127.0.0.1:0"]].concat())
+    };
+    let metrics = server.out.wait_event("metrics", Duration::from_secs(60), "strata serve");
+    let metrics = metrics["address"].as_str().unwrap().to_string();
+    server.addr = server.wait_ready();
+    let hits =
+        || sample(&scrape(&metrics), "strata_prefix_cache_hits_total", &[("model", "m")]).unwrap_or(0.0);
+    let c = InferenceClient::connect(server.endpoint()).await.unwrap();
+    let prompt: Vec<u32> = (1..=64).collect();
+    let send = |key: &'static str| {
+        let mut c = c.clone();
+        let prompt = prompt.clone();
+        async move { c.generate(keyed(token_request("m", prompt, 1), key)).await.unwrap() }
+    };
+    send("a-key").await;
+    let before = hits();
+    send("b-key").await;
+    assert_eq!(hits(), before, "b's prompt read a's cached blocks");
+    send("a-key").await;
+    assert!(hits() >= before + 48.0, "a's own repeat reads its cached blocks: {} → {}", before, hits());
+}

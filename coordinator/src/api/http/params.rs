@@ -118,6 +118,7 @@ const SHARED_FIELDS: &[&str] = &[
     "stop",
     "stop_token_ids",
     "cache",
+    "cache_salt",
     "response_format",
     "guided_json",
     "guided_regex",
@@ -244,6 +245,7 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
         ignore_eos: boolean(f, "ignore_eos")?.unwrap_or(false),
         stop_token_ids: stop_token_ids(f)?,
         stop: stop(f)?,
+        cache_salt: cache_salt(f)?,
         ..d
     };
     let cache = boolean(f, "cache")?.unwrap_or(true);
@@ -263,6 +265,21 @@ pub fn common(f: &Fields, max_tokens_names: &[&'static str]) -> Result<Common, A
         constraint_field,
         prompt_logprobs,
     })
+}
+
+/// vLLM's `cache_salt`: a non-empty string; requests share cached prefix blocks only with
+/// requests of the same salt (and tenant).
+fn cache_salt(f: &Fields) -> Result<Option<u64>, ApiError> {
+    use std::hash::{Hash, Hasher};
+    match string(f, "cache_salt")? {
+        None => Ok(None),
+        Some("") => Err(ApiError::invalid("cache_salt", "cache_salt must be a non-empty string")),
+        Some(s) => {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            s.hash(&mut h);
+            Ok(Some(h.finish()))
+        }
+    }
 }
 
 fn stop(f: &Fields) -> Result<Vec<String>, ApiError> {
