@@ -239,7 +239,6 @@ pub fn routing_policy(c: &CoordinatorSettings) -> anyhow::Result<PolicyKind> {
 /// (`coordinator.route_wait_s`) and the response cache's size
 /// (`coordinator.response_cache_memory`).
 pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions> {
-    strata_coordinator::request::generation::set_access_log(c.access_log);
     let bytes = strata_common::config::parse_memory_or_zero(&c.response_cache_memory)
         .context("--response-cache-memory (coordinator.response_cache_memory)")?;
     if bytes > 0 {
@@ -260,6 +259,7 @@ pub fn front_options(c: &CoordinatorSettings) -> anyhow::Result<FrontEndOptions>
         route: RouteLimits { wait, pending_grace: defaults.pending_grace.min(wait), ..defaults },
         response_cache_bytes: bytes,
         texts: TextBudgetOptions { total_bytes: text, small_bytes: (text / 4).max(SMALL_TEXT * 4) },
+        access_log: c.access_log,
     })
 }
 

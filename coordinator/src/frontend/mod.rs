@@ -57,6 +57,8 @@ pub struct FrontEndOptions {
     pub response_cache_bytes: usize,
     /// Caller text parsed and tokenized at once ([`texts`]).
     pub texts: TextBudgetOptions,
+    /// One info log line per finished request (`--access-log`).
+    pub access_log: bool,
 }
 
 impl Default for FrontEndOptions {
@@ -65,6 +67,7 @@ impl Default for FrontEndOptions {
             route: RouteLimits::default(),
             response_cache_bytes: DEFAULT_CACHE_BYTES,
             texts: TextBudgetOptions::default(),
+            access_log: false,
         }
     }
 }
@@ -88,6 +91,7 @@ pub struct FrontEnd {
     ledger: Arc<Ledger>,
     online: Arc<AtomicUsize>,
     texts: TextBudget,
+    access_log: bool,
 }
 
 impl FrontEnd {
@@ -100,6 +104,7 @@ impl FrontEnd {
             ledger: Arc::default(),
             online: Arc::default(),
             texts: TextBudget::new(opts.texts),
+            access_log: opts.access_log,
         })
     }
 
@@ -192,8 +197,12 @@ impl FrontEnd {
                 return Err(e);
             }
         }
-        let target =
-            Target { revision, cache: key.map(|k| (k, self.cache.clone())), online: self.online.clone() };
+        let target = Target {
+            revision,
+            cache: key.map(|k| (k, self.cache.clone())),
+            online: self.online.clone(),
+            access_log: self.access_log,
+        };
         let rx =
             generation::start(model.clone(), admitted, request_id, deadline, self.limits, target, account)
                 .await?;
@@ -283,6 +292,7 @@ impl FrontEnd {
             _ => admit(&request, model),
         };
         let mut admitted = admitted?;
+        admitted.params.cache_salt = Some(cache_salt(caller, admitted.params.cache_salt));
         if let Some(cap) = cap {
             // A request that named no max_tokens gets the tenant's cap.
             admitted.params.max_new_tokens = admitted.params.max_new_tokens.min(cap);
@@ -293,6 +303,17 @@ impl FrontEnd {
         let account = Account::open(self.ledger.clone(), caller, &model.name, prompt_tokens, permit);
         Ok((admitted, account))
     }
+}
+
+/// The cache salt of `caller`'s request: its tenant's (name and incarnation) mixed with the
+/// request's own `cache_salt`, so no tenant's prompt reads another's cached blocks (a
+/// prompt another tenant sent once answered 100× faster than an unseen one).
+fn cache_salt(caller: &Caller, own: Option<u64>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let owner = caller.owner();
+    (owner.tenant, owner.incarnation, own).hash(&mut h);
+    h.finish()
 }
 
 /// A cached response, streamed as it was the first time (counted as a request, served by

@@ -20,7 +20,7 @@
 //! **Deadlines.** A caller's gRPC deadline bounds the whole generation: when it passes, the
 //! stream ends with `DEADLINE_EXCEEDED` and the sequence is cancelled on the replica.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,18 +55,6 @@ pub struct Chunk {
 
 /// Chunks of one generation, in order; the last has `finish` set (or is an error).
 pub type ChunkRx = mpsc::Receiver<Result<Chunk>>;
-
-static ACCESS_LOG: AtomicBool = AtomicBool::new(false);
-
-/// `--access-log`: one info line per finished request (request id, model, tenant, tokens,
-/// outcome, duration; the trace id through its span).
-pub fn set_access_log(on: bool) {
-    ACCESS_LOG.store(on, Ordering::Relaxed);
-}
-
-fn access_log() -> bool {
-    ACCESS_LOG.load(Ordering::Relaxed)
-}
 
 /// Whether a request stops waiting for its model's replicas (see `Run::stall`).
 enum Stall {
@@ -125,6 +113,9 @@ pub struct Target {
     pub revision: u64,
     pub cache: Option<(Key, Arc<ResponseCache>)>,
     pub online: Arc<AtomicUsize>,
+    /// `--access-log`: one info line when the request finishes (request id, model, tenant,
+    /// tokens, outcome, duration; the trace id through its span).
+    pub access_log: bool,
 }
 
 /// Submits the request and streams its chunks. Errors that happen before the first
@@ -162,6 +153,7 @@ pub async fn start(
         attempt: Attempt::default(),
         revision: target.revision,
         record: target.cache.map(|(k, cache)| (k, cache, Vec::new())),
+        access_log: target.access_log,
         account,
         prompt_logprobs: None,
         _online: online,
@@ -195,6 +187,8 @@ struct Run {
     revision: u64,
     /// A cacheable request: its key, the cache and the chunks streamed so far.
     record: Option<(Key, Arc<ResponseCache>, Vec<Chunk>)>,
+    /// Whether its end is logged ([`Target::access_log`]).
+    access_log: bool,
     /// The tenant's usage record and its hold on the tenant's limits.
     account: Account,
     /// The prompt's logprobs from the replica, until the first token carries them.
@@ -501,7 +495,7 @@ impl Run {
     fn record_end(&mut self, end: std::result::Result<FinishReason, &Error>) {
         let a = &self.attempt;
         let tokens = self.job.generated.len();
-        if access_log() {
+        if self.access_log {
             // One line per request (inside its span: JSON logs carry its trace_id).
             let (outcome, error) = match &end {
                 Ok(reason) => (reason.as_str(), String::new()),
