@@ -7,7 +7,7 @@
 //!
 //! Refused calls (no or a wrong credential) cannot crowd out the record of what was done:
 //! allowed actions keep the newest [`RETAINED`] entries, refused ones their own newest
-//! [`RETAINED_REFUSED`]; and each caller (credential and address, not port) has at most
+//! [`RETAINED_REFUSED`]; and each caller address (not port, whatever credential it sends) has at most
 //! [`REFUSED_PER_MINUTE`] refused entries written a minute — the rest are counted, and the
 //! caller's next written entry says how many were left out. A write that finds more than
 //! a kind keeps prunes its oldest.
@@ -94,11 +94,13 @@ fn refused<T>(result: &std::result::Result<T, Status>) -> bool {
     matches!(result, Err(s) if matches!(s.code(), tonic::Code::Unauthenticated | tonic::Code::PermissionDenied))
 }
 
-/// The caller without its port: one client reconnecting is one caller.
+/// Whom a refused call's limit counts: its address without the port or the credential
+/// it presented — one client reconnecting, or rotating wrong tokens (each a new
+/// fingerprint), is one caller.
 fn caller_key(caller: &str) -> String {
     match caller.rsplit_once(" from ") {
-        Some((who, addr)) => match addr.parse::<std::net::SocketAddr>() {
-            Ok(a) => format!("{who} from {}", a.ip()),
+        Some((_, addr)) => match addr.parse::<std::net::SocketAddr>() {
+            Ok(a) => format!("from {}", a.ip()),
             Err(_) => caller.to_string(),
         },
         None => caller.to_string(),
@@ -272,6 +274,14 @@ mod tests {
         let entries = log.list(usize::MAX).await.unwrap();
         let from_one = entries.iter().filter(|e| e.caller.contains("10.0.0.9")).count();
         assert_eq!(from_one, REFUSED_PER_MINUTE as usize);
+        // Probed: rotating wrong tokens made each call a new caller. The address counts.
+        for token in 0..500u32 {
+            let caller = format!("admin-token sha256:{token:08x} from 10.0.0.8:4000");
+            log.record("Drain", caller, "r1", String::new(), &denied()).await;
+        }
+        let entries = log.list(usize::MAX).await.unwrap();
+        let rotating = entries.iter().filter(|e| e.caller.contains("10.0.0.8")).count();
+        assert_eq!(rotating, REFUSED_PER_MINUTE as usize, "rotating tokens from one address");
         // 2,500 callers, one refused call each: their entries are pruned among themselves.
         for ip in 0..2_500u32 {
             let caller = format!("anonymous from 10.1.{}.{}:5000", ip / 250, ip % 250);

@@ -12,11 +12,13 @@
 //! per request. A response is stored only when it finished normally on one replica of the
 //! key's revision (no failover, no error, no cancellation).
 //!
-//! The cache is bounded in bytes (keys and responses as they sit in memory, roughly) and
-//! evicts the least recently used response first; one process-wide cache serves every
-//! front end (gRPC, HTTP, batch jobs). Hits, misses, evictions and the bytes held are
-//! metrics.
+//! The cache is bounded in bytes (keys and responses as they sit in memory: every buffer
+//! at its capacity) and evicts the least recently used response first; a tenant holds at
+//! most a quarter of it, past which its own oldest go, so one tenant cannot flush the
+//! others'. One cache serves a front end's every API (gRPC, HTTP, batch jobs). Hits,
+//! misses, evictions and the bytes held are metrics.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use lru::LruCache;
@@ -73,14 +75,20 @@ impl Key {
     }
 }
 
-/// Bytes a stored chunk holds, roughly.
+/// Bytes a stored chunk holds: every buffer it owns at its capacity — its text, ids,
+/// logprobs and their alternatives, the prompt's logprobs, an embedding (once left out:
+/// embeddings and prompt logprobs were counted at 1/8 to 1/64 of what they held).
 fn chunk_bytes(c: &Chunk) -> usize {
-    let alternatives: usize = c.logprobs.iter().map(|l| l.top.len()).sum();
+    fn logprobs(l: &[TokenLogprobs], capacity: usize) -> usize {
+        capacity * std::mem::size_of::<TokenLogprobs>()
+            + l.iter().map(|t| t.top.capacity() * std::mem::size_of::<(u32, f32)>()).sum::<usize>()
+    }
     std::mem::size_of::<Chunk>()
-        + c.text.len()
-        + 4 * c.token_ids.len()
-        + c.logprobs.len() * std::mem::size_of::<TokenLogprobs>()
-        + alternatives * 8
+        + c.text.capacity()
+        + std::mem::size_of::<u32>() * c.token_ids.capacity()
+        + logprobs(&c.logprobs, c.logprobs.capacity())
+        + c.prompt_logprobs.as_ref().map_or(0, |p| logprobs(p, p.capacity()))
+        + c.embedding.as_ref().map_or(0, |e| std::mem::size_of::<f32>() * e.capacity())
 }
 
 /// A finished response: its chunks, as they were streamed.
@@ -89,6 +97,33 @@ pub type Response = Arc<Vec<Chunk>>;
 struct Inner {
     entries: LruCache<Key, (Response, usize)>,
     bytes: usize,
+    /// Bytes each tenant's responses hold.
+    tenants: HashMap<String, usize>,
+}
+
+impl Inner {
+    /// Removes `key`'s entry, if stored, from the counts; its bytes.
+    fn forget(&mut self, key: &Key, size: usize) {
+        self.bytes -= size;
+        if let Some(held) = self.tenants.get_mut(&key.tenant) {
+            *held -= size;
+            if *held == 0 {
+                self.tenants.remove(&key.tenant);
+            }
+        }
+    }
+
+    /// Evicts `tenant`'s least recently used response; false when it has none.
+    fn evict_oldest_of(&mut self, tenant: &str) -> bool {
+        let Some(key) = self.entries.iter().rev().find(|(k, _)| k.tenant == tenant).map(|(k, _)| k.clone())
+        else {
+            return false;
+        };
+        if let Some((_, size)) = self.entries.pop(&key) {
+            self.forget(&key, size);
+        }
+        true
+    }
 }
 
 /// A byte-bounded LRU map from request keys to finished responses.
@@ -100,7 +135,8 @@ pub struct ResponseCache {
 impl ResponseCache {
     /// A cache holding at most `capacity` bytes (0: nothing is stored).
     pub fn new(capacity: usize) -> Self {
-        ResponseCache { capacity, inner: Mutex::new(Inner { entries: LruCache::unbounded(), bytes: 0 }) }
+        let inner = Inner { entries: LruCache::unbounded(), bytes: 0, tenants: HashMap::new() };
+        ResponseCache { capacity, inner: Mutex::new(inner) }
     }
 
     pub fn capacity(&self) -> usize {
@@ -126,23 +162,38 @@ impl ResponseCache {
         found
     }
 
-    /// Stores `response` under `key`, evicting the least recently used responses until it
-    /// fits; a response larger than the whole cache is not stored.
+    /// Most bytes one tenant's responses hold: a quarter of the cache.
+    fn tenant_share(&self) -> usize {
+        self.capacity / 4
+    }
+
+    /// Stores `response` under `key`, evicting its tenant's least recently used responses
+    /// past the tenant's share, then anyone's until it fits; a response larger than a
+    /// tenant's share is not stored.
     pub fn put(&self, key: Key, response: Vec<Chunk>) {
         let size = key.bytes() + response.iter().map(chunk_bytes).sum::<usize>();
-        if size > self.capacity {
+        if size > self.tenant_share() {
             return;
         }
         let mut inner = self.lock();
         if let Some((_, old)) = inner.entries.pop(&key) {
-            inner.bytes -= old;
+            inner.forget(&key, old);
         }
         let mut evicted = 0u64;
-        while inner.bytes + size > self.capacity {
-            let Some((_, (_, freed))) = inner.entries.pop_lru() else { break };
-            inner.bytes -= freed;
+        // A tenant past its share evicts its own responses, never another's.
+        let share = self.tenant_share();
+        while inner.tenants.get(&key.tenant).is_some_and(|held| held + size > share) {
+            if !inner.evict_oldest_of(&key.tenant) {
+                break;
+            }
             evicted += 1;
         }
+        while inner.bytes + size > self.capacity {
+            let Some((old_key, (_, freed))) = inner.entries.pop_lru() else { break };
+            inner.forget(&old_key, freed);
+            evicted += 1;
+        }
+        *inner.tenants.entry(key.tenant.clone()).or_default() += size;
         inner.entries.put(key, (Arc::new(response), size));
         inner.bytes += size;
         let m = metrics();
@@ -228,7 +279,8 @@ mod tests {
         let key = |i: u32| Key::of("t", "m", 1, &[i], &greedy(), true).unwrap();
         let response = |i: u32| vec![chunk("a", i, None), chunk("b", i + 1, Some(FinishReason::Length))];
         let one = key(0).bytes() + response(0).iter().map(chunk_bytes).sum::<usize>();
-        let cache = ResponseCache::new(3 * one);
+        // One tenant's share (a quarter) holds three responses.
+        let cache = ResponseCache::new(12 * one);
         for i in 0..3 {
             cache.put(key(i), response(i));
         }
@@ -239,7 +291,7 @@ mod tests {
             assert_eq!(*cache.get(&key(i)).unwrap(), response(i));
         }
         assert!(cache.bytes() <= cache.capacity());
-        // Larger than the whole cache: not stored, nothing evicted.
+        // Larger than a tenant's share: not stored, nothing evicted.
         let huge = vec![chunk(&"x".repeat(4 * one), 9, Some(FinishReason::Stop))];
         cache.put(key(9), huge);
         assert!(cache.get(&key(9)).is_none() && cache.get(&key(0)).is_some());
@@ -247,5 +299,34 @@ mod tests {
         let off = ResponseCache::new(0);
         off.put(key(0), response(0));
         assert!(off.get(&key(0)).is_none());
+    }
+
+    /// Probed: one tenant's responses flushed everyone's. A tenant past its quarter evicts
+    /// its own.
+    #[test]
+    fn one_tenant_cannot_flush_anothers_responses() {
+        let key = |t: &str, i: u32| Key::of(t, "m", 1, &[i], &greedy(), true).unwrap();
+        let response = |i: u32| vec![chunk("a", i, Some(FinishReason::Length))];
+        let one = key("quiet", 0).bytes() + response(0).iter().map(chunk_bytes).sum::<usize>();
+        let cache = ResponseCache::new(40 * one);
+        cache.put(key("quiet", 0), response(0));
+        for i in 0..1000 {
+            cache.put(key("loud", i), response(i));
+        }
+        assert!(cache.get(&key("quiet", 0)).is_some(), "the quiet tenant's response was flushed");
+        assert!(cache.lock().tenants["loud"] <= cache.capacity() / 4);
+        assert!(cache.get(&key("loud", 999)).is_some() && cache.get(&key("loud", 0)).is_none());
+    }
+
+    /// Probed: embeddings and prompt logprobs were counted at a fraction of what they hold.
+    #[test]
+    fn what_a_chunk_holds_is_counted() {
+        let embedding = Chunk { embedding: Some(vec![0.5; 4096]), ..Default::default() };
+        assert!(chunk_bytes(&embedding) >= 4 * 4096);
+        let top = vec![(1u32, -0.5f32); 20];
+        let lp = TokenLogprobs { token_id: 1, logprob: -0.1, rank: 1, top };
+        let prompt = Chunk { prompt_logprobs: Some(vec![lp; 1000]), ..Default::default() };
+        let held = 1000 * (std::mem::size_of::<TokenLogprobs>() + 20 * 8);
+        assert!(chunk_bytes(&prompt) >= held, "{} < {held}", chunk_bytes(&prompt));
     }
 }

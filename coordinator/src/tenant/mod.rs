@@ -71,7 +71,7 @@ pub struct Tenant {
 
 /// Whose a stored object (a batch file, a batch) is: a tenant's name and which creation
 /// of that name. A tenant deleted and made again is another owner.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Owner {
     pub tenant: String,
     pub incarnation: String,

@@ -249,7 +249,7 @@ async fn create_response(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    let (store, tenant) = (state.responses.clone(), who.tenant().to_string());
+    let (store, tenant) = (state.responses.clone(), who.owner());
     let build = move |models: &dyn Catalog, f| {
         let mut t = responses::to_chat(f, &store, &tenant)?;
         let job = completions::chat(models, std::mem::take(&mut t.chat))?;
@@ -259,7 +259,7 @@ async fn create_response(
         Ok(built) => built,
         Err(e) => return e.into_response(),
     };
-    let tenant = who.tenant().to_string();
+    let tenant = who.owner();
     if job.common.stream {
         match respond::start_stream(&state, job, &who, caller(&headers)).await {
             Ok((chunks, id)) => {

@@ -19,6 +19,7 @@ use serde_json::{json, Map, Value as Json};
 use super::error::ApiError;
 use super::params::Fields;
 use super::respond::Out;
+use crate::tenant::Owner;
 
 /// The Responses API's top-level fields; any other is refused, naming it.
 const KNOWN: &[&str] = &[
@@ -46,7 +47,15 @@ const KNOWN: &[&str] = &[
 /// Bytes of conversations the store keeps; the oldest go first.
 pub const STORE_BYTES: usize = 64 << 20;
 
-/// Conversations of stored responses, by response id.
+/// Bytes of conversations one tenant keeps: past them its own oldest go, so one tenant
+/// cannot flush everyone's.
+pub const TENANT_STORE_BYTES: usize = STORE_BYTES / 4;
+
+/// Conversations of stored responses, by response id, each its owner's (a tenant deleted
+/// and made again is another owner: it cannot continue the old one's conversations).
+///
+/// A conversation is kept as its JSON text, so the bytes counted are the bytes held (kept
+/// as JSON values they once held ~35× what was counted); it is parsed again when continued.
 #[derive(Default)]
 pub struct ResponseStore {
     inner: Mutex<StoreInner>,
@@ -54,34 +63,67 @@ pub struct ResponseStore {
 
 #[derive(Default)]
 struct StoreInner {
-    /// id → (tenant, chat messages of the whole conversation, their bytes).
-    entries: HashMap<String, (String, Vec<Json>, usize)>,
-    order: VecDeque<String>,
+    /// id → (owner, the conversation's chat messages as JSON text).
+    entries: HashMap<String, (Owner, String)>,
+    /// Each owner's ids, oldest first, and the bytes they hold.
+    owners: HashMap<Owner, (VecDeque<String>, usize)>,
     bytes: usize,
 }
 
+impl StoreInner {
+    /// Drops `owner`'s oldest conversation; false when it has none.
+    fn evict_oldest_of(&mut self, owner: &Owner) -> bool {
+        let Some((order, held)) = self.owners.get_mut(owner) else { return false };
+        let Some(id) = order.pop_front() else { return false };
+        if let Some((_, text)) = self.entries.remove(&id) {
+            let size = text.len() + id.len();
+            *held -= size;
+            self.bytes -= size;
+        }
+        if order.is_empty() {
+            self.owners.remove(owner);
+        }
+        true
+    }
+
+    /// The owner holding the most bytes.
+    fn largest(&self) -> Option<Owner> {
+        self.owners.iter().max_by_key(|(_, (_, held))| *held).map(|(o, _)| o.clone())
+    }
+}
+
 impl ResponseStore {
-    fn put(&self, id: String, tenant: &str, messages: Vec<Json>) {
-        let size = messages.iter().map(|m| m.to_string().len()).sum::<usize>();
-        if size > STORE_BYTES {
+    fn put(&self, id: String, owner: &Owner, messages: Vec<Json>) {
+        let mut text = Json::Array(messages).to_string();
+        text.shrink_to_fit();
+        let size = text.len() + id.len();
+        if size > TENANT_STORE_BYTES {
+            tracing::debug!(bytes = size, "a conversation too large to store");
             return;
         }
         let mut s = self.inner.lock().expect("response store");
+        while s.owners.get(owner).is_some_and(|(_, held)| held + size > TENANT_STORE_BYTES) {
+            s.evict_oldest_of(owner);
+        }
+        // Past the whole store's bound, the owner holding the most gives way.
         while s.bytes + size > STORE_BYTES {
-            let Some(old) = s.order.pop_front() else { break };
-            if let Some((_, _, b)) = s.entries.remove(&old) {
-                s.bytes -= b;
-            }
+            let Some(largest) = s.largest() else { break };
+            s.evict_oldest_of(&largest);
         }
         s.bytes += size;
-        s.order.push_back(id.clone());
-        s.entries.insert(id, (tenant.to_string(), messages, size));
+        let (order, held) = s.owners.entry(owner.clone()).or_default();
+        order.push_back(id.clone());
+        *held += size;
+        s.entries.insert(id, (owner.clone(), text));
     }
 
-    /// The conversation of a stored response of `tenant`'s; another tenant's is not found.
-    fn get(&self, id: &str, tenant: &str) -> Option<Vec<Json>> {
-        let s = self.inner.lock().expect("response store");
-        s.entries.get(id).filter(|e| e.0 == tenant).map(|e| e.1.clone())
+    /// The conversation of a stored response of `owner`'s; another's is not found.
+    fn get(&self, id: &str, owner: &Owner) -> Option<Vec<Json>> {
+        let text = {
+            let s = self.inner.lock().expect("response store");
+            s.entries.get(id).filter(|e| &e.0 == owner).map(|e| e.1.clone())?
+        };
+        serde_json::from_str(&text).ok()
     }
 }
 
@@ -96,7 +138,7 @@ pub struct Translated {
 
 /// The chat completions body of a Responses body (`tenant` may continue its own stored
 /// responses).
-pub fn to_chat(mut f: Fields, store: &ResponseStore, tenant: &str) -> Result<Translated, ApiError> {
+pub fn to_chat(mut f: Fields, store: &ResponseStore, tenant: &Owner) -> Result<Translated, ApiError> {
     if let Some(unknown) = f.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(ApiError::invalid(
             unknown.clone(),
@@ -306,7 +348,7 @@ fn items(id: &str, reasoning: &str, text: &str, calls: &[(String, String, String
 }
 
 /// The Responses object of a chat completion; stores its conversation when asked.
-pub fn from_chat(chat: &Json, t: Translated, store: &ResponseStore, tenant: &str) -> Json {
+pub fn from_chat(chat: &Json, t: Translated, store: &ResponseStore, tenant: &Owner) -> Json {
     let id = format!("resp_{}", chat["id"].as_str().unwrap_or(""));
     let choice = &chat["choices"][0];
     let m = &choice["message"];
@@ -338,22 +380,53 @@ pub use streaming::stream;
 mod tests {
     use super::*;
 
+    fn owner(tenant: &str, incarnation: &str) -> Owner {
+        Owner { tenant: tenant.into(), incarnation: incarnation.into() }
+    }
+
     #[test]
-    fn stored_conversations_are_the_tenants_own_and_bounded() {
+    fn stored_conversations_are_the_owners_own_and_bounded() {
         let store = ResponseStore::default();
-        store.put("r1".into(), "alice", vec![json!({"role": "user", "content": "hi"})]);
-        assert_eq!(store.get("r1", "alice").unwrap().len(), 1);
-        assert!(store.get("r1", "bob").is_none(), "another tenant's response is not found");
-        let big = "x".repeat(STORE_BYTES / 3);
+        let alice = owner("alice", "1");
+        store.put("r1".into(), &alice, vec![json!({"role": "user", "content": "hi"})]);
+        assert_eq!(store.get("r1", &alice).unwrap().len(), 1);
+        assert!(store.get("r1", &owner("bob", "1")).is_none(), "another tenant's response is not found");
+        assert!(
+            store.get("r1", &owner("alice", "2")).is_none(),
+            "alice deleted and made again is another owner"
+        );
+        let big = "x".repeat(TENANT_STORE_BYTES / 3);
         for i in 0..4 {
-            store.put(format!("big{i}"), "alice", vec![json!(big.clone())]);
+            store.put(format!("big{i}"), &alice, vec![json!(big.clone())]);
         }
         let inner = store.inner.lock().unwrap();
-        assert!(inner.bytes <= STORE_BYTES, "{}", inner.bytes);
+        assert!(inner.owners[&alice].1 <= TENANT_STORE_BYTES, "{}", inner.bytes);
         assert!(
             !inner.entries.contains_key("r1") && !inner.entries.contains_key("big0"),
             "the oldest went first"
         );
+    }
+
+    /// Probed: one tenant's conversations flushed everyone's, and "64 MiB" held 2.4 GB.
+    /// What is counted is what is held, and a tenant past its share evicts its own.
+    #[test]
+    fn one_tenant_cannot_flush_anothers_conversations() {
+        let store = ResponseStore::default();
+        let (quiet, loud) = (owner("quiet", "1"), owner("loud", "1"));
+        store.put("mine".into(), &quiet, vec![json!({"role": "user", "content": "keep me"})]);
+        let chunk = "y".repeat(1 << 20);
+        for i in 0..(2 * STORE_BYTES >> 20) {
+            store.put(format!("l{i}"), &loud, vec![json!({"role": "user", "content": chunk.clone()})]);
+        }
+        assert!(store.get("mine", &quiet).is_some(), "the quiet tenant's conversation was flushed");
+        let inner = store.inner.lock().unwrap();
+        let held: usize = inner.entries.iter().map(|(id, (_, text))| id.len() + text.capacity()).sum();
+        assert!(
+            held <= STORE_BYTES && held <= inner.bytes + inner.entries.len() * 64,
+            "{held} held, {} counted",
+            inner.bytes
+        );
+        assert!(inner.owners[&loud].1 <= TENANT_STORE_BYTES);
     }
 
     #[test]

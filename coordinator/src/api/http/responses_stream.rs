@@ -30,7 +30,7 @@ struct State {
     /// stored, or stored already).
     conversation: Option<Vec<Json>>,
     store: Arc<ResponseStore>,
-    tenant: String,
+    tenant: crate::tenant::Owner,
 }
 
 impl State {
@@ -192,7 +192,7 @@ pub fn stream(
     chat_id: String,
     t: Translated,
     store: Arc<ResponseStore>,
-    tenant: String,
+    tenant: crate::tenant::Owner,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     let created =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
