@@ -318,12 +318,8 @@ pub(crate) fn chat_settings(
     let template = match template {
         None => None,
         Some(path) => {
-            let size =
-                std::fs::metadata(path).with_context(|| format!("--chat-template {}", path.display()))?.len();
-            if size > MAX_TEMPLATE_FILE {
-                bail!("--chat-template {}: {size} bytes; at most {MAX_TEMPLATE_FILE}", path.display());
-            }
-            let source = std::fs::read_to_string(path)
+            // A regular file, bounded, opened without blocking (/dev/zero, a FIFO: refused).
+            let source = strata_common::files::read_text(path, MAX_TEMPLATE_FILE)
                 .with_context(|| format!("--chat-template {}", path.display()))?;
             strata_coordinator::request::chat::ChatTemplate::new(
                 vec![("default".into(), source.clone())],

@@ -225,6 +225,13 @@ impl Build {
                 format!("{} bytes; at most {MAX_CHAT_TEMPLATE}", self.chat.template.len()),
             ));
         }
+        // A file named by mistake (a key, a config) must not be shipped and served as one.
+        if !self.chat.template.is_empty() && !self.chat.template.contains("messages") {
+            return Err(Error::invalid(
+                "chat_template",
+                "not a chat template: it never reads `messages` (is it the file you meant?)",
+            ));
+        }
         Ok(())
     }
 

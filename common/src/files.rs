@@ -25,11 +25,32 @@ pub fn check_regular(path: &Path, max: u64) -> Result<u64> {
     Ok(meta.len())
 }
 
+/// `path` opened for reading, checked on the open file to be a regular file of at most
+/// `max` bytes; returns it and its size. The open itself never blocks: a FIFO (or a
+/// device) put there, even after a check by name, is refused, not waited on.
+pub fn open_regular(path: &Path, max: u64) -> Result<(std::fs::File, u64)> {
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.custom_flags(libc::O_NONBLOCK);
+    }
+    let file = options.open(path).map_err(|e| Error::model_file(path, format!("cannot read: {e}")))?;
+    let meta = file.metadata().map_err(|e| Error::model_file(path, format!("cannot read: {e}")))?;
+    if !meta.is_file() {
+        return Err(Error::model_file(path, "not a regular file"));
+    }
+    if meta.len() > max {
+        return Err(Error::model_file(path, format!("{} bytes; at most {max} are read", meta.len())));
+    }
+    Ok((file, meta.len()))
+}
+
 /// The bytes of a regular file of at most `max` bytes (checked before and while reading:
 /// a file that grows meanwhile is refused too).
 pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>> {
-    let size = check_regular(path, max)?;
-    let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot read: {e}")))?;
+    let (file, size) = open_regular(path, max)?;
     let mut bytes = Vec::with_capacity(size as usize);
     file.take(max + 1)
         .read_to_end(&mut bytes)
@@ -65,6 +86,12 @@ mod tests {
             let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
             assert!(made.success());
             let e = read_bounded(&fifo, MAX_JSON_FILE).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+            // Opened directly (as after a check by name that a swap raced): it does not
+            // wait for a writer, and the open file's type refuses it.
+            let e = open_regular(&fifo, MAX_JSON_FILE).unwrap_err().to_string();
+            assert!(e.contains("not a regular file"), "{e}");
+            let e = read_bounded(Path::new("/dev/zero"), MAX_JSON_FILE).unwrap_err().to_string();
             assert!(e.contains("not a regular file"), "{e}");
         }
     }

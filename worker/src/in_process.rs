@@ -105,23 +105,11 @@ const MAX_MODEL_FILE: u64 = 128 << 20;
 fn read_model_files(dir: &Path) -> Result<ModelFiles> {
     let read = |name: &str, required: bool| -> Result<Vec<u8>> {
         let p = dir.join(name);
-        let opened = std::fs::File::open(&p).and_then(|f| {
-            let meta = f.metadata()?;
-            if !meta.is_file() || meta.len() > MAX_MODEL_FILE {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("not a regular file of at most {MAX_MODEL_FILE} bytes"),
-                ));
-            }
-            let mut bytes = Vec::with_capacity(meta.len() as usize);
-            std::io::Read::read_to_end(&mut std::io::Read::take(f, MAX_MODEL_FILE), &mut bytes)?;
-            Ok(bytes)
-        });
-        match opened {
-            Ok(b) => Ok(b),
-            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-            Err(e) => Err(Error::model_file(&p, format!("cannot read: {e}"))),
+        if !required && std::fs::symlink_metadata(&p).is_err() {
+            return Ok(Vec::new());
         }
+        // Opened without blocking and checked on the open file: a FIFO is refused.
+        strata_common::files::read_bounded(&p, MAX_MODEL_FILE)
     };
     if !dir.is_dir() {
         return Err(Error::model_file(dir, "not a directory on this worker"));

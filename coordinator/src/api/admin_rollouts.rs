@@ -89,8 +89,13 @@ impl ClusterAdmin {
         };
         tokio::task::spawn_blocking(move || -> Result<()> {
             let (ca, cb) = (ModelConfig::from_dir(&a)?, ModelConfig::from_dir(&b)?);
-            let read = |d: &std::path::Path| std::fs::read(d.join("tokenizer.json")).unwrap_or_default();
-            if ca.vocab_size != cb.vocab_size || read(&a) != read(&b) {
+            let read = |d: &std::path::Path| {
+                strata_common::files::read_bounded(
+                    &d.join("tokenizer.json"),
+                    strata_common::files::MAX_TOKENIZER_FILE,
+                )
+            };
+            if ca.vocab_size != cb.vocab_size || read(&a)? != read(&b)? {
                 return Err(Error::invalid(
                     "model_dir",
                     "its tokenizer or vocabulary differs from the serving revision's; a rollout \

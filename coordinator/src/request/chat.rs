@@ -107,6 +107,9 @@ pub struct ChatTemplate {
     /// Whether its templates write reasoning in `<think>` blocks, or gpt-oss channels.
     writes_think: bool,
     harmony: bool,
+    /// Set by the operator (`--chat-template`, a deployment's), not the model's own: its
+    /// text is the operator's and is not shown to callers.
+    operators: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -142,10 +145,10 @@ impl ChatTemplate {
         let mut t = match &settings.template {
             Some(source) => {
                 let specials = Self::specials(dir)?;
-                Some(
-                    Self::new(vec![("default".into(), source.clone())], specials)
-                        .map_err(|e| Error::invalid("chat_template", format!("--chat-template: {e}")))?,
-                )
+                let mut t = Self::new(vec![("default".into(), source.clone())], specials)
+                    .map_err(|e| Error::invalid("chat_template", format!("--chat-template: {e}")))?;
+                t.operators = true;
+                Some(t)
             }
             None => Self::from_dir(dir)?,
         };
@@ -236,12 +239,18 @@ impl ChatTemplate {
         if !has_default {
             return Err(Error::Unsupported("chat_template: no template named \"default\"".into()));
         }
-        Ok(ChatTemplate { env, has_tool_use, specials, tool_format, writes_think, harmony })
+        Ok(ChatTemplate { env, has_tool_use, specials, tool_format, writes_think, harmony, operators: false })
     }
 
     /// How replies to `prompt` (rendered by this template) carry reasoning, if they do.
     pub fn reasoning(&self, prompt: &str) -> Option<crate::request::reply::Reasoning> {
         crate::request::reply::Reasoning::detect(self.writes_think, self.harmony, prompt)
+    }
+
+    /// Whether the operator set it (`--chat-template`, a deployment's) rather than the
+    /// model's files: such a template is not shown to callers.
+    pub fn is_operators(&self) -> bool {
+        self.operators
     }
 
     /// The source of the default template (what vLLM's `/tokenizer_info` reports).

@@ -408,7 +408,19 @@ async fn a_deployment_brings_its_own_chat_template_and_tool_call_format() {
         assert!(Instant::now() < deadline, "chatty never loaded: {status} {body}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    assert_eq!(info["chat_template"], source);
+    // The deployment's template is the operator's file: it is used, never shown to callers.
+    assert_eq!(info["chat_template"], serde_json::Value::Null, "{info}");
+    let _ = source;
+    // A file that is no chat template (a key, a config named by mistake) is refused.
+    let secret = dir.path().join("id_ed25519");
+    std::fs::write(&secret, "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjE\n").unwrap();
+    let out = std::process::Command::new(strata_bin())
+        .args(["admin", "--endpoint", &ep, "deploy", "--name", "leak", "--model", &v2])
+        .args(["--chat-template", secret.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a key file shipped as a chat template");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a chat template"), "{:?}", out);
     let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

@@ -189,7 +189,9 @@ pub async fn tokenizer_info(
     for name in ["bos_token", "eos_token", "unk_token", "pad_token"] {
         info.insert(name.into(), model.tokenizer.specials().get(name).cloned().unwrap_or(Json::Null));
     }
-    let template = model.tokenizer.chat_template().and_then(|t| t.source());
+    // The model's own template only: one the operator set (a deployment's, `serve
+    // --chat-template`) is the operator's file, not for every key holder to read.
+    let template = model.tokenizer.chat_template().filter(|t| !t.is_operators()).and_then(|t| t.source());
     info.insert("chat_template".into(), json!(template));
     info.insert("model_max_length".into(), json!(model.max_context()));
     info.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
