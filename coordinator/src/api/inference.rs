@@ -296,4 +296,41 @@ mod tests {
             let _ = deadline(&r); // a deadline or none, never a panic
         }
     }
+
+    /// A fuzz pass over what a caller sends on inference.v1: a valid GenerateRequest
+    /// mutated (bytes flipped, cut, inserted) decodes to an error or a message, which
+    /// becomes a domain request or an error naming a field: never a panic.
+    #[test]
+    fn mutated_generate_requests_decode_and_convert_without_panics() {
+        use prost::Message;
+        use rand::{Rng, SeedableRng};
+        let valid = pb::GenerateRequest {
+            model: "m".into(),
+            prompt: Some(pb::generate_request::Prompt::Text("hello world".into())),
+            max_tokens: Some(8),
+            stop: vec!["x".into()],
+            constraint: Some(strata_common::wire::constraint_to_pb(&strata_common::Constraint::Regex(
+                "a+".into(),
+            ))),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(59);
+        for _ in 0..20_000 {
+            let mut b = valid.clone();
+            for _ in 0..rng.random_range(1..4) {
+                match rng.random_range(0..3) {
+                    0 if !b.is_empty() => {
+                        let at = rng.random_range(0..b.len());
+                        b[at] ^= 1 << rng.random_range(0..8);
+                    }
+                    1 => b.truncate(rng.random_range(0..=b.len())),
+                    _ => b.insert(rng.random_range(0..=b.len()), rng.random()),
+                }
+            }
+            if let Ok(m) = pb::GenerateRequest::decode(&b[..]) {
+                let _ = request_from_pb(&m);
+            }
+        }
+    }
 }
