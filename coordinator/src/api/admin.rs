@@ -555,10 +555,15 @@ impl Admin for ClusterAdmin {
                 worker_status(w, &view, state)
             })
             .collect();
-        workers.extend(view.departed.values().map(|d| pb::WorkerStatus {
-            state_since_ms: d.since_ms,
-            reason: d.reason().into(),
-            ..worker_status(&d.record, &view, d.state())
+        // A departed worker holds no shard, whatever its last registration said (a lost
+        // worker was once listed with the shard of the replica it took down).
+        workers.extend(view.departed.values().map(|d| {
+            let record = WorkerRecord { assignment: None, ..d.record.clone() };
+            pb::WorkerStatus {
+                state_since_ms: d.since_ms,
+                reason: d.reason().into(),
+                ..worker_status(&record, &view, d.state())
+            }
         }));
         let stale_since_ms = view.stale_since_ms.unwrap_or(0);
         Ok(Response::new(pb::ListWorkersResponse { workers, stale_since_ms }))

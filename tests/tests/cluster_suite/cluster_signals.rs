@@ -103,6 +103,8 @@ async fn departures_outages_and_pending_models_are_reported_as_they_are() {
     })
     .await;
     assert!(lost.reason.contains("lease"), "{lost:?}");
+    // A lost worker holds nothing: it is not listed with the shard it held when it died.
+    assert!(lost.replica.is_empty() && lost.shard_state.is_empty(), "{lost:?}");
     let (ok, out, _) = admin_cli(&a, &["workers"]);
     assert!(ok && out.contains("lost") && out.contains("left"), "{out}");
 
