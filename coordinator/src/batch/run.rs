@@ -60,7 +60,7 @@ impl Line {
     }
 
     /// Its length in bytes.
-    pub fn len(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         (self.range.end - self.range.start) as usize
     }
 
@@ -177,7 +177,7 @@ async fn execute(
     // Off the async runtime: a line's chat template may run long on its data.
     let (models, at) = (batches.front.models().clone(), line.clone());
     // Under the front end's budget of text worked on at once, as an online request's body.
-    let permit = batches.front.texts().acquire(&owner.tenant, line.len()).await;
+    let permit = batches.front.texts().acquire(&owner.tenant, line.bytes()).await;
     let parsed = tokio::task::spawn_blocking(move || {
         let _permit = permit;
         let raw = at.read(&input).map_err(|e| Error::Internal(format!("reading the batch's input: {e}")))?;

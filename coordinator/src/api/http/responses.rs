@@ -415,7 +415,7 @@ mod tests {
         let (quiet, loud) = (owner("quiet", "1"), owner("loud", "1"));
         store.put("mine".into(), &quiet, vec![json!({"role": "user", "content": "keep me"})]);
         let chunk = "y".repeat(1 << 20);
-        for i in 0..(2 * STORE_BYTES >> 20) {
+        for i in 0..((2 * STORE_BYTES) >> 20) {
             store.put(format!("l{i}"), &loud, vec![json!({"role": "user", "content": chunk.clone()})]);
         }
         assert!(store.get("mine", &quiet).is_some(), "the quiet tenant's conversation was flushed");
