@@ -61,6 +61,10 @@ pub struct Assignment {
     pub state: ShardState,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub error: String,
+    /// A failed rank that lost its connection to another rank says which: the leader
+    /// then blames that one (a rank 0 killed once left the surviving rank named).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lost_rank: Option<u32>,
 }
 
 /// `<prefix>/workers/<id>`, written by the worker with its lease.
@@ -352,6 +356,7 @@ mod tests {
                 rank: 0,
                 state: ShardState::Ready,
                 error: String::new(),
+                lost_rank: None,
             }),
             started_ms: 5,
             leaving: false,

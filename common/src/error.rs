@@ -57,6 +57,11 @@ pub enum Error {
     #[error("unavailable: {0}")]
     Unavailable(String),
 
+    /// A rank lost its connection to another rank of its replica (which is likely gone):
+    /// the replica cannot step, and `rank` is the one to blame.
+    #[error("lost rank {rank}: {reason}")]
+    RankLost { rank: usize, reason: String },
+
     #[error("failed precondition: {0}")]
     FailedPrecondition(String),
 
@@ -101,7 +106,7 @@ impl Error {
             }
             Error::NotFound(_) => ErrorClass::NotFound,
             Error::Overloaded(_) | Error::RateLimited { .. } => ErrorClass::Overloaded,
-            Error::Unavailable(_) => ErrorClass::Unavailable,
+            Error::Unavailable(_) | Error::RankLost { .. } => ErrorClass::Unavailable,
             Error::FailedPrecondition(_) => ErrorClass::FailedPrecondition,
             Error::DeadlineExceeded(_) => ErrorClass::DeadlineExceeded,
             Error::Unauthenticated(_) => ErrorClass::Unauthenticated,

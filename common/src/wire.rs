@@ -331,6 +331,7 @@ pub fn status_to_pb(s: WorkerStatus) -> wpb::StatusResponse {
             ShardState::Failed => wpb::ShardState::Failed,
         } as i32,
         error: a.error,
+        lost_rank: a.lost_rank,
     });
     wpb::StatusResponse {
         worker_id: s.worker_id.into(),
@@ -358,6 +359,7 @@ pub fn status_from_pb(r: wpb::StatusResponse) -> Result<WorkerStatus> {
                 }
             },
             error: s.error,
+            lost_rank: s.lost_rank,
         }),
     };
     Ok(WorkerStatus {

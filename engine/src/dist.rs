@@ -276,14 +276,21 @@ pub fn follower_loop<B: Backend>(
     pool: Option<rayon::ThreadPool>,
 ) -> Result<()> {
     let mut rank = Rank { model, kv: Vec::new(), comm, pool };
-    let LeaderMessage::Init(kv) = LeaderMessage::decode(&rank.comm.host().recv_idle(0)?, None)? else {
+    // Waiting for rank 0, a broken link means rank 0 is gone: that is whom to blame.
+    let lost_leader = |e: Error| match e.class() {
+        strata_common::ErrorClass::Unavailable => Error::RankLost { rank: 0, reason: e.to_string() },
+        _ => e,
+    };
+    let first = rank.comm.host().recv_idle(0).map_err(lost_leader)?;
+    let LeaderMessage::Init(kv) = LeaderMessage::decode(&first, None)? else {
         return Err(Error::Internal("the leader's first message is not the KV cache size".into()));
     };
     rank.kv = rank.model.alloc_kv(kv)?;
     let kv_groups = rank.model.config.kv_groups().num_groups();
     let bounds = PlanBounds { kv, kv_groups, vocab_size: rank.model.config.vocab_size };
     loop {
-        let step = match LeaderMessage::decode(&rank.comm.host().recv_idle(0)?, Some(bounds))? {
+        let message = rank.comm.host().recv_idle(0).map_err(lost_leader)?;
+        let step = match LeaderMessage::decode(&message, Some(bounds))? {
             LeaderMessage::Step(step) => step,
             LeaderMessage::Shutdown => return Ok(()),
             LeaderMessage::Init(_) => {

@@ -89,6 +89,8 @@ struct Held {
     /// Rank 0's rendezvous address.
     rendezvous: Option<String>,
     slot: Slot,
+    /// Failed having lost its connection to this rank (see `Assignment::lost_rank`).
+    lost_rank: Option<u32>,
 }
 
 #[derive(Default)]
@@ -202,6 +204,7 @@ impl WorkerAgent {
             served: 0,
             rendezvous: rendezvous.clone(),
             slot: Slot::Loading,
+            lost_rank: None,
         });
         inner.draining = false;
         drop(inner);
@@ -292,7 +295,20 @@ impl WorkerAgent {
             }
             Err(e) => {
                 warn!(replica = %req.replica, rank = req.rank, error = %e, "rank stopped");
+                if let Error::RankLost { rank, .. } = &e {
+                    self.lost(epoch, *rank as u32);
+                }
                 self.set(epoch, Slot::Failed(e.to_string()));
+            }
+        }
+    }
+
+    /// Records that the shard of `epoch` failed for losing `rank`.
+    fn lost(&self, epoch: u64, rank: u32) {
+        let mut inner = self.lock();
+        if inner.epoch == epoch {
+            if let Some(h) = inner.held.as_mut() {
+                h.lost_rank = Some(rank);
             }
         }
     }
@@ -406,6 +422,7 @@ impl WorkerAgent {
                 model: h.request.model.clone(),
                 rank: h.request.rank as u32,
                 state,
+                lost_rank: h.lost_rank.filter(|_| state == ShardState::Failed),
                 error,
             }),
             draining: inner.draining,

@@ -340,9 +340,17 @@ fn rank_trouble(view: &ClusterView, r: &ReplicaRecord) -> Option<String> {
         let Some(rec) = view.workers.get(w) else { continue };
         match &rec.assignment {
             Some(a) if a.replica == r.id && a.rank as usize == rank => {
-                if a.state == ShardState::Failed {
-                    return Some(format!("rank {rank} (worker {w}) failed: {}", a.error));
+                if a.state != ShardState::Failed {
+                    continue;
                 }
+                // A rank that lost another names that one: the survivor is not to blame.
+                if let Some((k, lost)) = a.lost_rank.and_then(|k| Some((k, r.workers.get(k as usize)?))) {
+                    return Some(format!(
+                        "rank {k} (worker {lost}) was lost: rank {rank} (worker {w}) lost its connection to it ({})",
+                        a.error
+                    ));
+                }
+                return Some(format!("rank {rank} (worker {w}) failed: {}", a.error));
             }
             Some(a) => {
                 return Some(format!("rank {rank} (worker {w}) now holds rank {} of {}", a.rank, a.replica))

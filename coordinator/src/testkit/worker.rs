@@ -80,6 +80,7 @@ impl ScriptedWorker {
             rank: s.rank as u32,
             state: ShardState::Ready,
             error: String::new(),
+            lost_rank: None,
         })
     }
 

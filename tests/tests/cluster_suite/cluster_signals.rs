@@ -132,3 +132,29 @@ async fn departures_outages_and_pending_models_are_reported_as_they_are() {
     assert!(!stderr.contains("metadata") && !stderr.contains("Status {"), "{stderr}");
     cluster.etcd.resume();
 }
+
+/// Probed: after kill -9 of rank 0 the replica's reason blamed the surviving rank, whose
+/// link to rank 0 broke first. The survivor now says which rank it lost, and that one is
+/// named.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_rank_0_is_the_rank_blamed() {
+    let mut cluster = Cluster::start(1, 2, Timing::default());
+    let a = cluster.coordinators[0].endpoint();
+    cluster.deploy_ready("gqa", &deploy("gqa", 2).model_dir, 2, 1, Duration::from_secs(60)).await;
+    let r = replicas(&a, "gqa").await.into_iter().next().unwrap();
+    let (leader, survivor) = (r.workers[0].clone(), r.workers[1].clone());
+    cluster.worker_mut(&leader).kill();
+    let failed = eventually("the replica fails", Duration::from_secs(20), || {
+        let (a, id) = (a.clone(), r.id.clone());
+        async move {
+            let rs = replicas(&a, "gqa").await;
+            rs.into_iter().find(|x| x.id == id && x.state == apb::ReplicaState::Failed as i32)
+        }
+    })
+    .await;
+    assert!(failed.reason.starts_with(&format!("rank 0 (worker {leader})")), "{failed:?}");
+    assert!(
+        !failed.reason.contains(&format!("worker {survivor}) failed")),
+        "the survivor blamed: {failed:?}"
+    );
+}

@@ -83,6 +83,7 @@ impl V {
                         rank: rank as u32,
                         state: ShardState::Ready,
                         error: String::new(),
+                        lost_rank: None,
                     });
                 }
             }
@@ -195,6 +196,24 @@ fn a_failed_rank_fails_its_replica_and_a_replacement_is_placed() {
     );
 }
 
+/// Probed: after kill -9 of rank 0 the replica's reason blamed the surviving rank 1. A
+/// rank that failed for losing another names that one.
+#[test]
+fn a_rank_that_lost_another_blames_the_one_it_lost() {
+    let mut v = V::new()
+        .workers(&["w1", "w2"])
+        .model(spec("m", 2, 1))
+        .replica(replica("m", "a", ReplicaState::Ready, &["w1", "w2"], 1))
+        .0;
+    let survivor = v.workers.get_mut("w2").unwrap().assignment.as_mut().unwrap();
+    survivor.state = ShardState::Failed;
+    survivor.error = "lost rank 0: receive from rank 0: early eof".into();
+    survivor.lost_rank = Some(0);
+    let a = run(&v, &monitored(&["a"]));
+    let Action::Fail { reason, .. } = &a[0] else { panic!("{a:?}") };
+    assert!(reason.starts_with("rank 0 (worker w1) was lost"), "{reason}");
+}
+
 #[test]
 fn a_restarted_worker_fails_its_replica_but_a_missing_one_is_left_to_the_monitor() {
     let mut v = V::new()
@@ -293,6 +312,7 @@ fn undeployed_models_are_drained_and_leftover_shards_released() {
         rank: 0,
         state: ShardState::Ready,
         error: String::new(),
+        lost_rank: None,
     });
     let a = run(&v, &monitored(&["a"]));
     assert_eq!(
