@@ -12,19 +12,6 @@ pub const MAX_JSON_FILE: u64 = 16 << 20;
 /// Largest `tokenizer.json` read (the largest vocabularies' are tens of MB).
 pub const MAX_TOKENIZER_FILE: u64 = 256 << 20;
 
-/// Checks that `path` is a regular file (following symlinks) of at most `max` bytes;
-/// returns its size.
-pub fn check_regular(path: &Path, max: u64) -> Result<u64> {
-    let meta = std::fs::metadata(path).map_err(|e| Error::model_file(path, format!("cannot read: {e}")))?;
-    if !meta.is_file() {
-        return Err(Error::model_file(path, "not a regular file"));
-    }
-    if meta.len() > max {
-        return Err(Error::model_file(path, format!("{} bytes; at most {max} are read", meta.len())));
-    }
-    Ok(meta.len())
-}
-
 /// `path` opened for reading, checked on the open file to be a regular file of at most
 /// `max` bytes; returns it and its size. The open itself never blocks: a FIFO (or a
 /// device) put there, even after a check by name, is refused, not waited on.

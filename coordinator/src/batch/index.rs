@@ -44,6 +44,21 @@ fn key(owner: &Owner) -> Key {
     (owner.tenant.clone(), owner.incarnation.clone())
 }
 
+/// The listing `sorted` after the entry whose id is `after` (from the start without one; past
+/// the end for an unknown one), at most `limit` entries, each made by `copy` (only the
+/// page is copied); and whether more follow. Files and batches page alike.
+pub(super) fn page_after<T, R>(
+    sorted: &[T],
+    id: impl Fn(&T) -> &str,
+    (after, limit): (Option<&str>, usize),
+    copy: impl Fn(&T) -> R,
+) -> (Vec<R>, bool) {
+    let start = after.map_or(0, |a| sorted.iter().position(|x| id(x) == a).map_or(sorted.len(), |i| i + 1));
+    let page: Vec<R> = sorted.iter().skip(start).take(limit).map(copy).collect();
+    let more = start + page.len() < sorted.len();
+    (page, more)
+}
+
 /// Which of a tenant's files a listing shows.
 #[derive(Debug, Clone, Default)]
 pub struct FileQuery {
@@ -104,10 +119,7 @@ impl FileIndex {
         if q.oldest_first {
             order.reverse();
         }
-        let start = after.map_or(0, |a| order.iter().position(|f| f.id == a).map_or(order.len(), |i| i + 1));
-        let page: Vec<FileObject> = order.iter().skip(start).take(limit).map(|f| (*f).clone()).collect();
-        let more = start + page.len() < order.len();
-        (page, more)
+        page_after(&order, |f| &f.id, (after, limit), |f| (*f).clone())
     }
 
     /// A place for one more of `owner`'s files, refused when the tenant has its most.

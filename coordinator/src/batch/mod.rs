@@ -323,10 +323,7 @@ impl Batches {
             })
             .collect();
         mine.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1.cmp(&a.1)));
-        let start = after.map_or(0, |a| mine.iter().position(|m| m.1 == a).map_or(mine.len(), |i| i + 1));
-        let page: Vec<BatchObject> = mine.iter().skip(start).take(limit).map(|m| m.2.snapshot()).collect();
-        let more = start + page.len() < mine.len();
-        (page, more)
+        index::page_after(&mine, |m| &m.1, (after, limit), |m| m.2.snapshot())
     }
 
     /// Asks a running batch to stop: it ends as `cancelled`, with the results so far.

@@ -38,10 +38,6 @@ pub struct FileObject {
 }
 
 impl FileObject {
-    pub fn owned_by(&self, owner: &Owner) -> bool {
-        self.tenant == owner.tenant && self.tenant_incarnation == owner.incarnation
-    }
-
     /// What the file costs its tenant's quota: its bytes and its name's.
     pub fn charged(&self) -> u64 {
         self.bytes + self.filename.len() as u64

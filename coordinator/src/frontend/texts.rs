@@ -99,7 +99,7 @@ impl TextBudget {
             let mut tenants = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
             let full = self.share();
             // Forget tenants that hold nothing, so names cannot grow the map without bound.
-            tenants.retain(|_, s| Arc::strong_count(s) > 1 || s.available_permits() < full);
+            tenants.retain(|_, s| Arc::strong_count(s) > 1);
             tenants.entry(tenant.to_string()).or_insert_with(|| Arc::new(Semaphore::new(full))).clone()
         };
         let share = acquire(&share, charge.min(self.share())).await;

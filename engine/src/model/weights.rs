@@ -245,9 +245,9 @@ impl Checkpoint {
 const MAX_HEADER: u64 = 100_000_000;
 
 fn read_file(path: &Path) -> Result<Vec<(HostTensor, Option<Packed>)>> {
-    // A FIFO or device would block the open or never end: regular files only.
-    strata_common::files::check_regular(path, u64::MAX)?;
-    let file = std::fs::File::open(path).map_err(|e| Error::model_file(path, format!("cannot open: {e}")))?;
+    // A FIFO or device would block the open or never end: regular files only, opened
+    // without blocking and checked on the open file.
+    let (file, _) = strata_common::files::open_regular(path, u64::MAX)?;
     // SAFETY: the mapping is read-only; a checkpoint modified while being served is
     // outside what any inference server can defend against.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::model_file(path, format!("cannot map: {e}")))?;
